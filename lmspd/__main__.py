@@ -1,0 +1,5 @@
+import sys
+
+from lmspd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""The neutral conversation every dialect decodes into and every engine reads.
+
+Items mirror the Responses item model because it is the richest of the four
+dialects (Chat Completions and Anthropic Messages map onto it losslessly for
+what lmspd supports). Nothing here knows about a wire format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    text: str
+    id: str | None = None
+    # OpenAI's assistant ``phase`` (commentary / final_answer), kept for replay.
+    phase: str | None = None
+    status: str = "completed"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A call the model made (``function_call`` / ``custom_tool_call``)."""
+
+    call_id: str
+    name: str
+    # JSON arguments for functions, raw input for custom tools.
+    payload: str
+    kind: Literal["function", "custom"] = "function"
+    namespace: str | None = None
+    id: str | None = None
+    status: str = "completed"
+
+
+@dataclass(slots=True)
+class ToolOutput:
+    """The client's result for a call (``function_call_output`` / ``custom_tool_call_output``)."""
+
+    call_id: str
+    output: str
+    kind: Literal["function", "custom"] = "function"
+    id: str | None = None
+
+
+@dataclass(slots=True)
+class Reasoning:
+    """A reasoning item: visible summary and/or raw reasoning text, and the
+    opaque blob that carries hidden reasoning across a stateless replay."""
+
+    summary: list[str] = field(default_factory=list)
+    text: str | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str = "completed"
+
+
+Item = Union[Message, ToolCall, ToolOutput, Reasoning]
+
+
+@dataclass(slots=True)
+class FunctionTool:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+    # Set when the function came from a ``namespace`` tool; ``name`` is then
+    # the namespaced name offered to the model.
+    namespace: str | None = None
+
+
+@dataclass(slots=True)
+class CustomTool:
+    name: str
+    description: str | None = None
+    # None = free text; otherwise {"syntax": "lark"|"regex", "definition": str}.
+    grammar: dict[str, str] | None = None
+
+
+Tool = Union[FunctionTool, CustomTool]
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    """Normalized tool_choice: ``mode`` plus the names a call may use."""
+
+    mode: Literal["auto", "none", "required"] = "auto"
+    # None = every declared tool; otherwise the allowed subset.
+    allowed: list[str] | None = None
+
+
+@dataclass(slots=True)
+class OutputFormat:
+    """``text`` or a JSON shape the reply must satisfy."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+
+
+@dataclass(slots=True)
+class Sampling:
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """Everything an engine needs to run one generation."""
+
+    model: str
+    items: list[Item]
+    instructions: str | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    output_format: OutputFormat = field(default_factory=OutputFormat)
+    sampling: Sampling = field(default_factory=Sampling)
+    max_output_tokens: int | None = None
+    # Drop the oldest items to fit the context window instead of failing.
+    truncate: bool = False
+    reasoning_effort: str | None = None
+    include_encrypted_reasoning: bool = False
+    # Routing/caching hints; engines may use them, none may require them.
+    prompt_cache_key: str | None = None
+    previous_response_id: str | None = None

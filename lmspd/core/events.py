@@ -1,0 +1,101 @@
+"""Neutral semantic events: what an engine produces, whatever the dialect.
+
+An engine yields these in order; the stream session (lmspd.streaming) turns
+them into output items, numbers them and serializes them per dialect. Engines
+never build wire events themselves.
+
+Ordering contract an engine keeps:
+- text and reasoning deltas may interleave with tool calls only at item
+  boundaries: a ``ToolCallStarted`` closes any open text/reasoning item;
+- every ``ToolCallStarted`` is followed by zero or more ``ToolCallDelta`` for
+  the same ``index`` and exactly one ``ToolCallDone`` before the next call
+  starts;
+- the stream ends with exactly one ``Finished`` or ``Failed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+ToolKind = Literal["function", "custom"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """Visible assistant text."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Model reasoning (``<think>`` content or a provider's reasoning_content)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStarted:
+    """A tool call whose name is final and on the request's allowlist."""
+
+    index: int
+    call_id: str
+    name: str
+    kind: ToolKind = "function"
+    namespace: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of the call's arguments (function) or raw input (custom)."""
+
+    index: int
+    delta: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDone:
+    """The call is complete; ``payload`` is the whole arguments JSON / raw input."""
+
+    index: int
+    payload: str
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Generation ended normally (``stop``/``tool_calls``), by the token cap
+    (``length``) or because it was cancelled."""
+
+    reason: FinishReason
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Generation failed; ``code`` is machine-readable (e.g. ``upstream_error``,
+    ``upstream_timeout``, ``server_shutting_down``)."""
+
+    code: str
+    message: str
+    usage: Usage = field(default_factory=Usage)
+
+
+EngineEvent = Union[
+    TextDelta, ReasoningDelta, ToolCallStarted, ToolCallDelta, ToolCallDone, Finished, Failed
+]
+TERMINAL_EVENTS = (Finished, Failed)

@@ -1,0 +1,60 @@
+"""Every bound lmspd enforces, in one place.
+
+Each limit has a clear error where it is enforced; the numbers live here so
+that a deployment can see (and a test can shrink) all of them at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 64
+    max_input_items: int = 4096
+    max_content_parts: int = 256
+    max_text_chars: int = 4 * 1024 * 1024
+    max_tools: int = 512
+    max_tool_schema_bytes: int = 256 * 1024
+    max_metadata_pairs: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 512
+    max_stop_sequences: int = 4
+    max_header_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    # Requests waiting for the model beyond the one generating.
+    max_pending: int = 32
+    retry_after_s: int = 2
+
+
+@dataclass(frozen=True)
+class UpstreamStreamLimits:
+    """Bounds on what a Chat Completions provider can make us hold."""
+
+    max_line_bytes: int = 1024 * 1024
+    max_event_bytes: int = 4 * 1024 * 1024
+    max_buffered_bytes: int = 4 * 1024 * 1024
+    max_aggregate_bytes: int = 64 * 1024 * 1024
+    max_choices: int = 1
+    max_tool_calls: int = 128
+    max_tool_name_chars: int = 256
+    max_tool_call_id_chars: int = 256
+    max_tool_argument_bytes: int = 4 * 1024 * 1024
+    idle_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    request: RequestLimits = RequestLimits()
+    queue: QueueLimits = QueueLimits()
+    upstream: UpstreamStreamLimits = UpstreamStreamLimits()
+    # Seconds to let in-flight streams end with a terminal event on shutdown.
+    shutdown_grace_s: float = 10.0
+
+
+DEFAULT_LIMITS = Limits()

@@ -1,0 +1,54 @@
+"""``extensions`` (LMSP §9.1): namespaced keys; unknown namespaces are
+ignored, lmspd's own are validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from lmspd.core.errors import invalid
+
+from .responses_items import Strict, validation_error
+
+
+class SamplingExtension(Strict):
+    seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
+
+
+class CacheExtension(Strict):
+    # Opt out of prefix reuse for this request (e.g. to measure a cold run).
+    reuse: bool = True
+
+
+@dataclass
+class Extensions:
+    seed: int | None = None
+    cache_reuse: bool = True
+
+
+_KNOWN = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}
+
+
+def decode_extensions(raw: dict[str, Any] | None) -> Extensions:
+    out = Extensions()
+    if not raw:
+        return out
+    if not isinstance(raw, dict):
+        raise invalid("'extensions' must be an object.", "extensions")
+    for key, value in raw.items():
+        if key.startswith("lmspd.") and key not in _KNOWN:
+            raise invalid(f"Unknown lmspd extension {key!r}; known: {', '.join(sorted(_KNOWN))}.", f"extensions.{key}")
+        model = _KNOWN.get(key)
+        if model is None:
+            continue  # another vendor's namespace: not ours to judge
+        try:
+            parsed = model.model_validate(value)
+        except ValidationError as exc:
+            raise validation_error(exc, f"extensions.{key}") from None
+        if isinstance(parsed, SamplingExtension):
+            out.seed = parsed.seed
+        elif isinstance(parsed, CacheExtension):
+            out.cache_reuse = parsed.reuse
+    return out

@@ -1,0 +1,173 @@
+"""LMSP 1.0 (``/lmsp/v1/responses``): request decoding and wire encoding.
+
+Shapes are those of the LMSP 1.0 draft §6 (seed 004): events carry integer
+ids from 1, ``event:`` names, and small data objects keyed by
+``response_id``; a function call arrives whole in ``output_item.done``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import Field, ValidationError
+
+from lmspd.core.conversation import Conversation, CustomTool, Message, Reasoning, Sampling, ToolCall
+from lmspd.core.errors import ApiError, invalid
+from lmspd.core.limits import RequestLimits
+from lmspd.streaming.session import ResponseState
+
+from .extensions import Extensions, decode_extensions
+from .responses_items import (
+    Strict,
+    check_tool_outputs,
+    decode_items,
+    decode_json_format,
+    decode_tool_choice,
+    decode_tools,
+    validation_error,
+)
+
+VERSION = "1.0"
+
+
+def check_version(header: str | None) -> None:
+    """A missing header means 1.0; any 1.x is accepted; another major is not."""
+    if header is None or header.strip() == "":
+        return
+    major = header.strip().split(".", 1)[0]
+    if major != "1":
+        raise ApiError(
+            "unsupported_version",
+            f"LMSP-Version {header.strip()!r} is not supported; this server speaks LMSP {VERSION}.",
+            param="LMSP-Version",
+        )
+
+
+class LmspCreateResponse(Strict):
+    model: str = Field(min_length=1, max_length=256)
+    input: Union[str, list[Any]]
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    store: bool = False
+    previous_response_id: str | None = None
+    extensions: dict[str, Any] | None = None
+
+
+class LmspRequest:
+    def __init__(self, body: LmspCreateResponse, conversation: Conversation, extensions: Extensions) -> None:
+        self.body = body
+        self.conversation = conversation
+        self.extensions = extensions
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def store(self) -> bool:
+        return self.body.store
+
+
+def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: Any) -> LmspRequest:
+    try:
+        body = LmspCreateResponse.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    items = decode_items(body.input, limits, **item_options)
+    check_tool_outputs(items)
+    tools = decode_tools(body.tools, limits)
+    for i, tool in enumerate(tools):
+        if isinstance(tool, CustomTool):
+            raise invalid("LMSP 1.0 tools must be of type 'function'.", f"tools[{i}].type")
+    choice = decode_tool_choice(body.tool_choice, tools)
+    extensions = decode_extensions(body.extensions)
+    conversation = Conversation(
+        model=body.model,
+        items=items,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        output_format=decode_json_format(body.response_format, "response_format"),
+        sampling=Sampling(temperature=body.temperature, top_p=body.top_p, seed=extensions.seed),
+        max_output_tokens=body.max_output_tokens,
+        previous_response_id=body.previous_response_id,
+    )
+    return LmspRequest(body, conversation, extensions)
+
+
+# -- encoding --------------------------------------------------------------------
+
+
+def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message):
+        content = [{"type": "output_text", "text": item.text}] if item.text or item.status != "in_progress" else []
+        return {"id": item.id, "type": "message", "role": "assistant", "content": content}
+    if isinstance(item, ToolCall):
+        return {"id": item.id, "type": "function_call", "call_id": item.call_id, "name": item.name,
+                "arguments": item.payload}
+    summary = item.summary or ([item.text] if item.text else [])
+    return {"id": item.id, "type": "reasoning", "summary": [{"type": "summary_text", "text": s} for s in summary]}
+
+
+def usage_json(state: ResponseState) -> dict[str, Any] | None:
+    u = state.usage
+    if u is None:
+        return None
+    return {
+        "input_tokens": u.input_tokens,
+        "output_tokens": u.output_tokens,
+        "total_tokens": u.total_tokens,
+        # Not in the draft; how much of the input came from the KV cache.
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def error_json(state: ResponseState) -> dict[str, Any] | None:
+    if state.error is None:
+        return None
+    return ApiError(state.error["code"], state.error["message"]).problem()
+
+
+def response_json(state: ResponseState) -> dict[str, Any]:
+    return {
+        "id": state.id,
+        "object": "response",
+        "created_at": state.created_at,
+        "status": state.status,
+        "model": state.model,
+        "output": [item_json(i) for i in state.output],
+        "usage": usage_json(state),
+        "error": error_json(state),
+        "incomplete_details": {"reason": state.incomplete_reason} if state.incomplete_reason else None,
+    }
+
+
+class LmspEncoder:
+    first_sequence_number = 1
+
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+        rid = state.id
+        if kind == "response.output_text.delta":
+            return kind, {"response_id": rid, "item_id": ctx["item"].id, "delta": ctx["delta"]}
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            return kind, {"response_id": rid, "output_index": ctx["index"], "item": item_json(ctx["item"])}
+        if kind == "response.created":
+            return kind, {"response_id": rid, "status": state.status}
+        if kind == "response.completed":
+            return kind, {"response_id": rid, "status": state.status, "usage": usage_json(state)}
+        if kind == "response.incomplete":
+            return kind, {"response_id": rid, "status": state.status,
+                          "incomplete_details": {"reason": state.incomplete_reason}, "usage": usage_json(state)}
+        if kind == "response.failed":
+            return kind, {"response_id": rid, "status": state.status, "error": error_json(state)}
+        if kind == "response.cancelled":
+            return kind, {"response_id": rid, "status": state.status}
+        # in_progress, content parts, argument deltas, reasoning text: not in
+        # LMSP 1.0's event set; the items arrive whole in output_item.done.
+        return None

@@ -1,0 +1,331 @@
+"""OpenAI Responses (``/v1/responses``): request decoding and wire encoding.
+
+Shapes follow the ``openai`` SDK's types and the Open Responses
+``ResponseResource`` schema: every required key is present, nullable ones
+as ``null``, so strict clients (the Vercel AI SDK's zod schemas, typed Rust
+clients) accept every object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import Field, ValidationError
+
+from lmspd.core.conversation import Conversation, Message, Reasoning, Sampling, ToolCall
+from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.limits import RequestLimits
+from lmspd.streaming.session import ResponseState
+
+from .extensions import Extensions, decode_extensions
+from .responses_items import (
+    Lenient,
+    Strict,
+    check_tool_outputs,
+    decode_items,
+    decode_json_format,
+    decode_tool_choice,
+    decode_tools,
+    validation_error,
+)
+
+SUPPORTED_INCLUDES = {
+    "reasoning.encrypted_content",
+    # Results of hosted tools lmspd never runs: nothing to include, nothing lost.
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+}
+
+
+class TextConfig(Lenient):
+    format: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(Lenient):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None
+
+
+class CreateResponse(Strict):
+    model: str = Field(min_length=1, max_length=256)
+    input: Union[str, list[Any]] = Field(default_factory=list)
+    instructions: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    background: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Union[str, dict[str, Any], None] = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    text: TextConfig | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    reasoning: ReasoningConfig | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    client_metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(default=None, max_length=512)
+    safety_identifier: str | None = Field(default=None, max_length=512)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    extensions: dict[str, Any] | None = None
+    # Accepted by OpenAI but not something lmspd can honour.
+    prompt: Any = None
+    context_management: Any = None
+
+
+class DecodedRequest:
+    """A decoded /v1/responses request: the neutral conversation plus what
+    the dialect echoes back and how the response is to be delivered."""
+
+    def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions) -> None:
+        self.body = body
+        self.conversation = conversation
+        self.extensions = extensions
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def store(self) -> bool:
+        return self.body.store is not False
+
+
+def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: Any) -> DecodedRequest:
+    try:
+        body = CreateResponse.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    _refuse_unhonourable(body)
+    _check_metadata(body.metadata, limits)
+    items = decode_items(body.input, limits, **item_options)
+    check_tool_outputs(items)
+    tools = decode_tools(body.tools, limits)
+    choice = decode_tool_choice(body.tool_choice, tools)
+    fmt = decode_json_format(body.text.format if body.text else None, "text.format")
+    extensions = decode_extensions(body.extensions)
+    conversation = Conversation(
+        model=body.model,
+        items=items,
+        instructions=body.instructions,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        output_format=fmt,
+        sampling=Sampling(temperature=body.temperature, top_p=body.top_p, seed=extensions.seed),
+        max_output_tokens=body.max_output_tokens,
+        truncate=body.truncation == "auto",
+        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+        include_encrypted_reasoning="reasoning.encrypted_content" in (body.include or []),
+        prompt_cache_key=body.prompt_cache_key,
+        previous_response_id=body.previous_response_id,
+    )
+    return DecodedRequest(body, conversation, extensions)
+
+
+def _refuse_unhonourable(body: CreateResponse) -> None:
+    if body.prompt is not None:
+        raise unsupported("prompt", "Reusable prompts ('prompt') are an OpenAI-hosted feature; send 'input' instead.")
+    if body.context_management is not None:
+        raise unsupported("context_management", "Server-side compaction ('context_management') is not supported.")
+    if body.top_logprobs:
+        raise unsupported("top_logprobs", "Log probabilities are not supported yet; omit 'top_logprobs'.")
+    for i, name in enumerate(body.include or []):
+        if name not in SUPPORTED_INCLUDES:
+            raise unsupported(f"include[{i}]", f"include value {name!r} is not supported.")
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise invalid("'conversation' and 'previous_response_id' cannot be used together.", "previous_response_id")
+
+
+def _check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > limits.max_metadata_pairs:
+        raise invalid(f"'metadata' has {len(metadata)} keys; the limit is {limits.max_metadata_pairs}.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > limits.max_metadata_key_chars or len(value) > limits.max_metadata_value_chars:
+            raise invalid(f"'metadata.{key[:64]}' is too long.", "metadata")
+
+
+def echo_fields(req: DecodedRequest) -> dict[str, Any]:
+    """The request fields a Response object reports back."""
+    b = req.body
+    fmt = (b.text.format if b.text and b.text.format else None) or {"type": "text"}
+    text: dict[str, Any] = {"format": fmt}
+    if b.text and b.text.verbosity:
+        text["verbosity"] = b.text.verbosity
+    reasoning = None
+    if b.reasoning is not None:
+        reasoning = {"effort": b.reasoning.effort, "summary": b.reasoning.summary or b.reasoning.generate_summary}
+    echo = {
+        "instructions": b.instructions,
+        "max_output_tokens": b.max_output_tokens,
+        "max_tool_calls": b.max_tool_calls,
+        "metadata": b.metadata or {},
+        "parallel_tool_calls": b.parallel_tool_calls is not False,
+        "previous_response_id": b.previous_response_id,
+        "prompt_cache_key": b.prompt_cache_key,
+        "reasoning": reasoning,
+        "safety_identifier": b.safety_identifier,
+        "service_tier": "default",
+        "store": req.store,
+        "background": bool(b.background),
+        "temperature": 1.0 if b.temperature is None else b.temperature,
+        "text": text,
+        "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+        "tools": [t for t in (b.tools or [])],
+        "top_logprobs": b.top_logprobs or 0,
+        "top_p": 1.0 if b.top_p is None else b.top_p,
+        "truncation": b.truncation or "disabled",
+        "user": b.user,
+    }
+    if b.prompt_cache_retention is not None:
+        echo["prompt_cache_retention"] = b.prompt_cache_retention
+    if b.conversation is not None:
+        conv_id = b.conversation if isinstance(b.conversation, str) else b.conversation.get("id")
+        echo["conversation"] = {"id": conv_id}
+    return echo
+
+
+# -- encoding --------------------------------------------------------------------
+
+
+def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message):
+        content = [] if item.status == "in_progress" and not item.text else [_text_part(item.text)]
+        out = {"id": item.id, "type": "message", "status": item.status, "role": "assistant", "content": content}
+        if item.phase:
+            out["phase"] = item.phase
+        return out
+    if isinstance(item, ToolCall):
+        if item.kind == "custom":
+            out = {"id": item.id, "type": "custom_tool_call", "status": item.status, "call_id": item.call_id,
+                   "name": item.name, "input": item.payload}
+        else:
+            out = {"id": item.id, "type": "function_call", "status": item.status, "call_id": item.call_id,
+                   "name": item.name, "arguments": item.payload}
+        if item.namespace:
+            out["namespace"] = item.namespace
+        return out
+    out = {
+        "id": item.id,
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": s} for s in item.summary],
+        "status": item.status,
+    }
+    if item.text is not None:
+        out["content"] = [{"type": "reasoning_text", "text": item.text}]
+    if item.encrypted_content is not None:
+        out["encrypted_content"] = item.encrypted_content
+    return out
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def usage_json(state: ResponseState) -> dict[str, Any] | None:
+    u = state.usage
+    if u is None:
+        return None
+    return {
+        "input_tokens": u.input_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
+        "output_tokens": u.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def response_json(state: ResponseState) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": state.id,
+        "object": "response",
+        "created_at": state.created_at,
+        "status": state.status,
+        "completed_at": state.completed_at,
+        "error": state.error,
+        "incomplete_details": {"reason": state.incomplete_reason} if state.incomplete_reason else None,
+        "model": state.model,
+        "output": [item_json(i) for i in state.output],
+        "usage": usage_json(state),
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+    }
+    body.update(state.echo)
+    return body
+
+
+class OpenAIEncoder:
+    """Writes each lifecycle step as the OpenAI stream event of that name."""
+
+    first_sequence_number = 0
+
+    def __init__(self, *, summaries: bool = False) -> None:
+        # Reasoning text goes out as reasoning_text events; summary events only
+        # when the client asked for summaries.
+        self._summaries = summaries
+
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+        if kind == "response.output_text.delta":
+            item = ctx["item"]
+            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": ctx["index"],
+                          "content_index": 0, "delta": ctx["delta"], "logprobs": []}
+        if kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
+                    "response.failed", "response.cancelled", "response.queued"):
+            name = "response.failed" if kind == "response.cancelled" else kind
+            return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
+        index = ctx.get("index")
+        item = ctx.get("item")
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            return kind, {"type": kind, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+        if kind == "response.content_part.added":
+            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                          "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}
+        if kind == "response.content_part.done":
+            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                          "content_index": 0, "part": _text_part(item.text)}
+        if kind == "response.output_text.done":
+            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                          "content_index": 0, "text": item.text, "logprobs": []}
+        if kind == "tool_call.delta":
+            name = ("response.custom_tool_call_input.delta" if item.kind == "custom"
+                    else "response.function_call_arguments.delta")
+            return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                          "delta": ctx["delta"]}
+        if kind == "tool_call.done":
+            if item.kind == "custom":
+                name = "response.custom_tool_call_input.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "input": item.payload}
+            name = "response.function_call_arguments.done"
+            return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                          "name": item.name, "arguments": item.payload}
+        if kind == "reasoning.part_added":
+            return "response.content_part.added", {
+                "type": "response.content_part.added", "sequence_number": seq, "item_id": item.id,
+                "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}
+        if kind == "reasoning.delta":
+            return "response.reasoning_text.delta", {
+                "type": "response.reasoning_text.delta", "sequence_number": seq, "item_id": item.id,
+                "output_index": index, "content_index": 0, "delta": ctx["delta"]}
+        if kind == "reasoning.done":
+            return "response.reasoning_text.done", {
+                "type": "response.reasoning_text.done", "sequence_number": seq, "item_id": item.id,
+                "output_index": index, "content_index": 0, "text": item.text or ""}
+        return None

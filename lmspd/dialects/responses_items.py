@@ -1,0 +1,424 @@
+"""Responses-style input items, tools and formats, as both Responses dialects
+(LMSP 1.0 and OpenAI) send them, decoded into the neutral conversation.
+
+Request bodies are strict at the top level (an unknown parameter is a 400
+naming it), but replayed items are read leniently: clients send back output
+items verbatim, with whatever fields a newer API version put on them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmspd.core.conversation import (
+    CustomTool,
+    FunctionTool,
+    Item,
+    Message,
+    OutputFormat,
+    Reasoning,
+    ToolCall,
+    ToolChoice,
+    ToolOutput,
+)
+from lmspd.core.errors import ApiError, invalid
+from lmspd.core.limits import RequestLimits
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- content parts -------------------------------------------------------------
+
+TEXT_PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
+                   "summary_text": "text", "reasoning_text": "text"}
+MEDIA_PART_TYPES = {"input_image", "input_file", "input_audio", "image_url", "file"}
+
+
+def content_text(content: Any, path: str, limits: RequestLimits) -> str:
+    """A message's content (a string or a list of parts) as plain text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"Invalid type for '{path}': expected a string or an array of content parts.", path)
+    if len(content) > limits.max_content_parts:
+        raise invalid(f"'{path}' has {len(content)} parts; the limit is {limits.max_content_parts}.", path)
+    texts: list[str] = []
+    for i, part in enumerate(content):
+        where = f"{path}[{i}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise invalid(f"Invalid content part at '{where}': expected an object.", where)
+        kind = part.get("type")
+        if kind in MEDIA_PART_TYPES:
+            raise ApiError(
+                "unsupported_capability",
+                f"Content part type {kind!r} at '{where}' is not supported: lmspd serves text-only models.",
+                param=f"{where}.type",
+            )
+        field = TEXT_PART_TYPES.get(kind)
+        if field is None:
+            raise invalid(f"Unknown content part type {kind!r} at '{where}'.", f"{where}.type")
+        value = part.get(field)
+        if not isinstance(value, str):
+            raise invalid(f"Missing or invalid '{where}.{field}': expected a string.", f"{where}.{field}")
+        texts.append(value)
+    return "".join(texts)
+
+
+# -- items ---------------------------------------------------------------------
+
+
+class MessageIn(Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[Any], None] = None
+    id: str | None = None
+    phase: str | None = None
+
+
+class FunctionCallIn(Lenient):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=512)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str
+    id: str | None = None
+    namespace: str | None = None
+
+
+class CustomToolCallIn(Lenient):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1, max_length=512)
+    name: str = Field(min_length=1, max_length=256)
+    input: str
+    id: str | None = None
+    namespace: str | None = None
+
+
+class ToolOutputIn(Lenient):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str = Field(min_length=1, max_length=512)
+    output: Union[str, list[Any]]
+    id: str | None = None
+
+
+class SummaryPart(Lenient):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
+class ReasoningPart(Lenient):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningIn(Lenient):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[SummaryPart] | None = None
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+
+
+class ItemReferenceIn(Lenient):
+    type: Literal["item_reference"]
+    id: str = Field(min_length=1, max_length=512)
+
+
+_ITEM_MODELS: dict[str, type[Lenient]] = {
+    "message": MessageIn,
+    "function_call": FunctionCallIn,
+    "custom_tool_call": CustomToolCallIn,
+    "function_call_output": ToolOutputIn,
+    "custom_tool_call_output": ToolOutputIn,
+    "reasoning": ReasoningIn,
+    "item_reference": ItemReferenceIn,
+}
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
+    """The first pydantic error as an ApiError naming the parameter."""
+    err = exc.errors()[0]
+    loc = prefix
+    for part in err["loc"]:
+        if isinstance(part, int):
+            loc += f"[{part}]"
+        else:
+            loc += f".{part}" if loc else str(part)
+    if err["type"] == "extra_forbidden":
+        return ApiError("unsupported_parameter", f"Unknown parameter: '{loc}'.", param=loc)
+    if err["type"] == "missing":
+        return invalid(f"Missing required parameter: '{loc}'.", loc)
+    return invalid(f"Invalid value for '{loc}': {err['msg']}.", loc)
+
+
+def decode_items(
+    raw: str | list[Any],
+    limits: RequestLimits,
+    *,
+    path: str = "input",
+    resolve_reference: Any = None,
+) -> list[Item]:
+    """Input items -> neutral items. ``resolve_reference(id)`` turns an
+    ``item_reference`` into an item (stored items); without one it is a 400."""
+    if isinstance(raw, str):
+        _check_text(raw, path, limits)
+        return [Message(role="user", text=raw)]
+    if len(raw) > limits.max_input_items:
+        raise invalid(f"'{path}' has {len(raw)} items; the limit is {limits.max_input_items}.", path)
+    items: list[Item] = []
+    for i, entry in enumerate(raw):
+        where = f"{path}[{i}]"
+        if not isinstance(entry, dict):
+            raise invalid(f"Invalid item at '{where}': expected an object.", where)
+        kind = entry.get("type", "message")
+        model = _ITEM_MODELS.get(kind)
+        if model is None:
+            raise invalid(f"Unsupported input item type {kind!r} at '{where}'.", f"{where}.type")
+        try:
+            parsed = model.model_validate(entry)
+        except ValidationError as exc:
+            raise validation_error(exc, where) from None
+        if isinstance(parsed, ItemReferenceIn):
+            if resolve_reference is None:
+                raise invalid(
+                    f"'{where}' references item {parsed.id!r}, which this server has not stored; "
+                    "send the item itself.",
+                    where,
+                )
+            items.append(resolve_reference(parsed.id, where))
+            continue
+        items.append(_to_item(parsed, where, limits))
+    return items
+
+
+def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
+    if isinstance(parsed, MessageIn):
+        text = content_text(parsed.content, f"{where}.content", limits)
+        _check_text(text, f"{where}.content", limits)
+        return Message(role=parsed.role, text=text, id=parsed.id, phase=parsed.phase)
+    if isinstance(parsed, FunctionCallIn):
+        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.arguments,
+                        kind="function", namespace=parsed.namespace, id=parsed.id)
+    if isinstance(parsed, CustomToolCallIn):
+        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.input,
+                        kind="custom", namespace=parsed.namespace, id=parsed.id)
+    if isinstance(parsed, ToolOutputIn):
+        output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits)
+        _check_text(output, f"{where}.output", limits)
+        kind = "custom" if parsed.type == "custom_tool_call_output" else "function"
+        return ToolOutput(call_id=parsed.call_id, output=output, kind=kind, id=parsed.id)
+    assert isinstance(parsed, ReasoningIn)
+    return Reasoning(
+        summary=[p.text for p in parsed.summary or []],
+        text="".join(p.text for p in parsed.content) if parsed.content else None,
+        encrypted_content=parsed.encrypted_content,
+        id=parsed.id,
+    )
+
+
+def _check_text(text: str, path: str, limits: RequestLimits) -> None:
+    if len(text) > limits.max_text_chars:
+        raise invalid(f"'{path}' is {len(text)} characters; the limit is {limits.max_text_chars}.", path)
+
+
+def check_tool_outputs(items: list[Item]) -> None:
+    """A tool output must answer a call present earlier in the replayed history."""
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, ToolCall):
+            seen.add(item.call_id)
+        elif isinstance(item, ToolOutput) and item.call_id not in seen:
+            raise invalid(
+                f"No tool call found for the tool output with call_id {item.call_id!r} (input[{i}]). "
+                "Replay the full history: include the function_call item that produced this call_id "
+                "before its output.",
+                f"input[{i}].call_id",
+            )
+
+
+# -- tools -----------------------------------------------------------------------
+
+# Tool types that run on OpenAI's side; lmspd accepts and ignores them
+# (Codex sends web_search on every request) but cannot be forced to call them.
+HOSTED_TOOL_TYPES = {
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
+    "file_search", "tool_search", "mcp", "code_interpreter", "image_generation", "local_shell",
+    "shell", "apply_patch", "computer_use_preview", "computer", "programmatic_tool_calling",
+}
+
+
+class FunctionToolIn(Lenient):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class CustomFormatIn(Lenient):
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomToolIn(Lenient):
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    format: CustomFormatIn | None = None
+
+
+class NamespaceToolIn(Lenient):
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+
+
+NAMESPACE_SEPARATOR = "__"
+
+
+def decode_tools(raw: list[Any] | None, limits: RequestLimits) -> list[FunctionTool | CustomTool]:
+    if not raw:
+        return []
+    if len(raw) > limits.max_tools:
+        raise invalid(f"'tools' has {len(raw)} entries; the limit is {limits.max_tools}.", "tools")
+    tools: list[FunctionTool | CustomTool] = []
+    for i, entry in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(entry, dict):
+            raise invalid(f"Invalid tool at '{where}': expected an object.", where)
+        kind = entry.get("type")
+        try:
+            if kind == "function":
+                tools.append(_function_tool(FunctionToolIn.model_validate(entry), where, limits))
+            elif kind == "custom":
+                tools.append(_custom_tool(CustomToolIn.model_validate(entry)))
+            elif kind == "namespace":
+                ns = NamespaceToolIn.model_validate(entry)
+                for j, sub in enumerate(ns.tools):
+                    sub_where = f"{where}.tools[{j}]"
+                    if not isinstance(sub, dict) or sub.get("type") not in ("function", "custom"):
+                        raise invalid(f"'{sub_where}' must be a function or custom tool.", sub_where)
+                    inner = (
+                        _function_tool(FunctionToolIn.model_validate(sub), sub_where, limits)
+                        if sub["type"] == "function"
+                        else _custom_tool(CustomToolIn.model_validate(sub))
+                    )
+                    if isinstance(inner, FunctionTool):
+                        inner.namespace = ns.name
+                    inner.name = f"{ns.name}{NAMESPACE_SEPARATOR}{inner.name}"
+                    tools.append(inner)
+            elif kind in HOSTED_TOOL_TYPES:
+                continue
+            else:
+                raise invalid(f"Unsupported tool type {kind!r} at '{where}'.", f"{where}.type")
+        except ValidationError as exc:
+            raise validation_error(exc, where) from None
+    names = [t.name for t in tools]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise invalid(f"Tool names must be unique; repeated: {', '.join(sorted(dupes))}.", "tools")
+    return tools
+
+
+def _function_tool(parsed: FunctionToolIn, where: str, limits: RequestLimits) -> FunctionTool:
+    if parsed.parameters is not None:
+        size = len(json.dumps(parsed.parameters))
+        if size > limits.max_tool_schema_bytes:
+            raise invalid(
+                f"'{where}.parameters' is {size} bytes; the limit is {limits.max_tool_schema_bytes}.",
+                f"{where}.parameters",
+            )
+    return FunctionTool(
+        name=parsed.name,
+        description=parsed.description,
+        parameters=parsed.parameters,
+        strict=bool(parsed.strict),
+    )
+
+
+def _custom_tool(parsed: CustomToolIn) -> CustomTool:
+    grammar = None
+    if parsed.format is not None and parsed.format.type == "grammar":
+        grammar = {"syntax": parsed.format.syntax or "lark", "definition": parsed.format.definition or ""}
+    return CustomTool(name=parsed.name, description=parsed.description, grammar=grammar)
+
+
+def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> ToolChoice:
+    names = {t.name for t in tools}
+    if raw is None:
+        return ToolChoice()
+    if isinstance(raw, str):
+        if raw not in ("auto", "none", "required"):
+            raise invalid(f"Invalid value for 'tool_choice': {raw!r}.", "tool_choice")
+        if raw == "required" and not tools:
+            raise invalid("'tool_choice' is 'required' but no callable tools were given.", "tool_choice")
+        return ToolChoice(mode=raw)  # type: ignore[arg-type]
+    if not isinstance(raw, dict):
+        raise invalid("Invalid type for 'tool_choice'.", "tool_choice")
+    kind = raw.get("type")
+    if kind in ("function", "custom"):
+        name = raw.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise invalid(f"'tool_choice' names tool {name!r}, which is not in 'tools'.", "tool_choice.name")
+        return ToolChoice(mode="required", allowed=[name])
+    if kind == "allowed_tools":
+        mode = raw.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise invalid(f"Invalid 'tool_choice.mode': {mode!r}.", "tool_choice.mode")
+        allowed: list[str] = []
+        for j, t in enumerate(raw.get("tools") or []):
+            name = t.get("name") if isinstance(t, dict) else None
+            if t.get("type") in HOSTED_TOOL_TYPES if isinstance(t, dict) else False:
+                continue
+            if name not in names:
+                raise invalid(f"'tool_choice.tools[{j}]' names {name!r}, which is not in 'tools'.",
+                              f"tool_choice.tools[{j}]")
+            allowed.append(name)
+        if mode == "required" and not allowed:
+            raise invalid("'tool_choice' requires a call but allows no callable tool.", "tool_choice.tools")
+        return ToolChoice(mode=mode, allowed=allowed)
+    if kind in HOSTED_TOOL_TYPES or kind in ("web_search_preview", "mcp", "file_search"):
+        raise ApiError(
+            "unsupported_capability",
+            f"'tool_choice' forces the hosted tool {kind!r}, which lmspd does not run.",
+            param="tool_choice",
+        )
+    raise invalid(f"Invalid 'tool_choice.type': {kind!r}.", "tool_choice.type")
+
+
+def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
+    """OpenAI ``text.format`` (flat) or LMSP ``response_format`` (nested)."""
+    if raw is None:
+        return OutputFormat()
+    kind = raw.get("type", "text")
+    if kind == "text":
+        return OutputFormat()
+    if kind == "json_object":
+        return OutputFormat(type="json_object")
+    if kind != "json_schema":
+        raise invalid(f"Invalid '{path}.type': {kind!r}.", f"{path}.type")
+    spec = raw.get("json_schema", raw)
+    if not isinstance(spec, dict):
+        raise invalid(f"'{path}.json_schema' must be an object.", f"{path}.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise invalid(f"Missing required parameter: '{path}.schema'.", f"{path}.schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid(f"Missing required parameter: '{path}.name'.", f"{path}.name")
+    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")))

@@ -1,0 +1,171 @@
+"""What every engine offers the core, and the one-at-a-time model queue.
+
+An engine turns a neutral ``Conversation`` into neutral events. It never
+knows which dialect asked, and the dialects never see an engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from lmspd.core.conversation import Conversation
+from lmspd.core.errors import ApiError
+from lmspd.core.events import EngineEvent
+from lmspd.core.limits import QueueLimits
+
+CAPABILITIES = ("streaming", "tools", "structured_output", "conversations", "reasoning", "tasks")
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    context_window: int
+    capabilities: dict[str, bool]
+    created: int = field(default_factory=lambda: int(time.time()))
+    owned_by: str = "lmspd"
+    # Where the weights live or which provider serves them (never a secret).
+    source: str = ""
+
+
+class CancelToken:
+    """Set by the request side; polled by the engine between tokens."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str = "cancelled"
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+class Prepared(Protocol):
+    """An engine's ready-to-run form of a conversation (prompt rendered,
+    tokens counted, limits checked) — made before any byte is sent."""
+
+    input_tokens: int
+
+
+class Engine(Protocol):
+    info: ModelInfo
+
+    def prepare(self, conversation: Conversation) -> Prepared:
+        """Validate and render; raise ``ApiError`` for anything the client got wrong."""
+
+    def generate(self, prepared: Prepared, cancel: CancelToken) -> AsyncIterator[EngineEvent]:
+        """Run one generation; ends with exactly one ``Finished`` or ``Failed``."""
+
+    def count_tokens(self, conversation: Conversation) -> int:
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        ...
+
+    async def aclose(self) -> None:
+        ...
+
+
+class ModelQueue:
+    """FIFO admission to a model that runs one generation at a time.
+
+    ``admit()`` is synchronous so that an overloaded server answers 503
+    before any response header is sent; the returned ticket then waits for
+    its turn. A waiter whose task is cancelled (its client went away) leaves
+    the queue without ever running.
+    """
+
+    def __init__(self, limits: QueueLimits) -> None:
+        self._limits = limits
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._busy = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def admit(self) -> "QueueTicket":
+        if self._busy and len(self._waiters) >= self._limits.max_pending:
+            raise ApiError(
+                "server_overloaded",
+                f"The model is busy and {self.pending} requests are already waiting; retry later.",
+                headers={"Retry-After": str(self._limits.retry_after_s)},
+            )
+        ticket = QueueTicket(self)
+        if self._busy:
+            ticket._future = asyncio.get_running_loop().create_future()
+            self._waiters.append(ticket._future)
+        else:
+            self._busy = True
+            ticket._holding = True
+        return ticket
+
+    def _release(self) -> None:
+        while self._waiters:
+            nxt = self._waiters.popleft()
+            if not nxt.done():
+                nxt.set_result(None)
+                return
+        self._busy = False
+
+
+class QueueTicket:
+    def __init__(self, queue: ModelQueue) -> None:
+        self._queue = queue
+        self._future: asyncio.Future[None] | None = None
+        self._holding = False
+        self._released = False
+
+    async def wait(self) -> None:
+        if self._holding:
+            return
+        assert self._future is not None
+        try:
+            await self._future
+        except asyncio.CancelledError:
+            if self._future.done() and not self._future.cancelled():
+                # Our turn came just as we were cancelled: pass it on.
+                self._holding = True
+                self.release()
+            else:
+                self._future.cancel()
+                try:
+                    self._queue._waiters.remove(self._future)
+                except ValueError:
+                    pass
+                self._released = True
+            raise
+        self._holding = True
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._holding:
+            self._queue._release()
+        elif self._future is not None:
+            self._future.cancel()
+            try:
+                self._queue._waiters.remove(self._future)
+            except ValueError:
+                pass
+
+    async def __aenter__(self) -> "QueueTicket":
+        await self.wait()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,152 @@
+"""Neutral conversation -> the chat-template messages of one model.
+
+The same conversation always renders to the same text, which is what lets the
+continuation cache compare a request with what the model already saw.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lmspd.core.conversation import (
+    Conversation,
+    CustomTool,
+    FunctionTool,
+    Item,
+    Message,
+    Reasoning,
+    ToolCall,
+    ToolOutput,
+)
+from lmspd.core.errors import ApiError
+
+from .template import ChatTemplate
+
+
+def template_messages(
+    conversation: Conversation, template: ChatTemplate, tool_format: Any | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Return ``(messages, tools)`` as a Hugging Face chat template expects them."""
+    native_tools = bool(tool_format is not None and tool_format.native)
+    offered = offered_tools(conversation)
+    messages: list[dict[str, Any]] = []
+    system_parts: list[str] = []
+    if conversation.instructions:
+        system_parts.append(conversation.instructions)
+
+    items = list(conversation.items)
+    # Leading system/developer messages become the one system message most
+    # templates require at the start.
+    while items and isinstance(items[0], Message) and items[0].role in ("system", "developer"):
+        system_parts.append(items.pop(0).text)
+
+    if offered and tool_format is not None and not native_tools:
+        system_parts.append(tool_format.system_block(offered))
+    if system_parts:
+        messages.append({"role": "system", "content": "\n\n".join(system_parts)})
+
+    names = {i.call_id: i.name for i in conversation.items if isinstance(i, ToolCall)}
+    pending_calls: list[ToolCall] = []
+    pending_outputs: list[ToolOutput] = []
+
+    def flush_calls() -> None:
+        if not pending_calls:
+            return
+        calls = list(pending_calls)
+        pending_calls.clear()
+        if native_tools:
+            entry = {"role": "assistant", "content": "", "tool_calls": [_hf_call(c) for c in calls]}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+                messages[-1]["tool_calls"] = entry["tool_calls"]
+            else:
+                messages.append(entry)
+            return
+        text = _require_format(tool_format).render_calls(calls)
+        if messages and messages[-1]["role"] == "assistant":
+            messages[-1]["content"] += text
+        else:
+            messages.append({"role": "assistant", "content": text})
+
+    def flush_outputs() -> None:
+        if not pending_outputs:
+            return
+        outputs = list(pending_outputs)
+        pending_outputs.clear()
+        if native_tools:
+            for out in outputs:
+                messages.append(
+                    {"role": "tool", "tool_call_id": out.call_id, "name": names.get(out.call_id, ""),
+                     "content": out.output}
+                )
+            return
+        messages.append(
+            {"role": "user", "content": _require_format(tool_format).render_outputs(outputs, names)}
+        )
+
+    for item in items:
+        if isinstance(item, ToolCall):
+            flush_outputs()
+            pending_calls.append(item)
+            continue
+        flush_calls()
+        if isinstance(item, ToolOutput):
+            pending_outputs.append(item)
+            continue
+        flush_outputs()
+        if isinstance(item, Message):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text})
+        elif isinstance(item, Reasoning):
+            # Visible reasoning is not part of the prompt for templates without
+            # a reasoning channel; hidden reasoning is the continuation cache's job.
+            continue
+    flush_calls()
+    flush_outputs()
+    tools = [_hf_tool(t) for t in offered] if native_tools and offered else None
+    return messages, tools
+
+
+def offered_tools(conversation: Conversation) -> list[FunctionTool | CustomTool]:
+    """The tools the model is told about (``tool_choice: none`` still lists
+    them, so that the prompt — and the cache — stay the same across turns)."""
+    return list(conversation.tools)
+
+
+def _require_format(tool_format: Any | None) -> Any:
+    if tool_format is None:
+        raise ApiError("unsupported_capability", "This model cannot render tool calls.")
+    return tool_format
+
+
+def _hf_call(call: ToolCall) -> dict[str, Any]:
+    if call.kind == "custom":
+        arguments: Any = {"input": call.payload}
+    else:
+        try:
+            arguments = json.loads(call.payload) if call.payload else {}
+        except json.JSONDecodeError:
+            arguments = call.payload
+    return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _hf_tool(tool: FunctionTool | CustomTool) -> dict[str, Any]:
+    if isinstance(tool, CustomTool):
+        params: dict[str, Any] = {
+            "type": "object",
+            "properties": {"input": {"type": "string", "description": "The raw tool input."}},
+            "required": ["input"],
+        }
+        return {"type": "function", "function": {"name": tool.name, "description": tool.description or "", "parameters": params}}
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description or "",
+            "parameters": tool.parameters or {"type": "object", "properties": {}},
+        },
+    }
+
+
+def visible_items(items: list[Item]) -> list[Item]:
+    return [i for i in items if not isinstance(i, Reasoning)]

@@ -1,0 +1,82 @@
+"""Process lifecycle: load the model, bind, announce the URL, shut down cleanly."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from lmspd.app import build_app
+from lmspd.config import Settings
+from lmspd.service import Service
+
+log = logging.getLogger("lmspd")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: print the URL once bound, and on SIGINT/SIGTERM end
+    in-flight generations with a terminal event before connections drain."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, settings: Settings) -> None:
+        super().__init__(config)
+        self._service = service
+        self._settings = settings
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit:
+            return
+        port = self._settings.port
+        for server in self.servers:
+            for sock in server.sockets:
+                port = sock.getsockname()[1]
+                break
+        self._settings.port = port
+        print(f"lmspd serving {', '.join(self._service.models)} at {self._settings.url}", flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._service.shutdown()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if not settings.loopback and not settings.api_keys:
+        print(
+            f"lmspd: refusing to listen on {settings.host} without an API key; "
+            "pass --api-key (or bind to 127.0.0.1)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        service = build_service(settings)
+    except Exception as exc:  # a bad --model is the user's to fix: say so plainly
+        print(f"lmspd: {exc}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(
+        build_app(settings, service),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.limits.shutdown_grace_s),
+        lifespan="on",
+    )
+    server = _Server(config, service, settings)
+    server.run()
+    return 0
+
+
+def build_service(settings: Settings) -> Service:
+    from lmspd.engines.llama.engine import LlamaEngine
+    from lmspd.engines.llama.models import resolve_model
+
+    model_id, path = resolve_model(settings.model)
+    log.info("loading %s from %s", model_id, path)
+    service = Service(settings.limits)
+    service.add_engine(LlamaEngine(model_id, path, n_ctx=settings.ctx, n_threads=settings.threads))
+    return service

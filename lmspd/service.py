@@ -1,0 +1,116 @@
+"""From a decoded conversation to wire events: model lookup, validation,
+queueing, generation and the one terminal event — shared by every dialect
+(and by background tasks), so that none of them repeats it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from lmspd.core.conversation import Conversation
+from lmspd.core.errors import ApiError
+from lmspd.core.limits import Limits
+from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
+from lmspd.streaming.session import StreamSession, WireEvent
+
+log = logging.getLogger("lmspd.service")
+
+
+@dataclass
+class ServedModel:
+    engine: Engine
+    queue: ModelQueue
+
+
+class Service:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.models: dict[str, ServedModel] = {}
+        self.shutting_down = False
+        self._active: set[CancelToken] = set()
+
+    def add_engine(self, engine: Engine) -> None:
+        self.models[engine.info.id] = ServedModel(engine, ModelQueue(self.limits.queue))
+
+    def model(self, model_id: str) -> ServedModel:
+        served = self.models.get(model_id)
+        if served is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise ApiError("model_not_found", f"The model {model_id!r} does not exist. Served models: {known}.",
+                           param="model")
+        return served
+
+    def begin(self, conversation: Conversation) -> "Run":
+        """Everything that can refuse a request, done before any byte is sent."""
+        if self.shutting_down:
+            raise ApiError("server_shutting_down", "The server is shutting down.", headers={"Retry-After": "5"})
+        served = self.model(conversation.model)
+        caps = served.engine.info.capabilities
+        if conversation.tools and conversation.tool_choice.mode != "none" and not caps.get("tools"):
+            raise ApiError("unsupported_capability", f"Model {conversation.model!r} does not support tools.",
+                           param="tools")
+        if conversation.output_format.type != "text" and not caps.get("structured_output"):
+            raise ApiError("unsupported_capability",
+                           f"Model {conversation.model!r} does not support structured output.", param="text.format")
+        prepared = served.engine.prepare(conversation)
+        ticket = served.queue.admit()
+        return Run(self, served.engine, prepared, ticket)
+
+    def shutdown(self) -> None:
+        """Stop taking work and end every running generation with a terminal event."""
+        self.shutting_down = True
+        for token in list(self._active):
+            token.cancel("shutdown")
+
+    async def aclose(self) -> None:
+        for served in self.models.values():
+            await served.engine.aclose()
+
+
+class Run:
+    """One admitted generation: waits its turn, then streams."""
+
+    def __init__(self, service: Service, engine: Engine, prepared: Prepared, ticket: QueueTicket) -> None:
+        self._service = service
+        self.engine = engine
+        self.prepared = prepared
+        self.ticket = ticket
+        self.cancel = CancelToken()
+
+    async def events(self, session: StreamSession) -> AsyncIterator[WireEvent]:
+        """The whole lifecycle; always ends with the session's terminal event
+        unless the consumer itself goes away (then generation stops)."""
+        service = self._service
+        service._active.add(self.cancel)
+        try:
+            for wire in session.start():
+                yield wire
+            async with self.ticket:
+                if service.shutting_down:
+                    self.cancel.cancel("shutdown")
+                if self.cancel.cancelled and self.cancel.reason == "shutdown":
+                    for wire in session.fail("server_shutting_down", "The server is shutting down."):
+                        yield wire
+                    return
+                async for event in self.engine.generate(self.prepared, self.cancel):
+                    for wire in session.handle(event):
+                        yield wire
+        except asyncio.CancelledError:
+            self.cancel.cancel()
+            raise
+        except ApiError as exc:
+            for wire in session.fail(exc.code, exc.message):
+                yield wire
+        except Exception as exc:  # a bug must still end the stream properly
+            log.exception("response %s failed", session.state.id)
+            for wire in session.fail("server_error", f"Internal error: {type(exc).__name__}"):
+                yield wire
+        finally:
+            service._active.discard(self.cancel)
+            self.ticket.release()
+        if not session.terminated:
+            for wire in session.fail("server_error", "The generation ended without a result."):
+                yield wire

@@ -1,0 +1,425 @@
+"""The one store interface every handler uses, and the types it speaks.
+
+Handlers depend on ``Store`` only, so a PostgreSQL implementation can follow
+the SQLite one without touching them. The store is a pure data layer: it
+knows nothing of HTTP or dialects. Payloads (responses, items, requests,
+events) are the dicts the dialect layer builds; the store keeps them as JSON
+and gives back equal dicts.
+
+Ownership: every row belongs to an ``owner`` (an opaque credential id). A
+read, update or delete under another owner behaves exactly like "not found"
+(``None`` / ``False``), so a handler maps both to the same 404 and never
+reveals that the id exists.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+JSON = dict[str, Any]
+Order = Literal["asc", "desc"]
+
+TASK_STATUSES = frozenset({"queued", "in_progress", "completed", "failed", "cancelled", "incomplete"})
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "incomplete"})
+# Responses and tasks in these states are pinned: no pruning, ever.
+ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
+
+
+def is_terminal(status: str | None) -> bool:
+    return status in TERMINAL_STATUSES
+
+
+# --- errors ---------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """Base class; a handler that sees a bare ``StoreError`` has a bug or a broken disk."""
+
+
+class NotFound(StoreError):
+    """Raised only by owner-less internal calls (``append_event``); owner-scoped
+    calls return ``None``/``False`` instead."""
+
+
+class Duplicate(StoreError):
+    """An id that must be new already exists (ids are server-generated, so: a bug)."""
+
+
+class InvalidCursor(StoreError, ValueError):
+    """A pagination ``after`` id that is not in the list (maps to 400)."""
+
+    def __init__(self, after: str) -> None:
+        super().__init__(f"no item with id {after!r} in this list")
+        self.after = after
+
+
+class SequenceError(StoreError, ValueError):
+    """An event whose ``seq`` does not strictly increase the task's log."""
+
+
+class TaskFinished(StoreError):
+    """An event appended to a task that already reached a terminal status.
+
+    A runner that sees this should stop: someone (cancel, recovery) has
+    already closed the log with a terminal event.
+    """
+
+
+class EventsExpired(StoreError):
+    """Events the client asked for were pruned (maps to 410 ``event_history_expired``)."""
+
+    def __init__(self, task_id: str, after_seq: int, first_retained_seq: int) -> None:
+        super().__init__(
+            f"events of task {task_id!r} after {after_seq} are no longer retained; "
+            f"the earliest retained event is {first_retained_seq}"
+        )
+        self.task_id = task_id
+        self.after_seq = after_seq
+        self.first_retained_seq = first_retained_seq
+
+
+ChainProblem = Literal["missing", "cycle", "too_deep"]
+
+
+class ChainError(StoreError):
+    """The ``previous_response_id`` chain cannot be rebuilt.
+
+    ``problem``: ``missing`` (``response_id`` was deleted, expired or belongs to
+    another owner), ``cycle`` or ``too_deep`` (longer than the store's bound).
+    A handler maps all three to a 400 naming ``response_id``.
+    """
+
+    def __init__(self, response_id: str, problem: ChainProblem, message: str) -> None:
+        super().__init__(message)
+        self.response_id = response_id
+        self.problem = problem
+
+
+class SchemaTooNew(StoreError):
+    """The database was written by a newer lmspd; refusing beats corrupting it."""
+
+
+# --- configuration --------------------------------------------------------
+
+_DAY = 24 * 3600.0
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long, and how much, the store keeps. Ages are seconds.
+
+    Events of a finished task expire before the task itself, so a client that
+    resumes too late gets 410 ``event_history_expired`` and can still read the
+    final result with ``GET /tasks/{id}``.
+    """
+
+    response_ttl_s: float = 30 * _DAY  # from created_at
+    conversation_ttl_s: float = 30 * _DAY  # from the last change
+    task_ttl_s: float = 7 * _DAY  # from finished_at
+    event_ttl_s: float = 1 * _DAY  # from the task's finished_at
+    idempotency_ttl_s: float = 1 * _DAY  # from idempotency_begin
+    max_response_bytes: int = 512 * _MIB
+    max_conversation_bytes: int = 512 * _MIB
+    max_task_bytes: int = 256 * _MIB  # requests, results and errors of tasks
+    max_event_bytes: int = 256 * _MIB  # all task event logs together
+
+
+# --- records --------------------------------------------------------------
+
+
+class Page(NamedTuple):
+    items: list[JSON]
+    has_more: bool
+
+
+class ChainLink(NamedTuple):
+    """One stored response of a ``previous_response_id`` chain."""
+
+    input_items: list[JSON]
+    output_items: list[JSON]
+
+
+@dataclass(frozen=True)
+class ConversationRecord:
+    id: str
+    owner: str
+    created_at: float
+    updated_at: float
+    metadata: JSON
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    id: str
+    owner: str
+    status: str
+    request: JSON
+    result: JSON | None
+    error: JSON | None
+    response_id: str | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    # Highest seq appended so far (0: none yet).
+    last_seq: int
+    # Events below this seq were pruned; resuming after N needs N + 1 >= this.
+    first_retained_seq: int
+
+    @property
+    def terminal(self) -> bool:
+        return is_terminal(self.status)
+
+
+class TaskEvent(NamedTuple):
+    seq: int
+    event: str
+    data: JSON
+
+
+class BeginOutcome(str, enum.Enum):
+    NEW = "new"  # the caller owns the key now: run, then finish or abandon
+    REPLAY = "replay"  # finished before: send the stored reply
+    IN_PROGRESS = "in_progress"  # another attempt is running: 409 + Retry-After
+    CONFLICT = "conflict"  # same key, different request: 422 idempotency_conflict
+
+
+@dataclass(frozen=True)
+class IdempotencyBegin:
+    outcome: BeginOutcome
+    # Set only for REPLAY.
+    status_code: int | None = None
+    body: bytes | None = None
+    headers: dict[str, str] | None = None
+
+
+# (task after it was marked failed, the seq the event must use) -> (event name, data)
+TerminalEventBuilder = Callable[[TaskRecord, int], tuple[str, JSON]]
+
+
+def default_terminal_event(task: TaskRecord, seq: int) -> tuple[str, JSON]:
+    """LMSP §6.3 ``response.failed`` closing the log of an interrupted task."""
+    return "response.failed", {
+        "response_id": task.response_id or task.id,
+        "status": "failed",
+        "error": task.error,
+    }
+
+
+_ITEM_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "reasoning": "rs",
+    "item_reference": "ref",
+}
+
+
+def ensure_item_ids(items: Sequence[Mapping[str, Any]]) -> list[JSON]:
+    """Copies of ``items``, each with an ``id``: input items may arrive without
+    one, but listing them pages by item id."""
+    out: list[JSON] = []
+    for item in items:
+        copy = dict(item)
+        if not isinstance(copy.get("id"), str) or not copy["id"]:
+            prefix = _ITEM_ID_PREFIX.get(str(copy.get("type")), "item")
+            copy["id"] = f"{prefix}_{secrets.token_hex(16)}"
+        out.append(copy)
+    return out
+
+
+# --- the interface --------------------------------------------------------
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Synchronous and short per call; async handlers may call it directly or
+    through a worker thread. Timestamps are epoch seconds; a ``None`` time
+    means "the store's clock now"."""
+
+    retention: Retention
+
+    # Responses ---------------------------------------------------------------
+
+    def put_response(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON,
+        input_items: Sequence[JSON],
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+    ) -> list[JSON]:
+        """Store a new response with its input items; returns the input items
+        as stored (ids assigned where missing). ``Duplicate`` if the id exists.
+        Output items are read from ``response["output"]``."""
+        ...
+
+    def get_response(self, owner: str, response_id: str) -> JSON | None: ...
+
+    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
+        """Replace the stored response object (status changes of a background
+        run, the final output). Input items are unchanged."""
+        ...
+
+    def delete_response(self, owner: str, response_id: str) -> bool: ...
+
+    def list_input_items(
+        self,
+        owner: str,
+        response_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        """``None`` if the response is not found; ``InvalidCursor`` for an
+        unknown ``after``."""
+        ...
+
+    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
+        """The chain ending at ``response_id``, root first. ``None`` if
+        ``response_id`` itself is not found; ``ChainError`` if an ancestor is."""
+        ...
+
+    def find_item(self, owner: str, item_id: str) -> JSON | None:
+        """A stored input/output/conversation item by id (``item_reference``);
+        the most recent one if several share the id."""
+        ...
+
+    def fail_interrupted_responses(self, error: JSON) -> list[str]:
+        """At start: responses left queued/in_progress become ``failed`` with
+        ``error``. Returns their ids."""
+        ...
+
+    # Conversations -------------------------------------------------------------
+
+    def create_conversation(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        metadata: JSON | None = None,
+        items: Sequence[JSON] = (),
+        created_at: float | None = None,
+    ) -> ConversationRecord: ...
+
+    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None: ...
+
+    def update_conversation(
+        self, owner: str, conversation_id: str, metadata: JSON
+    ) -> ConversationRecord | None: ...
+
+    def delete_conversation(self, owner: str, conversation_id: str) -> bool: ...
+
+    def append_conversation_items(
+        self, owner: str, conversation_id: str, items: Sequence[JSON]
+    ) -> list[JSON] | None:
+        """Returns the items as stored (ids assigned), ``None`` if not found."""
+        ...
+
+    def list_conversation_items(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None: ...
+
+    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
+        """All items, oldest first, for building a request's context."""
+        ...
+
+    def get_conversation_item(
+        self, owner: str, conversation_id: str, item_id: str
+    ) -> JSON | None: ...
+
+    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool: ...
+
+    # Tasks and their event logs --------------------------------------------------
+
+    def create_task(
+        self,
+        owner: str,
+        task_id: str,
+        request: JSON,
+        *,
+        status: str = "queued",
+        response_id: str | None = None,
+        created_at: float | None = None,
+    ) -> TaskRecord: ...
+
+    def get_task(self, owner: str, task_id: str) -> TaskRecord | None: ...
+
+    def set_task_status(
+        self,
+        owner: str,
+        task_id: str,
+        status: str,
+        *,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        final_event: tuple[int, str, JSON] | None = None,
+    ) -> bool:
+        """Move a task on. ``result``/``error`` replace the stored values when
+        given. ``final_event`` (seq, name, data) is appended in the same
+        transaction, so a log and its status never disagree. ``False`` if the
+        task is not found or already terminal (first terminal write wins)."""
+        ...
+
+    def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
+        """``NotFound``, ``SequenceError`` (seq not above the last one) or
+        ``TaskFinished``."""
+        ...
+
+    def append_events(self, task_id: str, events: Sequence[tuple[int, str, JSON]]) -> None: ...
+
+    def events_after(
+        self, owner: str, task_id: str, after_seq: int = 0, limit: int = 1000
+    ) -> list[TaskEvent] | None:
+        """Events with seq > ``after_seq``, in order. ``None`` if the task is
+        not found; ``EventsExpired`` if any of them were pruned."""
+        ...
+
+    def first_retained_seq(self, owner: str, task_id: str) -> int | None: ...
+
+    def fail_interrupted_tasks(
+        self, message: str, *, terminal_event: TerminalEventBuilder | None = None
+    ) -> list[TaskRecord]:
+        """At start: every queued/in_progress task becomes ``failed`` with
+        error ``{"code": "server_restarted", "message": message}`` and its log
+        is closed by ``terminal_event(task, next_seq)`` (default:
+        ``default_terminal_event``). Returns the failed tasks."""
+        ...
+
+    # Idempotency keys ----------------------------------------------------------------
+
+    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin: ...
+
+    def idempotency_finish(
+        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
+    ) -> bool: ...
+
+    def idempotency_abandon(self, owner: str, key: str) -> bool: ...
+
+    def abandon_interrupted_idempotency(self) -> int:
+        """At start: drop keys whose attempt died with the previous process,
+        so a retry runs instead of getting 409 for a day."""
+        ...
+
+    # Maintenance -------------------------------------------------------------------
+
+    def prune(self, now: float | None = None) -> dict[str, int]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1159 @@
+"""The embedded store: one SQLite file in WAL mode.
+
+Concurrency: one writer connection behind a lock (SQLite allows one writer
+anyway; serializing in-process keeps lock waits out of SQLite's busy loop and
+makes check-then-insert sequences such as ``idempotency_begin`` atomic), and a
+small pool of reader connections that WAL lets run beside the writer.
+
+Durability: ``synchronous=NORMAL`` in WAL mode survives a process crash
+(``kill -9``) with every committed transaction intact; only an OS crash or
+power loss can drop the most recent commits. For the writes a client relies
+on across such a loss (a finished idempotency key, a task's terminal status)
+the commit runs with ``synchronous=FULL``; syncing the WAL there also makes
+every earlier commit durable. Per-token event appends stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from lmspd.store.base import (
+    ACTIVE_STATUSES,
+    JSON,
+    TASK_STATUSES,
+    TERMINAL_STATUSES,
+    BeginOutcome,
+    ChainError,
+    ChainLink,
+    ConversationRecord,
+    Duplicate,
+    EventsExpired,
+    IdempotencyBegin,
+    InvalidCursor,
+    NotFound,
+    Order,
+    Page,
+    Retention,
+    SchemaTooNew,
+    SequenceError,
+    StoreError,
+    TaskEvent,
+    TaskFinished,
+    TaskRecord,
+    TerminalEventBuilder,
+    default_terminal_event,
+    ensure_item_ids,
+)
+
+# --- schema -----------------------------------------------------------------
+
+_SCHEMA_V1 = (
+    # previous_response_id has no foreign key on purpose: an ancestor may be
+    # deleted or expire, and the chain walk reports that clearly.
+    """CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        status TEXT,
+        previous_response_id TEXT,
+        conversation_id TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        bytes INTEGER NOT NULL
+    )""",
+    "CREATE INDEX responses_by_age ON responses(created_at)",
+    "CREATE INDEX responses_by_status ON responses(status)",
+    # Output items are indexed here too (besides the response body) so that
+    # item_reference lookups and chain walks need no JSON parsing in SQL.
+    """CREATE TABLE response_items (
+        response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+        kind TEXT NOT NULL CHECK (kind IN ('input', 'output')),
+        position INTEGER NOT NULL,
+        item_id TEXT,
+        body TEXT NOT NULL,
+        PRIMARY KEY (response_id, kind, position)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX response_items_by_item ON response_items(item_id)",
+    """CREATE TABLE conversations (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        metadata TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        next_position INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX conversations_by_age ON conversations(updated_at)",
+    """CREATE TABLE conversation_items (
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        item_id TEXT NOT NULL,
+        body TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX conversation_items_by_item ON conversation_items(item_id)",
+    """CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN
+            ('queued', 'in_progress', 'completed', 'failed', 'cancelled', 'incomplete')),
+        response_id TEXT,
+        request TEXT NOT NULL,
+        result TEXT,
+        error TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        finished_at REAL,
+        last_seq INTEGER NOT NULL DEFAULT 0,
+        first_retained_seq INTEGER NOT NULL DEFAULT 1,
+        bytes INTEGER NOT NULL,
+        events_bytes INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX tasks_by_status ON tasks(status)",
+    "CREATE INDEX tasks_by_finish ON tasks(finished_at)",
+    """CREATE TABLE task_events (
+        task_id TEXT NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        event TEXT NOT NULL,
+        data TEXT NOT NULL,
+        PRIMARY KEY (task_id, seq)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE idempotency_keys (
+        owner TEXT NOT NULL,
+        key TEXT NOT NULL,
+        request_hash TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('in_progress', 'done')),
+        status_code INTEGER,
+        headers TEXT,
+        body BLOB,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (owner, key)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX idempotency_by_expiry ON idempotency_keys(expires_at)",
+)
+
+
+def _m1_initial(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA_V1:
+        conn.execute(statement)
+
+
+# Append-only: migration i moves the schema from version i to i + 1. Never
+# edit a shipped one; add the next. Each runs inside the open transaction
+# (no executescript: it would commit half-way).
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial]
+
+_ACTIVE_SQL = "('queued', 'in_progress')"
+_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
+# Rows deleted per write transaction while pruning, so request handlers never
+# wait long for the writer lock.
+_PRUNE_BATCH = 256
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _size(text: str | bytes | None) -> int:
+    if text is None:
+        return 0
+    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
+
+
+def _loads_opt(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _check_page_args(limit: int, order: str) -> None:
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+
+
+class SQLiteStore:
+    """``Store`` on one SQLite file. ``path`` may be ``":memory:"`` (tests):
+    then reads share the writer connection."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        retention: Retention = Retention(),
+        max_chain_depth: int = 4096,
+        max_idle_readers: int = 8,
+        busy_timeout_s: float = 10.0,
+    ) -> None:
+        self._path = os.fspath(path)
+        self._clock = clock
+        self.retention = retention
+        self.max_chain_depth = max_chain_depth
+        self._max_idle_readers = max_idle_readers
+        self._busy_timeout_s = busy_timeout_s
+        self._memory = self._path == ":memory:"
+        self._lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._closed = False
+        if not self._memory:
+            parent = os.path.dirname(os.path.abspath(self._path))
+            os.makedirs(parent, exist_ok=True)
+        self._writer = self._connect()
+        # Before any table exists, so freed pages can be given back to the OS
+        # after pruning; on an existing database this is a no-op.
+        self._writer.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        mode = self._writer.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if not self._memory and str(mode).lower() != "wal":
+            self._writer.close()
+            raise StoreError(f"could not put {self._path} in WAL mode (got {mode!r})")
+        try:
+            self._migrate()
+        except BaseException:
+            self._writer.close()
+            raise
+
+    # --- connections and transactions ---------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self._path,
+            timeout=self._busy_timeout_s,
+            isolation_level=None,  # we issue BEGIN/COMMIT ourselves
+            check_same_thread=False,  # guarded by our lock / pool
+        )
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")
+
+    @contextmanager
+    def _write(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._check_open()
+            conn = self._writer
+            if durable:
+                conn.execute("PRAGMA synchronous=FULL")
+            try:
+                # IMMEDIATE takes the write lock up front, so a read-then-write
+                # sequence cannot be invalidated by another process's write.
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if durable:
+                    conn.execute("PRAGMA synchronous=NORMAL")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        if self._memory:
+            with self._lock:
+                self._check_open()
+                yield self._writer
+            return
+        self._check_open()
+        conn = self._acquire_reader()
+        reusable = False
+        try:
+            # One snapshot for multi-statement reads (page + has_more, chains).
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("ROLLBACK")
+                reusable = True
+        finally:
+            self._release_reader(conn, reusable=reusable)
+
+    def _acquire_reader(self) -> sqlite3.Connection:
+        with self._pool_lock:
+            if self._idle_readers:
+                return self._idle_readers.pop()
+        return self._connect()
+
+    def _release_reader(self, conn: sqlite3.Connection, *, reusable: bool) -> None:
+        with self._pool_lock:
+            if reusable and not self._closed and len(self._idle_readers) < self._max_idle_readers:
+                self._idle_readers.append(conn)
+                return
+        conn.close()
+
+    def _migrate(self) -> None:
+        with self._write() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise SchemaTooNew(
+                    f"{self._path} has schema version {version}; this lmspd knows "
+                    f"versions up to {len(MIGRATIONS)}"
+                )
+            for migration in MIGRATIONS[version:]:
+                migration(conn)
+            if version != len(MIGRATIONS):
+                conn.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._writer.close()
+        with self._pool_lock:
+            idle, self._idle_readers = self._idle_readers, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> SQLiteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _now(self, value: float | None = None) -> float:
+        return self._clock() if value is None else value
+
+    # --- responses -------------------------------------------------------------
+
+    @staticmethod
+    def _insert_output_items(conn: sqlite3.Connection, response_id: str, response: JSON) -> int:
+        output = response.get("output")
+        if not isinstance(output, list):
+            return 0
+        rows = []
+        total = 0
+        for position, item in enumerate(output):
+            body = _dumps(item)
+            total += _size(body)
+            item_id = item.get("id") if isinstance(item, dict) else None
+            rows.append((response_id, position, item_id if isinstance(item_id, str) else None, body))
+        conn.executemany(
+            "INSERT INTO response_items (response_id, kind, position, item_id, body) "
+            "VALUES (?, 'output', ?, ?, ?)",
+            rows,
+        )
+        return total
+
+    def put_response(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON,
+        input_items: Sequence[JSON],
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+    ) -> list[JSON]:
+        items = ensure_item_ids(input_items)
+        body = _dumps(response)
+        item_rows = [(response_id, pos, item["id"], _dumps(item)) for pos, item in enumerate(items)]
+        input_bytes = sum(_size(row[3]) for row in item_rows)
+        now = self._clock()
+        created = self._now(created_at)
+        with self._write() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO responses (id, owner, status, previous_response_id, "
+                    "conversation_id, created_at, updated_at, body, bytes) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                    (response_id, owner, response.get("status"), previous_response_id,
+                     conversation_id, created, now, body),
+                )
+            except sqlite3.IntegrityError:
+                raise Duplicate(f"response {response_id!r} already exists") from None
+            conn.executemany(
+                "INSERT INTO response_items (response_id, kind, position, item_id, body) "
+                "VALUES (?, 'input', ?, ?, ?)",
+                item_rows,
+            )
+            output_bytes = self._insert_output_items(conn, response_id, response)
+            conn.execute(
+                "UPDATE responses SET bytes = ? WHERE id = ?",
+                (_size(body) + input_bytes + output_bytes, response_id),
+            )
+        return items
+
+    def get_response(self, owner: str, response_id: str) -> JSON | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT body FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
+        body = _dumps(response)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT bytes FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
+            if row is None:
+                return False
+            input_bytes = conn.execute(
+                "SELECT COALESCE(SUM(LENGTH(CAST(body AS BLOB))), 0) FROM response_items "
+                "WHERE response_id = ? AND kind = 'input'",
+                (response_id,),
+            ).fetchone()[0]
+            conn.execute(
+                "DELETE FROM response_items WHERE response_id = ? AND kind = 'output'",
+                (response_id,),
+            )
+            output_bytes = self._insert_output_items(conn, response_id, response)
+            conn.execute(
+                "UPDATE responses SET body = ?, status = ?, updated_at = ?, bytes = ? WHERE id = ?",
+                (body, response.get("status"), self._clock(),
+                 _size(body) + input_bytes + output_bytes, response_id),
+            )
+        return True
+
+    def delete_response(self, owner: str, response_id: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            )
+            return cur.rowcount == 1
+
+    def list_input_items(
+        self,
+        owner: str,
+        response_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        _check_page_args(limit, order)
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone() is None:
+                return None
+            return _page(
+                conn,
+                "response_items WHERE response_id = ? AND kind = 'input'",
+                (response_id,),
+                after=after,
+                limit=limit,
+                order=order,
+            )
+
+    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
+        depth_bound = self.max_chain_depth
+        with self._read() as conn:
+            # The depth bound also stops a (theoretical) cycle; it shows up as
+            # a repeated id below.
+            rows = conn.execute(
+                """WITH RECURSIVE chain(id, prev, depth) AS (
+                       SELECT id, previous_response_id, 1 FROM responses
+                        WHERE id = ? AND owner = ?
+                       UNION ALL
+                       SELECT r.id, r.previous_response_id, chain.depth + 1
+                         FROM responses r JOIN chain ON r.id = chain.prev
+                        WHERE r.owner = ? AND chain.depth < ?
+                   )
+                   SELECT id, prev, depth FROM chain ORDER BY depth""",
+                (response_id, owner, owner, depth_bound),
+            ).fetchall()
+            if not rows:
+                return None
+            seen: set[str] = set()
+            for row in rows:
+                if row["id"] in seen:
+                    raise ChainError(
+                        row["id"], "cycle",
+                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
+                    )
+                seen.add(row["id"])
+            last = rows[-1]
+            if last["prev"] is not None:
+                if last["depth"] >= depth_bound:
+                    raise ChainError(
+                        last["id"], "too_deep",
+                        f"previous_response_id chain of {response_id!r} is longer than "
+                        f"{depth_bound} responses",
+                    )
+                raise ChainError(
+                    last["prev"], "missing",
+                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
+                    "was not found (deleted or expired)",
+                )
+            links: list[ChainLink] = []
+            for row in reversed(rows):
+                inputs: list[JSON] = []
+                outputs: list[JSON] = []
+                for item in conn.execute(
+                    "SELECT kind, body FROM response_items WHERE response_id = ? "
+                    "ORDER BY kind, position",
+                    (row["id"],),
+                ):
+                    (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
+                links.append(ChainLink(inputs, outputs))
+        return links
+
+    def find_item(self, owner: str, item_id: str) -> JSON | None:
+        with self._read() as conn:
+            row = conn.execute(
+                """SELECT body FROM (
+                       SELECT i.body, r.updated_at AS t FROM response_items i
+                         JOIN responses r ON r.id = i.response_id
+                        WHERE i.item_id = ? AND r.owner = ?
+                       UNION ALL
+                       SELECT i.body, c.updated_at AS t FROM conversation_items i
+                         JOIN conversations c ON c.id = i.conversation_id
+                        WHERE i.item_id = ? AND c.owner = ?
+                   ) ORDER BY t DESC LIMIT 1""",
+                (item_id, owner, item_id, owner),
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def fail_interrupted_responses(self, error: JSON) -> list[str]:
+        failed: list[str] = []
+        with self._write(durable=True) as conn:
+            rows = conn.execute(
+                f"SELECT id, body FROM responses WHERE status IN {_ACTIVE_SQL}"
+            ).fetchall()
+            for row in rows:
+                response = json.loads(row["body"])
+                response["status"] = "failed"
+                response["error"] = error
+                body = _dumps(response)
+                conn.execute(
+                    "UPDATE responses SET body = ?, status = 'failed', updated_at = ?, "
+                    "bytes = bytes - ? + ? WHERE id = ?",
+                    (body, self._clock(), _size(row["body"]), _size(body), row["id"]),
+                )
+                failed.append(row["id"])
+        return failed
+
+    # --- conversations -----------------------------------------------------------
+
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> ConversationRecord:
+        return ConversationRecord(
+            id=row["id"],
+            owner=row["owner"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            metadata=json.loads(row["metadata"]),
+        )
+
+    def _append_items(
+        self, conn: sqlite3.Connection, conversation_id: str, items: Sequence[JSON], now: float
+    ) -> list[JSON]:
+        stored = ensure_item_ids(items)
+        start = conn.execute(
+            "SELECT next_position FROM conversations WHERE id = ?", (conversation_id,)
+        ).fetchone()[0]
+        rows = []
+        for offset, item in enumerate(stored):
+            body = _dumps(item)
+            rows.append((conversation_id, start + offset, item["id"], body, _size(body)))
+        conn.executemany(
+            "INSERT INTO conversation_items (conversation_id, position, item_id, body, bytes) "
+            "VALUES (?, ?, ?, ?, ?)",
+            rows,
+        )
+        conn.execute(
+            "UPDATE conversations SET next_position = ?, bytes = bytes + ?, updated_at = ? "
+            "WHERE id = ?",
+            (start + len(rows), sum(r[4] for r in rows), now, conversation_id),
+        )
+        return stored
+
+    def create_conversation(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        metadata: JSON | None = None,
+        items: Sequence[JSON] = (),
+        created_at: float | None = None,
+    ) -> ConversationRecord:
+        meta = _dumps(metadata or {})
+        created = self._now(created_at)
+        now = self._clock()
+        with self._write() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (conversation_id, owner, created, now, meta, _size(meta)),
+                )
+            except sqlite3.IntegrityError:
+                raise Duplicate(f"conversation {conversation_id!r} already exists") from None
+            self._append_items(conn, conversation_id, items, now)
+            row = conn.execute(
+                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
+            ).fetchone()
+        return self._conversation(row)
+
+    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT * FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone()
+        return None if row is None else self._conversation(row)
+
+    def update_conversation(
+        self, owner: str, conversation_id: str, metadata: JSON
+    ) -> ConversationRecord | None:
+        meta = _dumps(metadata)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT metadata FROM conversations WHERE id = ? AND owner = ?",
+                (conversation_id, owner),
+            ).fetchone()
+            if row is None:
+                return None
+            conn.execute(
+                "UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
+                "WHERE id = ?",
+                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
+            )
+            row = conn.execute(
+                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
+            ).fetchone()
+        return self._conversation(row)
+
+    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            )
+            return cur.rowcount == 1
+
+    def append_conversation_items(
+        self, owner: str, conversation_id: str, items: Sequence[JSON]
+    ) -> list[JSON] | None:
+        with self._write() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone() is None:
+                return None
+            return self._append_items(conn, conversation_id, items, self._clock())
+
+    def list_conversation_items(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        _check_page_args(limit, order)
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone() is None:
+                return None
+            return _page(
+                conn,
+                "conversation_items WHERE conversation_id = ?",
+                (conversation_id,),
+                after=after,
+                limit=limit,
+                order=order,
+            )
+
+    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone() is None:
+                return None
+            rows = conn.execute(
+                "SELECT body FROM conversation_items WHERE conversation_id = ? ORDER BY position",
+                (conversation_id,),
+            ).fetchall()
+        return [json.loads(r["body"]) for r in rows]
+
+    def get_conversation_item(
+        self, owner: str, conversation_id: str, item_id: str
+    ) -> JSON | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT i.body FROM conversation_items i "
+                "JOIN conversations c ON c.id = i.conversation_id "
+                "WHERE i.conversation_id = ? AND c.owner = ? AND i.item_id = ? "
+                "ORDER BY i.position DESC LIMIT 1",
+                (conversation_id, owner, item_id),
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        with self._write() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+            ).fetchone() is None:
+                return False
+            freed = conn.execute(
+                "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM conversation_items "
+                "WHERE conversation_id = ? AND item_id = ?",
+                (conversation_id, item_id),
+            ).fetchone()
+            if freed[1] == 0:
+                return False
+            conn.execute(
+                "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                (conversation_id, item_id),
+            )
+            conn.execute(
+                "UPDATE conversations SET bytes = bytes - ?, updated_at = ? WHERE id = ?",
+                (freed[0], self._clock(), conversation_id),
+            )
+            return True
+
+    # --- tasks -------------------------------------------------------------------
+
+    @staticmethod
+    def _task(row: sqlite3.Row) -> TaskRecord:
+        return TaskRecord(
+            id=row["id"],
+            owner=row["owner"],
+            status=row["status"],
+            request=json.loads(row["request"]),
+            result=_loads_opt(row["result"]),
+            error=_loads_opt(row["error"]),
+            response_id=row["response_id"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            finished_at=row["finished_at"],
+            last_seq=row["last_seq"],
+            first_retained_seq=row["first_retained_seq"],
+        )
+
+    def create_task(
+        self,
+        owner: str,
+        task_id: str,
+        request: JSON,
+        *,
+        status: str = "queued",
+        response_id: str | None = None,
+        created_at: float | None = None,
+    ) -> TaskRecord:
+        if status not in ACTIVE_STATUSES:
+            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
+        body = _dumps(request)
+        created = self._now(created_at)
+        with self._write() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
+                    "updated_at, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (task_id, owner, status, response_id, body, created, self._clock(), _size(body)),
+                )
+            except sqlite3.IntegrityError:
+                raise Duplicate(f"task {task_id!r} already exists") from None
+            row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return self._task(row)
+
+    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT * FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
+            ).fetchone()
+        return None if row is None else self._task(row)
+
+    @staticmethod
+    def _insert_events(
+        conn: sqlite3.Connection,
+        task_id: str,
+        last_seq: int,
+        events: Sequence[tuple[int, str, JSON]],
+    ) -> None:
+        rows = []
+        added = 0
+        for seq, name, data in events:
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
+                raise SequenceError(
+                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
+                )
+            body = _dumps(data)
+            added += _size(name) + _size(body)
+            rows.append((task_id, seq, name, body))
+            last_seq = seq
+        conn.executemany(
+            "INSERT INTO task_events (task_id, seq, event, data) VALUES (?, ?, ?, ?)", rows
+        )
+        conn.execute(
+            "UPDATE tasks SET last_seq = ?, events_bytes = events_bytes + ? WHERE id = ?",
+            (last_seq, added, task_id),
+        )
+
+    def set_task_status(
+        self,
+        owner: str,
+        task_id: str,
+        status: str,
+        *,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        final_event: tuple[int, str, JSON] | None = None,
+    ) -> bool:
+        if status not in TASK_STATUSES:
+            raise ValueError(f"unknown task status {status!r}")
+        terminal = status in TERMINAL_STATUSES
+        result_text = None if result is None else _dumps(result)
+        error_text = None if error is None else _dumps(error)
+        with self._write(durable=terminal) as conn:
+            row = conn.execute(
+                "SELECT status, last_seq, request, result, error FROM tasks "
+                "WHERE id = ? AND owner = ?",
+                (task_id, owner),
+            ).fetchone()
+            if row is None or row["status"] in TERMINAL_STATUSES:
+                return False
+            if final_event is not None:
+                self._insert_events(conn, task_id, row["last_seq"], [final_event])
+            new_result = result_text if result_text is not None else row["result"]
+            new_error = error_text if error_text is not None else row["error"]
+            now = self._clock()
+            conn.execute(
+                "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, "
+                "finished_at = ?, bytes = ? WHERE id = ?",
+                (status, new_result, new_error, now, now if terminal else None,
+                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
+            )
+            return True
+
+    def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
+        self.append_events(task_id, [(seq, event, data)])
+
+    def append_events(self, task_id: str, events: Sequence[tuple[int, str, JSON]]) -> None:
+        if not events:
+            return
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT status, last_seq FROM tasks WHERE id = ?", (task_id,)
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"task {task_id!r} not found")
+            if row["status"] in TERMINAL_STATUSES:
+                raise TaskFinished(f"task {task_id!r} is already {row['status']}")
+            self._insert_events(conn, task_id, row["last_seq"], events)
+
+    def events_after(
+        self, owner: str, task_id: str, after_seq: int = 0, limit: int = 1000
+    ) -> list[TaskEvent] | None:
+        if after_seq < 0:
+            raise ValueError(f"after_seq must be at least 0, got {after_seq}")
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
+            ).fetchone()
+            if row is None:
+                return None
+            if after_seq + 1 < row["first_retained_seq"]:
+                raise EventsExpired(task_id, after_seq, row["first_retained_seq"])
+            rows = conn.execute(
+                "SELECT seq, event, data FROM task_events WHERE task_id = ? AND seq > ? "
+                "ORDER BY seq LIMIT ?",
+                (task_id, after_seq, limit),
+            ).fetchall()
+        return [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in rows]
+
+    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
+            ).fetchone()
+        return None if row is None else row["first_retained_seq"]
+
+    def fail_interrupted_tasks(
+        self, message: str, *, terminal_event: TerminalEventBuilder | None = None
+    ) -> list[TaskRecord]:
+        build = terminal_event or default_terminal_event
+        error = _dumps({"code": "server_restarted", "message": message})
+        failed: list[TaskRecord] = []
+        with self._write(durable=True) as conn:
+            ids = [
+                r["id"]
+                for r in conn.execute(
+                    f"SELECT id FROM tasks WHERE status IN {_ACTIVE_SQL} ORDER BY created_at"
+                )
+            ]
+            for task_id in ids:
+                now = self._clock()
+                conn.execute(
+                    "UPDATE tasks SET status = 'failed', error = ?, updated_at = ?, "
+                    "finished_at = ?, bytes = LENGTH(CAST(request AS BLOB)) "
+                    "+ COALESCE(LENGTH(CAST(result AS BLOB)), 0) + ? WHERE id = ?",
+                    (error, now, now, _size(error), task_id),
+                )
+                task = self._task(
+                    conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                )
+                seq = task.last_seq + 1
+                name, data = build(task, seq)
+                self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
+                failed.append(
+                    self._task(conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone())
+                )
+        return failed
+
+    # --- idempotency keys -------------------------------------------------------------
+
+    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
+        now = self._clock()
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT request_hash, state, status_code, headers, body, expires_at "
+                "FROM idempotency_keys WHERE owner = ? AND key = ?",
+                (owner, key),
+            ).fetchone()
+            if row is not None and row["expires_at"] <= now:
+                conn.execute(
+                    "DELETE FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
+                )
+                row = None
+            if row is None:
+                conn.execute(
+                    "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
+                    "expires_at, bytes) VALUES (?, ?, ?, 'in_progress', ?, ?, ?)",
+                    (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
+                     _size(key) + _size(request_hash)),
+                )
+                return IdempotencyBegin(BeginOutcome.NEW)
+            # A different body wins over "still running": the client reused a
+            # key by mistake, and waiting would not help it.
+            if row["request_hash"] != request_hash:
+                return IdempotencyBegin(BeginOutcome.CONFLICT)
+            if row["state"] == "in_progress":
+                return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
+            return IdempotencyBegin(
+                BeginOutcome.REPLAY,
+                status_code=row["status_code"],
+                body=bytes(row["body"]) if row["body"] is not None else b"",
+                headers=json.loads(row["headers"]) if row["headers"] else {},
+            )
+
+    def idempotency_finish(
+        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
+    ) -> bool:
+        headers_text = _dumps(dict(headers))
+        with self._write(durable=True) as conn:
+            cur = conn.execute(
+                "UPDATE idempotency_keys SET state = 'done', status_code = ?, headers = ?, "
+                "body = ?, bytes = LENGTH(CAST(key AS BLOB)) + LENGTH(CAST(request_hash AS BLOB)) "
+                "+ ? WHERE owner = ? AND key = ? AND state = 'in_progress' AND expires_at > ?",
+                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
+                 owner, key, self._clock()),
+            )
+            return cur.rowcount == 1
+
+    def idempotency_abandon(self, owner: str, key: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND state = 'in_progress'",
+                (owner, key),
+            )
+            return cur.rowcount == 1
+
+    def abandon_interrupted_idempotency(self) -> int:
+        with self._write() as conn:
+            return conn.execute(
+                "DELETE FROM idempotency_keys WHERE state = 'in_progress'"
+            ).rowcount
+
+    # --- bounds ------------------------------------------------------------------------
+
+    def _prune_loop(self, step: Callable[[sqlite3.Connection], int]) -> int:
+        """Run ``step`` in short write transactions until it removes nothing."""
+        total = 0
+        while True:
+            with self._write() as conn:
+                n = step(conn)
+            total += n
+            if n == 0:
+                return total
+
+    @staticmethod
+    def _over_budget(
+        conn: sqlite3.Connection, sum_sql: str, candidates_sql: str, budget: int
+    ) -> list[str]:
+        """Ids to drop, oldest first, until the byte total fits ``budget``."""
+        total = conn.execute(sum_sql).fetchone()[0]
+        if total <= budget:
+            return []
+        victims: list[str] = []
+        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
+            if total <= budget:
+                break
+            victims.append(row[0])
+            total -= row[1]
+        return victims
+
+    def prune(self, now: float | None = None) -> dict[str, int]:
+        now = self._now(now)
+        r = self.retention
+        removed: dict[str, int] = {}
+
+        def delete_ids(table: str, ids: list[str], conn: sqlite3.Connection) -> int:
+            conn.executemany(f"DELETE FROM {table} WHERE id = ?", [(i,) for i in ids])
+            return len(ids)
+
+        def drop_logs(ids: list[str], conn: sqlite3.Connection) -> int:
+            for task_id in ids:
+                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
+            conn.executemany(
+                "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 WHERE id = ?",
+                [(i,) for i in ids],
+            )
+            return len(ids)
+
+        def ids(conn: sqlite3.Connection, sql: str, *args: Any) -> list[str]:
+            return [row[0] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
+
+        # Responses still running (background) are pinned.
+        old_responses = (
+            f"SELECT id FROM responses WHERE created_at < ? AND "
+            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
+        )
+        removed["responses"] = self._prune_loop(
+            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
+        )
+        removed["responses"] += self._prune_loop(
+            lambda c: delete_ids("responses", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) FROM responses",
+                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
+                f"{_ACTIVE_SQL} ORDER BY created_at, rowid",
+                r.max_response_bytes,
+            ), c)
+        )
+
+        removed["conversations"] = self._prune_loop(
+            lambda c: delete_ids("conversations", ids(
+                c, "SELECT id FROM conversations WHERE updated_at < ?", now - r.conversation_ttl_s
+            ), c)
+        )
+        removed["conversations"] += self._prune_loop(
+            lambda c: delete_ids("conversations", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) FROM conversations",
+                "SELECT id, bytes FROM conversations ORDER BY updated_at, rowid",
+                r.max_conversation_bytes,
+            ), c)
+        )
+
+        # Event logs go before their tasks: a late reader then gets 410 and
+        # can still fetch the final result. Only terminal tasks ever lose them.
+        live_logs = (
+            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
+        )
+        removed["event_logs"] = self._prune_loop(
+            lambda c: drop_logs(ids(
+                c, f"SELECT id {live_logs} AND finished_at < ?", now - r.event_ttl_s
+            ), c)
+        )
+        removed["event_logs"] += self._prune_loop(
+            lambda c: drop_logs(self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(events_bytes), 0) FROM tasks",
+                f"SELECT id, events_bytes {live_logs} ORDER BY finished_at, rowid",
+                r.max_event_bytes,
+            ), c)
+        )
+
+        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
+        removed["tasks"] = self._prune_loop(
+            lambda c: delete_ids("tasks", ids(
+                c, f"SELECT id {finished} AND finished_at < ?", now - r.task_ttl_s
+            ), c)
+        )
+        removed["tasks"] += self._prune_loop(
+            lambda c: delete_ids("tasks", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) FROM tasks",
+                f"SELECT id, bytes {finished} ORDER BY finished_at, rowid",
+                r.max_task_bytes,
+            ), c)
+        )
+
+        with self._write() as conn:
+            removed["idempotency_keys"] = conn.execute(
+                "DELETE FROM idempotency_keys WHERE expires_at <= ?", (now,)
+            ).rowcount
+
+        if any(removed.values()) and not self._memory:
+            # Return freed pages to the file system so the file shrinks with
+            # the budgets instead of staying at its high-water mark.
+            with self._lock:
+                self._check_open()
+                # executescript steps the pragma to completion; execute()
+                # would free a single page.
+                self._writer.executescript("PRAGMA incremental_vacuum;")
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        with self._read() as conn:
+            one = lambda sql: conn.execute(sql).fetchone()[0]  # noqa: E731
+            return {
+                "schema_version": one("PRAGMA user_version"),
+                "responses": one("SELECT COUNT(*) FROM responses"),
+                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM responses"),
+                "response_items": one("SELECT COUNT(*) FROM response_items"),
+                "conversations": one("SELECT COUNT(*) FROM conversations"),
+                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM conversations"),
+                "conversation_items": one("SELECT COUNT(*) FROM conversation_items"),
+                "tasks": one("SELECT COUNT(*) FROM tasks"),
+                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM tasks"),
+                "events": one("SELECT COUNT(*) FROM task_events"),
+                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) FROM tasks"),
+                "idempotency_keys": one("SELECT COUNT(*) FROM idempotency_keys"),
+                "idempotency_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM idempotency_keys"),
+            }
+
+
+def _page(
+    conn: sqlite3.Connection,
+    source: str,
+    args: tuple[Any, ...],
+    *,
+    after: str | None,
+    limit: int,
+    order: str,
+) -> Page:
+    """One page of an item list; ``source`` is ``<table> WHERE <list filter>``
+    over a table with ``position``, ``item_id`` and ``body`` columns."""
+    desc = order == "desc"
+    where = ""
+    params: tuple[Any, ...] = args
+    if after is not None:
+        # Ids may repeat in a client-sent list; resuming after the occurrence
+        # furthest along the chosen order keeps paging moving forward (it may
+        # skip a twin, never loop).
+        found = conn.execute(
+            f"SELECT position FROM {source} AND item_id = ? "
+            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
+            (*args, after),
+        ).fetchone()
+        if found is None:
+            raise InvalidCursor(after)
+        where = f" AND position {'<' if desc else '>'} ?"
+        params = (*args, found[0])
+    rows = conn.execute(
+        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} LIMIT ?",
+        (*params, limit + 1),
+    ).fetchall()
+    return Page([json.loads(r[0]) for r in rows[:limit]], len(rows) > limit)

@@ -1,0 +1,235 @@
+"""The stream session: the one place that owns a response's lifecycle.
+
+It turns an engine's neutral events into output items with stable ids and
+indexes, numbers the wire events, and guarantees exactly one terminal event.
+Dialect encoders (``lmspd.dialects``) only decide how each lifecycle step
+looks on their wire, or that it is not sent at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lmspd.core.conversation import Message, Reasoning, ToolCall
+from lmspd.core.events import (
+    EngineEvent,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallDone,
+    ToolCallStarted,
+    Usage,
+)
+from lmspd.core.ids import new_id
+
+OutputItem = Message | ToolCall | Reasoning
+
+TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+
+
+@dataclass
+class ResponseState:
+    """A response as it is being built; every dialect serializes this."""
+
+    id: str
+    model: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "in_progress"
+    output: list[OutputItem] = field(default_factory=list)
+    usage: Usage | None = None
+    error: dict | None = None
+    incomplete_reason: str | None = None
+    completed_at: int | None = None
+    # The request fields a dialect echoes back on the Response object.
+    echo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_text(self) -> str:
+        return "".join(i.text for i in self.output if isinstance(i, Message))
+
+
+class Encoder(Protocol):
+    """How one dialect writes each lifecycle step (``None`` = not sent)."""
+
+    first_sequence_number: int
+
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+        ...
+
+
+# A wire event: (sequence number, event name, data object).
+WireEvent = tuple[int, str, dict]
+
+
+class StreamSession:
+    """Feeds engine events in, gets numbered wire events out."""
+
+    def __init__(self, state: ResponseState, encoder: Encoder) -> None:
+        self.state = state
+        self._encoder = encoder
+        self._seq = encoder.first_sequence_number
+        self._open_index: int | None = None  # index of the item receiving deltas
+        self._calls: dict[int, int] = {}  # engine tool index -> output index
+        self.terminated = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> list[WireEvent]:
+        out: list[WireEvent] = []
+        self._emit(out, "response.created")
+        if self.state.status == "queued":
+            return out
+        self._emit(out, "response.in_progress")
+        return out
+
+    def begin_progress(self) -> list[WireEvent]:
+        """For a queued (background) response that starts running."""
+        self.state.status = "in_progress"
+        out: list[WireEvent] = []
+        self._emit(out, "response.in_progress")
+        return out
+
+    def handle(self, event: EngineEvent) -> list[WireEvent]:
+        if self.terminated:
+            return []
+        out: list[WireEvent] = []
+        if isinstance(event, TextDelta):
+            self._text_delta(out, event.text)
+        elif isinstance(event, ReasoningDelta):
+            self._reasoning_delta(out, event.text)
+        elif isinstance(event, ToolCallStarted):
+            self._close_open(out)
+            item = ToolCall(
+                call_id=event.call_id,
+                name=event.name,
+                payload="",
+                kind=event.kind,
+                namespace=event.namespace,
+                id=new_id("fc" if event.kind == "function" else "ctc"),
+                status="in_progress",
+            )
+            index = self._add_item(out, item)
+            self._calls[event.index] = index
+        elif isinstance(event, ToolCallDelta):
+            index = self._calls[event.index]
+            item = self.state.output[index]
+            item.payload += event.delta
+            self._emit(out, "tool_call.delta", index=index, item=item, delta=event.delta)
+        elif isinstance(event, ToolCallDone):
+            index = self._calls[event.index]
+            item = self.state.output[index]
+            item.payload = event.payload
+            self._emit(out, "tool_call.done", index=index, item=item)
+            item.status = "completed"
+            self._emit(out, "response.output_item.done", index=index, item=item)
+        elif isinstance(event, Finished):
+            out += self._finish(event)
+        elif isinstance(event, Failed):
+            out += self.fail(event.code, event.message, event.usage)
+        return out
+
+    def fail(self, code: str, message: str, usage: Usage | None = None) -> list[WireEvent]:
+        if self.terminated:
+            return []
+        out: list[WireEvent] = []
+        self._close_open(out, status="incomplete")
+        self.state.status = "failed"
+        self.state.error = {"code": code, "message": message}
+        self.state.usage = usage or self.state.usage or Usage()
+        self._terminate(out, "response.failed")
+        return out
+
+    def cancel(self, usage: Usage | None = None) -> list[WireEvent]:
+        if self.terminated:
+            return []
+        out: list[WireEvent] = []
+        self._close_open(out, status="incomplete")
+        self.state.status = "cancelled"
+        self.state.usage = usage or self.state.usage or Usage()
+        self._terminate(out, "response.cancelled")
+        return out
+
+    # -- internals -----------------------------------------------------------
+
+    def _finish(self, event: Finished) -> list[WireEvent]:
+        if event.reason == "cancelled":
+            return self.cancel(event.usage)
+        out: list[WireEvent] = []
+        incomplete = event.reason == "length"
+        self._close_open(out, status="incomplete" if incomplete else "completed")
+        self.state.usage = event.usage
+        if incomplete:
+            self.state.status = "incomplete"
+            self.state.incomplete_reason = "max_output_tokens"
+            self._terminate(out, "response.incomplete")
+        else:
+            self.state.status = "completed"
+            self.state.completed_at = int(time.time())
+            self._terminate(out, "response.completed")
+        return out
+
+    def _terminate(self, out: list[WireEvent], kind: str) -> None:
+        # A tool call cut off mid-arguments cannot be executed: close it as
+        # incomplete so that every added item also has its done event.
+        for index, item in enumerate(self.state.output):
+            if item.status == "in_progress":
+                item.status = "incomplete"
+                self._emit(out, "response.output_item.done", index=index, item=item)
+        self.terminated = True
+        self._emit(out, kind)
+
+    def _text_delta(self, out: list[WireEvent], text: str) -> None:
+        item = self._open_item()
+        if not isinstance(item, Message):
+            self._close_open(out)
+            item = Message(role="assistant", text="", id=new_id("msg"), status="in_progress")
+            self._open_index = self._add_item(out, item)
+            self._emit(out, "response.content_part.added", index=self._open_index, item=item)
+        item.text += text
+        self._emit(out, "response.output_text.delta", index=self._open_index, item=item, delta=text)
+
+    def _reasoning_delta(self, out: list[WireEvent], text: str) -> None:
+        item = self._open_item()
+        if not isinstance(item, Reasoning):
+            self._close_open(out)
+            item = Reasoning(text="", id=new_id("rs"), status="in_progress")
+            self._open_index = self._add_item(out, item)
+            self._emit(out, "reasoning.part_added", index=self._open_index, item=item)
+        item.text = (item.text or "") + text
+        self._emit(out, "reasoning.delta", index=self._open_index, item=item, delta=text)
+
+    def _open_item(self) -> OutputItem | None:
+        return None if self._open_index is None else self.state.output[self._open_index]
+
+    def _add_item(self, out: list[WireEvent], item: OutputItem) -> int:
+        self.state.output.append(item)
+        index = len(self.state.output) - 1
+        self._emit(out, "response.output_item.added", index=index, item=item)
+        return index
+
+    def _close_open(self, out: list[WireEvent], status: str = "completed") -> None:
+        index = self._open_index
+        if index is None:
+            return
+        self._open_index = None
+        item = self.state.output[index]
+        if isinstance(item, Message):
+            self._emit(out, "response.output_text.done", index=index, item=item)
+            self._emit(out, "response.content_part.done", index=index, item=item)
+        elif isinstance(item, Reasoning):
+            self._emit(out, "reasoning.done", index=index, item=item)
+        item.status = status
+        self._emit(out, "response.output_item.done", index=index, item=item)
+
+    def _emit(self, out: list[WireEvent], kind: str, **ctx: Any) -> None:
+        encoded = self._encoder.encode(kind, self.state, self._seq, **ctx)
+        if encoded is None:
+            return
+        name, data = encoded
+        out.append((self._seq, name, data))
+        self._seq += 1
+

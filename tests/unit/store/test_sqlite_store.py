@@ -1,0 +1,920 @@
+"""SQLiteStore: the durable state behind stored responses, conversations,
+tasks with resumable event logs, and idempotency keys."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lmspd.store.sqlite as sqlite_module
+from lmspd.store.base import (
+    BeginOutcome,
+    ChainError,
+    Duplicate,
+    EventsExpired,
+    InvalidCursor,
+    NotFound,
+    Retention,
+    SchemaTooNew,
+    SequenceError,
+    Store,
+    StoreError,
+    TaskFinished,
+    TaskRecord,
+)
+from lmspd.store.sqlite import SQLiteStore
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "data" / "lmspd.db"
+
+
+@pytest.fixture
+def store(db_path: Path, clock: FakeClock):
+    s = SQLiteStore(db_path, clock=clock)
+    yield s
+    s.close()
+
+
+def user_msg(text: str, item_id: str | None = None) -> dict:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    if item_id is not None:
+        item["id"] = item_id
+    return item
+
+
+def response_obj(rid: str, status: str = "completed", text: str = "ok") -> dict:
+    return {
+        "id": rid,
+        "object": "response",
+        "status": status,
+        "output": [
+            {
+                "id": f"msg_out_{rid}",
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text}],
+            }
+        ],
+        "error": None,
+    }
+
+
+def integrity(path: Path) -> str:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+# --- basics -----------------------------------------------------------------
+
+
+def test_implements_store_protocol_and_sets_pragmas(store: SQLiteStore, db_path: Path) -> None:
+    assert isinstance(store, Store)
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == len(sqlite_module.MIGRATIONS)
+    assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
+    conn.close()
+    w = store._writer
+    assert w.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert w.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+
+
+def test_closed_store_refuses_calls(db_path: Path) -> None:
+    s = SQLiteStore(db_path)
+    s.close()
+    s.close()  # twice is fine
+    with pytest.raises(StoreError):
+        s.get_response("a", "resp_1")
+    with pytest.raises(StoreError):
+        s.put_response("a", "resp_1", {}, [])
+
+
+def test_memory_store_works() -> None:
+    with SQLiteStore(":memory:") as s:
+        s.put_response("a", "resp_1", response_obj("resp_1"), [user_msg("hi")])
+        assert s.get_response("a", "resp_1")["id"] == "resp_1"
+        assert len(s.list_input_items("a", "resp_1").items) == 1
+
+
+# --- responses ---------------------------------------------------------------
+
+
+def test_response_round_trip_and_item_ids(store: SQLiteStore) -> None:
+    resp = response_obj("resp_1", text="héllo ✓")
+    stored = store.put_response(
+        "alice", "resp_1", resp, [user_msg("a", "msg_given"), user_msg("b")], created_at=123
+    )
+    assert stored[0]["id"] == "msg_given"
+    assert stored[1]["id"].startswith("msg_") and stored[1]["id"] != "msg_given"
+    assert store.get_response("alice", "resp_1") == resp
+    page = store.list_input_items("alice", "resp_1", order="asc")
+    assert page.items == stored and page.has_more is False
+    # The caller's dicts are not mutated by id assignment.
+    original = [user_msg("c")]
+    store.put_response("alice", "resp_2", response_obj("resp_2"), original)
+    assert "id" not in original[0]
+
+
+def test_put_response_duplicate_id(store: SQLiteStore) -> None:
+    store.put_response("alice", "resp_1", response_obj("resp_1"), [])
+    with pytest.raises(Duplicate):
+        store.put_response("alice", "resp_1", response_obj("resp_1"), [])
+    with pytest.raises(Duplicate):
+        store.put_response("bob", "resp_1", response_obj("resp_1"), [])
+    assert store.get_response("bob", "resp_1") is None
+
+
+def test_update_and_delete_response(store: SQLiteStore) -> None:
+    store.put_response("alice", "resp_1", {"id": "resp_1", "status": "queued"}, [user_msg("x")])
+    assert store.get_response("alice", "resp_1")["status"] == "queued"
+    assert store.response_chain("alice", "resp_1")[0].output_items == []
+    final = response_obj("resp_1", text="done")
+    assert store.update_response("alice", "resp_1", final) is True
+    assert store.get_response("alice", "resp_1") == final
+    assert store.response_chain("alice", "resp_1")[0].output_items == final["output"]
+    assert store.find_item("alice", "msg_out_resp_1") == final["output"][0]
+    before = store.stats()
+    assert before["response_items"] == 2
+    assert store.delete_response("alice", "resp_1") is True
+    assert store.delete_response("alice", "resp_1") is False
+    assert store.get_response("alice", "resp_1") is None
+    after = store.stats()
+    assert after["responses"] == 0 and after["response_items"] == 0 and after["response_bytes"] == 0
+
+
+def test_response_owner_isolation(store: SQLiteStore) -> None:
+    store.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("secret", "msg_in")])
+    assert store.get_response("mallory", "resp_1") is None
+    assert store.list_input_items("mallory", "resp_1") is None
+    assert store.response_chain("mallory", "resp_1") is None
+    assert store.find_item("mallory", "msg_in") is None
+    assert store.find_item("mallory", "msg_out_resp_1") is None
+    assert store.update_response("mallory", "resp_1", {"status": "failed"}) is False
+    assert store.delete_response("mallory", "resp_1") is False
+    # Nothing changed for the owner.
+    assert store.get_response("alice", "resp_1") == response_obj("resp_1")
+    assert store.find_item("alice", "msg_in")["id"] == "msg_in"
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_input_items_pagination(store: SQLiteStore, order: str) -> None:
+    items = [user_msg(str(i), f"msg_{i}") for i in range(7)]
+    store.put_response("alice", "resp_1", response_obj("resp_1"), items)
+    expected = [it["id"] for it in (items if order == "asc" else items[::-1])]
+
+    seen: list[str] = []
+    after = None
+    flags = []
+    while True:
+        page = store.list_input_items("alice", "resp_1", after=after, limit=3, order=order)
+        seen += [it["id"] for it in page.items]
+        flags.append(page.has_more)
+        if not page.has_more:
+            break
+        after = page.items[-1]["id"]
+    assert seen == expected
+    assert flags == [True, True, False]
+    # Cursor at the very end: an empty last page.
+    end = store.list_input_items("alice", "resp_1", after=expected[-1], limit=3, order=order)
+    assert end.items == [] and end.has_more is False
+    # Exactly `limit` left: has_more is false.
+    tail = store.list_input_items("alice", "resp_1", after=expected[3], limit=3, order=order)
+    assert [it["id"] for it in tail.items] == expected[4:] and tail.has_more is False
+
+
+def test_input_items_bad_arguments(store: SQLiteStore) -> None:
+    store.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("x", "msg_x")])
+    with pytest.raises(InvalidCursor) as err:
+        store.list_input_items("alice", "resp_1", after="msg_nope")
+    assert err.value.after == "msg_nope"
+    with pytest.raises(ValueError):
+        store.list_input_items("alice", "resp_1", limit=0)
+    with pytest.raises(ValueError):
+        store.list_input_items("alice", "resp_1", order="sideways")  # type: ignore[arg-type]
+
+
+def test_input_items_duplicate_ids_still_page_forward(store: SQLiteStore) -> None:
+    items = [user_msg("a", "m1"), user_msg("b", "dup"), user_msg("c", "dup"), user_msg("d", "m4")]
+    store.put_response("alice", "resp_1", response_obj("resp_1"), items)
+    # Resuming after "dup" continues past its furthest occurrence: the twin is
+    # skipped, but paging never loops or repeats.
+    expected = {"asc": [items[0], items[1], items[3]], "desc": [items[3], items[2], items[0]]}
+    for order in ("asc", "desc"):
+        out, after = [], None
+        for _ in range(10):
+            page = store.list_input_items("alice", "resp_1", after=after, limit=1, order=order)
+            out += page.items
+            if not page.has_more:
+                break
+            after = page.items[-1]["id"]
+        assert out == expected[order]
+
+
+_page_counter = iter(range(10**9))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(min_value=0, max_value=25),
+    limit=st.integers(min_value=1, max_value=30),
+    order=st.sampled_from(["asc", "desc"]),
+)
+def test_pagination_property(store: SQLiteStore, n: int, limit: int, order: str) -> None:
+    rid = f"resp_p{next(_page_counter)}"
+    items = [user_msg(str(i), f"msg_{rid}_{i}") for i in range(n)]
+    store.put_response("alice", rid, response_obj(rid), items)
+    expected = [it["id"] for it in (items if order == "asc" else items[::-1])]
+    seen, after = [], None
+    while True:
+        page = store.list_input_items("alice", rid, after=after, limit=limit, order=order)
+        assert len(page.items) <= limit
+        seen += [it["id"] for it in page.items]
+        if not page.has_more:
+            break
+        after = page.items[-1]["id"]
+    assert seen == expected
+
+
+# --- previous_response_id chains --------------------------------------------------
+
+
+def _chain(store: SQLiteStore, owner: str, n: int, prefix: str = "resp") -> list[str]:
+    ids, prev = [], None
+    for i in range(n):
+        rid = f"{prefix}_{i}"
+        store.put_response(
+            owner, rid, response_obj(rid, text=f"answer {i}"), [user_msg(f"turn {i}", f"in_{rid}")],
+            previous_response_id=prev,
+        )
+        ids.append(rid)
+        prev = rid
+    return ids
+
+
+def test_response_chain_root_first(store: SQLiteStore) -> None:
+    ids = _chain(store, "alice", 3)
+    chain = store.response_chain("alice", ids[-1])
+    assert [link.input_items[0]["id"] for link in chain] == [f"in_{r}" for r in ids]
+    assert [link.output_items[0]["content"][0]["text"] for link in chain] == [
+        "answer 0", "answer 1", "answer 2",
+    ]
+    for inputs, outputs in chain:  # unpacks as (input_items, output_items)
+        assert inputs and outputs
+    assert len(store.response_chain("alice", ids[0])) == 1
+    assert store.response_chain("alice", "resp_missing") is None
+
+
+def test_response_chain_missing_ancestor(store: SQLiteStore) -> None:
+    ids = _chain(store, "alice", 3)
+    store.delete_response("alice", ids[0])
+    with pytest.raises(ChainError) as err:
+        store.response_chain("alice", ids[2])
+    assert err.value.problem == "missing" and err.value.response_id == ids[0]
+
+
+def test_response_chain_does_not_cross_owners(store: SQLiteStore) -> None:
+    store.put_response("bob", "resp_b", response_obj("resp_b"), [user_msg("bob's secret")])
+    store.put_response(
+        "alice", "resp_a", response_obj("resp_a"), [user_msg("x")], previous_response_id="resp_b"
+    )
+    with pytest.raises(ChainError) as err:
+        store.response_chain("alice", "resp_a")
+    assert err.value.problem == "missing" and err.value.response_id == "resp_b"
+
+
+def test_response_chain_too_deep(db_path: Path) -> None:
+    with SQLiteStore(db_path, max_chain_depth=3) as s:
+        ids = _chain(s, "alice", 5)
+        assert len(s.response_chain("alice", ids[2])) == 3
+        with pytest.raises(ChainError) as err:
+            s.response_chain("alice", ids[4])
+        assert err.value.problem == "too_deep"
+
+
+def test_response_chain_cycle(store: SQLiteStore, db_path: Path) -> None:
+    ids = _chain(store, "alice", 3)
+    # Cannot happen through the API (a parent exists before its child); forge it.
+    conn = sqlite3.connect(db_path)
+    conn.execute("UPDATE responses SET previous_response_id = ? WHERE id = ?", (ids[2], ids[0]))
+    conn.commit()
+    conn.close()
+    with pytest.raises(ChainError) as err:
+        store.response_chain("alice", ids[2])
+    assert err.value.problem == "cycle"
+
+
+def test_fail_interrupted_responses(store: SQLiteStore) -> None:
+    store.put_response("alice", "resp_q", {"id": "resp_q", "status": "queued"}, [])
+    store.put_response("alice", "resp_r", {"id": "resp_r", "status": "in_progress"}, [])
+    store.put_response("alice", "resp_done", response_obj("resp_done"), [])
+    error = {"code": "server_restarted", "message": "lmspd restarted"}
+    assert sorted(store.fail_interrupted_responses(error)) == ["resp_q", "resp_r"]
+    assert store.get_response("alice", "resp_r") == {"id": "resp_r", "status": "failed", "error": error}
+    assert store.get_response("alice", "resp_done") == response_obj("resp_done")
+    assert store.fail_interrupted_responses(error) == []
+
+
+# --- conversations -----------------------------------------------------------------
+
+
+def test_conversation_lifecycle(store: SQLiteStore, clock: FakeClock) -> None:
+    conv = store.create_conversation(
+        "alice", "conv_1", metadata={"topic": "demo"}, items=[user_msg("hello", "msg_a")]
+    )
+    assert conv.id == "conv_1" and conv.metadata == {"topic": "demo"}
+    assert conv.created_at == clock.now
+    with pytest.raises(Duplicate):
+        store.create_conversation("alice", "conv_1")
+    appended = store.append_conversation_items(
+        "alice", "conv_1", [{"type": "message", "role": "assistant", "content": []}, user_msg("b")]
+    )
+    assert all(it["id"] for it in appended)
+    ids = ["msg_a"] + [it["id"] for it in appended]
+    assert [it["id"] for it in store.conversation_items("alice", "conv_1")] == ids
+    page = store.list_conversation_items("alice", "conv_1", limit=2)  # default order: desc
+    assert [it["id"] for it in page.items] == ids[::-1][:2] and page.has_more
+    page2 = store.list_conversation_items("alice", "conv_1", after=page.items[-1]["id"], limit=2)
+    assert [it["id"] for it in page2.items] == [ids[0]] and not page2.has_more
+    assert store.get_conversation_item("alice", "conv_1", "msg_a") == user_msg("hello", "msg_a")
+    assert store.find_item("alice", "msg_a") == user_msg("hello", "msg_a")
+
+    clock.advance(5)
+    updated = store.update_conversation("alice", "conv_1", {"topic": "changed"})
+    assert updated.metadata == {"topic": "changed"} and updated.updated_at == clock.now
+    assert store.get_conversation("alice", "conv_1") == updated
+
+    bytes_before = store.stats()["conversation_bytes"]
+    assert store.delete_conversation_item("alice", "conv_1", "msg_a") is True
+    assert store.delete_conversation_item("alice", "conv_1", "msg_a") is False
+    assert store.get_conversation_item("alice", "conv_1", "msg_a") is None
+    assert store.stats()["conversation_bytes"] < bytes_before
+
+    assert store.delete_conversation("alice", "conv_1") is True
+    assert store.get_conversation("alice", "conv_1") is None
+    assert store.stats()["conversation_items"] == 0
+    assert store.delete_conversation("alice", "conv_1") is False
+
+
+def test_conversation_owner_isolation(store: SQLiteStore) -> None:
+    store.create_conversation("alice", "conv_1", items=[user_msg("secret", "msg_s")])
+    assert store.get_conversation("mallory", "conv_1") is None
+    assert store.list_conversation_items("mallory", "conv_1") is None
+    assert store.conversation_items("mallory", "conv_1") is None
+    assert store.get_conversation_item("mallory", "conv_1", "msg_s") is None
+    assert store.find_item("mallory", "msg_s") is None
+    assert store.append_conversation_items("mallory", "conv_1", [user_msg("x")]) is None
+    assert store.update_conversation("mallory", "conv_1", {"x": "y"}) is None
+    assert store.delete_conversation_item("mallory", "conv_1", "msg_s") is False
+    assert store.delete_conversation("mallory", "conv_1") is False
+    assert store.conversation_items("alice", "conv_1") == [user_msg("secret", "msg_s")]
+    assert store.get_conversation("alice", "conv_1").metadata == {}
+
+
+# --- tasks and event logs ---------------------------------------------------------------
+
+
+def test_task_round_trip_and_events(store: SQLiteStore) -> None:
+    task = store.create_task("alice", "task_1", {"model": "m", "input": "hi"}, response_id="resp_t")
+    assert isinstance(task, TaskRecord)
+    assert (task.status, task.last_seq, task.first_retained_seq, task.terminal) == ("queued", 0, 1, False)
+    assert store.set_task_status("alice", "task_1", "in_progress") is True
+    store.append_event("task_1", 1, "response.created", {"response_id": "resp_t", "status": "in_progress"})
+    store.append_events("task_1", [(2, "response.output_text.delta", {"delta": "a"}),
+                                   (3, "response.output_text.delta", {"delta": "b"})])
+    events = store.events_after("alice", "task_1", 0)
+    assert [(e.seq, e.event) for e in events] == [
+        (1, "response.created"), (2, "response.output_text.delta"), (3, "response.output_text.delta"),
+    ]
+    assert events[1].data == {"delta": "a"}
+    assert [e.seq for e in store.events_after("alice", "task_1", 1)] == [2, 3]
+    assert [e.seq for e in store.events_after("alice", "task_1", 1, limit=1)] == [2]
+    assert store.events_after("alice", "task_1", 3) == []
+
+    result = {"id": "resp_t", "status": "completed"}
+    assert store.set_task_status(
+        "alice", "task_1", "completed", result=result,
+        final_event=(4, "response.completed", {"response_id": "resp_t", "status": "completed"}),
+    ) is True
+    done = store.get_task("alice", "task_1")
+    assert done.status == "completed" and done.result == result and done.last_seq == 4
+    assert done.finished_at is not None and done.terminal
+    assert done.request == {"model": "m", "input": "hi"} and done.response_id == "resp_t"
+    # First terminal write wins; a late cancel changes nothing.
+    assert store.set_task_status("alice", "task_1", "cancelled") is False
+    assert store.get_task("alice", "task_1").status == "completed"
+    with pytest.raises(TaskFinished):
+        store.append_event("task_1", 5, "response.output_text.delta", {})
+
+
+def test_task_duplicate_and_invalid_status(store: SQLiteStore) -> None:
+    store.create_task("alice", "task_1", {})
+    with pytest.raises(Duplicate):
+        store.create_task("alice", "task_1", {})
+    with pytest.raises(ValueError):
+        store.create_task("alice", "task_2", {}, status="completed")
+    with pytest.raises(ValueError):
+        store.set_task_status("alice", "task_1", "exploded")
+
+
+def test_event_seq_strictly_increasing(store: SQLiteStore) -> None:
+    store.create_task("alice", "task_1", {}, status="in_progress")
+    with pytest.raises(SequenceError):
+        store.append_event("task_1", 0, "x", {})
+    store.append_event("task_1", 1, "x", {})
+    for bad in (1, 0, -3, True, 1.5):
+        with pytest.raises(SequenceError):
+            store.append_event("task_1", bad, "x", {})  # type: ignore[arg-type]
+    # A batch is all-or-nothing.
+    with pytest.raises(SequenceError):
+        store.append_events("task_1", [(2, "x", {}), (3, "x", {}), (3, "x", {})])
+    assert store.get_task("alice", "task_1").last_seq == 1
+    store.append_event("task_1", 5, "x", {})  # strictly increasing, gaps allowed
+    assert [e.seq for e in store.events_after("alice", "task_1")] == [1, 5]
+    with pytest.raises(NotFound):
+        store.append_event("task_nope", 1, "x", {})
+    # A bad final event rolls the status change back.
+    with pytest.raises(SequenceError):
+        store.set_task_status("alice", "task_1", "completed", final_event=(5, "response.completed", {}))
+    assert store.get_task("alice", "task_1").status == "in_progress"
+    with pytest.raises(ValueError):
+        store.events_after("alice", "task_1", -1)
+
+
+def test_task_owner_isolation(store: SQLiteStore) -> None:
+    store.create_task("alice", "task_1", {"secret": True}, status="in_progress")
+    store.append_event("task_1", 1, "response.created", {})
+    assert store.get_task("mallory", "task_1") is None
+    assert store.events_after("mallory", "task_1", 0) is None
+    assert store.first_retained_seq("mallory", "task_1") is None
+    assert store.set_task_status("mallory", "task_1", "cancelled",
+                                 final_event=(2, "response.cancelled", {})) is False
+    task = store.get_task("alice", "task_1")
+    assert task.status == "in_progress" and task.last_seq == 1
+
+
+def test_event_log_retention_gives_410_but_keeps_result(db_path: Path, clock: FakeClock) -> None:
+    retention = Retention(event_ttl_s=60, task_ttl_s=3600)
+    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+        s.create_task("alice", "task_1", {}, status="in_progress")
+        s.append_events("task_1", [(i, "delta", {"i": i}) for i in range(1, 6)])
+        s.set_task_status("alice", "task_1", "completed", result={"ok": True},
+                          final_event=(6, "response.completed", {}))
+        clock.advance(59)
+        assert s.prune()["event_logs"] == 0
+        assert s.first_retained_seq("alice", "task_1") == 1
+        assert len(s.events_after("alice", "task_1", 0)) == 6
+
+        clock.advance(2)
+        assert s.prune()["event_logs"] == 1
+        assert s.first_retained_seq("alice", "task_1") == 7
+        with pytest.raises(EventsExpired) as err:
+            s.events_after("alice", "task_1", 3)
+        assert err.value.first_retained_seq == 7 and err.value.after_seq == 3
+        # A reader that already saw everything is told "nothing more", not 410.
+        assert s.events_after("alice", "task_1", 6) == []
+        task = s.get_task("alice", "task_1")
+        assert task.result == {"ok": True} and task.first_retained_seq == 7
+        assert s.stats()["events"] == 0 and s.stats()["event_bytes"] == 0
+
+        clock.advance(3600)
+        assert s.prune()["tasks"] == 1
+        assert s.get_task("alice", "task_1") is None
+
+
+def test_running_tasks_and_responses_are_never_pruned(db_path: Path, clock: FakeClock) -> None:
+    tiny = Retention(response_ttl_s=1, task_ttl_s=1, event_ttl_s=1, max_response_bytes=0,
+                     max_task_bytes=0, max_event_bytes=0)
+    with SQLiteStore(db_path, clock=clock, retention=tiny) as s:
+        s.create_task("alice", "task_run", {"big": "x" * 1000}, status="in_progress")
+        s.append_events("task_run", [(i, "delta", {"d": "y" * 100}) for i in range(1, 20)])
+        s.create_task("alice", "task_q", {})
+        s.put_response("alice", "resp_bg", {"id": "resp_bg", "status": "in_progress"}, [user_msg("x")])
+        s.put_response("alice", "resp_done", response_obj("resp_done"), [])
+        clock.advance(10**6)
+        removed = s.prune()
+        assert removed["tasks"] == 0 and removed["event_logs"] == 0 and removed["responses"] == 1
+        assert s.get_task("alice", "task_run").last_seq == 19
+        assert len(s.events_after("alice", "task_run", 0)) == 19
+        assert s.get_task("alice", "task_q") is not None
+        assert s.get_response("alice", "resp_bg") is not None
+        assert s.get_response("alice", "resp_done") is None
+
+
+def test_prune_by_age(db_path: Path, clock: FakeClock) -> None:
+    retention = Retention(response_ttl_s=100, conversation_ttl_s=100)
+    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+        s.put_response("alice", "resp_old", response_obj("resp_old"), [user_msg("x")])
+        s.create_conversation("alice", "conv_old")
+        s.create_conversation("alice", "conv_used")
+        clock.advance(60)
+        s.put_response("alice", "resp_new", response_obj("resp_new"), [user_msg("y")])
+        s.append_conversation_items("alice", "conv_used", [user_msg("still here")])
+        clock.advance(41)
+        removed = s.prune()
+        assert removed["responses"] == 1 and removed["conversations"] == 1
+        assert s.get_response("alice", "resp_old") is None
+        assert s.get_response("alice", "resp_new") is not None
+        assert s.get_conversation("alice", "conv_old") is None
+        assert s.get_conversation("alice", "conv_used") is not None  # ages from its last change
+        assert s.stats()["response_items"] == 2  # resp_old's items went with it
+        assert s.prune(now=clock.now + 1000)["responses"] == 1
+
+
+def test_prune_by_bytes_oldest_first(db_path: Path, clock: FakeClock) -> None:
+    with SQLiteStore(db_path, clock=clock) as probe:
+        probe.put_response("a", "resp_probe", response_obj("resp_probe"), [user_msg("z" * 1000)])
+        one = probe.stats()["response_bytes"]
+        probe.delete_response("a", "resp_probe")
+    budget = int(one * 3.5)
+    with SQLiteStore(db_path, clock=clock, retention=Retention(max_response_bytes=budget)) as s:
+        for i in range(10):
+            rid = f"resp_{i:03d}"
+            s.put_response("a", rid, response_obj(rid), [user_msg("z" * 1000)])
+            clock.advance(1)
+        assert s.stats()["response_bytes"] > budget
+        assert s.prune()["responses"] == 7
+        assert s.stats()["response_bytes"] <= budget
+        kept = [i for i in range(10) if s.get_response("a", f"resp_{i:03d}")]
+        assert kept == [7, 8, 9]
+
+
+def test_prune_event_and_task_budgets(db_path: Path, clock: FakeClock) -> None:
+    retention = Retention(max_event_bytes=3000, max_task_bytes=2500)
+    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+        for i in range(4):
+            tid = f"task_{i}"
+            s.create_task("a", tid, {"pad": "r" * 500}, status="in_progress")
+            s.append_events(tid, [(n, "delta", {"d": "e" * 90}) for n in range(1, 11)])
+            s.set_task_status("a", tid, "completed", result={"pad": "s" * 200})
+            clock.advance(1)
+        s.create_task("a", "task_live", {}, status="in_progress")
+        s.append_events("task_live", [(n, "delta", {"d": "e" * 90}) for n in range(1, 11)])
+        before = s.stats()
+        assert before["event_bytes"] > 3000 and before["task_bytes"] > 2500
+        removed = s.prune()
+        after = s.stats()
+        assert after["event_bytes"] <= 3000 and after["task_bytes"] <= 2500
+        assert removed["event_logs"] >= 1 and removed["tasks"] >= 1
+        # Oldest went first; the live task kept its whole log.
+        assert s.get_task("a", "task_0") is None
+        assert s.get_task("a", "task_3") is not None
+        assert len(s.events_after("a", "task_live", 0)) == 10
+        # Any finished task whose log was dropped answers 410, never a partial log.
+        for i in range(4):
+            t = s.get_task("a", f"task_{i}")
+            if t is not None and t.first_retained_seq > 1:
+                with pytest.raises(EventsExpired):
+                    s.events_after("a", t.id, 0)
+
+
+def test_prune_conversation_budget(db_path: Path, clock: FakeClock) -> None:
+    with SQLiteStore(db_path, clock=clock, retention=Retention(max_conversation_bytes=2500)) as s:
+        for i in range(5):
+            s.create_conversation("a", f"conv_{i}", items=[user_msg("c" * 900)])
+            clock.advance(1)
+        s.prune()
+        assert s.stats()["conversation_bytes"] <= 2500
+        assert [i for i in range(5) if s.get_conversation("a", f"conv_{i}")] == [3, 4]
+
+
+def test_prune_returns_space_to_the_file(db_path: Path, clock: FakeClock) -> None:
+    with SQLiteStore(db_path, clock=clock, retention=Retention(response_ttl_s=10)) as s:
+        for i in range(50):
+            s.put_response("a", f"resp_{i}", response_obj(f"resp_{i}"), [user_msg("q" * 4000)])
+        clock.advance(11)
+        assert s.prune()["responses"] == 50
+        assert s._writer.execute("PRAGMA freelist_count").fetchone()[0] == 0
+
+
+# --- idempotency -------------------------------------------------------------------------
+
+
+def test_idempotency_states(store: SQLiteStore) -> None:
+    assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.NEW
+    assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.IN_PROGRESS
+    assert store.idempotency_begin("alice", "key1", "h2").outcome is BeginOutcome.CONFLICT
+    # Keys are per credential.
+    assert store.idempotency_begin("bob", "key1", "h2").outcome is BeginOutcome.NEW
+    assert store.idempotency_finish("mallory", "key1", 200, b"x", {}) is False
+
+    body = b'{"id":"resp_1","status":"completed"}'
+    assert store.idempotency_finish("alice", "key1", 200, body, {"content-type": "application/json"})
+    assert store.idempotency_finish("alice", "key1", 500, b"again", {}) is False  # only once
+    replay = store.idempotency_begin("alice", "key1", "h1")
+    assert replay.outcome is BeginOutcome.REPLAY
+    assert (replay.status_code, replay.body, replay.headers) == (
+        200, body, {"content-type": "application/json"},
+    )
+    assert store.idempotency_begin("alice", "key1", "h2").outcome is BeginOutcome.CONFLICT
+    # A finished key cannot be abandoned (that would allow a second run).
+    assert store.idempotency_abandon("alice", "key1") is False
+    assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.REPLAY
+
+
+def test_idempotency_abandon_allows_retry(store: SQLiteStore) -> None:
+    assert store.idempotency_begin("alice", "k", "h").outcome is BeginOutcome.NEW
+    assert store.idempotency_abandon("mallory", "k") is False
+    assert store.idempotency_abandon("alice", "k") is True
+    assert store.idempotency_abandon("alice", "k") is False
+    assert store.idempotency_begin("alice", "k", "other").outcome is BeginOutcome.NEW
+
+
+def test_idempotency_expiry(db_path: Path, clock: FakeClock) -> None:
+    with SQLiteStore(db_path, clock=clock, retention=Retention(idempotency_ttl_s=100)) as s:
+        s.idempotency_begin("a", "done", "h")
+        s.idempotency_finish("a", "done", 201, b"body", {})
+        s.idempotency_begin("a", "stuck", "h")
+        clock.advance(99)
+        assert s.idempotency_begin("a", "done", "h").outcome is BeginOutcome.REPLAY
+        assert s.idempotency_finish("a", "stuck", 200, b"", {}) is True
+        s.idempotency_begin("a", "late", "h")
+        clock.advance(2)
+        assert s.idempotency_finish("a", "late", 200, b"", {}) is True  # 2 s old
+        # Expired: a fresh run with any body.
+        assert s.idempotency_begin("a", "done", "other").outcome is BeginOutcome.NEW
+        assert s.prune()["idempotency_keys"] == 1  # "stuck"; "done" was renewed by begin
+        clock.advance(200)
+        assert s.idempotency_finish("a", "done", 200, b"", {}) is False  # expired meanwhile
+        assert s.prune()["idempotency_keys"] == 2
+        assert s.stats()["idempotency_keys"] == 0
+
+
+def test_idempotency_begin_race_single_store(store: SQLiteStore) -> None:
+    n = 16
+    barrier = threading.Barrier(n)
+    outcomes: list[BeginOutcome] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        barrier.wait()
+        out = store.idempotency_begin("alice", "race", "h").outcome
+        with lock:
+            outcomes.append(out)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count(BeginOutcome.NEW) == 1
+    assert outcomes.count(BeginOutcome.IN_PROGRESS) == n - 1
+
+
+def test_idempotency_begin_race_two_connections(db_path: Path) -> None:
+    # Two store objects = two writer connections (as two processes would have):
+    # SQLite's own write lock must still let exactly one insert win.
+    stores = [SQLiteStore(db_path), SQLiteStore(db_path)]
+    try:
+        n = 16
+        barrier = threading.Barrier(n)
+        outcomes: list[BeginOutcome] = []
+        lock = threading.Lock()
+
+        def worker(i: int) -> None:
+            barrier.wait()
+            out = stores[i % 2].idempotency_begin("alice", "race", "h").outcome
+            with lock:
+                outcomes.append(out)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outcomes.count(BeginOutcome.NEW) == 1
+        assert outcomes.count(BeginOutcome.IN_PROGRESS) == n - 1
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_concurrent_writers_and_readers(store: SQLiteStore) -> None:
+    tasks = [f"task_{i}" for i in range(4)]
+    for tid in tasks:
+        store.create_task("a", tid, {}, status="in_progress")
+    errors: list[BaseException] = []
+
+    def writer(tid: str) -> None:
+        try:
+            for seq in range(1, 101):
+                store.append_event(tid, seq, "delta", {"seq": seq})
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(200):
+                for tid in tasks:
+                    seqs = [e.seq for e in store.events_after("a", tid, 0)]
+                    assert seqs == list(range(1, len(seqs) + 1))  # never a gap mid-read
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in tasks]
+    threads += [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(store.get_task("a", t).last_seq == 100 for t in tasks)
+
+
+# --- crash recovery ---------------------------------------------------------------------
+
+_CRASHING_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from lmspd.store.sqlite import SQLiteStore
+
+    s = SQLiteStore(sys.argv[1])
+    s.create_task("alice", "task_done", {"n": 1}, status="in_progress", response_id="resp_done")
+    s.append_events("task_done", [(1, "response.created", {}), (2, "delta", {"d": "x"})])
+    s.set_task_status("alice", "task_done", "completed", result={"id": "resp_done"},
+                      final_event=(3, "response.completed", {"response_id": "resp_done"}))
+    s.put_response("alice", "resp_done", {"id": "resp_done", "status": "completed"}, [])
+    s.create_task("alice", "task_run", {"n": 2}, status="in_progress", response_id="resp_run")
+    s.append_events("task_run", [(1, "response.created", {}), (2, "delta", {"d": "a"}),
+                                 (3, "delta", {"d": "b"})])
+    s.put_response("alice", "resp_run", {"id": "resp_run", "status": "in_progress"}, [])
+    s.create_task("bob", "task_queued", {"n": 3})
+    s.idempotency_begin("alice", "key_run", "h")
+    s.idempotency_begin("alice", "key_done", "h")
+    s.idempotency_finish("alice", "key_done", 200, b"{}", {})
+    print("ready", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint
+    """
+)
+
+
+def test_crash_recovery_after_kill_9(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHING_CHILD, str(db_path), str(REPO_ROOT)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.strip() == "ready"
+    assert Path(str(db_path) + "-wal").exists()  # the committed data lives in the WAL
+
+    with SQLiteStore(db_path) as s:
+        assert integrity(db_path) == "ok"
+        failed = s.fail_interrupted_tasks("lmspd restarted while the task ran")
+        assert sorted(t.id for t in failed) == ["task_queued", "task_run"]
+        run = s.get_task("alice", "task_run")
+        assert run.status == "failed" and run.finished_at is not None
+        assert run.error == {"code": "server_restarted", "message": "lmspd restarted while the task ran"}
+        events = s.events_after("alice", "task_run", 0)
+        assert [e.seq for e in events] == [1, 2, 3, 4]
+        assert events[-1].event == "response.failed"
+        assert events[-1].data == {"response_id": "resp_run", "status": "failed", "error": run.error}
+        queued = s.get_task("bob", "task_queued")
+        assert queued.status == "failed" and queued.last_seq == 1
+        assert s.events_after("bob", "task_queued", 0)[0].data["response_id"] == "task_queued"
+
+        done = s.get_task("alice", "task_done")
+        assert done.status == "completed" and done.result == {"id": "resp_done"}
+        assert [e.event for e in s.events_after("alice", "task_done", 0)][-1] == "response.completed"
+        assert s.get_response("alice", "resp_done") == {"id": "resp_done", "status": "completed"}
+
+        assert s.fail_interrupted_responses({"code": "server_restarted"}) == ["resp_run"]
+        assert s.abandon_interrupted_idempotency() == 1
+        assert s.idempotency_begin("alice", "key_run", "h").outcome is BeginOutcome.NEW
+        assert s.idempotency_begin("alice", "key_done", "h").outcome is BeginOutcome.REPLAY
+        # Recovery is idempotent.
+        assert s.fail_interrupted_tasks("again") == []
+    assert integrity(db_path) == "ok"
+
+
+def test_recovery_after_close_without_finishing_custom_event(db_path: Path) -> None:
+    s = SQLiteStore(db_path)
+    s.create_task("alice", "task_1", {}, status="in_progress")
+    s.append_events("task_1", [(1, "response.created", {}), (2, "delta", {})])
+    s.create_task("alice", "task_2", {}, status="in_progress")
+    s.set_task_status("alice", "task_2", "cancelled", final_event=(1, "response.cancelled", {}))
+    s.close()
+
+    seen: list[tuple[str, int]] = []
+
+    def openai_failed(task: TaskRecord, seq: int) -> tuple[str, dict]:
+        seen.append((task.status, seq))
+        return "response.failed", {
+            "type": "response.failed",
+            "sequence_number": seq - 1,
+            "response": {"id": task.id, "status": "failed", "error": task.error},
+        }
+
+    with SQLiteStore(db_path) as s:
+        failed = s.fail_interrupted_tasks("restarted", terminal_event=openai_failed)
+        assert [t.id for t in failed] == ["task_1"] and failed[0].last_seq == 3
+        assert seen == [("failed", 3)]
+        last = s.events_after("alice", "task_1", 2)
+        assert last[0].data["sequence_number"] == 2
+        assert s.get_task("alice", "task_2").status == "cancelled"
+    assert integrity(db_path) == "ok"
+
+
+# --- migrations and reopening --------------------------------------------------------------
+
+
+def test_data_survives_reopen_and_migrations_are_idempotent(db_path: Path) -> None:
+    with SQLiteStore(db_path) as s:
+        s.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("x", "msg_x")])
+        s.create_conversation("alice", "conv_1", items=[user_msg("y", "msg_y")])
+        s.create_task("alice", "task_1", {"q": 1})
+        s.idempotency_begin("alice", "k", "h")
+        s.idempotency_finish("alice", "k", 200, b"ok", {"x-a": "b"})
+        stats = s.stats()
+    for _ in range(2):
+        with SQLiteStore(db_path) as s:
+            assert s.stats() == stats
+            assert s.get_response("alice", "resp_1") == response_obj("resp_1")
+            assert s.list_input_items("alice", "resp_1").items == [user_msg("x", "msg_x")]
+            assert s.conversation_items("alice", "conv_1") == [user_msg("y", "msg_y")]
+            assert s.get_task("alice", "task_1").request == {"q": 1}
+            assert s.idempotency_begin("alice", "k", "h").body == b"ok"
+    assert integrity(db_path) == "ok"
+
+
+def test_new_migration_applies_once(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    SQLiteStore(db_path).close()
+    calls: list[int] = []
+
+    def m2(conn: sqlite3.Connection) -> None:
+        calls.append(1)
+        conn.execute("ALTER TABLE responses ADD COLUMN note TEXT")
+
+    monkeypatch.setattr(sqlite_module, "MIGRATIONS", [*sqlite_module.MIGRATIONS, m2])
+    for _ in range(2):
+        with SQLiteStore(db_path) as s:
+            assert s.stats()["schema_version"] == 2
+    assert calls == [1]
+    conn = sqlite3.connect(db_path)
+    assert "note" in [r[1] for r in conn.execute("PRAGMA table_info(responses)")]
+    conn.close()
+
+
+def test_failed_migration_rolls_back(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    SQLiteStore(db_path).close()
+
+    def broken(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE half_done (x)")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sqlite_module, "MIGRATIONS", [*sqlite_module.MIGRATIONS, broken])
+    with pytest.raises(RuntimeError):
+        SQLiteStore(db_path)
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchone() is None
+    conn.close()
+
+
+def test_refuses_newer_schema(db_path: Path) -> None:
+    SQLiteStore(db_path).close()
+    conn = sqlite3.connect(db_path)
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(SchemaTooNew):
+        SQLiteStore(db_path)
+
+
+def test_fresh_database_in_new_directory(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "state.db"
+    with SQLiteStore(path) as s:
+        assert s.stats()["schema_version"] == len(sqlite_module.MIGRATIONS)
+    assert path.exists()
