@@ -91,7 +91,10 @@ def _principal(request: Request, scope: str) -> Principal:
 async def health(request: Request) -> Response:
     app = _state(request)
     status = "shutting_down" if app.service.shutting_down else "ok"
-    models = {mid: {"busy": m.queue.busy, "pending": m.queue.pending} for mid, m in app.service.models.items()}
+    models = {
+        mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
+        for mid, m in app.service.models.items()
+    }
     return JSONResponse({"status": status, "version": __version__, "models": models},
                         status_code=503 if app.service.shutting_down else 200)
 

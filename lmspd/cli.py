@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from lmspd import __version__
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", action="append", default=[], dest="api_keys",
                        help="accept this bearer token (repeatable); required when not bound to loopback")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="requests that may wait for a busy model before 503 (default 32)")
 
     sub.add_parser("models", help="list the models lmspd can serve")
 
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
+    if args.max_queue is not None:
+        if args.max_queue < 0:
+            parser.error("--max-queue must be >= 0")
+        settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
     from lmspd.server import serve as run_server
 
     return run_server(settings)

@@ -17,12 +17,23 @@ from __future__ import annotations
 import enum
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Literal,
+    Mapping,
+    NamedTuple,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
 
 JSON = dict[str, Any]
 Order = Literal["asc", "desc"]
 
-TASK_STATUSES = frozenset({"queued", "in_progress", "completed", "failed", "cancelled", "incomplete"})
+TASK_STATUSES = frozenset(
+    {"queued", "in_progress", "completed", "failed", "cancelled", "incomplete"}
+)
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "incomplete"})
 # Responses and tasks in these states are pinned: no pruning, ever.
 ACTIVE_STATUSES = frozenset({"queued", "in_progress"})

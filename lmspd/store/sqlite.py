@@ -342,7 +342,9 @@ class SQLiteStore:
             body = _dumps(item)
             total += _size(body)
             item_id = item.get("id") if isinstance(item, dict) else None
-            rows.append((response_id, position, item_id if isinstance(item_id, str) else None, body))
+            if not isinstance(item_id, str):
+                item_id = None
+            rows.append((response_id, position, item_id, body))
         conn.executemany(
             "INSERT INTO response_items (response_id, kind, position, item_id, body) "
             "VALUES (?, 'output', ?, ?, ?)",
@@ -502,7 +504,8 @@ class SQLiteStore:
                     "ORDER BY kind, position",
                     (row["id"],),
                 ):
-                    (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
+                    bucket = inputs if item["kind"] == "input" else outputs
+                    bucket.append(json.loads(item["body"]))
                 links.append(ChainLink(inputs, outputs))
         return links
 
@@ -591,8 +594,8 @@ class SQLiteStore:
         with self._write() as conn:
             try:
                 conn.execute(
-                    "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, "
+                    "bytes) VALUES (?, ?, ?, ?, ?, ?)",
                     (conversation_id, owner, created, now, meta, _size(meta)),
                 )
             except sqlite3.IntegrityError:
@@ -758,7 +761,8 @@ class SQLiteStore:
                 conn.execute(
                     "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
                     "updated_at, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (task_id, owner, status, response_id, body, created, self._clock(), _size(body)),
+                    (task_id, owner, status, response_id, body, created, self._clock(),
+                     _size(body)),
                 )
             except sqlite3.IntegrityError:
                 raise Duplicate(f"task {task_id!r} already exists") from None
@@ -906,9 +910,8 @@ class SQLiteStore:
                 seq = task.last_seq + 1
                 name, data = build(task, seq)
                 self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
-                failed.append(
-                    self._task(conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone())
-                )
+                row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+                failed.append(self._task(row))
         return failed
 
     # --- idempotency keys -------------------------------------------------------------
@@ -964,7 +967,8 @@ class SQLiteStore:
     def idempotency_abandon(self, owner: str, key: str) -> bool:
         with self._write() as conn:
             cur = conn.execute(
-                "DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND state = 'in_progress'",
+                "DELETE FROM idempotency_keys "
+                "WHERE owner = ? AND key = ? AND state = 'in_progress'",
                 (owner, key),
             )
             return cur.rowcount == 1

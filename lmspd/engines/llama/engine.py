@@ -68,6 +68,7 @@ class GenerationStats:
     last_reused_tokens: int = 0
     last_prefilled_tokens: int = 0
     last_prefill_ms: float = 0.0
+    last_output_tokens: int = 0
 
 
 class LlamaEngine:
@@ -238,6 +239,7 @@ class LlamaEngine:
         while n_out < prepared.max_new_tokens:
             if cancel.cancelled:
                 usage.output_tokens = n_out
+                self.stats_.last_output_tokens = n_out
                 emit(self._cancelled(cancel, usage))
                 return
             token = sampler.sample(ctx, -1)
@@ -262,6 +264,7 @@ class LlamaEngine:
             if tail:
                 emit(TextDelta(tail))
         usage.output_tokens = n_out
+        self.stats_.last_output_tokens = n_out
         emit(Finished(reason, usage))
 
     def _cancelled(self, cancel: CancelToken, usage: Usage) -> EngineEvent:
@@ -320,6 +323,7 @@ class LlamaEngine:
             "last_cache_source": s.last_cache_source,
             "last_reused_tokens": s.last_reused_tokens,
             "last_prefilled_tokens": s.last_prefilled_tokens,
+            "last_output_tokens": s.last_output_tokens,
         }
 
     async def aclose(self) -> None:

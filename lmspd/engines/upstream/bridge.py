@@ -137,6 +137,11 @@ class BridgeDecoder:
     ``custom_tool_wrappers``: synthetic function name -> custom tool name; a
     call to the synthetic name is unwrapped from ``{"input": "<raw>"}`` and
     released as a ``kind="custom"`` call under the real name.
+
+    lmspd asks providers for one choice. ``limits.max_choices`` bounds what a
+    provider may send anyway; were it raised, text from every choice would
+    stream in arrival order and calls would be released ordered by (choice,
+    tool index) — one neutral stream has no notion of choices.
     """
 
     def __init__(
@@ -250,11 +255,11 @@ class BridgeDecoder:
             # No neutral refusal event yet; a refusal is visible text.
             out.append(TextDelta(delta.refusal))
         for fragment in delta.tool_calls:
-            self._fragment(choice.index, state, fragment)
+            self._fragment(state, fragment)
         if choice.finish_reason is not None:
             self._finish(state, choice.finish_reason)
 
-    def _fragment(self, choice_index: int, state: _Choice, fragment: ToolCallFragment) -> None:
+    def _fragment(self, state: _Choice, fragment: ToolCallFragment) -> None:
         limits = self._limits
         trailing = state.finish_reason is not None
         call = state.calls.get(fragment.index)

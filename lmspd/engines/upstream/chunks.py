@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Union
+from dataclasses import dataclass, field
+from typing import Any
 
 from lmspd.core.limits import UpstreamStreamLimits
 
@@ -27,13 +27,13 @@ from .errors import (
 from .sse import SSEDecoder, SSEEvent
 
 __all__ = [
+    "DONE",
     "ChatChunk",
     "ChatChunkDecoder",
     "ChatDelta",
     "ChunkChoice",
     "ChunkUsage",
     "Done",
-    "DONE",
     "ProviderError",
     "StreamItem",
     "ToolCallFragment",
@@ -64,7 +64,7 @@ class ChatDelta:
 @dataclass(frozen=True, slots=True)
 class ChunkChoice:
     index: int
-    delta: ChatDelta = ChatDelta()
+    delta: ChatDelta = field(default_factory=ChatDelta)
     finish_reason: str | None = None
 
 
@@ -102,7 +102,7 @@ class Done:
 
 
 DONE = Done()
-StreamItem = Union[ChatChunk, ProviderError, Done]
+StreamItem = ChatChunk | ProviderError | Done
 
 # Provider error text is kept for logs only; this much is enough.
 _MAX_PROVIDER_TEXT = 1024
@@ -221,9 +221,7 @@ def _usage(raw: Any) -> ChunkUsage | None:
         return None
     usage = _object(raw, "usage")
     prompt = _optional_object(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details")
-    completion = _optional_object(
-        usage.get("completion_tokens_details"), "usage.completion_tokens_details"
-    )
+    completion = _optional_object(usage.get("completion_tokens_details"), "usage.completion_tokens_details")
     return ChunkUsage(
         prompt_tokens=_count(usage, "prompt_tokens", "usage"),
         completion_tokens=_count(usage, "completion_tokens", "usage"),
@@ -281,9 +279,14 @@ def _choices(body: dict[str, Any]) -> tuple[ChunkChoice, ...]:
     return choices
 
 
+# One decoder for every chunk: json.loads would build a new one per call
+# because of parse_constant.
+_JSON = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def _parse_json(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return _JSON.decode(text)
     except (ValueError, RecursionError):
         # RecursionError: absurdly deep nesting inside an event we allowed.
         raise MalformedChunk("The upstream provider sent a chunk that is not valid JSON.") from None

@@ -3,7 +3,6 @@ tasks with resumable event logs, and idempotency keys."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sqlite3
 import subprocess
@@ -246,7 +245,9 @@ def test_input_items_duplicate_ids_still_page_forward(store: SQLiteStore) -> Non
 _page_counter = iter(range(10**9))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     n=st.integers(min_value=0, max_value=25),
     limit=st.integers(min_value=1, max_value=30),
@@ -342,7 +343,8 @@ def test_fail_interrupted_responses(store: SQLiteStore) -> None:
     store.put_response("alice", "resp_done", response_obj("resp_done"), [])
     error = {"code": "server_restarted", "message": "lmspd restarted"}
     assert sorted(store.fail_interrupted_responses(error)) == ["resp_q", "resp_r"]
-    assert store.get_response("alice", "resp_r") == {"id": "resp_r", "status": "failed", "error": error}
+    failed = store.get_response("alice", "resp_r")
+    assert failed == {"id": "resp_r", "status": "failed", "error": error}
     assert store.get_response("alice", "resp_done") == response_obj("resp_done")
     assert store.fail_interrupted_responses(error) == []
 
@@ -409,14 +411,17 @@ def test_conversation_owner_isolation(store: SQLiteStore) -> None:
 def test_task_round_trip_and_events(store: SQLiteStore) -> None:
     task = store.create_task("alice", "task_1", {"model": "m", "input": "hi"}, response_id="resp_t")
     assert isinstance(task, TaskRecord)
-    assert (task.status, task.last_seq, task.first_retained_seq, task.terminal) == ("queued", 0, 1, False)
+    assert (task.status, task.last_seq, task.first_retained_seq) == ("queued", 0, 1)
+    assert not task.terminal
     assert store.set_task_status("alice", "task_1", "in_progress") is True
-    store.append_event("task_1", 1, "response.created", {"response_id": "resp_t", "status": "in_progress"})
+    store.append_event("task_1", 1, "response.created", {"response_id": "resp_t"})
     store.append_events("task_1", [(2, "response.output_text.delta", {"delta": "a"}),
                                    (3, "response.output_text.delta", {"delta": "b"})])
     events = store.events_after("alice", "task_1", 0)
     assert [(e.seq, e.event) for e in events] == [
-        (1, "response.created"), (2, "response.output_text.delta"), (3, "response.output_text.delta"),
+        (1, "response.created"),
+        (2, "response.output_text.delta"),
+        (3, "response.output_text.delta"),
     ]
     assert events[1].data == {"delta": "a"}
     assert [e.seq for e in store.events_after("alice", "task_1", 1)] == [2, 3]
@@ -467,7 +472,9 @@ def test_event_seq_strictly_increasing(store: SQLiteStore) -> None:
         store.append_event("task_nope", 1, "x", {})
     # A bad final event rolls the status change back.
     with pytest.raises(SequenceError):
-        store.set_task_status("alice", "task_1", "completed", final_event=(5, "response.completed", {}))
+        store.set_task_status(
+            "alice", "task_1", "completed", final_event=(5, "response.completed", {})
+        )
     assert store.get_task("alice", "task_1").status == "in_progress"
     with pytest.raises(ValueError):
         store.events_after("alice", "task_1", -1)
@@ -521,7 +528,9 @@ def test_running_tasks_and_responses_are_never_pruned(db_path: Path, clock: Fake
         s.create_task("alice", "task_run", {"big": "x" * 1000}, status="in_progress")
         s.append_events("task_run", [(i, "delta", {"d": "y" * 100}) for i in range(1, 20)])
         s.create_task("alice", "task_q", {})
-        s.put_response("alice", "resp_bg", {"id": "resp_bg", "status": "in_progress"}, [user_msg("x")])
+        s.put_response(
+            "alice", "resp_bg", {"id": "resp_bg", "status": "in_progress"}, [user_msg("x")]
+        )
         s.put_response("alice", "resp_done", response_obj("resp_done"), [])
         clock.advance(10**6)
         removed = s.prune()
@@ -631,7 +640,8 @@ def test_idempotency_states(store: SQLiteStore) -> None:
     assert store.idempotency_finish("mallory", "key1", 200, b"x", {}) is False
 
     body = b'{"id":"resp_1","status":"completed"}'
-    assert store.idempotency_finish("alice", "key1", 200, body, {"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    assert store.idempotency_finish("alice", "key1", 200, body, headers)
     assert store.idempotency_finish("alice", "key1", 500, b"again", {}) is False  # only once
     replay = store.idempotency_begin("alice", "key1", "h1")
     assert replay.outcome is BeginOutcome.REPLAY
@@ -797,18 +807,23 @@ def test_crash_recovery_after_kill_9(db_path: Path) -> None:
         assert sorted(t.id for t in failed) == ["task_queued", "task_run"]
         run = s.get_task("alice", "task_run")
         assert run.status == "failed" and run.finished_at is not None
-        assert run.error == {"code": "server_restarted", "message": "lmspd restarted while the task ran"}
+        assert run.error == {
+            "code": "server_restarted", "message": "lmspd restarted while the task ran"
+        }
         events = s.events_after("alice", "task_run", 0)
         assert [e.seq for e in events] == [1, 2, 3, 4]
         assert events[-1].event == "response.failed"
-        assert events[-1].data == {"response_id": "resp_run", "status": "failed", "error": run.error}
+        assert events[-1].data == {
+            "response_id": "resp_run", "status": "failed", "error": run.error
+        }
         queued = s.get_task("bob", "task_queued")
         assert queued.status == "failed" and queued.last_seq == 1
         assert s.events_after("bob", "task_queued", 0)[0].data["response_id"] == "task_queued"
 
         done = s.get_task("alice", "task_done")
         assert done.status == "completed" and done.result == {"id": "resp_done"}
-        assert [e.event for e in s.events_after("alice", "task_done", 0)][-1] == "response.completed"
+        done_events = s.events_after("alice", "task_done", 0)
+        assert done_events[-1].event == "response.completed"
         assert s.get_response("alice", "resp_done") == {"id": "resp_done", "status": "completed"}
 
         assert s.fail_interrupted_responses({"code": "server_restarted"}) == ["resp_run"]
@@ -900,7 +915,8 @@ def test_failed_migration_rolls_back(db_path: Path, monkeypatch: pytest.MonkeyPa
         SQLiteStore(db_path)
     conn = sqlite3.connect(db_path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
-    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchone() is None
+    leftover = conn.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'")
+    assert leftover.fetchone() is None
     conn.close()
 
 

