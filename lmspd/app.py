@@ -1,4 +1,8 @@
-"""HTTP assembly: routes, error rendering per dialect, lifespan."""
+"""HTTP assembly: routes, error rendering per dialect, lifespan.
+
+Handlers live in ``lmspd.routes`` (responses, stored state, conversations)
+and ``lmspd.tasks.routes``; this module wires them up with the store.
+"""
 
 from __future__ import annotations
 
@@ -14,32 +18,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lmspd import __version__
-from lmspd.auth import Authenticator, Principal
-from lmspd.bodies import read_json_object
 from lmspd.config import Settings
 from lmspd.core.errors import ApiError
-from lmspd.core.ids import new_id
-from lmspd.dialects import lmsp, openai_responses
+from lmspd.dialects import lmsp
+from lmspd.routes import conversations, responses, stored
+from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
-from lmspd.streaming.session import ResponseState, StreamSession
-from lmspd.streaming.sse import SSE_DONE, SSE_HEADERS, dumps, sse_event
+from lmspd.store.base import Store
+from lmspd.streaming.sse import SSE_HEADERS, dumps
+from lmspd.tasks import routes as task_routes
+from lmspd.tasks.recovery import prune_forever, recover
 
 log = logging.getLogger("lmspd.http")
 
 LMSP_PREFIX = "/lmsp/"
-
-
-class LmspdApp:
-    """The application state every handler needs."""
-
-    def __init__(self, settings: Settings, service: Service) -> None:
-        self.settings = settings
-        self.service = service
-        self.auth = Authenticator(settings.api_keys)
-
-    @property
-    def limits(self):  # noqa: ANN201 - a RequestLimits
-        return self.settings.limits.request
 
 
 # -- errors ----------------------------------------------------------------------
@@ -77,15 +69,26 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 # -- handlers --------------------------------------------------------------------
 
+# Shared helpers under the names other route modules import from here.
+_state = app_state
+_principal = principal
+_run_to_end = run_to_end
 
-def _state(request: Request) -> LmspdApp:
-    return request.app.state.lmspd
 
+def _sse(
+    events: AsyncIterator[tuple[int, str, dict]],
+    frame: Callable[[int, str, dict], bytes],
+    *,
+    done: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        async for seq, name, data in events:
+            yield frame(seq, name, data)
+        if done is not None:
+            yield done
 
-def _principal(request: Request, scope: str) -> Principal:
-    principal = _state(request).auth.authenticate(request)
-    principal.require(scope)
-    return principal
+    return StreamingResponse(body(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
 async def health(request: Request) -> Response:
@@ -114,125 +117,78 @@ async def lmsp_models(request: Request) -> Response:
     data = []
     for m in _state(request).service.models.values():
         info = m.engine.info
-        caps = {"streaming": True, "conversations": False, "tasks": False, **info.capabilities}
+        # Stored responses, previous_response_id and tasks live in the store,
+        # not in an engine: every model has them.
+        caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
         data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps})
     return JSONResponse({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})
-
-
-async def openai_create_response(request: Request) -> Response:
-    app = _state(request)
-    _principal(request, "responses:write")
-    raw = await read_json_object(request, app.limits)
-    req = openai_responses.decode_request(raw, app.limits)
-    body = req.body
-    if body.background:
-        raise ApiError("unsupported_parameter", "Background responses are not supported yet.", param="background")
-    if body.previous_response_id is not None:
-        raise ApiError("response_not_found", f"Previous response {body.previous_response_id!r} not found.",
-                       param="previous_response_id")
-    if body.conversation is not None:
-        raise ApiError("conversation_not_found", "Conversations are not supported yet.", param="conversation")
-    run = app.service.begin(req.conversation)
-    state = ResponseState(id=new_id("resp"), model=req.conversation.model,
-                          echo=openai_responses.echo_fields(req))
-    session = StreamSession(state, openai_responses.OpenAIEncoder())
-    if req.stream:
-        return _sse(run.events(session), lambda seq, name, data: sse_event(name, data), done=SSE_DONE)
-    if not await _run_to_end(request, run.events(session)):
-        return Response(status_code=499)
-    if state.status == "failed":
-        raise ApiError(state.error["code"], state.error["message"])
-    return JSONResponse(openai_responses.response_json(state))
-
-
-async def lmsp_create_response(request: Request) -> Response:
-    app = _state(request)
-    lmsp.check_version(request.headers.get("lmsp-version"))
-    _principal(request, "responses:write")
-    raw = await read_json_object(request, app.limits)
-    req = lmsp.decode_request(raw, app.limits)
-    if req.body.previous_response_id is not None:
-        raise ApiError("response_not_found", f"Previous response {req.body.previous_response_id!r} not found.",
-                       param="previous_response_id")
-    run = app.service.begin(req.conversation)
-    state = ResponseState(id=new_id("resp"), model=req.conversation.model)
-    session = StreamSession(state, lmsp.LmspEncoder())
-    headers = {"LMSP-Version": lmsp.VERSION}
-    if req.stream:
-        return _sse(run.events(session), lambda seq, name, data: sse_event(name, data, seq), headers=headers)
-    if not await _run_to_end(request, run.events(session)):
-        return Response(status_code=499)
-    if state.status == "failed":
-        raise ApiError(state.error["code"], state.error["message"])
-    return JSONResponse(lmsp.response_json(state), headers=headers)
-
-
-def _sse(
-    events: AsyncIterator[tuple[int, str, dict]],
-    frame: Callable[[int, str, dict], bytes],
-    *,
-    done: bytes | None = None,
-    headers: dict[str, str] | None = None,
-) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        async for seq, name, data in events:
-            yield frame(seq, name, data)
-        if done is not None:
-            yield done
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
-
-
-async def _run_to_end(request: Request, events: AsyncIterator[Any]) -> bool:
-    """Drain a generation for a JSON reply, stopping it if the client leaves
-    (then return False: there is nobody to answer)."""
-
-    async def drain() -> None:
-        async for _ in events:
-            pass
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(drain())
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
-        return False
-    work.result()
-    return True
 
 
 # -- assembly --------------------------------------------------------------------
 
 
-def build_app(settings: Settings, service: Service) -> Starlette:
+def state_routes() -> list[Route]:
+    """Responses (both dialects), stored state, conversations and tasks."""
+    rid = "/{response_id}"
+    cid = "/v1/conversations/{conversation_id}"
+    tid = "/lmsp/v1/tasks/{task_id}"
+    return [
+        Route("/v1/responses", responses.openai_create_response, methods=["POST"]),
+        Route("/v1/responses" + rid, stored.openai_get_response, methods=["GET"]),
+        Route("/v1/responses" + rid, stored.openai_delete_response, methods=["DELETE"]),
+        Route("/v1/responses" + rid + "/cancel", stored.openai_cancel_response, methods=["POST"]),
+        Route("/v1/responses" + rid + "/input_items", stored.openai_input_items, methods=["GET"]),
+        Route("/v1/conversations", conversations.create_conversation, methods=["POST"]),
+        Route(cid, conversations.get_conversation, methods=["GET"]),
+        Route(cid, conversations.update_conversation, methods=["POST"]),
+        Route(cid, conversations.delete_conversation, methods=["DELETE"]),
+        Route(cid + "/items", conversations.add_items, methods=["POST"]),
+        Route(cid + "/items", conversations.list_items, methods=["GET"]),
+        Route(cid + "/items/{item_id}", conversations.get_item, methods=["GET"]),
+        Route(cid + "/items/{item_id}", conversations.delete_item, methods=["DELETE"]),
+        Route("/lmsp/v1/responses", responses.lmsp_create_response, methods=["POST"]),
+        Route("/lmsp/v1/responses" + rid, stored.lmsp_get_response, methods=["GET"]),
+        Route("/lmsp/v1/tasks", task_routes.lmsp_create_task, methods=["POST"]),
+        Route(tid, task_routes.get_task, methods=["GET"]),
+        Route(tid + "/events", task_routes.task_events, methods=["GET"]),
+        Route(tid + "/cancel", task_routes.cancel_task, methods=["POST"]),
+    ]
+
+
+def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
+    """The app owns ``store`` from here on: it recovers it at start, prunes
+    it while serving and closes it at shutdown."""
+    from lmspd.routes.compat import routes as compat_routes
+
     routes = [
+        *compat_routes(),  # /v1/chat/completions, /v1/messages (issue 7)
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", openai_models, methods=["GET"]),
-        Route("/v1/responses", openai_create_response, methods=["POST"]),
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
-        Route("/lmsp/v1/responses", lmsp_create_response, methods=["POST"]),
+        *state_routes(),
     ]
+    state = LmspdApp(settings, service, store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        service.shutdown()
-        await service.aclose()
+        # Before the first request: nothing a crash left running may look alive.
+        recover(store)
+        pruner = asyncio.create_task(prune_forever(store, settings.prune_interval_s))
+        try:
+            yield
+        finally:
+            pruner.cancel()
+            service.shutdown()
+            # Tasks have no connection for uvicorn to wait on: let them write
+            # their terminal events before the store closes.
+            await state.tasks.drain(settings.limits.shutdown_grace_s)
+            await service.aclose()
+            store.close()
 
     app = Starlette(
         routes=routes,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )
-    app.state.lmspd = LmspdApp(settings, service)
+    app.state.lmspd = state
     return app

@@ -29,12 +29,29 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
+    _engine_flags(serve)
+    store = serve.add_argument_group("stored state (responses, conversations, tasks and their events)")
+    store.add_argument("--response-retention-s", type=float, default=None,
+                       help="keep stored responses this long (default 30 days)")
+    store.add_argument("--task-retention-s", type=float, default=None,
+                       help="keep finished tasks and their results this long (default 7 days)")
+    store.add_argument("--event-retention-s", type=float, default=None,
+                       help="keep a finished task's events for resuming this long (default 1 day)")
+    store.add_argument("--max-response-mib", type=float, default=None,
+                       help="total size of stored responses before the oldest go (default 512)")
+    store.add_argument("--max-event-mib", type=float, default=None,
+                       help="total size of task event logs before the oldest go (default 256)")
+    store.add_argument("--prune-interval-s", type=float, default=None,
+                       help="how often expired state is removed (default 60)")
 
     sub.add_parser("models", help="list the models lmspd can serve")
+    _config_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "models":
         return _models()
+    if args.command == "config":
+        return _config(args)
     settings = Settings(
         host=args.host, port=args.port, model=args.model, ctx=args.ctx, threads=args.threads,
         api_keys=args.api_keys, log_level=args.log_level,
@@ -45,9 +62,100 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
         settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
+    _apply_retention(parser, args, settings)
+    _apply_engine(parser, args, settings)
     from lmspd.server import serve as run_server
 
     return run_server(settings)
+
+
+def _apply_retention(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    changes: dict[str, float | int] = {}
+    for flag, field, scale in (("response_retention_s", "response_ttl_s", 1), ("task_retention_s", "task_ttl_s", 1),
+                               ("event_retention_s", "event_ttl_s", 1),
+                               ("max_response_mib", "max_response_bytes", 1024 * 1024),
+                               ("max_event_mib", "max_event_bytes", 1024 * 1024)):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if value <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
+        changes[field] = int(value * scale) if scale != 1 else value
+    settings.retention = replace(settings.retention, **changes)
+    if args.prune_interval_s is not None:
+        if args.prune_interval_s <= 0:
+            parser.error("--prune-interval-s must be > 0")
+        settings.prune_interval_s = args.prune_interval_s
+
+
+def _engine_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("engines (what serves the model)")
+    group.add_argument("--engine", choices=["llama", "upstream"], default="llama",
+                       help="llama: a local GGUF (--model); upstream: a Chat Completions provider")
+    group.add_argument("--upstream-url", action="append", default=[], dest="upstream_urls", metavar="URL",
+                       help="the provider's API base, e.g. http://127.0.0.1:8000/v1 (repeatable: several "
+                            "endpoints, health-checked and load-balanced)")
+    group.add_argument("--upstream-model", default=None, metavar="NAME", help="the provider's name for the model")
+    group.add_argument("--served-model", default=None, metavar="ID",
+                       help="the model id clients use (default: --upstream-model, or the GGUF's id)")
+    group.add_argument("--upstream-profile", default="generic", choices=["generic", "openai", "llama-cpp-python"],
+                       help="provider dialect quirks (default generic: vLLM, SGLang, llama-server, Ollama)")
+    group.add_argument("--upstream-idle-timeout", type=float, default=None, metavar="SECONDS",
+                       help="fail a provider stream that sends nothing for this long (default 120)")
+    group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
+                       help="a TOML/JSON file mapping served model ids to engines (instead of the flags above)")
+
+
+def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    settings.engine = args.engine
+    settings.served_model = args.served_model
+    settings.upstream_urls = list(args.upstream_urls)
+    settings.upstream_model = args.upstream_model
+    settings.upstream_profile = args.upstream_profile
+    if args.upstream_idle_timeout is not None:
+        if args.upstream_idle_timeout <= 0:
+            parser.error("--upstream-idle-timeout must be > 0")
+        settings.upstream_idle_timeout_s = args.upstream_idle_timeout
+    if args.config_file is not None:
+        if args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model:
+            parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
+        settings.config_file = args.config_file.expanduser()
+    elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):
+        parser.error("--engine upstream needs --upstream-url and --upstream-model")
+    elif args.engine == "llama" and (args.upstream_urls or args.upstream_model):
+        parser.error("--upstream-url/--upstream-model need --engine upstream")
+
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    config = sub.add_parser("config", help="manage saved settings (the upstream provider key)")
+    actions = config.add_subparsers(dest="action", required=True)
+    for name, text in (("set-key", "save the upstream provider key (read from stdin, never from the command line)"),
+                       ("clear-key", "remove a saved upstream provider key")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("--data-dir", type=Path, default=None)
+        action.add_argument("--name", default="default", help="a name, for several providers (default: default)")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from lmspd.engines.upstream.credentials import CredentialError, clear_key, save_key
+
+    data_dir = (args.data_dir or Settings().data_dir).expanduser()
+    try:
+        if args.action == "clear-key":
+            print("removed" if clear_key(data_dir, args.name) else "no saved key", file=sys.stderr)
+            return 0
+        if sys.stdin.isatty():
+            import getpass
+
+            value = getpass.getpass("upstream API key: ")
+        else:
+            value = sys.stdin.readline()
+        path = save_key(data_dir, value, args.name)
+    except CredentialError as exc:
+        print(f"lmspd: {exc}", file=sys.stderr)
+        return 2
+    print(f"saved to {path} (readable by you only)", file=sys.stderr)
+    return 0
 
 
 def _models() -> int:

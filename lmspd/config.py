@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
+from lmspd.store.base import Retention
 
 
 @dataclass
@@ -21,6 +22,19 @@ class Settings:
     api_keys: list[str] = field(default_factory=list)
     log_level: str = "info"
     limits: Limits = DEFAULT_LIMITS
+    # Which engine serves the model the flags name (lmspd.engines.specs):
+    # "llama" serves --model; "upstream" a Chat Completions provider.
+    engine: str = "llama"
+    served_model: str | None = None
+    upstream_urls: list[str] = field(default_factory=list)
+    upstream_model: str | None = None
+    upstream_profile: str = "generic"
+    upstream_idle_timeout_s: float | None = None
+    # A TOML/JSON file mapping served model ids to engines, instead of the above.
+    config_file: Path | None = None
+    # How long and how much the store keeps (responses, tasks, event logs).
+    retention: Retention = field(default_factory=Retention)
+    prune_interval_s: float = 60.0
 
     @property
     def loopback(self) -> bool:

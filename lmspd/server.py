@@ -11,6 +11,7 @@ import uvicorn
 from lmspd.app import build_app
 from lmspd.config import Settings
 from lmspd.service import Service
+from lmspd.store.base import Store
 
 log = logging.getLogger("lmspd")
 
@@ -53,12 +54,13 @@ def serve(settings: Settings) -> int:
         )
         return 2
     try:
+        store = open_store(settings)
         service = build_service(settings)
-    except Exception as exc:  # a bad --model is the user's to fix: say so plainly
+    except Exception as exc:  # a bad --model or data dir is the user's to fix: say so plainly
         print(f"lmspd: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
-        build_app(settings, service),
+        build_app(settings, service, store),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -71,12 +73,19 @@ def serve(settings: Settings) -> int:
     return 0
 
 
-def build_service(settings: Settings) -> Service:
-    from lmspd.engines.llama.engine import LlamaEngine
-    from lmspd.engines.llama.models import resolve_model
+def open_store(settings: Settings) -> Store:
+    from lmspd.store.sqlite import SQLiteStore
 
-    model_id, path = resolve_model(settings.model)
-    log.info("loading %s from %s", model_id, path)
+    return SQLiteStore(settings.data_dir / "lmspd.sqlite3", retention=settings.retention)
+
+
+def build_service(settings: Settings) -> Service:
+    # The models and their engines: --config FILE, or the one the flags name.
+    from lmspd.engines.specs import build_engine, specs_from_settings
+
     service = Service(settings.limits)
-    service.add_engine(LlamaEngine(model_id, path, n_ctx=settings.ctx, n_threads=settings.threads))
+    for spec in specs_from_settings(settings):
+        engine = build_engine(spec, settings)
+        log.info("serving %s from %s", engine.info.id, engine.info.source)
+        service.add_engine(engine)
     return service

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
@@ -33,7 +33,8 @@ class Service:
         self._active: set[CancelToken] = set()
 
     def add_engine(self, engine: Engine) -> None:
-        self.models[engine.info.id] = ServedModel(engine, ModelQueue(self.limits.queue))
+        queue = ModelQueue(self.limits.queue, concurrency=getattr(engine.info, "max_concurrency", 1))
+        self.models[engine.info.id] = ServedModel(engine, queue)
 
     def model(self, model_id: str) -> ServedModel:
         served = self.models.get(model_id)
@@ -79,22 +80,58 @@ class Run:
         self.prepared = prepared
         self.ticket = ticket
         self.cancel = CancelToken()
+        # True once the model is ours: before that, a cancel must leave the
+        # queue (nothing would ever poll the token while we wait there).
+        self.started = False
+        self._opened = False
 
-    async def events(self, session: StreamSession) -> AsyncIterator[WireEvent]:
+    async def open(self) -> None:
+        """Reach the model before any response byte is sent, for engines that
+        must: the upstream engine checks its provider's status and content
+        type here, so that a refusal is still an HTTP error reply (an
+        ``ApiError``), not a broken stream. Takes the queue slot first. A
+        no-op for engines without ``open``; ``events`` calls it when the
+        handler did not (a refusal then becomes ``response.failed``)."""
+        opener = getattr(self.engine, "open", None)
+        if opener is None or self._opened:
+            return
+        self._opened = True
+        try:
+            await self.ticket.wait()
+            await opener(self.prepared, self.cancel)
+        except BaseException:
+            self.ticket.release()
+            raise
+
+    async def events(
+        self, session: StreamSession, on_start: Callable[[], None] | None = None
+    ) -> AsyncIterator[WireEvent]:
         """The whole lifecycle; always ends with the session's terminal event
-        unless the consumer itself goes away (then generation stops)."""
+        unless the consumer itself goes away (then generation stops).
+        ``on_start`` runs when the queue lets this run reach the model (a
+        background task records that it is no longer queued)."""
         service = self._service
         service._active.add(self.cancel)
         try:
             for wire in session.start():
                 yield wire
             async with self.ticket:
+                self.started = True
                 if service.shutting_down:
                     self.cancel.cancel("shutdown")
                 if self.cancel.cancelled and self.cancel.reason == "shutdown":
                     for wire in session.fail("server_shutting_down", "The server is shutting down."):
                         yield wire
                     return
+                progress = session.begin_progress() if session.state.status == "queued" else []
+                if on_start is not None:
+                    on_start()
+                for wire in progress:
+                    yield wire
+                # The engine remembers which response its KV state belongs to
+                # (previous_response_id continues from it).
+                self.prepared.response_id = session.state.id
+                await self.open()
                 async for event in self.engine.generate(self.prepared, self.cancel):
                     for wire in session.handle(event):
                         yield wire

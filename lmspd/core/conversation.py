@@ -131,3 +131,17 @@ class Conversation:
     # Routing/caching hints; engines may use them, none may require them.
     prompt_cache_key: str | None = None
     previous_response_id: str | None = None
+    # False: neither reuse nor remember KV state for this request.
+    cache_reuse: bool = True
+
+
+def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:
+    """``(index, call_id)`` of tool outputs with no earlier call in ``items``."""
+    seen: set[str] = set()
+    orphans: list[tuple[int, str]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, ToolCall):
+            seen.add(item.call_id)
+        elif isinstance(item, ToolOutput) and item.call_id not in seen:
+            orphans.append((i, item.call_id))
+    return orphans

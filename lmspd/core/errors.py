@@ -22,6 +22,9 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "unsupported_version": (400, "Unsupported LMSP version", "invalid_request_error"),
     "model_not_found": (404, "Model not found", "not_found_error"),
     "response_not_found": (404, "Response not found", "not_found_error"),
+    # previous_response_id names something the request cannot build on: a 400
+    # (the request is wrong), as OpenAI answers it, not a 404 of the route.
+    "previous_response_not_found": (400, "Previous response not found", "invalid_request_error"),
     "conversation_not_found": (404, "Conversation not found", "not_found_error"),
     "task_not_found": (404, "Task not found", "not_found_error"),
     "not_found": (404, "Not found", "not_found_error"),
@@ -36,7 +39,11 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "server_shutting_down": (503, "Server shutting down", "server_error"),
     "upstream_error": (502, "Upstream error", "server_error"),
     "upstream_timeout": (504, "Upstream timeout", "server_error"),
+    # The provider refused this request (4xx): not worth retrying as is.
+    "upstream_rejected_request": (400, "Upstream rejected the request", "invalid_request_error"),
     "server_error": (500, "Internal server error", "server_error"),
+    # A task or background response cut off by a crash or restart.
+    "server_restarted": (500, "Server restarted", "server_error"),
     "invalid_tool_call": (500, "Invalid tool call", "model_error"),
     "undeclared_tool": (502, "Undeclared tool", "model_error"),
 }
@@ -45,6 +52,16 @@ _CODES: dict[str, tuple[int, str, str]] = {
 # Codes minted elsewhere (an engine's failure codes such as upstream_timeout)
 # still render; they are server-side failures.
 _UNKNOWN = (500, "Server error", "server_error")
+# The upstream engine's many typed codes (upstream_connection_lost,
+# upstream_sse_line_too_long, ...) are all a bad gateway to the client.
+_UPSTREAM = (502, "Upstream error", "server_error")
+
+
+def _lookup(code: str) -> tuple[int, str, str]:
+    found = _CODES.get(code)
+    if found is not None:
+        return found
+    return _UPSTREAM if code.startswith("upstream_") else _UNKNOWN
 
 
 @dataclass
@@ -59,16 +76,16 @@ class ApiError(Exception):
 
     def __post_init__(self) -> None:
         if self.status is None:
-            self.status = _CODES.get(self.code, _UNKNOWN)[0]
+            self.status = _lookup(self.code)[0]
         super().__init__(self.message)
 
     @property
     def title(self) -> str:
-        return _CODES.get(self.code, _UNKNOWN)[1]
+        return _lookup(self.code)[1]
 
     @property
     def openai_type(self) -> str:
-        return _CODES.get(self.code, _UNKNOWN)[2]
+        return _lookup(self.code)[2]
 
     def problem(self) -> dict:
         """RFC 9457 problem document (LMSP)."""
@@ -94,9 +111,35 @@ class ApiError(Exception):
             }
         }
 
+    @property
+    def anthropic_type(self) -> str:
+        return _anthropic_type(self.status or 500)
+
+    def anthropic(self) -> dict:
+        """Anthropic ``{"type": "error", "error": {...}}`` body (``/v1/messages``)."""
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
     def short(self) -> dict:
         """``{code, message}`` as carried inside a failed Response object."""
         return {"code": self.code, "message": self.message}
+
+
+# Anthropic names its error types by HTTP status, not by cause; anything not
+# listed is a client error (4xx) or an ``api_error`` (5xx).
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def _anthropic_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

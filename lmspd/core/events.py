@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 ToolKind = Literal["function", "custom"]
-FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+# ``content_filter``: the provider stopped the output with its own filter.
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,8 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class Finished:
     """Generation ended normally (``stop``/``tool_calls``), by the token cap
-    (``length``) or because it was cancelled."""
+    (``length``), by a provider's content filter (``content_filter``) or
+    because it was cancelled."""
 
     reason: FinishReason
     usage: Usage = field(default_factory=Usage)

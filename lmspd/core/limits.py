@@ -23,6 +23,9 @@ class RequestLimits:
     max_metadata_value_chars: int = 512
     max_stop_sequences: int = 4
     max_header_bytes: int = 64 * 1024
+    # Calls one turn may make when parallel_tool_calls allows several (small
+    # models otherwise repeat a forced call until max_output_tokens).
+    max_parallel_tool_calls: int = 4
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,20 @@ from typing import Any, Union
 
 from pydantic import Field, ValidationError
 
-from lmspd.core.conversation import Conversation, CustomTool, Message, Reasoning, Sampling, ToolCall
+from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, Sampling, ToolCall
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming.session import ResponseState
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
+    StoredContext,
     Strict,
-    check_tool_outputs,
     decode_items,
     decode_json_format,
     decode_tool_choice,
     decode_tools,
+    stored_history,
     validation_error,
 )
 
@@ -60,10 +61,15 @@ class LmspCreateResponse(Strict):
 
 
 class LmspRequest:
-    def __init__(self, body: LmspCreateResponse, conversation: Conversation, extensions: Extensions) -> None:
+    """``input_items`` is this request's own input; ``conversation.items``
+    puts the stored ``previous_response_id`` chain before it."""
+
+    def __init__(self, body: LmspCreateResponse, conversation: Conversation, extensions: Extensions,
+                 input_items: list[Item]) -> None:
         self.body = body
         self.conversation = conversation
         self.extensions = extensions
+        self.input_items = input_items
 
     @property
     def stream(self) -> bool:
@@ -73,14 +79,25 @@ class LmspRequest:
     def store(self) -> bool:
         return self.body.store
 
+    # LMSP runs in the background through tasks, not a request flag, and has
+    # no conversations object.
+    background = False
+    conversation_id = None
 
-def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: Any) -> LmspRequest:
+    @property
+    def previous_response_id(self) -> str | None:
+        return self.body.previous_response_id
+
+
+def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
+                   context: StoredContext | None = None) -> LmspRequest:
     try:
         body = LmspCreateResponse.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
-    items = decode_items(body.input, limits, **item_options)
-    check_tool_outputs(items)
+    items = decode_items(body.input, limits,
+                         resolve_reference=context.resolve_reference if context is not None else None)
+    history = stored_history(context, body.previous_response_id, None)
     tools = decode_tools(body.tools, limits)
     for i, tool in enumerate(tools):
         if isinstance(tool, CustomTool):
@@ -89,7 +106,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: A
     extensions = decode_extensions(body.extensions)
     conversation = Conversation(
         model=body.model,
-        items=items,
+        items=history + items,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
@@ -97,8 +114,9 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: A
         sampling=Sampling(temperature=body.temperature, top_p=body.top_p, seed=extensions.seed),
         max_output_tokens=body.max_output_tokens,
         previous_response_id=body.previous_response_id,
+        cache_reuse=extensions.cache_reuse,
     )
-    return LmspRequest(body, conversation, extensions)
+    return LmspRequest(body, conversation, extensions, items)
 
 
 # -- encoding --------------------------------------------------------------------
@@ -171,3 +189,43 @@ class LmspEncoder:
         # in_progress, content parts, argument deltas, reasoning text: not in
         # LMSP 1.0's event set; the items arrive whole in output_item.done.
         return None
+
+
+def state_from_log(
+    events: list[tuple[str, dict[str, Any]]], *, model: str, created_at: int
+) -> tuple[ResponseState, int | None]:
+    """Replay a stream's events (as ``LmspEncoder`` wrote them) into the
+    response they describe, and the index of the item still open, if any.
+    LMSP events carry neither the model nor the creation time: the caller
+    knows them from the task."""
+    from .openai_responses import output_item
+
+    state: ResponseState | None = None
+    open_index: int | None = None
+    by_id: dict[str, int] = {}
+    for name, data in events:
+        if name == "response.created":
+            state = ResponseState(id=data["response_id"], model=model, created_at=created_at,
+                                  status="in_progress")
+            continue
+        if state is None:
+            continue
+        if name in ("response.output_item.added", "response.output_item.done"):
+            index = data["output_index"]
+            item = output_item({**data["item"], "status": "in_progress" if name.endswith("added") else "completed"})
+            if index == len(state.output):
+                state.output.append(item)
+            else:
+                state.output[index] = item
+            if item.id:
+                by_id[item.id] = index
+            if name.endswith("added") and isinstance(item, (Message, Reasoning)):
+                open_index = index
+            elif open_index == index:
+                open_index = None
+        elif name == "response.output_text.delta":
+            item = state.output[by_id[data["item_id"]]]
+            item.text += data["delta"]
+    if state is None:
+        raise ValueError("the log has no response.created event")
+    return state, open_index

@@ -12,20 +12,22 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError
 
-from lmspd.core.conversation import Conversation, Message, Reasoning, Sampling, ToolCall
+from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Sampling, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.events import Usage
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming.session import ResponseState
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
     Lenient,
+    StoredContext,
     Strict,
-    check_tool_outputs,
     decode_items,
     decode_json_format,
     decode_tool_choice,
     decode_tools,
+    stored_history,
     validation_error,
 )
 
@@ -90,12 +92,16 @@ class CreateResponse(Strict):
 
 class DecodedRequest:
     """A decoded /v1/responses request: the neutral conversation plus what
-    the dialect echoes back and how the response is to be delivered."""
+    the dialect echoes back and how the response is to be delivered.
+    ``input_items`` is this request's own input; ``conversation.items`` puts
+    the stored history (previous response chain, conversation) before it."""
 
-    def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions) -> None:
+    def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions,
+                 input_items: list[Item]) -> None:
         self.body = body
         self.conversation = conversation
         self.extensions = extensions
+        self.input_items = input_items
 
     @property
     def stream(self) -> bool:
@@ -105,23 +111,46 @@ class DecodedRequest:
     def store(self) -> bool:
         return self.body.store is not False
 
+    @property
+    def background(self) -> bool:
+        return bool(self.body.background)
 
-def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: Any) -> DecodedRequest:
+    @property
+    def previous_response_id(self) -> str | None:
+        return self.body.previous_response_id
+
+    @property
+    def conversation_id(self) -> str | None:
+        return conversation_id(self.body.conversation)
+
+
+def conversation_id(raw: str | dict[str, Any] | None) -> str | None:
+    if raw is None or isinstance(raw, str):
+        return raw
+    conv_id = raw.get("id")
+    if not isinstance(conv_id, str) or not conv_id:
+        raise invalid("'conversation.id' must be a non-empty string.", "conversation.id")
+    return conv_id
+
+
+def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
+                   context: StoredContext | None = None) -> DecodedRequest:
     try:
         body = CreateResponse.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
     _refuse_unhonourable(body)
     _check_metadata(body.metadata, limits)
-    items = decode_items(body.input, limits, **item_options)
-    check_tool_outputs(items)
+    items = decode_items(body.input, limits,
+                         resolve_reference=context.resolve_reference if context is not None else None)
+    history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
     tools = decode_tools(body.tools, limits)
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")
     extensions = decode_extensions(body.extensions)
     conversation = Conversation(
         model=body.model,
-        items=items,
+        items=history + items,
         instructions=body.instructions,
         tools=tools,
         tool_choice=choice,
@@ -134,8 +163,9 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, **item_options: A
         include_encrypted_reasoning="reasoning.encrypted_content" in (body.include or []),
         prompt_cache_key=body.prompt_cache_key,
         previous_response_id=body.previous_response_id,
+        cache_reuse=extensions.cache_reuse,
     )
-    return DecodedRequest(body, conversation, extensions)
+    return DecodedRequest(body, conversation, extensions, items)
 
 
 def _refuse_unhonourable(body: CreateResponse) -> None:
@@ -196,10 +226,20 @@ def echo_fields(req: DecodedRequest) -> dict[str, Any]:
     }
     if b.prompt_cache_retention is not None:
         echo["prompt_cache_retention"] = b.prompt_cache_retention
-    if b.conversation is not None:
-        conv_id = b.conversation if isinstance(b.conversation, str) else b.conversation.get("id")
-        echo["conversation"] = {"id": conv_id}
+    if req.conversation_id is not None:
+        echo["conversation"] = {"id": req.conversation_id}
     return echo
+
+
+# What a Response reports for a request that did not come through this
+# dialect (an LMSP response read back here): every required key, neutral values.
+DEFAULT_ECHO: dict[str, Any] = {
+    "instructions": None, "max_output_tokens": None, "max_tool_calls": None, "metadata": {},
+    "parallel_tool_calls": True, "previous_response_id": None, "prompt_cache_key": None, "reasoning": None,
+    "safety_identifier": None, "service_tier": "default", "store": True, "background": False,
+    "temperature": 1.0, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+    "top_logprobs": 0, "top_p": 1.0, "truncation": "disabled", "user": None,
+}
 
 
 # -- encoding --------------------------------------------------------------------
@@ -235,6 +275,20 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
     return out
 
 
+def input_item_json(item: Item) -> dict[str, Any]:
+    """A request's input item as stored and listed (``input_items``,
+    conversation items): the shapes the ``openai`` SDK's ``ResponseItem`` reads."""
+    if isinstance(item, Message) and item.role != "assistant":
+        return {"id": item.id, "type": "message", "role": item.role, "status": "completed",
+                "content": [{"type": "input_text", "text": item.text}]}
+    if isinstance(item, Message):
+        return item_json(Message(role="assistant", text=item.text, id=item.id, phase=item.phase))
+    if isinstance(item, ToolOutput):
+        kind = "custom_tool_call_output" if item.kind == "custom" else "function_call_output"
+        return {"id": item.id, "type": kind, "call_id": item.call_id, "output": item.output, "status": "completed"}
+    return item_json(item)
+
+
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -267,8 +321,90 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
     }
+    body.update(DEFAULT_ECHO)
     body.update(state.echo)
     return body
+
+
+# -- reading back ------------------------------------------------------------------
+#
+# Stored responses are kept as this dialect's Response objects (the richest
+# shape: every echo field, item status, usage details); these rebuild the
+# neutral state from one, or from a task's event log, for either dialect to
+# render again.
+
+_RESPONSE_KEYS = {"id", "object", "created_at", "status", "completed_at", "error", "incomplete_details",
+                  "model", "output", "usage", "frequency_penalty", "presence_penalty"}
+
+
+def output_item(data: dict[str, Any]) -> Message | ToolCall | Reasoning:
+    """A stored output item (``item_json``) as a neutral item, status kept."""
+    (item,) = decode_items([data], RequestLimits(max_text_chars=2**62), path="output")
+    assert isinstance(item, (Message, ToolCall, Reasoning)), item
+    item.status = data.get("status") or "completed"
+    return item
+
+
+def state_from_json(body: dict[str, Any]) -> ResponseState:
+    """The inverse of ``response_json``."""
+    u = body.get("usage")
+    usage = None
+    if u:
+        usage = Usage(
+            input_tokens=u.get("input_tokens", 0),
+            output_tokens=u.get("output_tokens", 0),
+            cached_tokens=(u.get("input_tokens_details") or {}).get("cached_tokens", 0),
+            cache_write_tokens=(u.get("input_tokens_details") or {}).get("cache_write_tokens", 0),
+            reasoning_tokens=(u.get("output_tokens_details") or {}).get("reasoning_tokens", 0),
+        )
+    return ResponseState(
+        id=body["id"],
+        model=body.get("model", ""),
+        created_at=body.get("created_at", 0),
+        status=body.get("status", "completed"),
+        output=[output_item(i) for i in body.get("output") or []],
+        usage=usage,
+        error=body.get("error"),
+        incomplete_reason=(body.get("incomplete_details") or {}).get("reason"),
+        completed_at=body.get("completed_at"),
+        echo={k: v for k, v in body.items() if k not in _RESPONSE_KEYS},
+    )
+
+
+def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseState, int | None]:
+    """Replay a stream's events (as ``OpenAIEncoder`` wrote them) into the
+    response they describe; also the index of the item still receiving
+    deltas, if any. For closing a log that a crash cut off."""
+    state: ResponseState | None = None
+    open_index: int | None = None
+    for _, data in events:
+        kind = data.get("type", "")
+        index = data.get("output_index")
+        if "response" in data:
+            output = state.output if state is not None else []
+            state = state_from_json(data["response"])
+            state.output = output
+            continue
+        if state is None:
+            continue
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            item = output_item(data["item"])
+            if index == len(state.output):
+                state.output.append(item)
+            else:
+                state.output[index] = item
+            if kind.endswith(".done") and open_index == index:
+                open_index = None
+        elif kind == "response.content_part.added":
+            open_index = index
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            item = state.output[index]
+            item.text = (item.text or "") + data["delta"]
+        elif kind in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
+            state.output[index].payload += data["delta"]
+    if state is None:
+        raise ValueError("the log has no response.created event")
+    return state, open_index
 
 
 class OpenAIEncoder:

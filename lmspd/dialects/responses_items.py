@@ -9,7 +9,7 @@ items verbatim, with whatever fields a newer API version put on them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal, Protocol, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +26,31 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
+
+
+class StoredContext(Protocol):
+    """What the store lends a request's decoding (``lmspd.history``): the
+    items a ``previous_response_id`` or ``conversation`` stands for, and the
+    item an ``item_reference`` names. Each raises ``ApiError`` naming what it
+    could not find."""
+
+    def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]: ...
+
+    def resolve_reference(self, item_id: str, where: str) -> Item: ...
+
+
+def stored_history(
+    context: StoredContext | None, previous_response_id: str | None, conversation_id: str | None
+) -> list[Item]:
+    if previous_response_id is None and conversation_id is None:
+        return []
+    if context is None:
+        # Decoding without a store (tools, tests): nothing can be continued.
+        if previous_response_id is not None:
+            raise ApiError("previous_response_not_found",
+                           f"Previous response {previous_response_id!r} not found.", param="previous_response_id")
+        raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.", param="conversation")
+    return context.history(previous_response_id, conversation_id)
 
 
 class Lenient(BaseModel):
@@ -210,11 +235,11 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
         _check_text(text, f"{where}.content", limits)
         return Message(role=parsed.role, text=text, id=parsed.id, phase=parsed.phase)
     if isinstance(parsed, FunctionCallIn):
-        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.arguments,
-                        kind="function", namespace=parsed.namespace, id=parsed.id)
+        return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
+                        payload=parsed.arguments, kind="function", namespace=parsed.namespace, id=parsed.id)
     if isinstance(parsed, CustomToolCallIn):
-        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.input,
-                        kind="custom", namespace=parsed.namespace, id=parsed.id)
+        return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
+                        payload=parsed.input, kind="custom", namespace=parsed.namespace, id=parsed.id)
     if isinstance(parsed, ToolOutputIn):
         output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits)
         _check_text(output, f"{where}.output", limits)
@@ -229,24 +254,15 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
     )
 
 
+def _namespaced(name: str, namespace: str | None) -> str:
+    """Calls of a namespace tool's functions are offered and replayed under
+    ``namespace__name`` (see ``decode_tools``)."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
 def _check_text(text: str, path: str, limits: RequestLimits) -> None:
     if len(text) > limits.max_text_chars:
         raise invalid(f"'{path}' is {len(text)} characters; the limit is {limits.max_text_chars}.", path)
-
-
-def check_tool_outputs(items: list[Item]) -> None:
-    """A tool output must answer a call present earlier in the replayed history."""
-    seen: set[str] = set()
-    for i, item in enumerate(items):
-        if isinstance(item, ToolCall):
-            seen.add(item.call_id)
-        elif isinstance(item, ToolOutput) and item.call_id not in seen:
-            raise invalid(
-                f"No tool call found for the tool output with call_id {item.call_id!r} (input[{i}]). "
-                "Replay the full history: include the function_call item that produced this call_id "
-                "before its output.",
-                f"input[{i}].call_id",
-            )
 
 
 # -- tools -----------------------------------------------------------------------

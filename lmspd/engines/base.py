@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
@@ -30,6 +30,9 @@ class ModelInfo:
     owned_by: str = "lmspd"
     # Where the weights live or which provider serves them (never a secret).
     source: str = ""
+    # Generations the engine runs at once: 1 for an embedded model; a remote
+    # provider batches requests itself, so the upstream engine takes many.
+    max_concurrency: int = 1
 
 
 class CancelToken:
@@ -38,11 +41,25 @@ class CancelToken:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason: str = "cancelled"
+        self._callbacks: list[Callable[[], None]] = []
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
+            for callback in list(self._callbacks):
+                callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (on the cancelling thread) when cancelled, for an
+        engine that waits on I/O rather than polling; returns its remover."""
+        self._callbacks.append(callback)
+
+        def remove() -> None:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+        return remove
 
     @property
     def cancelled(self) -> bool:
@@ -54,6 +71,8 @@ class Prepared(Protocol):
     tokens counted, limits checked) — made before any byte is sent."""
 
     input_tokens: int
+    # The response this generation produces; set just before it runs.
+    response_id: str | None
 
 
 class Engine(Protocol):
@@ -76,7 +95,8 @@ class Engine(Protocol):
 
 
 class ModelQueue:
-    """FIFO admission to a model that runs one generation at a time.
+    """FIFO admission to a model that runs ``concurrency`` generations at a
+    time (one, for an embedded model).
 
     ``admit()`` is synchronous so that an overloaded server answers 503
     before any response header is sent; the returned ticket then waits for
@@ -84,10 +104,11 @@ class ModelQueue:
     the queue without ever running.
     """
 
-    def __init__(self, limits: QueueLimits) -> None:
+    def __init__(self, limits: QueueLimits, concurrency: int = 1) -> None:
         self._limits = limits
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._busy = False
+        self._concurrency = max(1, concurrency)
+        self._running = 0
 
     @property
     def pending(self) -> int:
@@ -95,31 +116,41 @@ class ModelQueue:
 
     @property
     def busy(self) -> bool:
-        return self._busy
+        """Something is generating (not: no room left)."""
+        return self._running > 0
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def _full(self) -> bool:
+        return self._running >= self._concurrency
 
     def admit(self) -> "QueueTicket":
-        if self._busy and len(self._waiters) >= self._limits.max_pending:
+        if self._full and len(self._waiters) >= self._limits.max_pending:
             raise ApiError(
                 "server_overloaded",
                 f"The model is busy and {self.pending} requests are already waiting; retry later.",
                 headers={"Retry-After": str(self._limits.retry_after_s)},
             )
         ticket = QueueTicket(self)
-        if self._busy:
+        if self._full:
             ticket._future = asyncio.get_running_loop().create_future()
             self._waiters.append(ticket._future)
         else:
-            self._busy = True
+            self._running += 1
             ticket._holding = True
         return ticket
 
     def _release(self) -> None:
+        # The slot passes straight to the next waiter, if any.
         while self._waiters:
             nxt = self._waiters.popleft()
             if not nxt.done():
                 nxt.set_result(None)
                 return
-        self._busy = False
+        self._running -= 1
 
 
 class QueueTicket:

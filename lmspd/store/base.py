@@ -211,6 +211,22 @@ class IdempotencyBegin:
 TerminalEventBuilder = Callable[[TaskRecord, int], tuple[str, JSON]]
 
 
+class ClosedLog(NamedTuple):
+    """What a ``LogCloser`` appends to an interrupted task: ``events`` (name,
+    data) get consecutive seqs and the last one must be terminal; ``result``
+    (optional) becomes the task's stored result."""
+
+    events: list[tuple[str, JSON]]
+    result: JSON | None = None
+
+
+# (task after it was marked failed, the seq the first closing event must use,
+# the task's whole log so far) -> the events that close it. Unlike a
+# ``TerminalEventBuilder`` it sees the log, so it can close items the log left
+# open (every ``output_item.added`` then has its ``done``).
+LogCloser = Callable[[TaskRecord, int, list[TaskEvent]], ClosedLog]
+
+
 def default_terminal_event(task: TaskRecord, seq: int) -> tuple[str, JSON]:
     """LMSP §6.3 ``response.failed`` closing the log of an interrupted task."""
     return "response.failed", {
@@ -404,11 +420,16 @@ class Store(Protocol):
     def first_retained_seq(self, owner: str, task_id: str) -> int | None: ...
 
     def fail_interrupted_tasks(
-        self, message: str, *, terminal_event: TerminalEventBuilder | None = None
+        self,
+        message: str,
+        *,
+        terminal_event: TerminalEventBuilder | None = None,
+        close_log: LogCloser | None = None,
     ) -> list[TaskRecord]:
         """At start: every queued/in_progress task becomes ``failed`` with
         error ``{"code": "server_restarted", "message": message}`` and its log
-        is closed by ``terminal_event(task, next_seq)`` (default:
+        is closed by ``close_log(task, next_seq, log)`` when given, else by
+        ``terminal_event(task, next_seq)`` (default:
         ``default_terminal_event``). Returns the failed tasks."""
         ...
 

@@ -36,6 +36,7 @@ from lmspd.store.base import (
     EventsExpired,
     IdempotencyBegin,
     InvalidCursor,
+    LogCloser,
     NotFound,
     Order,
     Page,
@@ -884,7 +885,11 @@ class SQLiteStore:
         return None if row is None else row["first_retained_seq"]
 
     def fail_interrupted_tasks(
-        self, message: str, *, terminal_event: TerminalEventBuilder | None = None
+        self,
+        message: str,
+        *,
+        terminal_event: TerminalEventBuilder | None = None,
+        close_log: LogCloser | None = None,
     ) -> list[TaskRecord]:
         build = terminal_event or default_terminal_event
         error = _dumps({"code": "server_restarted", "message": message})
@@ -908,8 +913,34 @@ class SQLiteStore:
                     conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 )
                 seq = task.last_seq + 1
-                name, data = build(task, seq)
-                self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
+                if close_log is None:
+                    name, data = build(task, seq)
+                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
+                else:
+                    # Read through the writer: this transaction's own view,
+                    # and no second connection waiting on our lock.
+                    log = [
+                        TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
+                        for r in conn.execute(
+                            "SELECT seq, event, data FROM task_events WHERE task_id = ? "
+                            "ORDER BY seq",
+                            (task_id,),
+                        )
+                    ]
+                    closed = close_log(task, seq, log)
+                    if not closed.events:
+                        raise ValueError(f"close_log returned no events for task {task_id!r}")
+                    self._insert_events(
+                        conn, task_id, task.last_seq,
+                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
+                    )
+                    if closed.result is not None:
+                        result = _dumps(closed.result)
+                        conn.execute(
+                            "UPDATE tasks SET result = ?, bytes = LENGTH(CAST(request AS BLOB)) "
+                            "+ ? + COALESCE(LENGTH(CAST(error AS BLOB)), 0) WHERE id = ?",
+                            (result, _size(result), task_id),
+                        )
                 row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 failed.append(self._task(row))
         return failed

@@ -76,6 +76,19 @@ class StreamSession:
         self._calls: dict[int, int] = {}  # engine tool index -> output index
         self.terminated = False
 
+    @classmethod
+    def resume(
+        cls, state: ResponseState, encoder: Encoder, *, next_seq: int, open_index: int | None
+    ) -> "StreamSession":
+        """A session for a response whose earlier events were sent by another
+        session (a task's log cut off by a crash, rebuilt from the store):
+        numbering continues at ``next_seq`` and ``fail``/``cancel`` close the
+        item at ``open_index`` the way the original session would have."""
+        session = cls(state, encoder)
+        session._seq = next_seq
+        session._open_index = open_index
+        return session
+
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> list[WireEvent]:
@@ -159,12 +172,12 @@ class StreamSession:
         if event.reason == "cancelled":
             return self.cancel(event.usage)
         out: list[WireEvent] = []
-        incomplete = event.reason == "length"
+        incomplete = event.reason in ("length", "content_filter")
         self._close_open(out, status="incomplete" if incomplete else "completed")
         self.state.usage = event.usage
         if incomplete:
             self.state.status = "incomplete"
-            self.state.incomplete_reason = "max_output_tokens"
+            self.state.incomplete_reason = "content_filter" if event.reason == "content_filter" else "max_output_tokens"
             self._terminate(out, "response.incomplete")
         else:
             self.state.status = "completed"

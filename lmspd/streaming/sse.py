@@ -8,10 +8,14 @@ from typing import Any
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-def sse_event(name: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
+def sse_event(name: str | None, data: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One frame; ``name=None`` writes no ``event:`` line (Chat Completions
+    streams are data-only, and some of their clients reject named events)."""
     # json.dumps never emits a raw newline, so one data: line always suffices.
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {name}\ndata: {_dumps(data)}\n\n".encode()
+    if name is not None:
+        head += f"event: {name}\n"
+    return f"{head}data: {_dumps(data)}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

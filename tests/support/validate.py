@@ -11,10 +11,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai.types.responses import Response, ResponseStreamEvent
+import re
+import typing
+
+from openai.types.responses import Response, ResponseError, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 _EVENT = TypeAdapter(ResponseStreamEvent)
+
+# The SDK types ``response.error.code`` as a closed enum; lmspd's failure
+# codes (upstream_timeout, undeclared_tool, server_shutting_down, ...) are
+# documented strings outside it, which clients read as strings (Codex maps
+# some of them). The shape is checked with a stand-in code, the code itself
+# as a plain machine token.
+_SDK_ERROR_CODES = set(typing.get_args(ResponseError.model_fields["code"].annotation))
+
+
+def _sdk_view(resp: dict[str, Any]) -> dict[str, Any]:
+    error = resp.get("error")
+    if isinstance(error, dict) and error.get("code") not in _SDK_ERROR_CODES:
+        assert re.fullmatch(r"[a-z][a-z0-9_]{0,63}", str(error.get("code"))), f"bad error code {error!r}"
+        return {**resp, "error": {**error, "code": "server_error"}}
+    return resp
 
 OPENAI_TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 LMSP_TERMINAL = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
@@ -32,7 +50,7 @@ RESPONSE_RESOURCE_REQUIRED = {
 def check_openai_response(resp: dict[str, Any]) -> None:
     missing = RESPONSE_RESOURCE_REQUIRED - resp.keys()
     assert not missing, f"Response lacks required keys {missing}"
-    Response.model_validate(resp)
+    Response.model_validate(_sdk_view(resp))
     for item in resp["output"]:
         assert isinstance(item.get("id"), str) and item["id"], item
         if item["type"] == "message":
@@ -50,7 +68,7 @@ def validate_openai_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     assert events, "empty stream"
     for i, ev in enumerate(events):
         assert ev["sequence_number"] == i, f"event {i} has sequence_number {ev['sequence_number']}"
-        _EVENT.validate_python(ev)
+        _EVENT.validate_python({**ev, "response": _sdk_view(ev["response"])} if "response" in ev else ev)
         assert "error" not in ev or ev["type"] == "error", "a normal event must not carry a top-level 'error'"
     assert events[0]["type"] == "response.created"
     assert events[1]["type"] in ("response.in_progress", "response.queued")

@@ -1,10 +1,10 @@
 """The embedded engine: llama.cpp through llama-cpp-python.
 
 One model, one context, one generation at a time on a dedicated thread.
-lmspd drives llama.cpp at the token level (render -> tokenize -> reuse the
-KV prefix -> prefill the rest -> sample) instead of calling
-``create_completion``, because the continuation cache needs to own exactly
-which tokens are in the KV.
+lmspd drives llama.cpp at the token level (render -> tokenize -> match a
+remembered KV state -> prefill the rest -> sample) instead of calling
+``create_completion``, because the continuation cache must own exactly which
+tokens are in the KV.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import ctypes
-import json
+import dataclasses
 import logging
 import os
 import random
@@ -25,22 +25,50 @@ from typing import Any, AsyncIterator, Callable
 import llama_cpp
 from llama_cpp import _internals as internals
 
-from lmspd.core.conversation import Conversation, Message
+from lmspd.cache.disk import DiskCheckpoints
+from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest, ContinuationCache, KvOps
+from lmspd.cache.state import SessionState, capture_kv, restore_kv
+from lmspd.core.conversation import (
+    Conversation,
+    CustomTool,
+    FunctionTool,
+    Item,
+    Message,
+    ToolCall,
+    orphan_tool_outputs,
+)
 from lmspd.core.errors import ApiError
+from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.events import (
     TERMINAL_EVENTS,
     EngineEvent,
     Failed,
     Finished,
     TextDelta,
+    ToolCallDelta,
+    ToolCallDone,
+    ToolCallStarted,
     Usage,
 )
+from lmspd.core.ids import new_id
 from lmspd.engines.base import CancelToken, ModelInfo
 
+from . import grammars
 from .prompt import template_messages
 from .template import ChatTemplate
+from .tool_formats import ToolCallError, ToolCallParser, ToolFormat, detect_tool_format
 
 log = logging.getLogger("lmspd.engine")
+
+
+@dataclass
+class CacheSettings:
+    enabled: bool = True
+    ram_budget_bytes: int = 1 << 30
+    disk_dir: Path | None = None
+    disk_budget_bytes: int = 4 << 30
+    # Write a checkpoint every this many prefilled tokens of a long prompt.
+    checkpoint_every: int = 2048
 
 
 @dataclass
@@ -49,10 +77,14 @@ class LlamaPrepared:
     text: str
     tokens: list[int]
     max_new_tokens: int
-    # True when max_output_tokens (not the context window) caps the output.
-    capped_by_request: bool
     grammar: str | None = None
+    lazy_patterns: list[str] | None = None
+    tools: list[FunctionTool | CustomTool] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    requires_state: str | None = None
+    reuse_cache: bool = True
+    # The id of the response this generation produces (set by the service).
+    response_id: str | None = None
 
     @property
     def input_tokens(self) -> int:
@@ -65,10 +97,12 @@ class GenerationStats:
 
     generations: int = 0
     last_cache_source: str = "cold"
+    last_cache_detail: str = ""
     last_reused_tokens: int = 0
     last_prefilled_tokens: int = 0
     last_prefill_ms: float = 0.0
     last_output_tokens: int = 0
+    last_output_token_ids: list[int] = field(default_factory=list)
 
 
 class LlamaEngine:
@@ -80,7 +114,10 @@ class LlamaEngine:
         n_ctx: int = 0,
         n_threads: int | None = None,
         n_batch: int = 512,
+        cache: CacheSettings | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS.request,
     ) -> None:
+        self.limits = limits
         threads = n_threads or max(1, (os.cpu_count() or 2))
         self._llm = llama_cpp.Llama(
             model_path=str(path),
@@ -94,55 +131,75 @@ class LlamaEngine:
         self._vocab = llm._model.vocab
         self._n_batch = n_batch
         meta = llm.metadata
+        template_source = meta.get("tokenizer.chat_template")
         self.template = ChatTemplate(
-            meta.get("tokenizer.chat_template"),
+            template_source,
             bos_token=self._token_text(llm.token_bos()),
             eos_token=self._token_text(llm.token_eos()),
         )
-        self.tool_format = None  # set by the tool-format registry (issue 3)
+        self.tool_format: ToolFormat = detect_tool_format(template_source)
+        self._closer = self._turn_closer()
         self.info = ModelInfo(
             id=model_id,
             context_window=llm.n_ctx(),
-            capabilities={
-                "streaming": True,
-                "tools": self.tool_format is not None,
-                "structured_output": True,
-                "reasoning": False,
-            },
+            capabilities={"streaming": True, "tools": True, "structured_output": True, "reasoning": False},
             source=str(path),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmspd-llama")
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
         self.stats_ = GenerationStats()
+        self.cache_settings = cache or CacheSettings()
+        self.cache = self._build_cache(path, self.cache_settings)
 
-    # -- preparing -----------------------------------------------------------
+    def _build_cache(self, path: Path, settings: CacheSettings) -> ContinuationCache:
+        llm = self._llm
+        disk = None
+        if settings.enabled and settings.disk_dir is not None:
+            fingerprint = f"{path.name}:{path.stat().st_size}:{llm.n_ctx()}:{llama_cpp.__version__}"
+            disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
+        ops = KvOps(
+            live_tokens=lambda: list(llm.input_ids[: llm.n_tokens]),
+            capture=lambda: capture_kv(llm._ctx.ctx),
+            restore=self._restore,
+            tokenize=self.tokenize,
+            detokenize=self.detokenize,
+            n_ctx=llm.n_ctx(),
+        )
+        return ContinuationCache(ops, enabled=settings.enabled, ram_budget_bytes=settings.ram_budget_bytes, disk=disk)
 
-    def render(self, conversation: Conversation) -> str:
+    # -- text <-> tokens -------------------------------------------------------
+
+    def render(self, conversation: Conversation, *, add_generation_prompt: bool = True) -> str:
         messages, tools = template_messages(conversation, self.template, self.tool_format)
-        return self.template.render(messages, tools=tools, add_generation_prompt=True)
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
         # markers like <|im_start|> become their single tokens.
         return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._llm._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+
     def count_tokens(self, conversation: Conversation) -> int:
         return len(self.tokenize(self.render(conversation)))
 
+    # -- preparing (event loop; reads, never touches the KV) --------------------
+
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
+        requires_state = self._attach_live_history(conversation)
         n_ctx = self.info.context_window
         text = self.render(conversation)
         tokens = self.tokenize(text)
         requested = conversation.max_output_tokens
         while conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
-            dropped = _drop_oldest_turn(conversation)
-            if not dropped:
+            if not _drop_oldest_turn(conversation):
                 break
             text = self.render(conversation)
             tokens = self.tokenize(text)
         room = n_ctx - len(tokens)
-        if requested is not None and requested > room or room < 1:
+        if (requested is not None and requested > room) or room < 1:
             need = len(tokens) + (requested or 1)
             raise ApiError(
                 "context_length_exceeded",
@@ -151,26 +208,79 @@ class LlamaEngine:
                 + f") but the model's context window is {n_ctx} tokens.",
                 param="max_output_tokens" if requested and len(tokens) < n_ctx else "input",
             )
-        grammar = self._output_grammar(conversation)
-        return LlamaPrepared(
+        prepared = LlamaPrepared(
             conversation=conversation,
             text=text,
             tokens=tokens,
             max_new_tokens=requested if requested is not None else room,
-            capped_by_request=requested is not None,
-            grammar=grammar,
             stop=list(conversation.sampling.stop),
+            requires_state=requires_state,
+            reuse_cache=conversation.cache_reuse,
         )
+        self._constrain(prepared)
+        return prepared
 
-    def _output_grammar(self, conversation: Conversation) -> str | None:
-        fmt = conversation.output_format
-        if fmt.type == "text":
+    def _attach_live_history(self, conversation: Conversation) -> str | None:
+        """A tool output must answer a call in the replayed history — or one the
+        engine still remembers, whose history is then put in front of it."""
+        orphans = orphan_tool_outputs(conversation.items)
+        if not orphans:
             return None
-        from llama_cpp import llama_grammar
+        state = self.cache.state_for_calls({call_id for _, call_id in orphans}) if self.cache.enabled else None
+        # Only a request that starts with the outputs continues a remembered
+        # turn; outputs after some replayed history must find their call there.
+        if state is None or orphans[0][0] != 0:
+            index, call_id = orphans[0]
+            raise ApiError(
+                "invalid_request",
+                f"No tool call found for the tool output with call_id {call_id!r} (input[{index}]), and the "
+                "server holds no live state that produced it. Replay the full history: include the "
+                "function_call item that produced this call_id before its output.",
+                param=f"input[{index}].call_id",
+            )
+        conversation.items = list(state.items) + conversation.items
+        return state.key
 
-        if fmt.type == "json_object" or not fmt.schema:
-            return llama_grammar.JSON_GBNF
-        return llama_grammar.json_schema_to_gbnf(json.dumps(fmt.schema))
+    def _constrain(self, prepared: LlamaPrepared) -> None:
+        """Grammars only for requests that demand a shape; none otherwise."""
+        conv = prepared.conversation
+        fmt = conv.output_format
+        choice = conv.tool_choice
+        if conv.tools and choice.mode != "none":
+            names = choice.allowed if choice.allowed is not None else [t.name for t in conv.tools]
+            prepared.tools = [t for t in conv.tools if t.name in names]
+            if choice.mode == "required":
+                prepared.grammar = grammars.tool_call_grammar(
+                    self.tool_format, conv.tools, allowed_names=names, parallel=conv.parallel_tool_calls,
+                    max_calls=self._max_calls(conv),
+                )
+                self._check_grammar(prepared.grammar)
+                return
+        if fmt.type == "json_schema" and fmt.schema is not None:
+            prepared.grammar = grammars.json_schema_grammar(fmt.schema)
+        elif fmt.type != "text":
+            prepared.grammar = grammars.json_object_grammar()
+        elif prepared.tools:
+            # auto: free text until the model starts a call, then the call is constrained.
+            prepared.grammar, prepared.lazy_patterns = grammars.lazy_tool_call_grammar(
+                self.tool_format, conv.tools, allowed_names=[t.name for t in prepared.tools],
+                parallel=conv.parallel_tool_calls, max_calls=self._max_calls(conv),
+            )
+        if fmt.type != "text" and prepared.tools:
+            # The reply must be JSON: the model cannot also call tools.
+            prepared.tools = []
+        if prepared.grammar is not None:
+            self._check_grammar(prepared.grammar)
+
+    def _max_calls(self, conv: Conversation) -> int:
+        return self.limits.max_parallel_tool_calls if conv.parallel_tool_calls else 1
+
+    def _check_grammar(self, gbnf: str) -> None:
+        # llama.cpp returns no sampler for a grammar it rejects, and a chain
+        # with that hole crashes the process: refuse the request instead.
+        if not grammars.grammar_compiles(self._vocab, gbnf):
+            raise ApiError("unsupported_capability", "The requested output shape could not be compiled "
+                           "into a grammar for this model.", param="text.format")
 
     # -- generating ----------------------------------------------------------
 
@@ -201,95 +311,102 @@ class LlamaEngine:
             self._run(prepared, cancel, emit)
         except Exception as exc:  # never leave a stream without its terminal event
             log.exception("generation failed")
+            self._llm.n_tokens = 0
+            self.cache.set_live(None)  # type: ignore[arg-type]
             emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
 
     def _run(self, prepared: LlamaPrepared, cancel: CancelToken, emit: Callable[[EngineEvent], None]) -> None:
         llm = self._llm
-        tokens = prepared.tokens
-        usage = Usage(input_tokens=len(tokens))
         started = time.perf_counter()
+        try:
+            plan = self.cache.plan(self._cache_request(prepared))
+        except CacheRefused as exc:
+            emit(Failed("invalid_request", str(exc)))
+            return
+        self.cache.before_apply(plan)
+        if plan.restore is not None:
+            if self._restore(plan.restore):
+                self.cache.restored(plan)
+            else:
+                plan = CachePlan("cold", 0, list(prepared.tokens), prepared.text, detail="restore failed")
+        llm.n_tokens = plan.keep
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep)
 
-        reused = self._reuse_prefix(tokens)
-        # Prefill in batches so that a cancel (or shutdown) is seen between them.
-        for i in range(reused, len(tokens), self._n_batch):
-            if cancel.cancelled:
-                emit(self._cancelled(cancel, usage))
-                return
-            llm.eval(tokens[i : i + self._n_batch])
+        if not self._prefill(plan, cancel):
+            emit(self._cancelled(cancel, usage))
+            return
         prefill_ms = (time.perf_counter() - started) * 1000
-        usage.cached_tokens = reused
         stats = self.stats_
         stats.generations += 1
-        stats.last_cache_source = "memory-token" if reused else "cold"
-        stats.last_reused_tokens = reused
-        stats.last_prefilled_tokens = len(tokens) - reused
+        stats.last_cache_source = plan.source
+        stats.last_cache_detail = plan.detail
+        stats.last_reused_tokens = plan.keep
+        stats.last_prefilled_tokens = len(plan.suffix)
         stats.last_prefill_ms = prefill_ms
         log.info(
-            "generation cache_source=%s reused=%d prefilled=%d prefill_ms=%.1f",
-            stats.last_cache_source, reused, len(tokens) - reused, prefill_ms,
+            "generation response=%s cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f",
+            prepared.response_id, plan.source, f" {plan.detail}" if plan.detail else "",
+            plan.keep, len(plan.suffix), prefill_ms,
+        )
+        _Generation(self, prepared, plan, cancel, emit, usage).run()
+
+    def _prefill(self, plan: CachePlan, cancel: CancelToken) -> bool:
+        """Evaluate the plan's suffix in batches, checkpointing long prompts;
+        False if cancelled (checked between batches)."""
+        llm = self._llm
+        every = self.cache_settings.checkpoint_every
+        since = 0
+        suffix = plan.suffix
+        for i in range(0, len(suffix), self._n_batch):
+            if cancel.cancelled:
+                return False
+            batch = suffix[i : i + self._n_batch]
+            llm.eval(batch)
+            since += len(batch)
+            if every and since >= every and i + self._n_batch < len(suffix):
+                tokens = list(llm.input_ids[: llm.n_tokens])
+                self.cache.checkpoint_prefix(tokens, self.detokenize(tokens))
+                since = 0
+        return True
+
+    def _cache_request(self, prepared: LlamaPrepared) -> CacheRequest:
+        conv = prepared.conversation
+        return CacheRequest(
+            text=prepared.text,
+            tokens=prepared.tokens,
+            items=conv.items,
+            previous_response_id=conv.previous_response_id,
+            reuse=prepared.reuse_cache,
+            requires_state=prepared.requires_state,
+            max_new_tokens=prepared.max_new_tokens,
         )
 
-        sampler = self._sampler(prepared)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        stops = _StopMatcher(prepared.stop)
-        ctx = llm._ctx
-        reason = "length"
-        stopped_by_string = False
-        n_out = 0
-        while n_out < prepared.max_new_tokens:
-            if cancel.cancelled:
-                usage.output_tokens = n_out
-                self.stats_.last_output_tokens = n_out
-                emit(self._cancelled(cancel, usage))
-                return
-            token = sampler.sample(ctx, -1)
-            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                # Keep the end-of-turn marker in the KV: the next turn's prompt
-                # has it right there, so it is prefix the cache can reuse.
-                llm.eval([token])
-                reason = "stop"
-                break
-            n_out += 1
-            text = decoder.decode(self._piece(token))
-            if text:
-                text, hit = stops.feed(text)
-                if text:
-                    emit(TextDelta(text))
-                if hit:
-                    reason, stopped_by_string = "stop", True
-                    break
-            llm.eval([token])
-        if not stopped_by_string:
-            tail = decoder.decode(b"", final=True) + stops.flush()
-            if tail:
-                emit(TextDelta(tail))
-        usage.output_tokens = n_out
-        self.stats_.last_output_tokens = n_out
-        emit(Finished(reason, usage))
+    def _restore(self, state: SessionState) -> bool:
+        if state.kv is None:
+            return False
+        llm = self._llm
+        if not restore_kv(llm._ctx.ctx, state.kv):
+            llm.n_tokens = 0
+            return False
+        n = len(state.tokens)
+        llm.input_ids[:n] = state.tokens
+        llm.n_tokens = n
+        return True
 
     def _cancelled(self, cancel: CancelToken, usage: Usage) -> EngineEvent:
         if cancel.reason == "shutdown":
             return Failed("server_shutting_down", "The server is shutting down.", usage)
         return Finished("cancelled", usage)
 
-    def _reuse_prefix(self, tokens: list[int]) -> int:
-        """Keep the KV's longest common prefix with ``tokens``; return its length."""
-        llm = self._llm
-        live = llm.input_ids[: llm.n_tokens]
-        common = 0
-        limit = min(len(live), len(tokens))
-        while common < limit and live[common] == tokens[common]:
-            common += 1
-        # At least one token must be evaluated to get fresh logits.
-        common = min(common, len(tokens) - 1)
-        llm.n_tokens = common
-        return common
-
     def _sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler:
         sampling = prepared.conversation.sampling
         sampler = internals.LlamaSampler()
         if prepared.grammar is not None:
-            sampler.add_grammar(self._llm._model, llama_cpp.LlamaGrammar.from_string(prepared.grammar, verbose=False))
+            grammar = llama_cpp.LlamaGrammar.from_string(prepared.grammar, verbose=False)
+            if prepared.lazy_patterns:
+                sampler.add_grammar_lazy_patterns(self._llm._model, grammar, prepared.lazy_patterns, [])
+            else:
+                sampler.add_grammar(self._llm._model, grammar)
         temperature = 1.0 if sampling.temperature is None else sampling.temperature
         if temperature <= 0:
             sampler.add_greedy()
@@ -302,7 +419,7 @@ class LlamaEngine:
         sampler.add_dist(seed)
         return sampler
 
-    def _piece(self, token: int) -> bytes:
+    def piece(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
             buf = self._piece_buf
@@ -311,24 +428,210 @@ class LlamaEngine:
             self._pieces[token] = piece
         return piece
 
+    def is_eog(self, token: int) -> bool:
+        return llama_cpp.llama_vocab_is_eog(self._vocab, token)
+
     def _token_text(self, token: int) -> str:
         if token < 0:
             return ""
         return self._llm._model.token_get_text(token)
 
+    # -- the visible transcript --------------------------------------------------
+
+    def _turn_closer(self) -> str | None:
+        """What the template writes after an assistant message's content."""
+        marker = "\x00lmspd\x00"
+        try:
+            text = self.template.render(
+                [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
+                add_generation_prompt=False,
+            )
+        except ApiError:
+            return None
+        at = text.rfind(marker)
+        return text[at + len(marker):] if at >= 0 else None
+
+    def visible_transcript(self, conversation: Conversation, outputs: list[Item], eog_text: str | None) -> str | None:
+        """The text a client's replay of this turn renders to, as far as the
+        KV covers it (up to the end-of-turn token when one was sampled)."""
+        closer = self._closer
+        if closer is None or not outputs:
+            return None
+        after = dataclasses.replace(conversation, items=list(conversation.items) + outputs)
+        try:
+            text = self.render(after, add_generation_prompt=False)
+        except ApiError:
+            return None
+        if not text.endswith(closer):
+            return None
+        body = text[: len(text) - len(closer)]
+        if eog_text is not None:
+            if not closer.startswith(eog_text):
+                return None
+            body += eog_text
+        return body
+
+    # -- stats and shutdown ------------------------------------------------------
+
     def stats(self) -> dict[str, Any]:
         s = self.stats_
+        c = self.cache.stats
         return {
             "generations": s.generations,
             "last_cache_source": s.last_cache_source,
+            "last_cache_detail": s.last_cache_detail,
             "last_reused_tokens": s.last_reused_tokens,
             "last_prefilled_tokens": s.last_prefilled_tokens,
+            "last_prefill_ms": round(s.last_prefill_ms, 1),
             "last_output_tokens": s.last_output_tokens,
+            "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
+                      "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,
+                      "disk_restores": c.disk_restores, "ram_restores": c.ram_restores},
         }
 
+    def last_output_token_ids(self) -> list[int]:
+        return list(self.stats_.last_output_token_ids)
+
     async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        # The generation thread owns the KV: it writes the shutdown checkpoint.
+        await loop.run_in_executor(self._executor, self.cache.save_live)
+        await loop.run_in_executor(None, self.cache.flush)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._llm.close()
+
+
+class _Generation:
+    """One sampling loop: tokens -> text -> (tool-call parser) -> events."""
+
+    def __init__(self, engine: LlamaEngine, prepared: LlamaPrepared, plan: CachePlan, cancel: CancelToken,
+                 emit: Callable[[EngineEvent], None], usage: Usage) -> None:
+        self.engine = engine
+        self.prepared = prepared
+        self.plan = plan
+        self.cancel = cancel
+        self.emit = emit
+        self.usage = usage
+        self.parser: ToolCallParser | None = (
+            engine.tool_format.parser(prepared.tools, lambda: new_id("call")) if prepared.tools else None
+        )
+        self.text = ""  # visible text, for the transcript
+        self.raw = bytearray()  # everything sampled, for the KV's text
+        self.calls: dict[int, ToolCall] = {}
+        self.order: list[Item] = []
+
+    def run(self) -> None:
+        engine, llm = self.engine, self.engine._llm
+        sampler = engine._sampler(self.prepared)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stops = _StopMatcher(self.prepared.stop)
+        ctx = llm._ctx
+        reason = "length"
+        eog_text: str | None = None
+        stopped_by_string = False
+        sampled: list[int] = []
+        try:
+            while len(sampled) < self.prepared.max_new_tokens:
+                if self.cancel.cancelled:
+                    self._finish_tokens(sampled)
+                    self.emit(engine._cancelled(self.cancel, self.usage))
+                    self._remember(None)
+                    return
+                token = sampler.sample(ctx, -1)
+                if engine.is_eog(token):
+                    # Keep the end-of-turn token in the KV: the next turn's prompt
+                    # has it right there, so it is prefix the cache can reuse.
+                    llm.eval([token])
+                    eog_text = engine.detokenize([token])
+                    reason = "stop"
+                    break
+                sampled.append(token)
+                piece = engine.piece(token)
+                self.raw += piece
+                text = decoder.decode(piece)
+                llm.eval([token])
+                if text:
+                    text, hit = stops.feed(text)
+                    if text:
+                        self._text(text)
+                    if hit:
+                        reason, stopped_by_string = "stop", True
+                        break
+            if not stopped_by_string:
+                tail = decoder.decode(b"", final=True) + stops.flush()
+                if tail:
+                    self._text(tail)
+            if self.parser is not None:
+                self._events(self.parser.finish())
+        except ToolCallError as exc:
+            self._finish_tokens(sampled)
+            self.emit(Failed("invalid_tool_call", f"The model produced an invalid tool call: {exc}", self.usage))
+            self._remember(eog_text)
+            return
+        self._finish_tokens(sampled)
+        if reason == "stop" and self.calls:
+            reason = "tool_calls"
+        self._remember(eog_text)
+        self.emit(Finished(reason, self.usage))  # type: ignore[arg-type]
+
+    def _text(self, text: str) -> None:
+        if self.parser is None:
+            self.text += text
+            self.emit(TextDelta(text))
+            return
+        self._events(self.parser.feed(text))
+
+    def _events(self, events: list[EngineEvent]) -> None:
+        for event in events:
+            if isinstance(event, TextDelta):
+                self.text += event.text
+            elif isinstance(event, ToolCallStarted):
+                event = self._public_call(event)
+                call = ToolCall(call_id=event.call_id, name=event.name, payload="", kind=event.kind,
+                                namespace=event.namespace)
+                self.calls[event.index] = call
+            elif isinstance(event, ToolCallDelta):
+                self.calls[event.index].payload += event.delta
+            elif isinstance(event, ToolCallDone):
+                self.calls[event.index].payload = event.payload
+            self.emit(event)
+
+    def _public_call(self, event: ToolCallStarted) -> ToolCallStarted:
+        """A namespaced function is offered as ``ns__name``; its call carries
+        the namespace and the plain name back."""
+        if event.namespace and event.name.startswith(event.namespace + "__"):
+            return dataclasses.replace(event, name=event.name[len(event.namespace) + 2:])
+        return event
+
+    def _finish_tokens(self, sampled: list[int]) -> None:
+        self.usage.output_tokens = len(sampled)
+        stats = self.engine.stats_
+        stats.last_output_tokens = len(sampled)
+        stats.last_output_token_ids = sampled
+
+    def _remember(self, eog_text: str | None) -> None:
+        """Make what is now in the KV the live state."""
+        engine, llm = self.engine, self.engine._llm
+        outputs: list[Item] = []
+        if self.text:
+            outputs.append(Message(role="assistant", text=self.text))
+        for index in sorted(self.calls):
+            call = self.calls[index]
+            if call.namespace:
+                call = dataclasses.replace(call, name=f"{call.namespace}__{call.name}")
+            outputs.append(call)
+        conversation = self.prepared.conversation
+        visible = engine.visible_transcript(conversation, outputs, eog_text)
+        kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")
+        state = SessionState(
+            tokens=list(llm.input_ids[: llm.n_tokens]),
+            kv_text=kv_text,
+            visible=visible,
+            items=list(conversation.items) + outputs,
+            call_ids=frozenset(c.call_id for c in self.calls.values()),
+            response_id=self.prepared.response_id,
+        )
+        engine.cache.set_live(state)
 
 
 def _drop_oldest_turn(conversation: Conversation) -> bool:

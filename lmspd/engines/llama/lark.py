@@ -77,6 +77,8 @@ __all__ = [
 ]
 
 MAX_CODEPOINT = 0x10FFFF
+# Imported common terminals live under this prefix, apart from the grammar's own.
+_COMMON_PREFIX = "__common_"
 MAX_REPEAT_BOUND = 1000
 _MAX_NESTING = 64
 
@@ -420,9 +422,9 @@ _TOKEN_RE = re.compile(
   | (?P<string>"(?:[^"\\\n]|\\.)*"i?)
   | (?P<regexp>/(?![/*])(?:[^/\\\n]|\\.)+/[imslux]*)
   | (?P<directive>%[a-z]+)
-  | (?P<op>->|\.\.|[:|()\[\]?*+~,{}.])
+  | (?P<op>->|\.\.|[:|()\[\]?!*+~,{}.])
   | (?P<number>\d+)
-  | (?P<name>[?!]?[_a-zA-Z][_a-zA-Z0-9]*)
+  | (?P<name>[_a-zA-Z][_a-zA-Z0-9]*)
     """,
     re.X,
 )
@@ -560,7 +562,7 @@ class _ExprParser:
         if kind == "name":
             if self.at("op", "{"):
                 raise LarkUnsupported(f"template {value}{{...}}")
-            return ("ref", value.lstrip("?!"))
+            return ("ref", value)
         raise LarkUnsupported(f"syntax: unexpected {value!r}")
 
 
@@ -592,8 +594,10 @@ def _parse_definitions(text: str) -> tuple[dict[str, Node], list[tuple[str, str,
             else:
                 raise LarkUnsupported(head[1])
             continue
+        if head in (("op", "?"), ("op", "!")):  # rule modifiers: same language
+            stmt = stmt[1:]
         p = _ExprParser(stmt)
-        name = p.take("name").lstrip("?!")
+        name = p.take("name")
         if p.at("op", "."):
             p.i += 1
             p.take("number")
@@ -636,7 +640,6 @@ def _refs(node: Node) -> list[str]:
     return []
 
 
-_COMMON_PREFIX = "__common_"
 _COMMON_DEFS: dict[str, Node] | None = None
 
 
@@ -747,8 +750,7 @@ def _check_left_recursion(defs: dict[str, Node], reachable: list[str]) -> None:
 
 
 class _LarkEmitter:
-    def __init__(self, defs: dict[str, Node], prefix: str, json_string: bool, ignore: str | None) -> None:
-        self.defs = defs
+    def __init__(self, prefix: str, json_string: bool, ignore: str | None) -> None:
         self.prefix = prefix
         self.regex = _RegexConverter(json_string)
         self.json_string = json_string
@@ -780,6 +782,8 @@ class _LarkEmitter:
             sep = f" {self.ignore}* " if in_rule and self.ignore else " "
             return "(" + sep.join(self.emit(n, in_rule) for n in node[1]) + ")"
         item, lo, hi = self.emit(node[1], in_rule), node[2], node[3]
+        if hi == 0:
+            return '""'
         if not (in_rule and self.ignore) or hi == 1:
             return _repeat(item, lo, hi)
         # Ignored tokens may sit between repetitions as well.
@@ -821,7 +825,7 @@ def lark_to_gbnf(
     _check_left_recursion(defs, reachable)
 
     ignore_rule = f"{prefix}-ignore" if ignores else None
-    em = _LarkEmitter(defs, prefix, json_string, ignore_rule)
+    em = _LarkEmitter(prefix, json_string, ignore_rule)
     rules: dict[str, str] = {}
     for name in sorted(reachable):
         # Lowercase names are rules (ignored tokens may separate their items);

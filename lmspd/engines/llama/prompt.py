@@ -6,19 +6,9 @@ continuation cache compare a request with what the model already saw.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from lmspd.core.conversation import (
-    Conversation,
-    CustomTool,
-    FunctionTool,
-    Item,
-    Message,
-    Reasoning,
-    ToolCall,
-    ToolOutput,
-)
+from lmspd.core.conversation import Conversation, Message, Reasoning, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError
 
 from .template import ChatTemplate
@@ -29,7 +19,9 @@ def template_messages(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Return ``(messages, tools)`` as a Hugging Face chat template expects them."""
     native_tools = bool(tool_format is not None and tool_format.native)
-    offered = offered_tools(conversation)
+    # tool_choice "none" still lists the tools, so that the prompt (and the
+    # cache) stay the same across turns.
+    offered = list(conversation.tools)
     messages: list[dict[str, Any]] = []
     system_parts: list[str] = []
     if conversation.instructions:
@@ -56,7 +48,7 @@ def template_messages(
         calls = list(pending_calls)
         pending_calls.clear()
         if native_tools:
-            entry = {"role": "assistant", "content": "", "tool_calls": [_hf_call(c) for c in calls]}
+            entry = {"role": "assistant", "content": "", "tool_calls": tool_format.template_tool_calls(calls)}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
                 messages[-1]["tool_calls"] = entry["tool_calls"]
             else:
@@ -75,10 +67,7 @@ def template_messages(
         pending_outputs.clear()
         if native_tools:
             for out in outputs:
-                messages.append(
-                    {"role": "tool", "tool_call_id": out.call_id, "name": names.get(out.call_id, ""),
-                     "content": out.output}
-                )
+                messages.append(tool_format.template_tool_message(out, names.get(out.call_id)))
             return
         messages.append(
             {"role": "user", "content": _require_format(tool_format).render_outputs(outputs, names)}
@@ -103,50 +92,11 @@ def template_messages(
             continue
     flush_calls()
     flush_outputs()
-    tools = [_hf_tool(t) for t in offered] if native_tools and offered else None
+    tools = tool_format.template_tools(offered) if native_tools and offered else None
     return messages, tools
-
-
-def offered_tools(conversation: Conversation) -> list[FunctionTool | CustomTool]:
-    """The tools the model is told about (``tool_choice: none`` still lists
-    them, so that the prompt — and the cache — stay the same across turns)."""
-    return list(conversation.tools)
 
 
 def _require_format(tool_format: Any | None) -> Any:
     if tool_format is None:
         raise ApiError("unsupported_capability", "This model cannot render tool calls.")
     return tool_format
-
-
-def _hf_call(call: ToolCall) -> dict[str, Any]:
-    if call.kind == "custom":
-        arguments: Any = {"input": call.payload}
-    else:
-        try:
-            arguments = json.loads(call.payload) if call.payload else {}
-        except json.JSONDecodeError:
-            arguments = call.payload
-    return {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
-
-
-def _hf_tool(tool: FunctionTool | CustomTool) -> dict[str, Any]:
-    if isinstance(tool, CustomTool):
-        params: dict[str, Any] = {
-            "type": "object",
-            "properties": {"input": {"type": "string", "description": "The raw tool input."}},
-            "required": ["input"],
-        }
-        return {"type": "function", "function": {"name": tool.name, "description": tool.description or "", "parameters": params}}
-    return {
-        "type": "function",
-        "function": {
-            "name": tool.name,
-            "description": tool.description or "",
-            "parameters": tool.parameters or {"type": "object", "properties": {}},
-        },
-    }
-
-
-def visible_items(items: list[Item]) -> list[Item]:
-    return [i for i in items if not isinstance(i, Reasoning)]

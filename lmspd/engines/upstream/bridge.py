@@ -60,10 +60,10 @@ from .errors import (
     MissingToolName,
     StreamTruncated,
     UndeclaredTool,
-    UpstreamContentFiltered,
     UpstreamError,
     UpstreamLimitExceeded,
     UpstreamProviderError,
+    public_provider_code,
 )
 
 __all__ = ["BridgeDecoder"]
@@ -71,8 +71,6 @@ __all__ = ["BridgeDecoder"]
 _FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter"})
 # A provider call id becomes a public call_id only if it looks like one.
 _PUBLIC_CALL_ID = re.compile(r"[A-Za-z0-9_.:\-]+\Z")
-# A provider error code/type is echoed to the client only if it is a bare token.
-_SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
 
 
 def _utf8_len(text: str) -> int:
@@ -85,6 +83,8 @@ class _ToolCall:
     name: str = ""
     arguments: list[str] = field(default_factory=list)
     argument_bytes: int = 0
+    # An ``arguments`` field (even "") has been seen: the name is past its start.
+    arguments_started: bool = False
 
 
 @dataclass(slots=True)
@@ -119,7 +119,7 @@ def _unwrap_custom_input(arguments: str) -> str:
 
 def _provider_failure(error: ProviderError) -> UpstreamProviderError:
     message = None
-    token = next((t for t in (error.code, error.type) if t and _SAFE_TOKEN.match(t)), None)
+    token = public_provider_code(error.code, error.type)
     if token is not None:
         message = f"The upstream provider reported an error ({token})."
     return UpstreamProviderError(
@@ -270,9 +270,16 @@ class BridgeDecoder:
                 raise UpstreamLimitExceeded("max_tool_calls", limits.max_tool_calls)
             call = state.calls[fragment.index] = _ToolCall()
             self._tool_calls += 1
+        name_piece = fragment.name
+        if name_piece and call.arguments_started and name_piece == call.name:
+            # llama-cpp-python's server repeats the whole name with every
+            # argument fragment. Once arguments flow, a fragment equal to the
+            # whole name is that repeat; anything else still appends (so
+            # ``lookup`` + ``Evil`` stays ``lookupEvil`` and fails below).
+            name_piece = None
         # Only argument fragments of already-started calls may trail a
         # tool_calls finish; a name or id change would rewrite a finished call.
-        if trailing and (state.finish_reason != "tool_calls" or fragment.name):
+        if trailing and (state.finish_reason != "tool_calls" or name_piece):
             raise DeltaAfterFinish()
         if fragment.id and fragment.id != call.provider_id:
             # An exact repeat is some providers' habit of resending the id
@@ -284,12 +291,14 @@ class BridgeDecoder:
                 raise UpstreamLimitExceeded("max_tool_call_id_chars", limits.max_tool_call_id_chars)
             self._retain(_utf8_len(fragment.id))
             call.provider_id = provider_id
-        if fragment.name:
-            name = call.name + fragment.name
+        if name_piece:
+            name = call.name + name_piece
             if len(name) > limits.max_tool_name_chars:
                 raise UpstreamLimitExceeded("max_tool_name_chars", limits.max_tool_name_chars)
-            self._retain(_utf8_len(fragment.name))
+            self._retain(_utf8_len(name_piece))
             call.name = name
+        if fragment.arguments is not None:
+            call.arguments_started = True
         if fragment.arguments:
             size = _utf8_len(fragment.arguments)
             if call.argument_bytes + size > limits.max_tool_argument_bytes:
@@ -321,14 +330,14 @@ class BridgeDecoder:
         no call is released.
         """
         reasons = {c.finish_reason for c in self._choices.values()}
-        if "content_filter" in reasons:
-            raise UpstreamContentFiltered()
         usage = self._usage or Usage()
-        if "length" in reasons:
-            # Calls cut off by the token cap are incomplete; releasing them
-            # would invite a client to execute half an argument list.
-            self._done = True
-            return [Finished("length", usage)]
+        for cut_off in ("content_filter", "length"):
+            if cut_off in reasons:
+                # Output stopped by the provider's filter or the token cap is
+                # incomplete; releasing its calls would invite a client to
+                # execute half an argument list.
+                self._done = True
+                return [Finished(cut_off, usage)]
 
         events: list[EngineEvent] = []
         call_ids: set[str] = set()

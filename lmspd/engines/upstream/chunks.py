@@ -186,8 +186,10 @@ def _tool_call(raw: Any) -> ToolCallFragment:
 
 def _delta(raw: Any) -> ChatDelta:
     delta = _optional_object(raw, "choices[].delta")
-    if delta.get("function_call") is not None:
+    if delta.get("function_call") is not None and delta.get("tool_calls") is None:
         # The legacy single-call shape has no index; we never ask for it.
+        # Next to tool_calls it is a mirror (llama-cpp-python sends both) and
+        # is ignored: tool_calls is the one source of truth.
         raise MalformedChunk("delta.function_call is not supported; expected delta.tool_calls.")
     fragments = tuple(_tool_call(call) for call in _list(delta, "tool_calls", "delta"))
     if len({fragment.index for fragment in fragments}) != len(fragments):

@@ -13,6 +13,7 @@ bounded and untrusted.
         UpstreamTimeout                    upstream_timeout
         UpstreamConnectionLost             upstream_connection_lost
         UpstreamHTTPError                  upstream_http_error
+        UpstreamUnavailable                upstream_unavailable
       UpstreamProviderError                upstream_provider_error
       UpstreamContentFiltered              upstream_content_filter
       UpstreamProtocolError                upstream_protocol_error
@@ -42,6 +43,22 @@ from typing import ClassVar
 
 # Provider text kept for logs is cut here; it is untrusted and never replied.
 _PRIVATE_TEXT_LIMIT = 1024
+
+# Provider error codes/types that may be named to a client. An allowlist,
+# not a pattern: a provider holds lmspd's key and could echo it back in any
+# token-shaped field.
+KNOWN_PROVIDER_CODES = frozenset({
+    "context_length_exceeded", "rate_limit_exceeded", "insufficient_quota", "invalid_api_key",
+    "invalid_request_error", "model_not_found", "server_error", "api_error", "internal_server_error",
+    "overloaded_error", "rate_limit_error", "authentication_error", "permission_error", "not_found_error",
+    "timeout", "service_unavailable", "bad_request", "content_filter", "content_policy_violation",
+    "invalid_prompt", "string_above_max_length", "tokens_exceeded", "model_overloaded",
+})
+
+
+def public_provider_code(*candidates: str | None) -> str | None:
+    """The first candidate a client may see, or None."""
+    return next((c for c in candidates if c in KNOWN_PROVIDER_CODES), None)
 
 
 def _bounded(text: str | None) -> str | None:
@@ -89,14 +106,36 @@ class UpstreamConnectionLost(UpstreamTransportError):
 
 
 class UpstreamHTTPError(UpstreamTransportError):
-    """A non-2xx status or a non-SSE content type before the stream started."""
+    """A non-2xx status or a non-SSE content type before the stream started.
+
+    ``provider_code`` is the provider's error code/type when it is a bare
+    token (safe to show); ``detail`` is its message, for logs only;
+    ``retry_after`` its Retry-After in seconds when it gave a sane one.
+    """
 
     code = "upstream_http_error"
 
-    def __init__(self, status: int, message: str | None = None, *, detail: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str | None = None,
+        *,
+        detail: str | None = None,
+        provider_code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         self.status = status
         self.detail = _bounded(detail)
+        self.provider_code = provider_code
+        self.retry_after = retry_after
         super().__init__(message or f"The upstream provider returned HTTP {status}.")
+
+
+class UpstreamUnavailable(UpstreamTransportError):
+    """No endpoint of the model accepted a connection."""
+
+    code = "upstream_unavailable"
+    default_message = "No upstream provider endpoint is reachable."
 
 
 # -- provider-reported ----------------------------------------------------------
@@ -123,7 +162,9 @@ class UpstreamProviderError(UpstreamError):
 
 
 class UpstreamContentFiltered(UpstreamError):
-    """``finish_reason: content_filter`` (no neutral finish reason for it yet)."""
+    """``finish_reason: content_filter``. The bridge now ends such a stream as
+    an incomplete response (``Finished("content_filter")``); the class stays
+    for adapters that treat a filtered stream as a failure."""
 
     code = "upstream_content_filter"
     default_message = "The upstream provider stopped the output with its content filter."

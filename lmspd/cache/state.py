@@ -1,0 +1,59 @@
+"""What the engine remembers about a generation it ran.
+
+A ``SessionState`` pairs the exact token sequence in the KV (prompt, sampled
+tokens, hidden reasoning — everything the model saw) with the *visible
+transcript*: the prompt text a client will render when it replays the
+conversation, output included. The two differ on purpose: a client replays
+what it was shown, the KV holds what the model produced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from lmspd.core.conversation import Item
+
+
+@dataclass
+class SessionState:
+    tokens: list[int]
+    # Text of exactly ``tokens`` (special tokens spelled out): for matching
+    # an ordinary replay by rendered text when token boundaries differ.
+    kv_text: str
+    # The visible transcript, as far as the KV covers it; None when the
+    # template's rendering of the turn could not be aligned with the KV.
+    visible: str | None = None
+    # The conversation as the client knows it (input + output items), so a
+    # request carrying only tool outputs can be rendered on top of it.
+    items: list[Item] = field(default_factory=list)
+    call_ids: frozenset[str] = frozenset()
+    response_id: str | None = None
+    # The KV bytes, once captured (RAM session or disk checkpoint).
+    kv: bytes | None = None
+
+    @property
+    def key(self) -> str:
+        """Stable identity: the hash of the exact tokens."""
+        return hashlib.sha256(repr(self.tokens).encode()).hexdigest()[:32]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.kv or b"") + 4 * len(self.tokens) + 2 * len(self.kv_text) + 2 * len(self.visible or "")
+
+
+def capture_kv(ctx: llama_cpp.llama_context_p) -> bytes:
+    """Copy sequence 0's KV out of the context (not the logits buffer that
+    ``Llama.save_state`` would also copy)."""
+    size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
+    return bytes(memoryview(buf)[:n])
+
+
+def restore_kv(ctx: llama_cpp.llama_context_p, data: bytes) -> bool:
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return llama_cpp.llama_state_seq_set_data(ctx, buf, len(data), 0) == len(data)

@@ -1,0 +1,495 @@
+"""Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``):
+request decoding and wire encoding, over the same neutral core.
+
+Content blocks map onto neutral items one to one: ``text`` runs become
+messages, ``tool_use`` a ``ToolCall`` (its ``id`` is the call id),
+``tool_result`` a ``ToolOutput``, ``thinking`` a ``Reasoning`` item whose
+``signature`` is the opaque blob a stateless replay carries. Each output item
+is one content block, so a block's ``index`` is the item's output index.
+
+Usage follows Anthropic's accounting: ``input_tokens`` counts only the tokens
+prefilled for this request; reused ones are ``cache_read_input_tokens``, so
+their sum is the whole prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import Field, ValidationError
+
+from lmspd.core.conversation import (
+    Conversation,
+    Item,
+    Message,
+    OutputFormat,
+    Reasoning,
+    Sampling,
+    ToolCall,
+    ToolOutput,
+)
+from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.limits import RequestLimits
+from lmspd.streaming.session import ResponseState
+
+from .common import check_answered, decode_stop
+from .extensions import decode_extensions
+from .responses_items import Lenient, Strict, decode_tool_choice, decode_tools, validation_error
+
+# -- request ---------------------------------------------------------------------
+
+
+class ThinkingIn(Lenient):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class OutputFormatIn(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfigIn(Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormatIn | None = None
+
+
+class ToolChoiceIn(Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class CreateMessage(Strict):
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[Any] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[Any], None] = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingIn | None = None
+    output_config: OutputConfigIn | None = None
+    extensions: dict[str, Any] | None = None
+    # Bookkeeping and hosting hints: accepted, nothing to do for a local model
+    # (prompt caching is automatic here, so ``cache_control`` needs no action).
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: Any = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    diagnostics: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    # Anthropic-hosted features lmspd cannot honour (refused when set).
+    container: Any = None
+    mcp_servers: Any = None
+    context_management: Any = None
+
+
+class CountTokens(CreateMessage):
+    """``/v1/messages/count_tokens`` takes the same body without the cap."""
+
+    max_tokens: int | None = Field(default=None, ge=1)  # type: ignore[assignment]
+
+
+class MessagesRequest:
+    def __init__(self, body: CreateMessage, conversation: Conversation) -> None:
+        self.body = body
+        self.conversation = conversation
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.stream)
+
+
+# Where the core's (Responses-named) parameters live in a Messages request.
+PARAM_NAMES = {
+    "max_output_tokens": "max_tokens",
+    "input": "messages",
+    "text.format": "output_config.format",
+}
+
+
+def decode_request(raw: dict[str, Any], limits: RequestLimits) -> MessagesRequest:
+    return _decode(CreateMessage, raw, limits)
+
+
+def decode_count_tokens(raw: dict[str, Any], limits: RequestLimits) -> MessagesRequest:
+    return _decode(CountTokens, raw, limits)
+
+
+def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimits) -> MessagesRequest:
+    try:
+        body = model.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    _refuse_unhonourable(body)
+    items, paths = decode_messages(body.messages, limits)
+    check_answered(items, paths, call="tool_use block", output="tool_result block")
+    tools = decode_tools(_flat_tools(body.tools), limits)
+    choice = decode_tool_choice(_flat_tool_choice(body.tool_choice), tools)
+    extensions = decode_extensions(body.extensions)
+    conversation = Conversation(
+        model=body.model,
+        items=items,
+        instructions=_system_text(body.system, limits),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use),
+        output_format=_output_format(body.output_config),
+        sampling=Sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=extensions.seed,
+            stop=decode_stop(body.stop_sequences, limits, "stop_sequences"),
+        ),
+        max_output_tokens=body.max_tokens,
+        reasoning_effort=_effort(body),
+        cache_reuse=extensions.cache_reuse,
+    )
+    return MessagesRequest(body, conversation)
+
+
+def _refuse_unhonourable(body: CreateMessage) -> None:
+    if body.top_k is not None:
+        raise unsupported("top_k", "'top_k' is not supported yet; use 'top_p' or 'temperature'.")
+    for name in ("container", "mcp_servers", "context_management"):
+        if getattr(body, name) is not None:
+            raise unsupported(name, f"'{name}' is an Anthropic-hosted feature that lmspd does not provide.")
+
+
+def _effort(body: CreateMessage) -> str | None:
+    if body.thinking is not None and body.thinking.type == "disabled":
+        return "none"
+    effort = body.output_config.effort if body.output_config else None
+    # The neutral scale (Responses') tops out at xhigh.
+    return "xhigh" if effort == "max" else effort
+
+
+def _output_format(config: OutputConfigIn | None) -> OutputFormat:
+    if config is None or config.format is None:
+        return OutputFormat()
+    # Anthropic's format has no name; the neutral one wants one for logs.
+    return OutputFormat(type="json_schema", name="output", schema=config.format.schema_, strict=True)
+
+
+def _system_text(system: str | list[Any] | None, limits: RequestLimits) -> str | None:
+    if system is None or isinstance(system, str):
+        return system or None
+    texts = []
+    for i, block in enumerate(system):
+        where = f"system[{i}]"
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise invalid(f"Invalid system block at '{where}': expected {{\"type\": \"text\", \"text\": ...}}.", where)
+        texts.append(block["text"])
+    return _check(_join(texts), "system", limits) or None
+
+
+def _join(texts: list[str]) -> str:
+    # Separate blocks are separate paragraphs to the model; gluing them
+    # would fuse the last word of one with the first of the next.
+    return "\n\n".join(texts)
+
+
+def _check(text: str, path: str, limits: RequestLimits) -> str:
+    if len(text) > limits.max_text_chars:
+        raise invalid(f"'{path}' is {len(text)} characters; the limit is {limits.max_text_chars}.", path)
+    return text
+
+
+class MessageIn(Lenient):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Any]]
+
+
+class ToolUseIn(Lenient):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=512)
+    name: str = Field(min_length=1, max_length=256)
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultIn(Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=512)
+    content: Union[str, list[Any], None] = None
+    is_error: bool | None = None
+
+
+class ThinkingBlockIn(Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingIn(Lenient):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+MEDIA_BLOCK_TYPES = {"image", "document", "search_result", "container_upload"}
+_USER_BLOCKS = {"text", "tool_result"}
+_ASSISTANT_BLOCKS = {"text", "tool_use", "thinking", "redacted_thinking"}
+
+
+def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], list[str]]:
+    """Messages and their content blocks -> neutral items, with wire paths."""
+    if len(raw) > limits.max_input_items:
+        raise invalid(f"'messages' has {len(raw)} entries; the limit is {limits.max_input_items}.", "messages")
+    items: list[Item] = []
+    paths: list[str] = []
+    for i, entry in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(entry, dict):
+            raise invalid(f"Invalid message at '{where}': expected an object.", where)
+        try:
+            msg = MessageIn.model_validate(entry)
+        except ValidationError as exc:
+            raise validation_error(exc, where) from None
+        if isinstance(msg.content, str):
+            items.append(Message(role=msg.role, text=_check(msg.content, f"{where}.content", limits)))
+            paths.append(where)
+            continue
+        if len(msg.content) > limits.max_content_parts:
+            raise invalid(f"'{where}.content' has {len(msg.content)} blocks; the limit is "
+                          f"{limits.max_content_parts}.", f"{where}.content")
+        _decode_blocks(msg.role, msg.content, f"{where}.content", limits, items, paths)
+    return items, paths
+
+
+def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimits,
+                   items: list[Item], paths: list[str]) -> None:
+    allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
+    texts: list[str] = []
+    text_at = ""
+
+    def flush() -> None:
+        if texts:
+            items.append(Message(role=role, text=_check(_join(texts), text_at, limits)))  # type: ignore[arg-type]
+            paths.append(text_at)
+            texts.clear()
+
+    for j, block in enumerate(blocks):
+        where = f"{path}[{j}]"
+        if not isinstance(block, dict):
+            raise invalid(f"Invalid content block at '{where}': expected an object.", where)
+        kind = block.get("type")
+        if kind in MEDIA_BLOCK_TYPES:
+            raise ApiError("unsupported_capability",
+                           f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
+                           "models.", param=f"{where}.type")
+        if kind not in allowed:
+            raise invalid(f"Content block type {kind!r} is not allowed in a {role} message ('{where}.type').",
+                          f"{where}.type")
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise invalid(f"Missing or invalid '{where}.text': expected a string.", f"{where}.text")
+            if not texts:
+                text_at = where
+            texts.append(block["text"])
+            continue
+        flush()
+        try:
+            items.append(_block_item(kind, block, where, limits))
+        except ValidationError as exc:
+            raise validation_error(exc, where) from None
+        paths.append(where)
+    flush()
+
+
+def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLimits) -> Item:
+    if kind == "tool_use":
+        use = ToolUseIn.model_validate(block)
+        # Compact, key order kept: the prompt renderer re-serializes it anyway.
+        return ToolCall(call_id=use.id, name=use.name, payload=json.dumps(use.input, ensure_ascii=False))
+    if kind == "tool_result":
+        result = ToolResultIn.model_validate(block)
+        return ToolOutput(call_id=result.tool_use_id,
+                          output=_check(_result_text(result.content, f"{where}.content"), f"{where}.content", limits))
+    if kind == "thinking":
+        thought = ThinkingBlockIn.model_validate(block)
+        return Reasoning(text=thought.thinking, encrypted_content=thought.signature or None)
+    redacted = RedactedThinkingIn.model_validate(block)
+    return Reasoning(encrypted_content=redacted.data)
+
+
+def _result_text(content: str | list[Any] | None, path: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for k, block in enumerate(content):
+        where = f"{path}[{k}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in MEDIA_BLOCK_TYPES:
+            raise ApiError("unsupported_capability",
+                           f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
+                           "models.", param=f"{where}.type")
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise invalid(f"Invalid tool_result content at '{where}': expected text blocks.", where)
+        texts.append(block["text"])
+    return _join(texts)
+
+
+# Tools Anthropic runs on its own side; like hosted tools on /v1/responses
+# they are accepted and ignored. Tools whose schema only Anthropic knows
+# (bash_*, text_editor_*, computer_*, memory_*) cannot be offered to a local
+# model and are refused.
+_SERVER_TOOL_PREFIXES = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
+
+
+def _flat_tools(raw: list[Any] | None) -> list[Any] | None:
+    if not raw:
+        return raw
+    flat: list[Any] = []
+    for i, entry in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(entry, dict):
+            raise invalid(f"Invalid tool at '{where}': expected an object.", where)
+        kind = entry.get("type")
+        if kind not in (None, "custom"):
+            if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
+                continue
+            raise ApiError("unsupported_capability",
+                           f"Tool type {kind!r} at '{where}.type' is defined by Anthropic; lmspd accepts tools "
+                           "with an 'input_schema'.", param=f"{where}.type")
+        if "input_schema" not in entry:
+            raise invalid(f"Missing required parameter: '{where}.input_schema'.", f"{where}.input_schema")
+        schema = entry["input_schema"]
+        if not isinstance(schema, dict):
+            raise invalid(f"'{where}.input_schema' must be an object.", f"{where}.input_schema")
+        flat.append({"type": "function", "name": entry.get("name"), "description": entry.get("description"),
+                     "parameters": schema, "strict": entry.get("strict")})
+    return flat
+
+
+def _flat_tool_choice(choice: ToolChoiceIn | None) -> Any:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise invalid("Missing required parameter: 'tool_choice.name'.", "tool_choice.name")
+        return {"type": "function", "name": choice.name}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+# -- encoding --------------------------------------------------------------------
+
+
+def stop_reason(state: ResponseState) -> str | None:
+    if state.status == "incomplete":
+        # A provider's content filter is what Anthropic calls a refusal.
+        return "refusal" if state.incomplete_reason == "content_filter" else "max_tokens"
+    if state.status == "completed":
+        return "tool_use" if any(isinstance(i, ToolCall) for i in state.output) else "end_turn"
+    return None
+
+
+def usage_json(state: ResponseState) -> dict[str, Any]:
+    u = state.usage
+    if u is None:
+        # Before the prefill (message_start) only the prompt size is known;
+        # message_delta carries the final split.
+        return {"input_tokens": state.echo.get("input_tokens", 0), "output_tokens": 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return {
+        "input_tokens": max(u.input_tokens - u.cached_tokens - u.cache_write_tokens, 0),
+        "output_tokens": u.output_tokens,
+        "cache_creation_input_tokens": u.cache_write_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+    }
+
+
+def _tool_input(payload: str) -> dict[str, Any]:
+    # A call cut off by max_tokens has unfinished JSON; Anthropic's ``input``
+    # is always an object, so it reads as empty.
+    try:
+        value = json.loads(payload) if payload else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def block_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message):
+        return {"type": "text", "text": item.text}
+    if isinstance(item, ToolCall):
+        return {"type": "tool_use", "id": item.call_id, "name": item.name, "input": _tool_input(item.payload)}
+    if item.text is None and item.encrypted_content is not None:
+        return {"type": "redacted_thinking", "data": item.encrypted_content}
+    return {"type": "thinking", "thinking": item.text or "", "signature": item.encrypted_content or ""}
+
+
+def _start_block(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message):
+        return {"type": "text", "text": ""}
+    if isinstance(item, ToolCall):
+        return {"type": "tool_use", "id": item.call_id, "name": item.name, "input": {}}
+    return {"type": "thinking", "thinking": "", "signature": ""}
+
+
+def message_json(state: ResponseState) -> dict[str, Any]:
+    return {
+        "id": state.id,
+        "type": "message",
+        "role": "assistant",
+        "model": state.model,
+        "content": [block_json(i) for i in state.output],
+        "stop_reason": stop_reason(state),
+        "stop_sequence": None,
+        "usage": usage_json(state),
+    }
+
+
+class AnthropicEncoder:
+    """Writes lifecycle steps as Anthropic stream events (``event:`` = ``type``)."""
+
+    first_sequence_number = 0
+
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+        index = ctx.get("index")
+        item = ctx.get("item")
+        if kind == "response.output_text.delta":
+            return _delta(index, {"type": "text_delta", "text": ctx["delta"]})
+        if kind == "reasoning.delta":
+            return _delta(index, {"type": "thinking_delta", "thinking": ctx["delta"]})
+        if kind == "tool_call.delta":
+            return _delta(index, {"type": "input_json_delta", "partial_json": ctx["delta"]})
+        if kind == "reasoning.done" and item.encrypted_content:
+            return _delta(index, {"type": "signature_delta", "signature": item.encrypted_content})
+        if kind == "response.output_item.added":
+            return "content_block_start", {"type": "content_block_start", "index": index,
+                                           "content_block": _start_block(item)}
+        if kind == "response.output_item.done":
+            return "content_block_stop", {"type": "content_block_stop", "index": index}
+        if kind == "response.created":
+            message = message_json(state)
+            message["content"] = []
+            return "message_start", {"type": "message_start", "message": message}
+        if kind == "response.in_progress":
+            # Anthropic sends a ping early; it also tells a queued client
+            # that the stream is alive.
+            return "ping", {"type": "ping"}
+        if kind in ("response.completed", "response.incomplete"):
+            return "message_delta", {"type": "message_delta",
+                                     "delta": {"stop_reason": stop_reason(state), "stop_sequence": None},
+                                     "usage": usage_json(state)}
+        if kind in ("response.failed", "response.cancelled"):
+            error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
+            return "error", ApiError(error["code"], error["message"]).anthropic()
+        return None
+
+    def trailer(self, state: ResponseState) -> list[tuple[str, dict]]:
+        """``message_stop`` ends a stream that finished; a failed one ends at its ``error``."""
+        if state.status not in ("completed", "incomplete"):
+            return []
+        return [("message_stop", {"type": "message_stop"})]
+
+
+def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict]:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}

@@ -1,0 +1,69 @@
+"""The two Responses dialects side by side: what the shared handlers, the
+task runner and crash recovery need to know of each, and nothing more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lmspd.streaming.session import Encoder, ResponseState
+from lmspd.streaming.sse import SSE_DONE, sse_event
+
+from . import lmsp, openai_responses
+
+# Rebuilds a response from its event log: (events, model, created_at) ->
+# (state, index of the item still open).
+Rebuild = Callable[[list[tuple[str, dict]], str, int], tuple[ResponseState, "int | None"]]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    decode: Callable[..., Any]
+    encoder: Callable[[], Encoder]
+    response_json: Callable[[ResponseState], dict[str, Any]]
+    # One wire event as SSE: (wire seq, name, data) -> bytes.
+    frame: Callable[[int, str, dict], bytes]
+    # What ends a stream after its terminal event (OpenAI's [DONE]).
+    trailer: bytes | None
+    headers: dict[str, str]
+    rebuild: Rebuild
+    # Wire seq of the first event; a task's log numbers from 1 whatever the
+    # dialect, so store seq = wire seq - first_seq + 1.
+    first_seq: int
+
+    def echo(self, req: Any) -> dict[str, Any]:
+        return openai_responses.echo_fields(req) if self is OPENAI else {}
+
+    def store_seq(self, wire_seq: int) -> int:
+        return wire_seq - self.first_seq + 1
+
+    def wire_seq(self, store_seq: int) -> int:
+        return store_seq + self.first_seq - 1
+
+
+OPENAI = Dialect(
+    name="openai",
+    decode=openai_responses.decode_request,
+    encoder=openai_responses.OpenAIEncoder,
+    response_json=openai_responses.response_json,
+    frame=lambda seq, name, data: sse_event(name, data),
+    trailer=SSE_DONE,
+    headers={},
+    rebuild=lambda events, model, created_at: openai_responses.state_from_log(events),
+    first_seq=openai_responses.OpenAIEncoder.first_sequence_number,
+)
+
+LMSP = Dialect(
+    name="lmsp",
+    decode=lmsp.decode_request,
+    encoder=lmsp.LmspEncoder,
+    response_json=lmsp.response_json,
+    frame=lambda seq, name, data: sse_event(name, data, seq),
+    trailer=None,
+    headers={"LMSP-Version": lmsp.VERSION},
+    rebuild=lambda events, model, created_at: lmsp.state_from_log(events, model=model, created_at=created_at),
+    first_seq=lmsp.LmspEncoder.first_sequence_number,
+)
+
+DIALECTS = {d.name: d for d in (OPENAI, LMSP)}

@@ -1,0 +1,165 @@
+"""Which engine serves which model id: from flags, or from a config file.
+
+A config file (TOML, or JSON by its ``.json`` suffix) maps served model ids
+to engines, so that one lmspd serves a local GGUF and upstream models side
+by side::
+
+    [models.smollm2]
+    engine = "llama"
+    model = "smollm2-135m-instruct"     # a bundled id or a path to a .gguf
+    ctx = 4096
+
+    [models.qwen]
+    engine = "upstream"
+    urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
+    upstream_model = "Qwen/Qwen3-8B"
+    api_key_env = "VLLM_API_KEY"         # optional; never the key itself
+
+Keys are never in this file: ``api_key_env`` names a variable, ``key_name``
+a key saved with ``lmspd config set-key --name``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Union
+
+from lmspd.engines.upstream.engine import UpstreamSpec
+
+__all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "load_config_file", "specs_from_settings"]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class LlamaSpec:
+    # None: the id the model resolves to (the bundled model's own id).
+    served_model: str | None = None
+    model: str | None = None
+    ctx: int = 8192
+    threads: int | None = None
+
+
+EngineSpec = Union[LlamaSpec, UpstreamSpec]
+
+# Field name -> accepted types, per engine (served_model comes from the table key).
+_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,)}
+_UPSTREAM_FIELDS = {
+    "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
+    "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
+    "max_concurrency": (int,), "context_window": (int,), "health_interval_s": (int, float),
+    "affinity_slack": (int,),
+}
+
+
+def load_config_file(path: Path) -> list[EngineSpec]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        raw = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {exc}") from None
+    if not isinstance(raw, dict) or set(raw) != {"models"} or not isinstance(raw["models"], dict) or not raw["models"]:
+        raise ConfigError(f"{path} must have one table 'models' mapping model ids to engines")
+    return [_spec(model_id, entry, path) for model_id, entry in raw["models"].items()]
+
+
+def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
+    where = f"{path}: models.{model_id}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a table")
+    entry = dict(entry)
+    engine = entry.pop("engine", "llama")
+    allowed = {"llama": _LLAMA_FIELDS, "upstream": _UPSTREAM_FIELDS}.get(engine)
+    if allowed is None:
+        raise ConfigError(f"{where}: engine must be 'llama' or 'upstream', not {engine!r}")
+    for key, value in entry.items():
+        if key not in allowed:
+            hint = " (keys never go in this file: use api_key_env or key_name)" if "key" in key else ""
+            raise ConfigError(f"{where}: unknown setting {key!r}{hint}")
+        if isinstance(value, bool) or not isinstance(value, allowed[key]):
+            raise ConfigError(f"{where}.{key} has the wrong type")
+    if engine == "llama":
+        model = entry.get("model")
+        if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
+            model = str((path.parent / model).resolve())
+        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", 8192), threads=entry.get("threads"))
+    urls = entry.pop("urls", None) or []
+    if "url" in entry:
+        urls = [entry.pop("url"), *urls]
+    if not urls or not all(isinstance(u, str) for u in urls):
+        raise ConfigError(f"{where}: give the provider's base URL as url = \"http://host:port/v1\" (or urls = [...])")
+    if "upstream_model" not in entry:
+        raise ConfigError(f"{where}: upstream_model (the provider's name for the model) is required")
+    try:
+        return UpstreamSpec(served_model=model_id, urls=list(urls), **entry)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def specs_from_settings(settings: Any) -> list[EngineSpec]:
+    """The models to serve: the config file's, or the one the flags name."""
+    if settings.config_file is not None:
+        return load_config_file(Path(settings.config_file))
+    if settings.engine == "upstream":
+        if not settings.upstream_urls or not settings.upstream_model:
+            raise ConfigError("--engine upstream needs --upstream-url and --upstream-model")
+        try:
+            return [UpstreamSpec(
+                served_model=settings.served_model or settings.upstream_model,
+                upstream_model=settings.upstream_model,
+                urls=list(settings.upstream_urls),
+                profile=settings.upstream_profile,
+                idle_timeout_s=settings.upstream_idle_timeout_s,
+            )]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return [LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
+                      threads=settings.threads)]
+
+
+def build_engine(spec: EngineSpec, settings: Any) -> Any:
+    if isinstance(spec, UpstreamSpec):
+        from lmspd.engines.upstream.credentials import CredentialError, resolve_key
+        from lmspd.engines.upstream.engine import UpstreamEngine
+
+        try:
+            key = resolve_key(settings.data_dir, env=spec.api_key_env, name=spec.key_name)
+        except CredentialError as exc:
+            raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
+        for url in spec.urls:
+            if key is not None and url.startswith("http://") and not _is_loopback_url(url):
+                import logging
+
+                logging.getLogger("lmspd.upstream").warning(
+                    "model %s sends its provider key over plain http to a non-loopback host", spec.served_model)
+        try:
+            return UpstreamEngine(spec, key=key, limits=settings.limits.upstream)
+        except ValueError as exc:
+            raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
+
+    from lmspd.engines.llama.engine import LlamaEngine
+    from lmspd.engines.llama.models import resolve_model
+
+    model_id, path = resolve_model(spec.model)
+    return LlamaEngine(spec.served_model or model_id, path, n_ctx=spec.ctx, n_threads=spec.threads)
+
+
+def _is_loopback_url(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

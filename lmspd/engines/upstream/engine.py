@@ -1,0 +1,280 @@
+"""The upstream engine: a Chat Completions provider behind lmspd's Responses.
+
+    prepare   Conversation -> Chat Completions JSON (request.py), no I/O
+    open      POST to a routed endpoint; status and content type checked
+              (client.py) -- *before* any downstream byte, so a 4xx/5xx is
+              still an HTTP error reply (``Run.open`` calls it ahead of the
+              response headers; otherwise ``Run.events`` does, and a refusal
+              becomes ``response.failed``)
+    generate  provider bytes -> BridgeDecoder -> neutral events, ending in
+              exactly one ``Finished``/``Failed``
+
+Why the request is sent in ``open`` and not in ``prepare``: ``prepare`` is
+synchronous and runs on the event loop, and a provider can take seconds
+to send its headers; ``open`` is awaited, after the model's queue slot.
+
+Stopping: a client that goes away cancels the task that drives
+``generate``; the ``finally`` closes the provider body, so the provider sees
+the disconnect and stops. A ``CancelToken`` (shutdown) interrupts a pending
+read at once instead of waiting for the provider's next byte. The stream-idle
+watchdog is the client's read timeout (see client.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from lmspd.core.conversation import Conversation
+from lmspd.core.errors import ApiError
+from lmspd.core.events import EngineEvent, Failed, Finished, ToolCallStarted
+from lmspd.core.limits import UpstreamStreamLimits
+from lmspd.engines.base import CancelToken, ModelInfo
+
+from .bridge import BridgeDecoder
+from .client import ProviderClient, ProviderStream, Timeouts
+from .credentials import Secret
+from .errors import UpstreamError, UpstreamHTTPError
+from .pool import EndpointPool
+from .request import PROFILES, ChatRequest, build_chat_request
+
+__all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
+
+log = logging.getLogger("lmspd.upstream")
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+@dataclass
+class UpstreamSpec:
+    """One served model backed by a provider (from flags or a config file)."""
+
+    served_model: str
+    upstream_model: str
+    urls: list[str]
+    profile: str = "generic"
+    # Key source: this environment variable, else LMSPD_UPSTREAM_API_KEY,
+    # else the key saved under ``key_name`` (``lmspd config set-key``).
+    api_key_env: str | None = None
+    key_name: str | None = None
+    idle_timeout_s: float | None = None  # None: limits.upstream.idle_timeout_s
+    connect_timeout_s: float = 10.0
+    max_concurrency: int = 256
+    context_window: int = 131072
+    health_interval_s: float = 10.0
+    affinity_slack: int = 4
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown upstream profile {self.profile!r}; one of: {', '.join(PROFILES)}")
+        if not self.urls:
+            raise ValueError(f"model {self.served_model!r}: an upstream model needs at least one URL")
+        if self.max_concurrency < 1 or self.context_window < 1:
+            raise ValueError(f"model {self.served_model!r}: max_concurrency and context_window must be >= 1")
+
+
+@dataclass
+class UpstreamPrepared:
+    conversation: Conversation
+    request: ChatRequest
+    body: bytes
+    input_tokens: int
+    response_id: str | None = None
+    # Set by ``open``: the accepted provider response, consumed by ``generate``.
+    stream: ProviderStream | None = None
+    opened_at: float = field(default_factory=time.perf_counter)
+
+
+def to_api_error(exc: UpstreamError) -> ApiError:
+    """A failure before the stream started, as the reply a client gets."""
+    if not isinstance(exc, UpstreamHTTPError):
+        return ApiError(exc.code, exc.message)
+    status = exc.status
+    if status == 429:
+        return ApiError("rate_limited", "The upstream provider is rate limiting requests; retry later.",
+                        headers={"Retry-After": str(exc.retry_after if exc.retry_after is not None else 1)})
+    if exc.provider_code == "context_length_exceeded":
+        return ApiError("context_length_exceeded", "The input does not fit the upstream model's context window.",
+                        param="input")
+    if status in (408, 504):
+        return ApiError("upstream_timeout", exc.message)
+    if 400 <= status < 500 and status not in (401, 403, 404):
+        # The provider refused this request (not lmspd's setup): a 4xx, so
+        # that clients do not retry it as they would a 5xx.
+        return ApiError("upstream_rejected_request", exc.message)
+    # 401/403/404 mean lmspd's key or model name is wrong; 5xx the provider.
+    return ApiError("upstream_http_error", exc.message)
+
+
+class UpstreamEngine:
+    def __init__(
+        self, spec: UpstreamSpec, *, key: Secret | None = None, limits: UpstreamStreamLimits | None = None
+    ) -> None:
+        self.spec = spec
+        self._limits = limits or UpstreamStreamLimits()
+        self._profile = PROFILES[spec.profile]
+        self._key = key
+        idle = spec.idle_timeout_s if spec.idle_timeout_s is not None else self._limits.idle_timeout_s
+        self.pool = EndpointPool(spec.urls, affinity_slack=spec.affinity_slack)
+        self.client = ProviderClient(
+            self.pool,
+            key=key,
+            timeouts=Timeouts(connect_s=spec.connect_timeout_s, idle_s=idle),
+            max_connections=spec.max_concurrency,
+            health_interval_s=spec.health_interval_s,
+        )
+        self.info = ModelInfo(
+            id=spec.served_model,
+            context_window=spec.context_window,
+            capabilities={"streaming": True, "tools": True, "structured_output": True, "reasoning": True},
+            source=f"{spec.upstream_model} at " + ", ".join(e.label for e in self.pool.endpoints),
+            max_concurrency=spec.max_concurrency,
+        )
+        self._generations = 0
+        self._outcomes: dict[str, int] = {}
+
+    # -- preparing ---------------------------------------------------------------
+
+    def prepare(self, conversation: Conversation) -> UpstreamPrepared:
+        request = build_chat_request(conversation, self.spec.upstream_model, self._profile)
+        body = _dumps(request.body).encode("utf-8")
+        return UpstreamPrepared(conversation, request, body, input_tokens=_estimate_tokens(body))
+
+    def count_tokens(self, conversation: Conversation) -> int:
+        # The provider's tokenizer is not ours to run; a byte-based estimate.
+        return self.prepare(conversation).input_tokens
+
+    # -- running -----------------------------------------------------------------
+
+    async def open(self, prepared: UpstreamPrepared, cancel: CancelToken) -> None:
+        if prepared.stream is not None:
+            return
+        prepared.opened_at = time.perf_counter()
+        try:
+            prepared.stream = await self.client.open(prepared.body, prepared.conversation.prompt_cache_key)
+        except UpstreamError as exc:
+            self._count(exc.code)
+            detail = getattr(exc, "detail", None)
+            log.warning("upstream %s refused before streaming: %s%s", self.info.id, exc.code,
+                        f" ({self._scrub(detail)})" if detail else "")
+            raise to_api_error(exc) from None
+
+    async def generate(self, prepared: UpstreamPrepared, cancel: CancelToken) -> AsyncIterator[EngineEvent]:
+        if prepared.stream is None:
+            await self.open(prepared, cancel)
+        stream, prepared.stream = prepared.stream, None
+        assert stream is not None
+        request = prepared.request
+        bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits)
+        self._generations += 1
+        loop = asyncio.get_running_loop()
+        reader: asyncio.Task[Any] | None = None  # set only while awaiting provider bytes
+        interrupted = False
+
+        def interrupt() -> None:
+            nonlocal interrupted
+            if reader is not None and not interrupted:
+                interrupted = True
+                reader.cancel()
+
+        remove = cancel.on_cancel(lambda: loop.call_soon_threadsafe(interrupt))
+        chunks = stream.chunks()
+        outcome = "cancelled"
+        try:
+            while True:
+                if cancel.cancelled:
+                    outcome = self._stop_code(cancel)
+                    yield self._stopped(cancel)
+                    return
+                reader = asyncio.current_task()
+                try:
+                    raw = await chunks.__anext__()
+                except StopAsyncIteration:
+                    events = bridge.close()
+                except UpstreamError as exc:
+                    events = bridge.fail(exc)
+                except asyncio.CancelledError:
+                    # Ours (the token's interrupt) unless someone else also
+                    # cancelled the task: then it is theirs to finish.
+                    if not interrupted or reader is None or reader.uncancel() > 0:
+                        raise
+                    outcome = self._stop_code(cancel)
+                    yield self._stopped(cancel)
+                    return
+                else:
+                    events = bridge.feed(raw)
+                finally:
+                    reader = None
+                for event in events:
+                    if isinstance(event, ToolCallStarted):
+                        event = self._public_call(event, request)
+                    elif isinstance(event, (Finished, Failed)):
+                        outcome = event.reason if isinstance(event, Finished) else event.code
+                    yield event
+                if bridge.done:
+                    return
+        finally:
+            remove()
+            # Shielded: under a cancelled anyio scope (Starlette's disconnect
+            # handling) every await would be cancelled again, leaving the
+            # provider connection open.
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+                await stream.aclose()
+            self._count(outcome)
+            log.info("upstream %s via %s: %s in %.1f ms", self.info.id, stream.endpoint.label, outcome,
+                     (time.perf_counter() - prepared.opened_at) * 1000)
+
+    def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
+        call_id = event.call_id
+        if self._key is not None and self._key.reveal() in call_id:
+            # A provider holds our key and could echo it as a call id.
+            call_id = f"call_{event.index}"
+        if event.kind == "custom":
+            return ToolCallStarted(event.index, call_id, event.name, "custom")
+        public = request.tools[event.name]
+        return ToolCallStarted(event.index, call_id, public.name, "function", public.namespace)
+
+    @staticmethod
+    def _stop_code(cancel: CancelToken) -> str:
+        return "server_shutting_down" if cancel.reason == "shutdown" else "cancelled"
+
+    @staticmethod
+    def _stopped(cancel: CancelToken) -> EngineEvent:
+        if cancel.reason == "shutdown":
+            return Failed("server_shutting_down", "The server is shutting down.")
+        return Finished("cancelled")
+
+    def _scrub(self, text: str) -> str:
+        if self._key is not None:
+            text = text.replace(self._key.reveal(), "****")
+        return text
+
+    def _count(self, outcome: str) -> None:
+        self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+
+    # -- the rest ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "engine": "upstream",
+            "generations": self._generations,
+            "outcomes": dict(self._outcomes),
+            "endpoints": self.pool.snapshot(),
+        }
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _estimate_tokens(body: bytes) -> int:
+    # About four bytes a token for English and JSON; only a hint (the
+    # provider reports the true count in usage).
+    return max(1, len(body) // 4)

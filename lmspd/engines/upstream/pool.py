@@ -1,0 +1,131 @@
+"""Several provider URLs behind one model: health, routing, affinity.
+
+Routing is least-outstanding-requests, with affinity by ``prompt_cache_key``:
+requests that share a key go to the same endpoint (rendezvous hashing, so
+losing one endpoint moves only its own keys), which keeps that provider's
+prefix cache hitting — an agent resends the same long prefix every turn.
+Affinity yields to load only when the preferred endpoint is clearly busier
+than the least loaded one (``affinity_slack`` more requests in flight).
+
+Health is learnt two ways: a failed connection marks an endpoint down at
+once (with a growing back-off before it is tried again), and with more than
+one endpoint a background probe (``GET <base>/models``) brings endpoints
+back, or takes them out, between requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["Endpoint", "EndpointPool", "normalize_base_url", "redact_url"]
+
+_MAX_BACKOFF_S = 30.0
+
+
+def redact_url(url: str) -> str:
+    """The URL without user info, query or fragment: safe for logs and stats."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:8000/v1`` (also accepted: the same with
+    ``/chat/completions`` at the end)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream URL {redact_url(url)!r} must be an http(s) URL such as http://127.0.0.1:8000/v1")
+    if parts.username is not None or parts.password is not None:
+        # Credentials in a URL end up in logs and process listings.
+        raise ValueError("put the provider key in LMSPD_UPSTREAM_API_KEY or `lmspd config set-key`, not in the URL")
+    path = parts.path.rstrip("/")
+    if path.endswith("/chat/completions"):
+        path = path[: -len("/chat/completions")]
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+@dataclass
+class Endpoint:
+    index: int
+    base_url: str
+    outstanding: int = 0
+    healthy: bool = True
+    failures: int = 0
+    retry_at: float = 0.0
+    requests: int = 0
+
+    @property
+    def label(self) -> str:
+        return redact_url(self.base_url)
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "url": self.label,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "requests": self.requests,
+            "failures": self.failures,
+        }
+
+
+class EndpointPool:
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        affinity_slack: int = 4,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoints = [Endpoint(i, normalize_base_url(u)) for i, u in enumerate(urls)]
+        if not self.endpoints:
+            raise ValueError("an upstream model needs at least one URL")
+        self._slack = affinity_slack
+        self._clock = clock
+        self._turn = itertools.count()
+
+    def pick(self, affinity: str | None = None, exclude: Iterable[int] = ()) -> Endpoint | None:
+        """The endpoint for the next request, or None when all were tried."""
+        excluded = set(exclude)
+        candidates = [e for e in self.endpoints if e.index not in excluded]
+        if not candidates:
+            return None
+        now = self._clock()
+        # A down endpoint is tried again once its back-off has passed; if
+        # every one is down, trying beats refusing (one may be back).
+        live = [e for e in candidates if e.healthy or now >= e.retry_at] or candidates
+        least = min(e.outstanding for e in live)
+        if affinity:
+            preferred = max(live, key=lambda e: _score(affinity, e.base_url))
+            if preferred.outstanding <= least + self._slack:
+                return preferred
+        tied = [e for e in live if e.outstanding == least]
+        return tied[next(self._turn) % len(tied)]
+
+    def mark_down(self, endpoint: Endpoint) -> None:
+        endpoint.healthy = False
+        endpoint.failures += 1
+        endpoint.retry_at = self._clock() + min(_MAX_BACKOFF_S, 0.5 * 2 ** min(endpoint.failures, 8))
+
+    def mark_up(self, endpoint: Endpoint) -> None:
+        endpoint.healthy = True
+        endpoint.failures = 0
+        endpoint.retry_at = 0.0
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return [e.snapshot() for e in self.endpoints]
+
+
+def _score(key: str, url: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{url}".encode("utf-8", "surrogatepass"), digest_size=8).digest()

@@ -1,0 +1,141 @@
+"""The stored state around one response: what a request continues from
+(``previous_response_id`` chains, conversations, ``item_reference``), and
+what it leaves behind (the stored response, conversation items).
+
+Items are kept as OpenAI Responses item JSON (``input_item_json`` /
+``item_json``), the richest of the shapes lmspd speaks; both dialects decode
+them back with the same lenient item reader they use for client input, and
+response bodies are OpenAI Response objects that either dialect can render
+(``openai_responses.state_from_json``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmspd.core.conversation import Item
+from lmspd.core.errors import ApiError, invalid
+from lmspd.core.limits import RequestLimits
+from lmspd.dialects import openai_responses
+from lmspd.dialects.responses_items import decode_items
+from lmspd.store.base import JSON, ChainError, Store, ensure_item_ids
+from lmspd.streaming.session import ResponseState
+
+log = logging.getLogger("lmspd.history")
+
+# Stored items were bounded when they arrived; reading them back must not
+# trip a request bound that has since been lowered.
+_STORED = RequestLimits(max_input_items=2**31, max_content_parts=2**31, max_text_chars=2**62)
+
+# Statuses whose output a conversation keeps (a failed or cancelled turn
+# leaves the conversation as it was, as OpenAI does).
+_CONVERSATION_STATUSES = frozenset({"completed", "incomplete"})
+
+
+def stored_items(items: list[JSON]) -> list[Item]:
+    return decode_items(items, _STORED, path="stored items")
+
+
+@dataclass
+class StoredContext:
+    """``responses_items.StoredContext`` over the store, for one owner."""
+
+    store: Store
+    owner: str
+
+    def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]:
+        if previous_response_id is not None:
+            return self._chain(previous_response_id)
+        if conversation_id is not None:
+            items = self.store.conversation_items(self.owner, conversation_id)
+            if items is None:
+                raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
+                               param="conversation")
+            return stored_items(items)
+        return []
+
+    def _chain(self, response_id: str) -> list[Item]:
+        try:
+            links = self.store.response_chain(self.owner, response_id)
+        except ChainError as exc:
+            raise ApiError(
+                "previous_response_not_found",
+                f"Previous response {response_id!r} cannot be continued: response {exc.response_id!r} "
+                f"in its chain is {'missing (deleted or expired)' if exc.problem == 'missing' else exc.problem}.",
+                param="previous_response_id",
+            ) from None
+        if links is None:
+            raise ApiError("previous_response_not_found", f"Previous response {response_id!r} not found.",
+                           param="previous_response_id")
+        previous = self.store.get_response(self.owner, response_id)
+        if previous is not None and previous.get("status") in ("queued", "in_progress"):
+            raise invalid(f"Previous response {response_id!r} is still {previous['status']}; "
+                          "wait for it to finish.", "previous_response_id")
+        # The model sees prev.input + prev.output + input, oldest link first.
+        items: list[Item] = []
+        for link in links:
+            items += stored_items(link.input_items)
+            items += stored_items(link.output_items)
+        return items
+
+    def resolve_reference(self, item_id: str, where: str) -> Item:
+        found = self.store.find_item(self.owner, item_id)
+        if found is None:
+            raise invalid(f"'{where}' references item {item_id!r}, which is not stored (or was deleted); "
+                          "send the item itself.", where)
+        return stored_items([found])[0]
+
+
+@dataclass
+class ResponseRecord:
+    """What one response leaves in the store, written as it goes:
+    ``created`` (a background response is readable while it waits),
+    ``started``, then ``ended`` with the final state."""
+
+    store: Store
+    owner: str
+    # This request's own input items (the chain before it is stored already).
+    input_items: list[Item]
+    keep: bool
+    previous_response_id: str | None = None
+    conversation_id: str | None = None
+    _stored_input: list[JSON] | None = field(default=None, init=False)
+    _put: bool = field(default=False, init=False)
+
+    def _input_json(self) -> list[JSON]:
+        # Ids are assigned once, so the stored response and the conversation
+        # name the same item by the same id.
+        if self._stored_input is None:
+            self._stored_input = ensure_item_ids(
+                [openai_responses.input_item_json(i) for i in self.input_items])
+        return self._stored_input
+
+    def created(self, state: ResponseState) -> None:
+        if self.keep:
+            self._save(state)
+
+    def started(self, state: ResponseState) -> None:
+        if self._put:
+            self.store.update_response(self.owner, state.id, openai_responses.response_json(state))
+
+    def ended(self, state: ResponseState) -> None:
+        if self.keep:
+            self._save(state)
+        if self.conversation_id is not None and state.status in _CONVERSATION_STATUSES:
+            output = [openai_responses.item_json(i) for i in state.output]
+            appended = self.store.append_conversation_items(
+                self.owner, self.conversation_id, self._input_json() + output)
+            if appended is None:
+                log.warning("conversation %s vanished before response %s ended", self.conversation_id, state.id)
+
+    def _save(self, state: ResponseState) -> None:
+        body: dict[str, Any] = openai_responses.response_json(state)
+        if self._put:
+            self.store.update_response(self.owner, state.id, body)
+            return
+        self.store.put_response(self.owner, state.id, body, self._input_json(),
+                                previous_response_id=self.previous_response_id,
+                                conversation_id=self.conversation_id, created_at=state.created_at)
+        self._put = True

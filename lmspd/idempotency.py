@@ -1,0 +1,118 @@
+"""``Idempotency-Key`` on POSTs: executed at most once per key and credential.
+
+The first request with a key owns it until its reply is complete; then the
+reply (status, body, the headers that describe it) is kept and every retry
+with the same request gets it back, across restarts, until the key expires.
+A retry while the first still runs gets 409 with Retry-After; the same key
+with another request gets 422. A failed attempt (any error reply) releases
+the key, so a retry runs again.
+
+A reply that follows a background task's events is not kept as bytes (the
+task may still be running): the key remembers the task, and a retry follows
+its events again from the start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from lmspd.core.errors import ApiError, invalid
+from lmspd.store.base import BeginOutcome, IdempotencyBegin, Store
+
+HEADER = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
+# Stored with a reply, never sent: the task whose events a retry follows.
+FOLLOW = "x-lmspd-follow-task"
+MAX_KEY_CHARS = 255
+# Headers of the first reply a replay repeats (the rest are per-connection).
+_KEPT_HEADERS = ("content-type", "lmsp-version", "location")
+RETRY_AFTER_S = 1
+
+
+def request_hash(request: Request, body: dict[str, Any]) -> str:
+    # The path is part of the request: one key on two endpoints is a conflict.
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{request.method} {request.url.path}\n{canonical}".encode()).hexdigest()
+
+
+@dataclass
+class Attempt:
+    """One request holding (or replaying) an idempotency key."""
+
+    store: Store
+    owner: str
+    key: str
+    replay: IdempotencyBegin | None = None
+
+    @property
+    def follow_task(self) -> str | None:
+        return (self.replay.headers or {}).get(FOLLOW) if self.replay is not None else None
+
+    def replayed(self) -> Response:
+        assert self.replay is not None
+        headers = {k: v for k, v in (self.replay.headers or {}).items() if k != FOLLOW}
+        headers[REPLAYED] = "true"
+        media = headers.pop("content-type", None)
+        return Response(self.replay.body or b"", status_code=self.replay.status_code or 200, headers=headers,
+                        media_type=media)
+
+    def abandon(self) -> None:
+        self.store.idempotency_abandon(self.owner, self.key)
+
+    def seal(self, response: Response, follow_task: str | None = None) -> Response:
+        """Keep ``response`` as this key's reply (a stream: once it has been
+        sent whole), or release the key if it is not a success."""
+        if response.status_code >= 400:
+            self.abandon()
+            return response
+        headers = {k: v for k, v in response.headers.items() if k in _KEPT_HEADERS}
+        if follow_task is not None:
+            self.store.idempotency_finish(self.owner, self.key, response.status_code, b"",
+                                          {**headers, FOLLOW: follow_task})
+            return response
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._recorded(response.body_iterator, response.status_code, headers)
+            return response
+        self.store.idempotency_finish(self.owner, self.key, response.status_code, bytes(response.body), headers)
+        return response
+
+    async def _recorded(self, chunks: AsyncIterator[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        sent: list[bytes] = []
+        complete = False
+        try:
+            async for chunk in chunks:
+                data = chunk if isinstance(chunk, bytes) else str(chunk).encode()
+                sent.append(data)
+                yield data
+            complete = True
+        finally:
+            # A stream the client left half-way was not a reply: release the key.
+            if complete:
+                self.store.idempotency_finish(self.owner, self.key, status, b"".join(sent), headers)
+            else:
+                self.abandon()
+
+
+def begin(store: Store, owner: str, request: Request, body: dict[str, Any]) -> Attempt | None:
+    """``None`` without the header; raises 409/422 for a key in use."""
+    key = request.headers.get(HEADER)
+    if key is None:
+        return None
+    if not key or len(key) > MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
+        raise invalid(f"{HEADER} must be 1 to {MAX_KEY_CHARS} printable ASCII characters.", HEADER)
+    outcome = store.idempotency_begin(owner, key, request_hash(request, body))
+    if outcome.outcome is BeginOutcome.CONFLICT:
+        raise ApiError("idempotency_conflict",
+                       f"{HEADER} {key!r} was already used with a different request; use a new key for a new "
+                       "request.", param=HEADER)
+    if outcome.outcome is BeginOutcome.IN_PROGRESS:
+        raise ApiError("idempotency_in_progress",
+                       f"A request with {HEADER} {key!r} is still running; retry once it has finished.",
+                       param=HEADER, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return Attempt(store, owner, key, outcome if outcome.outcome is BeginOutcome.REPLAY else None)

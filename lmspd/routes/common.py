@@ -1,0 +1,118 @@
+"""What every route handler shares: the application state, credentials,
+query parameters, and the two ways a reply leaves (JSON or SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator, Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from lmspd.auth import Authenticator, Principal
+from lmspd.config import Settings
+from lmspd.core.errors import invalid
+from lmspd.core.limits import RequestLimits
+from lmspd.dialects import lmsp
+from lmspd.service import Service
+from lmspd.store.base import Store
+from lmspd.streaming.sse import SSE_HEADERS, dumps
+from lmspd.tasks.manager import TaskManager
+
+
+class LmspdApp:
+    """The application state every handler needs."""
+
+    def __init__(self, settings: Settings, service: Service, store: Store) -> None:
+        self.settings = settings
+        self.service = service
+        self.store = store
+        self.tasks = TaskManager(store)
+        self.auth = Authenticator(settings.api_keys)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.settings.limits.request
+
+
+def app_state(request: Request) -> LmspdApp:
+    return request.app.state.lmspd
+
+
+def principal(request: Request, scope: str) -> Principal:
+    who = app_state(request).auth.authenticate(request)
+    who.require(scope)
+    return who
+
+
+def lmsp_request(request: Request, scope: str) -> Principal:
+    """An LMSP route's preamble: version, then credential."""
+    lmsp.check_version(request.headers.get("lmsp-version"))
+    return principal(request, scope)
+
+
+def json_reply(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def sse_reply(chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+
+
+def query_int(request: Request, name: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise invalid(f"Query parameter {name!r} must be an integer, not {raw!r}.", name) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+        raise invalid(f"Query parameter {name!r} must be {bound}.", name)
+    return value
+
+
+def query_bool(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "").lower()
+    if raw in ("", "false", "0"):
+        return False
+    if raw in ("true", "1"):
+        return True
+    raise invalid(f"Query parameter {name!r} must be true or false, not {raw!r}.", name)
+
+
+def query_choice(request: Request, name: str, choices: Iterable[str], default: str) -> str:
+    raw = request.query_params.get(name) or default
+    if raw not in choices:
+        raise invalid(f"Query parameter {name!r} must be one of {', '.join(choices)}.", name)
+    return raw
+
+
+async def run_to_end(request: Request, events: AsyncIterator[Any]) -> bool:
+    """Drain a generation for a JSON reply, stopping it if the client leaves
+    (then return False: there is nobody to answer)."""
+
+    async def drain() -> None:
+        async for _ in events:
+            pass
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        return False
+    work.result()
+    return True

@@ -1,0 +1,152 @@
+"""HTTP handlers for the two message-list dialects: Chat Completions
+(``/v1/chat/completions``) and Anthropic Messages (``/v1/messages``,
+``/v1/messages/count_tokens``).
+
+Each handler is the Responses handler's shape: decode into a neutral
+conversation, ``Service.begin`` (every refusal before any byte is sent),
+then a ``StreamSession`` with the dialect's encoder, streamed as SSE or
+drained into one JSON reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from lmspd.bodies import read_json_object
+from lmspd.core.conversation import Conversation
+from lmspd.core.errors import ApiError
+from lmspd.core.ids import new_id
+from lmspd.dialects import anthropic_messages, chat_completions
+from lmspd.dialects.common import rename_param
+from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply
+from lmspd.service import Run, Service
+from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
+from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
+
+log = logging.getLogger("lmspd.http")
+
+
+def _begin(service: Service, conversation: Conversation, names: dict[str, str]) -> Run:
+    try:
+        return service.begin(conversation)
+    except ApiError as exc:
+        raise rename_param(exc, names) from None
+
+
+Frame = Callable[[str, dict], bytes]
+
+
+async def _frames(events: AsyncIterator[WireEvent], frame: Frame,
+                  trailer: Callable[[], list[tuple[str, dict]]], done: bytes = b"") -> AsyncIterator[bytes]:
+    """The run's events as SSE frames, then the dialect's closing frames,
+    which depend on how the run ended (so they are computed only once it has)."""
+    async for _seq, name, data in events:
+        yield frame(name, data)
+    for name, data in trailer():
+        yield frame(name, data)
+    if done:
+        yield done
+
+
+# -- Chat Completions ------------------------------------------------------------
+
+
+async def chat_create(request: Request) -> Response:
+    app = app_state(request)
+    principal(request, "responses:write")
+    raw = await read_json_object(request, app.limits)
+    req = chat_completions.decode_request(raw, app.limits)
+    run = _begin(app.service, req.conversation, req.param_names)
+    state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
+    encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
+    session = StreamSession(state, encoder)
+    if req.stream:
+        # Chat Completions streams are data-only frames.
+        return sse_reply(_frames(run.events(session), lambda name, data: sse_event(None, data),
+                                 lambda: encoder.trailer(state), SSE_DONE))
+    if not await run_to_end(request, run.events(session)):
+        return Response(status_code=499)
+    if state.status == "failed":
+        raise ApiError(state.error["code"], state.error["message"])
+    return json_reply(chat_completions.completion_json(state))
+
+
+# -- Anthropic Messages ----------------------------------------------------------
+
+
+def _anthropic(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """Every failure on an Anthropic route in Anthropic's error shape — also
+    a wrong method, which Starlette would otherwise answer in OpenAI's."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            if request.method != "POST":
+                raise ApiError("method_not_allowed", f"{request.method} is not allowed on {request.url.path}.",
+                               headers={"Allow": "POST"})
+            return await handler(request)
+        except ApiError as exc:
+            return anthropic_error(exc)
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            return anthropic_error(ApiError("server_error", "Internal server error."))
+
+    return endpoint
+
+
+def anthropic_error(exc: ApiError) -> Response:
+    return Response(dumps(exc.anthropic()), status_code=exc.status, headers=dict(exc.headers),
+                    media_type="application/json")
+
+
+async def messages_create(request: Request) -> Response:
+    app = app_state(request)
+    principal(request, "responses:write")
+    raw = await read_json_object(request, app.limits)
+    req = anthropic_messages.decode_request(raw, app.limits)
+    run = _begin(app.service, req.conversation, anthropic_messages.PARAM_NAMES)
+    # message_start reports the prompt size before the prefill says how much was reused.
+    state = ResponseState(id=new_id("msg"), model=req.conversation.model,
+                          echo={"input_tokens": run.prepared.input_tokens})
+    encoder = anthropic_messages.AnthropicEncoder()
+    session = StreamSession(state, encoder)
+    if req.stream:
+        return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))
+    if not await run_to_end(request, run.events(session)):
+        return Response(status_code=499)
+    if state.status == "failed":
+        raise ApiError(state.error["code"], state.error["message"])
+    return json_reply(anthropic_messages.message_json(state))
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    app = app_state(request)
+    # Counting creates nothing; a read credential may do it.
+    principal(request, "responses:read")
+    raw = await read_json_object(request, app.limits)
+    conversation: Conversation = anthropic_messages.decode_count_tokens(raw, app.limits).conversation
+    engine = app.service.model(conversation.model).engine
+    # The count must be of a prompt the model could run: a create with these
+    # tools would be refused, so the count is too (rather than counting a
+    # prompt without them).
+    if conversation.tools and conversation.tool_choice.mode != "none" and not engine.info.capabilities.get("tools"):
+        raise ApiError("unsupported_capability", f"Model {conversation.model!r} does not support tools.",
+                       param="tools")
+    return json_reply({"input_tokens": engine.count_tokens(conversation)})
+
+
+# Every method reaches the Anthropic wrapper, which answers a wrong one in
+# Anthropic's shape (Starlette's own 405 would be rendered as OpenAI's).
+_ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", chat_create, methods=["POST"]),
+        Route("/v1/messages", _anthropic(messages_create), methods=_ANY_METHOD),
+        Route("/v1/messages/count_tokens", _anthropic(messages_count_tokens), methods=_ANY_METHOD),
+    ]

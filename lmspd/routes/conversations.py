@@ -1,0 +1,165 @@
+"""OpenAI conversations: ``/v1/conversations`` and their items.
+
+A response created with ``conversation`` sees the conversation's items
+before its input, and appends its input and output when it ends (see
+``lmspd.history``). Items are validated like request input and stored in
+the shapes ``input_items`` lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lmspd.bodies import read_json_object
+from lmspd.core.errors import ApiError, invalid
+from lmspd.core.ids import new_id
+from lmspd.dialects.openai_responses import input_item_json
+from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.routes.common import LmspdApp, app_state, json_reply, principal
+from lmspd.routes.stored import list_json, page_params
+from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
+
+# OpenAI's bound on items added in one call.
+MAX_ITEMS_PER_CALL = 20
+
+
+class CreateConversation(Strict):
+    items: list[Any] | None = Field(default=None, max_length=MAX_ITEMS_PER_CALL)
+    metadata: dict[str, str] | None = None
+
+
+class UpdateConversation(Strict):
+    metadata: dict[str, str]
+
+
+class AddItems(Strict):
+    items: list[Any] = Field(max_length=MAX_ITEMS_PER_CALL)
+
+
+def not_found(conversation_id: str) -> ApiError:
+    return ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.")
+
+
+def conversation_json(record: ConversationRecord) -> dict[str, Any]:
+    return {"id": record.id, "object": "conversation", "created_at": int(record.created_at),
+            "metadata": record.metadata}
+
+
+async def _body(request: Request, app: LmspdApp, model: type[Strict]) -> Any:
+    raw = await read_json_object(request, app.limits)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _metadata(app: LmspdApp, metadata: dict[str, str] | None) -> dict[str, str]:
+    limits = app.limits
+    metadata = metadata or {}
+    if len(metadata) > limits.max_metadata_pairs:
+        raise invalid(f"'metadata' has {len(metadata)} keys; the limit is {limits.max_metadata_pairs}.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > limits.max_metadata_key_chars or len(value) > limits.max_metadata_value_chars:
+            raise invalid(f"'metadata.{key[:64]}' is too long.", "metadata")
+    return metadata
+
+
+def _items(app: LmspdApp, raw: list[Any] | None) -> list[JSON]:
+    items = decode_items(raw or [], app.limits, path="items")
+    return ensure_item_ids([input_item_json(i) for i in items])
+
+
+async def create_conversation(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    body = await _body(request, app, CreateConversation)
+    record = app.store.create_conversation(owner, new_id("conv"), metadata=_metadata(app, body.metadata),
+                                           items=_items(app, body.items))
+    return json_reply(conversation_json(record))
+
+
+async def get_conversation(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:read").owner
+    conversation_id = request.path_params["conversation_id"]
+    record = app.store.get_conversation(owner, conversation_id)
+    if record is None:
+        raise not_found(conversation_id)
+    return json_reply(conversation_json(record))
+
+
+async def update_conversation(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    conversation_id = request.path_params["conversation_id"]
+    body = await _body(request, app, UpdateConversation)
+    record = app.store.update_conversation(owner, conversation_id, _metadata(app, body.metadata))
+    if record is None:
+        raise not_found(conversation_id)
+    return json_reply(conversation_json(record))
+
+
+async def delete_conversation(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    conversation_id = request.path_params["conversation_id"]
+    if not app.store.delete_conversation(owner, conversation_id):
+        raise not_found(conversation_id)
+    return json_reply({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+async def add_items(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    conversation_id = request.path_params["conversation_id"]
+    body = await _body(request, app, AddItems)
+    stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items))
+    if stored is None:
+        raise not_found(conversation_id)
+    return json_reply({"object": "list", "data": stored, "first_id": stored[0]["id"] if stored else None,
+                       "last_id": stored[-1]["id"] if stored else None, "has_more": False})
+
+
+async def list_items(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:read").owner
+    conversation_id = request.path_params["conversation_id"]
+    after, limit, order = page_params(request)
+    try:
+        page = app.store.list_conversation_items(owner, conversation_id, after=after, limit=limit,
+                                                 order=order)  # type: ignore[arg-type]
+    except InvalidCursor:
+        raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
+    if page is None:
+        raise not_found(conversation_id)
+    return json_reply(list_json(page))
+
+
+async def get_item(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:read").owner
+    conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
+    item = app.store.get_conversation_item(owner, conversation_id, item_id)
+    if item is None:
+        if app.store.get_conversation(owner, conversation_id) is None:
+            raise not_found(conversation_id)
+        raise ApiError("not_found", f"Item {item_id!r} not found in conversation {conversation_id!r}.")
+    return json_reply(item)
+
+
+async def delete_item(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
+    if not app.store.delete_conversation_item(owner, conversation_id, item_id):
+        if app.store.get_conversation(owner, conversation_id) is None:
+            raise not_found(conversation_id)
+        raise ApiError("not_found", f"Item {item_id!r} not found in conversation {conversation_id!r}.")
+    record = app.store.get_conversation(owner, conversation_id)
+    if record is None:
+        raise not_found(conversation_id)
+    return json_reply(conversation_json(record))

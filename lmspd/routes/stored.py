@@ -1,0 +1,137 @@
+"""Stored responses: ``GET``/``DELETE /v1/responses/{id}`` (``?stream=true``
+resumes a background response's events), ``POST /v1/responses/{id}/cancel``,
+``GET /v1/responses/{id}/input_items`` and ``GET /lmsp/v1/responses/{id}``.
+
+Another credential's response is exactly as absent as one that never
+existed: the same 404, the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lmspd.core.errors import ApiError, invalid
+from lmspd.dialects import lmsp, openai_responses
+from lmspd.dialects.registry import OPENAI
+from lmspd.routes.common import (
+    LmspdApp,
+    app_state,
+    json_reply,
+    lmsp_request,
+    principal,
+    query_bool,
+    query_choice,
+    query_int,
+)
+from lmspd.store.base import InvalidCursor, Page
+from lmspd.tasks.wire import follow_reply
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError("response_not_found", f"Response {response_id!r} not found.")
+
+
+def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
+    body = app.store.get_response(owner, response_id)
+    if body is None:
+        raise not_found(response_id)
+    live = app.tasks.live(response_id, owner)
+    if live is not None:
+        # Running in the background: the live state has the output so far.
+        return openai_responses.response_json(live.state)
+    return body
+
+
+def _background_task(app: LmspdApp, owner: str, response_id: str) -> None:
+    task = app.store.get_task(owner, response_id)
+    if task is None or task.request.get("dialect") != OPENAI.name:
+        raise invalid(f"Response {response_id!r} was not created with 'background: true'; only background "
+                      "responses can be streamed again or cancelled.", "response_id")
+
+
+async def openai_get_response(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:read").owner
+    response_id = request.path_params["response_id"]
+    body = _stored(app, owner, response_id)
+    if not query_bool(request, "stream"):
+        return json_reply(body)
+    _background_task(app, owner, response_id)
+    starting_after = query_int(request, "starting_after", minimum=0)
+    # sequence_number N is store seq N + 1; "after N" means store seq > N + 1.
+    after = 0 if starting_after is None else OPENAI.store_seq(starting_after)
+    return follow_reply(app, owner, OPENAI, response_id, after, not_found(response_id))
+
+
+async def openai_delete_response(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    response_id = request.path_params["response_id"]
+    live = app.tasks.live(response_id, owner)
+    if live is not None:
+        await app.tasks.cancel(live)
+    if not app.store.delete_response(owner, response_id):
+        raise not_found(response_id)
+    return json_reply({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def openai_cancel_response(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:write").owner
+    response_id = request.path_params["response_id"]
+    _stored(app, owner, response_id)
+    _background_task(app, owner, response_id)
+    live = app.tasks.live(response_id, owner)
+    if live is not None:
+        await app.tasks.cancel(live)
+    # Already finished: returned as it is (cancelling twice is harmless).
+    return json_reply(_stored(app, owner, response_id))
+
+
+async def openai_input_items(request: Request) -> Response:
+    app = app_state(request)
+    owner = principal(request, "responses:read").owner
+    response_id = request.path_params["response_id"]
+    after, limit, order = page_params(request)
+    try:
+        page = app.store.list_input_items(owner, response_id, after=after, limit=limit, order=order)  # type: ignore[arg-type]
+    except InvalidCursor:
+        raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
+    if page is None:
+        raise not_found(response_id)
+    return json_reply(list_json(page))
+
+
+async def lmsp_get_response(request: Request) -> Response:
+    app = app_state(request)
+    owner = lmsp_request(request, "responses:read").owner
+    response_id = request.path_params["response_id"]
+    body = _stored(app, owner, response_id)
+    return json_reply(lmsp.response_json(openai_responses.state_from_json(body)),
+                      headers={"LMSP-Version": lmsp.VERSION})
+
+
+# -- lists -----------------------------------------------------------------------
+
+
+def page_params(request: Request) -> tuple[str | None, int, str]:
+    """OpenAI's list parameters: ``after`` (an item id), ``limit`` (1-100,
+    default 20), ``order`` (``asc``/``desc``, default ``desc``)."""
+    after = request.query_params.get("after") or None
+    limit = query_int(request, "limit", minimum=1, maximum=100)
+    order = query_choice(request, "order", ("asc", "desc"), "desc")
+    return after, 20 if limit is None else limit, order
+
+
+def list_json(page: Page) -> dict[str, Any]:
+    items = page.items
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": page.has_more,
+    }

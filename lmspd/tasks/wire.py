@@ -1,0 +1,67 @@
+"""How tasks look on the wire: the LMSP task object, and a task's events
+followed as SSE (LMSP task events, OpenAI background streams)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator
+
+from starlette.responses import StreamingResponse
+
+from lmspd.core.errors import ApiError
+from lmspd.dialects.registry import LMSP, Dialect
+from lmspd.routes.common import LmspdApp, sse_reply
+from lmspd.store.base import EventsExpired, TaskRecord
+from lmspd.tasks.manager import TERMINAL_EVENTS, LiveTask
+
+
+def task_json(task: TaskRecord, live: LiveTask | None) -> dict[str, Any]:
+    result = task.result
+    if result is None and live is not None:
+        result = LMSP.response_json(live.state)  # as it stands so far
+    error = None
+    if task.error is not None:
+        error = ApiError(task.error.get("code", "server_error"), task.error.get("message", "")).problem()
+    return {
+        "id": task.id,
+        "object": "task",
+        "status": task.status,
+        "response_id": task.response_id,
+        "created_at": int(task.created_at),
+        "updated_at": int(task.updated_at),
+        "finished_at": None if task.finished_at is None else int(task.finished_at),
+        # Resume with Last-Event-ID / ?after= up to this id; events before
+        # the first retained one are gone (410).
+        "last_event_id": task.last_seq,
+        "first_retained_event_id": task.first_retained_seq,
+        "result": result,
+        "error": error,
+    }
+
+
+def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
+                 not_found: ApiError) -> StreamingResponse:
+    """The task's events after store seq ``after`` as SSE, live until its
+    terminal event. 404/410 are raised here, before the stream starts."""
+    try:
+        events = app.tasks.follow(owner, task_id, after)
+    except EventsExpired as exc:
+        raise ApiError(
+            "event_history_expired",
+            f"Events after {dialect.wire_seq(exc.after_seq)} are no longer kept (the earliest kept is "
+            f"{dialect.wire_seq(exc.first_retained_seq)}); read the final result instead.",
+        ) from None
+    if events is None:
+        raise not_found
+
+    async def frames() -> AsyncIterator[bytes]:
+        ended = False
+        # aclosing: a reader that leaves unsubscribes at once, not at GC.
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
+                ended = event.event in TERMINAL_EVENTS
+        if ended and dialect.trailer is not None:
+            yield dialect.trailer
+
+    return sse_reply(frames(), headers=dialect.headers)

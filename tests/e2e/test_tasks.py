@@ -1,0 +1,174 @@
+"""Background work: LMSP tasks and OpenAI background responses — followed,
+dropped and resumed, several readers, cancel, 410 after expiry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+from conftest import MODEL
+from support.follow import LONG, SHORT, follow, openai_events, wait_for
+from support.server import ServerProcess
+from support.sse import parse_frames
+from support.validate import validate_lmsp_stream, validate_openai_stream
+
+
+def task_body(text: str = SHORT, **extra):
+    return {"model": MODEL, "input": text, "temperature": 0, "max_output_tokens": 24, **extra}
+
+
+def finished(http, task_id):
+    task = http.get(f"/lmsp/v1/tasks/{task_id}").json()
+    return task if task["finished_at"] is not None else None
+
+
+def test_task_followed_dropped_and_resumed(server, http):
+    before = server.generations()
+    r = http.post("/lmsp/v1/tasks", json=task_body())
+    assert r.status_code == 202, r.text
+    task = r.json()
+    assert r.headers["location"] == f"/lmsp/v1/tasks/{task['id']}" and r.headers["lmsp-version"] == "1.0"
+    assert task["object"] == "task" and task["status"] in ("queued", "in_progress")
+    events = f"/lmsp/v1/tasks/{task['id']}/events"
+
+    # A second reader follows the whole task while the first one drops.
+    whole: dict = {}
+    other = threading.Thread(target=lambda: whole.update(frames=follow(http, events)[1]))
+    other.start()
+
+    status, head, _ = follow(http, events, stop_after=3)
+    assert status == 200 and [f.id for f in head] == ["1", "2", "3"]
+    # Resumed three ways: the header, the query, and both (after wins).
+    _, by_header, _ = follow(http, events, headers={"Last-Event-ID": "3"})
+    _, by_query, _ = follow(http, events, params={"after": 3})
+    _, by_both, _ = follow(http, events, params={"after": 3}, headers={"Last-Event-ID": "1"})
+    other.join(60)
+
+    full = whole["frames"]
+    validate_lmsp_stream(full)
+    for resumed in (by_header, by_query, by_both):
+        assert resumed[0].id == "4", "exactly the events after 3: no gap, no duplicate"
+        assert [(f.id, f.event, f.data) for f in head + resumed] == [(f.id, f.event, f.data) for f in full]
+        validate_lmsp_stream(head + resumed)
+
+    done = wait_for(lambda: finished(http, task["id"]))
+    assert done["status"] == full[-1].json()["status"] and done["last_event_id"] == len(full)
+    assert done["result"]["output"] == validate_lmsp_stream(full)["output"]
+    assert server.generations() == before + 1, "readers never start or stop the task"
+    # After the last event there is nothing more, and the stream just ends.
+    status, rest, _ = follow(http, events, params={"after": len(full)})
+    assert status == 200 and rest == []
+
+
+def test_task_created_with_stream_true_survives_its_client(http):
+    with http.stream("POST", "/lmsp/v1/tasks", json=task_body(stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        location = r.headers["location"]
+        head = []
+        for frame in parse_frames(r.iter_lines()):
+            head.append(frame)
+            if len(head) == 2:
+                break  # the client goes away; the task does not
+    _, rest, _ = follow(http, location + "/events", headers={"Last-Event-ID": "2"})
+    summary = validate_lmsp_stream(head + rest)
+    task = wait_for(lambda: finished(http, location.rsplit("/", 1)[1]))
+    assert task["result"]["output"] == summary["output"]
+
+
+def test_task_cancel_running_and_queued(server, http):
+    server.wait_idle()
+    before = server.generations()
+    running = http.post("/lmsp/v1/tasks", json=task_body(LONG, max_output_tokens=400)).json()
+    queued = http.post("/lmsp/v1/tasks", json=task_body(LONG, max_output_tokens=400)).json()
+    _, head, _ = follow(http, f"/lmsp/v1/tasks/{running['id']}/events", stop_after=3)
+
+    r = http.post(f"/lmsp/v1/tasks/{queued['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    r = http.post(f"/lmsp/v1/tasks/{running['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert r.json()["result"]["status"] == "cancelled"
+
+    for task in (running, queued):
+        _, frames, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
+        summary = validate_lmsp_stream(frames)
+        assert summary["terminal"] == "response.cancelled"
+    assert http.post(f"/lmsp/v1/tasks/{running['id']}/cancel").json()["status"] == "cancelled"
+    server.wait_idle()
+    assert server.generations() == before + 1, "a task cancelled while queued never reaches the model"
+
+
+def test_openai_background_poll_resume_and_cancel(server, openai_client, http):
+    resp = openai_client.responses.create(**task_body(), background=True)
+    assert resp.status == "queued" and resp.background is True
+    done = wait_for(lambda: (r := openai_client.responses.retrieve(resp.id)).status not in ("queued", "in_progress")
+                    and r)
+    assert done.status in ("completed", "incomplete")
+
+    # The whole stream from the start, then resumed after sequence number 2.
+    _, frames, _ = follow(http, f"/v1/responses/{resp.id}", params={"stream": "true"})
+    events = openai_events(frames)
+    final = validate_openai_stream(events)
+    assert events[0]["response"]["status"] == "queued" and events[1]["type"] == "response.in_progress"
+    assert final == http.get(f"/v1/responses/{resp.id}").json()
+    _, frames, _ = follow(http, f"/v1/responses/{resp.id}", params={"stream": "true", "starting_after": 2})
+    assert openai_events(frames) == events[3:]
+    resumed = list(openai_client.responses.retrieve(resp.id, stream=True, starting_after=2))
+    assert [(e.type, e.sequence_number) for e in resumed] == [(e["type"], e["sequence_number"]) for e in events[3:]]
+
+    # Cancel a long one; polling then shows it cancelled, its stream ends.
+    long = openai_client.responses.create(**task_body(LONG, max_output_tokens=400), background=True)
+    wait_for(lambda: openai_client.responses.retrieve(long.id).status == "in_progress")
+    cancelled = openai_client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert openai_client.responses.retrieve(long.id).status == "cancelled"
+    _, frames, _ = follow(http, f"/v1/responses/{long.id}", params={"stream": "true"})
+    events = openai_events(frames)
+    assert validate_openai_stream(events)["status"] == "cancelled"
+    assert openai_client.responses.cancel(long.id).status == "cancelled"
+
+
+def test_openai_background_stream_and_rules(openai_client, http):
+    events = [e.model_dump(mode="json") for e in
+              openai_client.responses.create(**task_body(), background=True, stream=True)]
+    final = validate_openai_stream(events)
+    assert events[0]["response"]["status"] == "queued" and final["background"] is True
+
+    r = http.post("/v1/responses", json=task_body(background=True, store=False))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    plain = http.post("/v1/responses", json=task_body()).json()
+    r = http.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    assert http.post(f"/v1/responses/{plain['id']}/cancel").status_code == 400
+    r = http.get("/lmsp/v1/tasks/task_nope/events")
+    assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+    r = http.get(f"/lmsp/v1/tasks/{plain['id']}")
+    assert r.status_code == 404, "an OpenAI background response is not an LMSP task"
+
+
+def test_events_expire_with_410_but_the_result_stays():
+    srv = ServerProcess("--ctx", "1024", "--event-retention-s", "0.5", "--prune-interval-s", "0.2").start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            task = http.post("/lmsp/v1/tasks", json=task_body()).json()
+            _, full, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
+            validate_lmsp_stream(full)
+            gone = wait_for(lambda: finished(http, task["id"]) and
+                            http.get(f"/lmsp/v1/tasks/{task['id']}").json()["first_retained_event_id"] > len(full)
+                            and True)
+            assert gone
+            for params, headers in (({"after": 0}, {}), ({}, {"Last-Event-ID": "3"})):
+                r = http.get(f"/lmsp/v1/tasks/{task['id']}/events", params=params, headers=headers)
+                assert r.status_code == 410
+                assert r.json()["code"] == "event_history_expired"
+                assert r.headers["content-type"].startswith("application/problem+json")
+            result = http.get(f"/lmsp/v1/tasks/{task['id']}").json()
+            assert result["result"]["output"] == validate_lmsp_stream(full)["output"]
+
+            bg = http.post("/v1/responses", json=task_body(background=True)).json()
+            wait_for(lambda: http.get(f"/v1/responses/{bg['id']}").json()["status"] not in ("queued", "in_progress"))
+            time.sleep(1.0)
+            r = http.get(f"/v1/responses/{bg['id']}", params={"stream": "true", "starting_after": 0})
+            assert r.status_code == 410 and r.json()["error"]["code"] == "event_history_expired"
+    finally:
+        srv.stop()

@@ -1,0 +1,80 @@
+"""End to end with the bundled SmolLM2: constrained sampling yields calls
+and JSON that parse and validate (a few seconds on a CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from lmspd.core.conversation import FunctionTool
+from lmspd.core.events import ToolCallDone, ToolCallStarted
+from lmspd.engines.llama.grammars import json_schema_grammar, tool_call_grammar
+from lmspd.engines.llama.tool_formats import detect_tool_format
+
+from conftest import model_path
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    FunctionTool("get_weather", "Get the current weather in a city.", WEATHER, strict=True),
+    FunctionTool("get_time", "Get the time in a time zone.", {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}}}),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import llama_cpp
+
+    model = llama_cpp.Llama(model_path(), n_ctx=2048, verbose=False)
+    return model
+
+
+def chatml(system: str, user: str) -> str:
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def generate(llm, prompt: str, gbnf: str, max_tokens: int) -> str:
+    from llama_cpp import LlamaGrammar
+
+    out = llm.create_completion(
+        prompt, grammar=LlamaGrammar.from_string(gbnf, verbose=False), max_tokens=max_tokens, temperature=0
+    )
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    return choice["text"]
+
+
+def test_forced_call_parses_and_validates(llm) -> None:
+    fmt = detect_tool_format(llm.metadata.get("tokenizer.chat_template"))
+    assert fmt.name == "fallback"
+    prompt = chatml("You are a helpful assistant.\n\n" + fmt.system_block(TOOLS), "What's the weather in Paris?")
+    text = generate(llm, prompt, tool_call_grammar(fmt, TOOLS, allowed_names=["get_weather"]), 80)
+    counter = iter(range(10))
+    parser = fmt.parser(TOOLS, lambda: f"call_{next(counter)}")
+    events = parser.feed(text) + parser.finish()
+    started = [e for e in events if isinstance(e, ToolCallStarted)]
+    done = [e for e in events if isinstance(e, ToolCallDone)]
+    assert [s.name for s in started] == ["get_weather"], text
+    jsonschema.validate(json.loads(done[0].payload), WEATHER)
+
+
+def test_structured_output_validates(llm) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
+    prompt = chatml("Reply in JSON.", "Describe a person called Ada, aged 36.")
+    text = generate(llm, prompt, json_schema_grammar(schema), 80)
+    jsonschema.validate(json.loads(text), schema)

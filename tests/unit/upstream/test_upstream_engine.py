@@ -1,0 +1,300 @@
+"""The upstream engine in-process, against the scripted provider: refusals
+before the stream, cancellation and shutdown, failover, affinity, health."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+from support.provider import (
+    Reply,
+    ScriptedProvider,
+    error_reply_body,
+    text_chunk,
+    text_stream,
+    tool_stream,
+)
+
+from lmspd.core.conversation import Conversation, FunctionTool, Message
+from lmspd.core.errors import ApiError
+from lmspd.core.events import Failed, Finished, TextDelta, ToolCallStarted
+from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.engines.base import CancelToken
+from lmspd.engines.upstream.credentials import Secret
+from lmspd.engines.upstream.engine import UpstreamEngine, UpstreamSpec
+from lmspd.service import Service
+
+
+@pytest.fixture(scope="module")
+def provider():
+    p = ScriptedProvider().start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def provider2():
+    p = ScriptedProvider().start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean(provider, provider2):
+    provider.clear()
+    provider2.clear()
+
+
+def engine(*urls: str, key: str | None = None, **spec) -> UpstreamEngine:
+    return UpstreamEngine(UpstreamSpec(served_model="up", upstream_model="m", urls=list(urls), **spec),
+                          key=Secret(key) if key else None)
+
+
+def conversation(text: str = "hi", **kw) -> Conversation:
+    return Conversation(model="up", items=[Message(role="user", text=text)], **kw)
+
+
+async def collect(eng: UpstreamEngine, conv: Conversation, cancel: CancelToken | None = None) -> list:
+    prepared = eng.prepare(conv)
+    return [e async for e in eng.generate(prepared, cancel or CancelToken())]
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_text_generation(provider):
+    provider.push(Reply(parts=text_stream("Hello!")))
+
+    async def go():
+        eng = engine(provider.url)
+        try:
+            return await collect(eng, conversation())
+        finally:
+            await eng.aclose()
+
+    events = run(go())
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello!"
+    assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
+    assert events[-1].usage.input_tokens == 11
+
+
+def test_service_open_refuses_before_any_byte_with_status_and_retry_after(provider):
+    provider.push(Reply(status=429, content_type="application/json", headers={"Retry-After": "7"},
+                        body=error_reply_body("rate_limit_error")))
+
+    async def go():
+        service = Service(DEFAULT_LIMITS)
+        eng = engine(provider.url)
+        service.add_engine(eng)
+        run_ = service.begin(conversation())
+        try:
+            with pytest.raises(ApiError) as caught:
+                await run_.open()
+            return caught.value, service.models["up"].queue.running
+        finally:
+            await eng.aclose()
+
+    error, running = run(go())
+    assert error.status == 429 and error.code == "rate_limited" and error.headers["Retry-After"] == "7"
+    assert running == 0, "a refused run must give its queue slot back"
+
+
+def test_service_runs_many_upstream_generations_at_once(provider):
+    provider.responder = lambda request: Reply(parts=text_stream("ok"), pace_s=0.05)
+
+    async def go():
+        service = Service(DEFAULT_LIMITS)
+        eng = engine(provider.url, max_concurrency=8)
+        service.add_engine(eng)
+        try:
+            runs = [service.begin(conversation()) for _ in range(8)]
+            assert service.models["up"].queue.running == 8 and service.models["up"].queue.pending == 0
+            started = time.monotonic()
+            outs = await asyncio.gather(*(collect_run(r) for r in runs))
+            return outs, time.monotonic() - started
+        finally:
+            await eng.aclose()
+
+    async def collect_run(r):
+        await r.open()
+        return [e async for e in r.engine.generate(r.prepared, r.cancel)]
+
+    try:
+        outs, elapsed = run(go())
+    finally:
+        provider.responder = None
+    assert all(isinstance(o[-1], Finished) for o in outs)
+    # One stream takes ~0.25 s; eight in sequence would take 2 s.
+    assert elapsed < 1.5
+
+
+def test_shutdown_interrupts_a_stalled_read_and_closes_the_provider(provider):
+    (reply,) = provider.push(Reply(parts=[text_chunk("partial")], stall_s=30))
+
+    async def go():
+        eng = engine(provider.url)
+        cancel = CancelToken()
+        prepared = eng.prepare(conversation())
+        events = []
+        try:
+            async for event in eng.generate(prepared, cancel):
+                events.append(event)
+                if isinstance(event, TextDelta):
+                    asyncio.get_running_loop().call_later(0.1, cancel.cancel, "shutdown")
+            return events
+        finally:
+            await eng.aclose()
+
+    started = time.monotonic()
+    events = run(go())
+    assert time.monotonic() - started < 3
+    assert events[-1] == Failed("server_shutting_down", "The server is shutting down.")
+    assert reply.disconnected.wait(5)
+
+
+def test_client_cancel_is_a_cancelled_finish(provider):
+    provider.push(Reply(parts=[text_chunk("partial")], stall_s=30))
+
+    async def go():
+        eng = engine(provider.url)
+        cancel = CancelToken()
+        try:
+            prepared = eng.prepare(conversation())
+            out = []
+            async for event in eng.generate(prepared, cancel):
+                out.append(event)
+                cancel.cancel()
+            return out
+        finally:
+            await eng.aclose()
+
+    events = run(go())
+    assert events[-1] == Finished("cancelled")
+
+
+def test_dropping_the_consumer_closes_the_provider_stream(provider):
+    (reply,) = provider.push(Reply(parts=[text_chunk("tick")] * 200, pace_s=0.02))
+
+    async def go():
+        eng = engine(provider.url)
+        try:
+            prepared = eng.prepare(conversation())
+
+            async def consume():
+                async for _ in eng.generate(prepared, CancelToken()):
+                    pass
+
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert eng.pool.endpoints[0].outstanding == 0
+        finally:
+            await eng.aclose()
+
+    run(go())
+    assert reply.disconnected.wait(5)
+
+
+def test_connect_failure_fails_over_to_the_next_endpoint(provider):
+    provider.push(Reply(parts=text_stream("from the live one")))
+
+    async def go():
+        eng = engine(dead_url(), provider.url)
+        try:
+            events = await collect(eng, conversation())
+            return events, eng.pool.snapshot()
+        finally:
+            await eng.aclose()
+
+    events, endpoints = run(go())
+    assert isinstance(events[-1], Finished)
+    assert endpoints[0]["healthy"] is False and endpoints[1]["healthy"] is True
+
+
+def test_no_reachable_endpoint_is_a_clear_refusal():
+    async def go():
+        eng = engine(dead_url(), dead_url())
+        try:
+            with pytest.raises(ApiError) as caught:
+                await eng.open(eng.prepare(conversation()), CancelToken())
+            return caught.value
+        finally:
+            await eng.aclose()
+
+    error = run(go())
+    assert error.code == "upstream_unavailable" and error.status == 502
+
+
+def test_prompt_cache_key_keeps_affinity(provider, provider2):
+    for p in (provider, provider2):
+        p.responder = lambda request: Reply(parts=text_stream("ok"))
+
+    async def go():
+        eng = engine(provider.url, provider2.url)
+        try:
+            for key in ("thread-a", "thread-b", "thread-c", "thread-d"):
+                for _ in range(3):
+                    await collect(eng, conversation(prompt_cache_key=key))
+        finally:
+            await eng.aclose()
+
+    try:
+        run(go())
+    finally:
+        provider.responder = provider2.responder = None
+    total = len(provider.requests) + len(provider2.requests)
+    assert total == 12
+    # Each key's three requests went to one provider.
+    assert len(provider.requests) % 3 == 0 and len(provider2.requests) % 3 == 0
+
+
+def test_health_probe_marks_endpoints(provider):
+    async def go():
+        eng = engine(provider.url, dead_url(), health_interval_s=0)
+        try:
+            live, dead = eng.pool.endpoints
+            assert await eng.client.probe(live) is True and live.healthy
+            assert await eng.client.probe(dead) is False and not dead.healthy
+            provider.model_list_status = 503
+            assert await eng.client.probe(live) is False and not live.healthy
+        finally:
+            provider.model_list_status = 200
+            await eng.aclose()
+
+    run(go())
+
+
+def test_a_provider_echoing_the_key_as_call_id_is_rewritten(provider):
+    key = "sk-test-echoed-key-123"
+    provider.push(Reply(parts=tool_stream("lookup", {"q": 1}, call_id=key)))
+
+    async def go():
+        eng = engine(provider.url, key=key)
+        try:
+            conv = conversation(tools=[FunctionTool(name="lookup", parameters={"type": "object"})])
+            return await collect(eng, conv)
+        finally:
+            await eng.aclose()
+
+    events = run(go())
+    (started,) = [e for e in events if isinstance(e, ToolCallStarted)]
+    assert key not in started.call_id
+    assert provider.requests[-1].headers["authorization"] == f"Bearer {key}"
+
+
+def test_stats_and_info_never_hold_the_key(provider):
+    key = "sk-test-not-in-stats"
+    eng = engine(provider.url, key=key)
+    assert key not in repr(eng.stats()) and key not in repr(eng.info) and key not in repr(eng.spec)
