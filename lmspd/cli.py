@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
     _engine_flags(serve)
+    _cache_flags(serve)
     store = serve.add_argument_group("stored state (responses, conversations, tasks and their events)")
     store.add_argument("--response-retention-s", type=float, default=None,
                        help="keep stored responses this long (default 30 days)")
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
     _apply_retention(parser, args, settings)
     _apply_engine(parser, args, settings)
+    _apply_cache(parser, args, settings)
     from lmspd.server import serve as run_server
 
     return run_server(settings)
@@ -104,6 +106,31 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="fail a provider stream that sends nothing for this long (default 120)")
     group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
                        help="a TOML/JSON file mapping served model ids to engines (instead of the flags above)")
+
+
+def _cache_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("continuation KV cache (local models)")
+    group.add_argument("--no-prefix-cache", action="store_true",
+                       help="never reuse KV state between requests (for comparison)")
+    group.add_argument("--kv-disk-dir", type=Path, default=None, metavar="DIR",
+                       help="where KV checkpoints live (default: <data-dir>/kv)")
+    group.add_argument("--kv-disk-space-mb", type=int, default=4096, metavar="MB",
+                       help="byte budget of the checkpoint directory; least recently used go first")
+    group.add_argument("--kv-ram-mb", type=int, default=1024, metavar="MB",
+                       help="KV sessions kept in RAM so agents used in turn continue without the disk")
+    group.add_argument("--kv-checkpoint-every", type=int, default=2048, metavar="TOKENS",
+                       help="checkpoint a long prefill every this many tokens (0: never)")
+
+
+def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    for flag in ("kv_disk_space_mb", "kv_ram_mb", "kv_checkpoint_every"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    settings.prefix_cache = not args.no_prefix_cache
+    settings.kv_disk_dir = args.kv_disk_dir.expanduser() if args.kv_disk_dir else None
+    settings.kv_disk_space_mb = args.kv_disk_space_mb
+    settings.kv_ram_mb = args.kv_ram_mb
+    settings.kv_checkpoint_every = args.kv_checkpoint_every
 
 
 def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -32,6 +32,12 @@ class Settings:
     upstream_idle_timeout_s: float | None = None
     # A TOML/JSON file mapping served model ids to engines, instead of the above.
     config_file: Path | None = None
+    # The continuation KV cache (lmspd.cache): RAM sessions and disk checkpoints.
+    prefix_cache: bool = True
+    kv_disk_dir: Path | None = None  # default: <data_dir>/kv
+    kv_disk_space_mb: int = 4096
+    kv_ram_mb: int = 1024
+    kv_checkpoint_every: int = 2048
     # How long and how much the store keeps (responses, tasks, event logs).
     retention: Retention = field(default_factory=Retention)
     prune_interval_s: float = 60.0

@@ -11,6 +11,7 @@ import uvicorn
 from lmspd.app import build_app
 from lmspd.config import Settings
 from lmspd.service import Service
+from lmspd.streaming.coalesce import CoalescingMiddleware
 from lmspd.store.base import Store
 
 log = logging.getLogger("lmspd")
@@ -60,7 +61,8 @@ def serve(settings: Settings) -> int:
         print(f"lmspd: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(
-        build_app(settings, service, store),
+        # One socket write per burst of stream events, not per event.
+        CoalescingMiddleware(build_app(settings, service, store)),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -160,6 +160,12 @@ class ContinuationCache:
         candidates: list[CachePlan] = []
         for state in list(self._ram.values()):
             plan = self._match_saved(req, state, "ram")
+            if plan is None:
+                # A branch or an edit: the longest common token prefix still
+                # saves that much prefill.
+                common = min(_common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
+                if common > 0:
+                    plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial")
             if plan is not None:
                 candidates.append(plan)
         if self.disk is not None:
@@ -310,7 +316,7 @@ class ContinuationCache:
             self.disk.save(state)
             self.stats.disk_writes += 1
             self.stats.disk_checkpoints = len(self.disk)
-        except OSError as exc:
+        except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)
 
 

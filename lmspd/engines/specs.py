@@ -145,11 +145,22 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
         except ValueError as exc:
             raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
 
-    from lmspd.engines.llama.engine import LlamaEngine
+    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
     from lmspd.engines.llama.models import resolve_model
 
     model_id, path = resolve_model(spec.model)
-    return LlamaEngine(spec.served_model or model_id, path, n_ctx=spec.ctx, n_threads=spec.threads)
+    served = spec.served_model or model_id
+    disk_dir = settings.kv_disk_dir or Path(settings.data_dir) / "kv"
+    cache = CacheSettings(
+        enabled=settings.prefix_cache,
+        ram_budget_bytes=settings.kv_ram_mb << 20,
+        # One directory per served model: checkpoints never cross models.
+        disk_dir=(disk_dir / served) if settings.kv_disk_space_mb > 0 else None,
+        disk_budget_bytes=settings.kv_disk_space_mb << 20,
+        checkpoint_every=settings.kv_checkpoint_every,
+    )
+    return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, cache=cache,
+                       limits=settings.limits.request)
 
 
 def _is_loopback_url(url: str) -> bool:

@@ -103,8 +103,9 @@ def two_keys():
 def test_one_credential_cannot_reach_anothers_state(two_keys):
     srv, alice, bob = two_keys
     stored = alice.post("/v1/responses", json=body()).json()
-    task = alice.post("/lmsp/v1/tasks", json=body(LONG, max_output_tokens=200)).json()
-    background = alice.post("/v1/responses", json=body(LONG, background=True, max_output_tokens=200)).json()
+    # Still running (or queued) while Bob tries: the cancels below must not land.
+    task = alice.post("/lmsp/v1/tasks", json=body(LONG, max_output_tokens=400)).json()
+    background = alice.post("/v1/responses", json=body(LONG, background=True, max_output_tokens=400)).json()
     conv = alice.post("/v1/conversations", json={}).json()
 
     def gone(r, code):
@@ -131,18 +132,18 @@ def test_one_credential_cannot_reach_anothers_state(two_keys):
     assert bob.get(f"/v1/responses/{rid}").json()["error"]["message"].replace(rid, "X") == \
         bob.get("/v1/responses/resp_never").json()["error"]["message"].replace("resp_never", "X")
 
-    # Keys are per credential too: Bob's key does not replay Alice's reply.
-    k = key()
-    assert alice.post("/v1/responses", json=body(), headers=k).status_code == 200
-    r = bob.post("/v1/responses", json=body(), headers=k)
-    assert r.status_code == 200 and "idempotent-replayed" not in r.headers
-
-    # Alice still has everything, and her work ran undisturbed.
+    # Alice still has everything, and her work ran undisturbed until she stops it.
     assert alice.get(f"/v1/responses/{rid}").json() == stored
     assert alice.post(f"/lmsp/v1/tasks/{tid}/cancel").json()["status"] == "cancelled"
     assert alice.post(f"/v1/responses/{bid}/cancel").json()["status"] == "cancelled"
     _, frames, _ = follow(alice, f"/lmsp/v1/tasks/{tid}/events")
     assert validate_lmsp_stream(frames)["terminal"] == "response.cancelled"
+
+    # Keys are per credential too: Bob's key does not replay Alice's reply.
+    k = key()
+    assert alice.post("/v1/responses", json=body(), headers=k).status_code == 200
+    r = bob.post("/v1/responses", json=body(), headers=k)
+    assert r.status_code == 200 and "idempotent-replayed" not in r.headers
     assert alice.delete(f"/v1/responses/{rid}").json()["deleted"] is True
     assert alice.get(f"/v1/conversations/{cid}").status_code == 200
     assert bob.get("/v1/responses/resp_x").status_code == 404

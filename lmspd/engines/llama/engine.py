@@ -159,7 +159,7 @@ class LlamaEngine:
             fingerprint = f"{path.name}:{path.stat().st_size}:{llm.n_ctx()}:{llama_cpp.__version__}"
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         ops = KvOps(
-            live_tokens=lambda: list(llm.input_ids[: llm.n_tokens]),
+            live_tokens=lambda: llm.input_ids[: llm.n_tokens].tolist(),
             capture=lambda: capture_kv(llm._ctx.ctx),
             restore=self._restore,
             tokenize=self.tokenize,
@@ -364,7 +364,7 @@ class LlamaEngine:
             llm.eval(batch)
             since += len(batch)
             if every and since >= every and i + self._n_batch < len(suffix):
-                tokens = list(llm.input_ids[: llm.n_tokens])
+                tokens = llm.input_ids[: llm.n_tokens].tolist()
                 self.cache.checkpoint_prefix(tokens, self.detokenize(tokens))
                 since = 0
         return True
@@ -549,19 +549,26 @@ class _Generation:
                 piece = engine.piece(token)
                 self.raw += piece
                 text = decoder.decode(piece)
-                llm.eval([token])
+                # Text goes out before the token is evaluated: the client
+                # should not wait a decode step for what is already known.
+                hit = False
                 if text:
                     text, hit = stops.feed(text)
                     if text:
                         self._text(text)
-                    if hit:
-                        reason, stopped_by_string = "stop", True
-                        break
+                llm.eval([token])
+                if hit:
+                    reason, stopped_by_string = "stop", True
+                    break
             if not stopped_by_string:
                 tail = decoder.decode(b"", final=True) + stops.flush()
                 if tail:
                     self._text(tail)
-            if self.parser is not None:
+            # Cut off by max_output_tokens, a call may be mid-arguments: the
+            # response is incomplete (the session closes that call as
+            # incomplete), not an invalid call. What the parser still holds
+            # is at most the start of call markup, never shown as text.
+            if self.parser is not None and reason != "length":
                 self._events(self.parser.finish())
         except ToolCallError as exc:
             self._finish_tokens(sampled)
@@ -624,7 +631,7 @@ class _Generation:
         visible = engine.visible_transcript(conversation, outputs, eog_text)
         kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")
         state = SessionState(
-            tokens=list(llm.input_ids[: llm.n_tokens]),
+            tokens=llm.input_ids[: llm.n_tokens].tolist(),
             kv_text=kv_text,
             visible=visible,
             items=list(conversation.items) + outputs,

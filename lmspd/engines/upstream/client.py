@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
@@ -56,6 +55,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 _MAX_ERROR_BODY = 64 * 1024
 _SAFE_MEDIA = re.compile(r"[A-Za-z0-9.+\-]{1,40}/[A-Za-z0-9.+\-]{1,60}\Z")
 _MAX_RETRY_AFTER_S = 3600
+# What may follow [DONE] before the connection is given up rather than reused.
+_MAX_DRAIN_BYTES = 64 * 1024
+_MAX_DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,24 +69,43 @@ class Timeouts:
 
 
 class ProviderStream:
-    """An accepted provider response: iterate ``chunks()``, then ``aclose()``."""
+    """An accepted provider response: ``next_chunk()`` until it raises
+    ``StopAsyncIteration``, then ``aclose()`` (or ``drain()`` after a clean
+    end, to keep the connection)."""
 
     def __init__(self, response: httpx.Response, endpoint: Endpoint, idle_s: float) -> None:
         self.response = response
         self.endpoint = endpoint
         self._idle_s = idle_s
+        self._raw = response.aiter_raw()
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def next_chunk(self) -> bytes:
         try:
-            async for raw in self.response.aiter_raw():
-                yield raw
+            return await self._raw.__anext__()
         except httpx.ReadTimeout:
             raise UpstreamTimeout(f"The upstream provider sent nothing for {self._idle_s:g} s.") from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.NetworkError):
             raise UpstreamConnectionLost() from None
         except httpx.TimeoutException:
             raise UpstreamTimeout() from None
+
+    async def drain(self, max_bytes: int = _MAX_DRAIN_BYTES, max_s: float = _MAX_DRAIN_S) -> None:
+        """After the terminal marker: let the rest of the body go by unread
+        (its bytes are never decoded) so that the keep-alive connection can
+        serve the next request; a provider that keeps talking, or stalls,
+        gets its connection closed instead."""
+        seen = 0
+        try:
+            with anyio.fail_after(max_s):
+                async for piece in self._raw:
+                    seen += len(piece)
+                    if seen > max_bytes:
+                        break
+        except (Exception, anyio.get_cancelled_exc_class()):
+            pass
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         """Close the body (and with it the connection, if it is mid-stream:
@@ -123,6 +144,14 @@ class ProviderClient:
         self._http: httpx.AsyncClient | None = None
         self._health_interval_s = health_interval_s
         self._health_task: asyncio.Task[None] | None = None
+        self._drains: set[asyncio.Task[None]] = set()
+
+    def release(self, stream: ProviderStream) -> None:
+        """Drain a cleanly finished stream in the background (the client has
+        its terminal event already), keeping the connection for reuse."""
+        task = asyncio.get_running_loop().create_task(stream.drain())
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -224,6 +253,10 @@ class ProviderClient:
         return healthy
 
     async def aclose(self) -> None:
+        for task in list(self._drains):
+            task.cancel()
+        if self._drains:
+            await asyncio.gather(*self._drains, return_exceptions=True)
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -48,6 +48,8 @@ from .request import PROFILES, ChatRequest, build_chat_request
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
 
 log = logging.getLogger("lmspd.upstream")
+import os as _os
+_REUSE = _os.environ.get("X_REUSE", "1") == "1"
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -185,8 +187,8 @@ class UpstreamEngine:
                 reader.cancel()
 
         remove = cancel.on_cancel(lambda: loop.call_soon_threadsafe(interrupt))
-        chunks = stream.chunks()
         outcome = "cancelled"
+        clean = False  # ended by the provider's own terminal marker
         try:
             while True:
                 if cancel.cancelled:
@@ -195,7 +197,7 @@ class UpstreamEngine:
                     return
                 reader = asyncio.current_task()
                 try:
-                    raw = await chunks.__anext__()
+                    raw = await stream.next_chunk()
                 except StopAsyncIteration:
                     events = bridge.close()
                 except UpstreamError as exc:
@@ -215,19 +217,24 @@ class UpstreamEngine:
                 for event in events:
                     if isinstance(event, ToolCallStarted):
                         event = self._public_call(event, request)
-                    elif isinstance(event, (Finished, Failed)):
-                        outcome = event.reason if isinstance(event, Finished) else event.code
+                    elif isinstance(event, Finished):
+                        outcome, clean = event.reason, True
+                    elif isinstance(event, Failed):
+                        outcome = event.code
                     yield event
                 if bridge.done:
                     return
         finally:
             remove()
-            # Shielded: under a cancelled anyio scope (Starlette's disconnect
-            # handling) every await would be cancelled again, leaving the
-            # provider connection open.
-            with anyio.CancelScope(shield=True):
-                await chunks.aclose()
-                await stream.aclose()
+            if clean and _REUSE:
+                self.client.release(stream)
+            else:
+                # Closing the body is what tells the provider to stop.
+                # Shielded: under a cancelled anyio scope (Starlette's
+                # disconnect handling) every await would be cancelled again,
+                # leaving the provider connection open.
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()
             self._count(outcome)
             log.info("upstream %s via %s: %s in %.1f ms", self.info.id, stream.endpoint.label, outcome,
                      (time.perf_counter() - prepared.opened_at) * 1000)

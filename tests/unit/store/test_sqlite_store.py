@@ -19,6 +19,7 @@ import lmspd.store.sqlite as sqlite_module
 from lmspd.store.base import (
     BeginOutcome,
     ChainError,
+    ClosedLog,
     Duplicate,
     EventsExpired,
     InvalidCursor,
@@ -860,6 +861,29 @@ def test_recovery_after_close_without_finishing_custom_event(db_path: Path) -> N
         last = s.events_after("alice", "task_1", 2)
         assert last[0].data["sequence_number"] == 2
         assert s.get_task("alice", "task_2").status == "cancelled"
+    assert integrity(db_path) == "ok"
+
+
+def test_recovery_close_log_sees_the_log_and_sets_the_result(db_path: Path) -> None:
+    s = SQLiteStore(db_path)
+    s.create_task("alice", "task_1", {"dialect": "x"}, status="in_progress", response_id="resp_1")
+    s.append_events("task_1", [(1, "response.created", {"n": 1}), (2, "delta", {"n": 2})])
+    s.close()
+
+    seen: list[tuple[str, int, list[int]]] = []
+
+    def close(task: TaskRecord, seq: int, log: list) -> ClosedLog:
+        seen.append((task.status, seq, [e.seq for e in log]))
+        return ClosedLog([("item.done", {"n": seq}), ("response.failed", {"n": seq + 1})], {"id": "resp_1"})
+
+    with SQLiteStore(db_path) as s:
+        (failed,) = s.fail_interrupted_tasks("restarted", close_log=close)
+        assert seen == [("failed", 3, [1, 2])]
+        assert failed.last_seq == 4 and failed.result == {"id": "resp_1"}
+        events = s.events_after("alice", "task_1", 2)
+        assert [(e.seq, e.event) for e in events] == [(3, "item.done"), (4, "response.failed")]
+        assert s.get_task("alice", "task_1").result == {"id": "resp_1"}
+        assert s.fail_interrupted_tasks("again", close_log=close) == []
     assert integrity(db_path) == "ok"
 
 

@@ -1,0 +1,405 @@
+"""lmspd's upstream engine against the LiteLLM proxy's Responses endpoint.
+
+Both gateways sit in front of the same fast scripted Chat Completions
+provider and turn its stream into Responses events. One run measures, at 1
+and at 64 concurrent streams:
+
+- added time to first event: the client's time to the first text delta
+  through a gateway, minus the same time straight from the provider (p50);
+- events per second the client receives (and text deltas per second);
+- the gateway's memory (peak RSS of its process tree while under load).
+
+    python bench/gateway.py                      # both gateways, default sizes
+    python bench/gateway.py --litellm-python .venv-bench/bin/python
+
+LiteLLM is run from its own virtual environment: ``litellm[proxy]`` pins
+``rich<14`` (lmspd pins rich 15) and pulls in uvloop, which would change
+lmspd's own event loop if installed next to it. Create it with::
+
+    python -m venv .venv-bench && .venv-bench/bin/pip install 'litellm[proxy]==1.108.7'
+
+The client and the provider are lean asyncio code on raw sockets in their
+own processes, so that the gateways are what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- the provider (a child process: `gateway.py provider PORT DELTAS`) ---------------------
+
+
+def _provider_events(deltas: int) -> list[bytes]:
+    def sse(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "bench-upstream"}
+    events = [sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "tok0 "},
+                                        "finish_reason": None}]})]
+    events += [sse({**base, "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]})
+               for i in range(1, deltas)]
+    events.append(sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+    events.append(sse({**base, "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": deltas,
+                                                        "total_tokens": 12 + deltas}}))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+class _ProviderProtocol(asyncio.Protocol):
+    HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n")
+    MODELS = b'{"object":"list","data":[{"id":"bench-upstream","object":"model"}]}'
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).decode("latin-1")
+            m = re.search(r"(?im)^content-length:\s*(\d+)", head)
+            size = int(m.group(1)) if m else 0
+            if len(self.buf) < end + 4 + size:
+                return
+            del self.buf[: end + 4 + size]
+            assert self.transport is not None
+            if head.startswith("GET"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                                     + str(len(self.MODELS)).encode() + b"\r\n\r\n" + self.MODELS)
+            else:
+                self.transport.write(self.HEAD + self.body)
+
+
+def run_provider(port: int, deltas: int) -> None:
+    # Every event is its own HTTP chunk, as a real provider flushes them.
+    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _provider_events(deltas)) + b"0\r\n\r\n"
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(lambda: _ProviderProtocol(body), "127.0.0.1", port)
+        print("provider ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# -- the client (a child process: `gateway.py client ...`, prints JSON) -------------------
+
+
+@dataclass
+class Sample:
+    first_delta_s: float
+    total_s: float
+    events: int
+    deltas: int
+
+
+async def _one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes,
+                       delta_marker: bytes) -> Sample:
+    started = time.perf_counter()
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1]
+    if status != b"200":
+        raise RuntimeError(f"HTTP {status.decode()}: {head[:200]!r}")
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    if not chunked:
+        raise RuntimeError("expected a chunked event stream")
+    first = 0.0
+    events = deltas = 0
+    tail = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")
+            break
+        data = tail + (await reader.readexactly(size + 2))[:-2]
+        parts = data.split(b"\n\n")
+        tail = parts.pop()
+        for event in parts:
+            if not event.startswith((b"data:", b"event:")):
+                continue
+            events += 1
+            if delta_marker in event:
+                deltas += 1
+                if not first:
+                    first = time.perf_counter() - started
+    return Sample(first, time.perf_counter() - started, events, deltas)
+
+
+async def _worker(host: str, port: int, request: bytes, marker: bytes, count: int, out: list[Sample]) -> None:
+    reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+    try:
+        for _ in range(count):
+            out.append(await _one_request(reader, writer, request, marker))
+    finally:
+        writer.close()
+
+
+async def _client(port: int, path: str, body: dict, marker: bytes, concurrency: int, count: int) -> dict:
+    data = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+               f"authorization: Bearer bench\r\naccept: text/event-stream\r\ncontent-length: {len(data)}\r\n\r\n"
+               ).encode() + data
+    samples: list[Sample] = []
+    started = time.perf_counter()
+    await asyncio.gather(*(_worker("127.0.0.1", port, request, marker, count, samples) for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    firsts = sorted(s.first_delta_s for s in samples)
+    return {
+        "requests": len(samples),
+        "wall_s": wall,
+        "events_per_s": sum(s.events for s in samples) / wall,
+        "deltas_per_s": sum(s.deltas for s in samples) / wall,
+        "events_per_request": statistics.mean(s.events for s in samples),
+        "first_delta_p50_ms": statistics.median(firsts) * 1000,
+        "first_delta_p90_ms": firsts[int(len(firsts) * 0.9) - 1] * 1000,
+        "total_p50_ms": statistics.median(s.total_s for s in samples) * 1000,
+    }
+
+
+def run_client(argv: list[str]) -> None:
+    port, path, body, marker, concurrency, count = argv
+    result = asyncio.run(_client(int(port), path, json.loads(body), marker.encode(), int(concurrency), int(count)))
+    print(json.dumps(result))
+
+
+# -- orchestration --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_tree_kib(pid: int) -> int:
+    """Resident memory of a process and all its descendants."""
+    total = 0
+    pids = [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def cpu_tree_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    pids = [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+class Sampler:
+    """Peak RSS of a process tree while a phase runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_tree_kib(self.pid))
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Gateway:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    results: dict = field(default_factory=dict)
+
+
+def wait_http(port: int, path: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"process exited early; see {log}:\n" + log.read_text()[-2000:])
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"not ready after {timeout}s; see {log}")
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+def client(port: int, path: str, body: dict, marker: str, concurrency: int, count: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "client", str(port), path, json.dumps(body), marker,
+                          str(concurrency), str(count)], capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"client failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deltas", type=int, default=200, help="text deltas per provider stream")
+    ap.add_argument("--requests-1", type=int, default=60, help="sequential requests at concurrency 1")
+    ap.add_argument("--requests-64", type=int, default=4, help="requests per stream at concurrency 64")
+    ap.add_argument("--litellm-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    ap.add_argument("--only", choices=["lmspd", "litellm"], default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    logs = Path(tempfile.mkdtemp(prefix="lmspd-bench-gateway-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        pport = free_port()
+        provider = start([sys.executable, __file__, "provider", str(pport), str(args.deltas)], logs / "provider.log")
+        procs.append(provider)
+        wait_http(pport, "/v1/models", 20, provider, logs / "provider.log")
+        upstream = f"http://127.0.0.1:{pport}/v1"
+        gateways: list[Gateway] = []
+
+        if args.only in (None, "lmspd"):
+            port = free_port()
+            proc = start([sys.executable, "-m", "lmspd", "serve", "--port", str(port), "--log-level", "warning",
+                          "--data-dir", str(logs / "lmspd-data"), "--engine", "upstream", "--upstream-url", upstream,
+                          "--upstream-model", "bench-upstream", "--served-model", "bench"],
+                         logs / "lmspd.log", env={"PYTHONPATH": str(ROOT)})
+            procs.append(proc)
+            wait_http(port, "/health", 60, proc, logs / "lmspd.log")
+            gateways.append(Gateway("lmspd", port, proc))
+
+        if args.only in (None, "litellm"):
+            if not Path(args.litellm_python).exists():
+                raise SystemExit(f"no LiteLLM interpreter at {args.litellm_python} (see this file's docstring)")
+            port = free_port()
+            cfg = logs / "litellm.yaml"
+            # custom_openai: an OpenAI-compatible provider with no native
+            # Responses API, so LiteLLM's own Chat Completions bridge runs.
+            cfg.write_text("model_list:\n  - model_name: bench\n    litellm_params:\n"
+                           f"      model: custom_openai/bench-upstream\n      api_base: {upstream}\n"
+                           "      api_key: sk-bench\n")
+            proc = start([args.litellm_python, "-c", "import sys; from litellm import run_server; sys.exit(run_server())",
+                          "--config", str(cfg), "--port", str(port),
+                          "--host", "127.0.0.1", "--num_workers", "1"], logs / "litellm.log",
+                         env={"LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true", "LITELLM_LOG": "ERROR"})
+            procs.append(proc)
+            wait_http(port, "/health/liveliness", 180, proc, logs / "litellm.log")
+            gateways.append(Gateway("litellm", port, proc))
+
+        chat = {"model": "bench-upstream", "messages": [{"role": "user", "content": "Say something."}],
+                "stream": True}
+        responses = {"model": "bench", "input": "Say something.", "stream": True}
+        direct = client(pport, "/v1/chat/completions", chat, '"content"', 1, args.requests_1)
+        for gw in gateways:
+            client(gw.port, "/v1/responses", responses, "output_text.delta", 4, 5)  # warm up
+            idle = rss_tree_kib(gw.proc.pid)
+            for key, concurrency, count in (("c1", 1, args.requests_1), ("c64", 64, args.requests_64)):
+                cpu = cpu_tree_s(gw.proc.pid)
+                with Sampler(gw.proc.pid) as sampler:
+                    r = client(gw.port, "/v1/responses", responses, "output_text.delta", concurrency, count)
+                r["cpu_us_per_event"] = (cpu_tree_s(gw.proc.pid) - cpu) / (r["events_per_s"] * r["wall_s"]) * 1e6
+                r["rss_peak_mib"] = sampler.peak / 1024
+                gw.results[key] = r
+            gw.results["rss_idle_mib"] = idle / 1024
+        report(args, direct, gateways)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def report(args: argparse.Namespace, direct: dict, gateways: list[Gateway]) -> None:
+    base = direct["first_delta_p50_ms"]
+    print(f"\nprovider: {args.deltas} text deltas per stream; straight from it, first delta p50 {base:.2f} ms\n")
+    print(f"{'gateway':8} {'streams':>7} {'events/s':>10} {'deltas/s':>10} {'ev/req':>7} {'CPU/event':>10} "
+          f"{'1st delta p50':>14} {'added p50':>10} {'p90':>8} {'peak RSS':>9}")
+    for gw in gateways:
+        for c in ("c1", "c64"):
+            r = gw.results[c]
+            print(f"{gw.name:8} {c[1:]:>7} {r['events_per_s']:>10.0f} {r['deltas_per_s']:>10.0f} "
+                  f"{r['events_per_request']:>7.0f} {r['cpu_us_per_event']:>7.1f} us "
+                  f"{r['first_delta_p50_ms']:>11.2f} ms {r['first_delta_p50_ms'] - base:>7.2f} ms "
+                  f"{r['first_delta_p90_ms']:>5.1f} ms {r['rss_peak_mib']:>5.0f} MiB")
+        print(f"{gw.name:8} {'idle':>7} {'':>10} {'':>10} {'':>7} {'':>10} {'':>14} {'':>10} {'':>8} "
+              f"{gw.results['rss_idle_mib']:>5.0f} MiB")
+    named = {gw.name: gw.results for gw in gateways}
+    if {"lmspd", "litellm"} <= named.keys():
+        lm, ll = named["lmspd"], named["litellm"]
+        print("\nlmspd / LiteLLM:")
+        for c in ("c1", "c64"):
+            print(f"  {c[1:]:>2} streams: throughput x{lm[c]['deltas_per_s'] / ll[c]['deltas_per_s']:.2f} "
+                  f"(deltas/s), x{lm[c]['events_per_s'] / ll[c]['events_per_s']:.2f} (events/s), "
+                  f"x{ll[c]['cpu_us_per_event'] / lm[c]['cpu_us_per_event']:.2f} (CPU per event); "
+                  f"added first-delta latency {lm[c]['first_delta_p50_ms'] - base:.2f} ms vs "
+                  f"{ll[c]['first_delta_p50_ms'] - base:.2f} ms; "
+                  f"peak RSS {lm[c]['rss_peak_mib']:.0f} vs {ll[c]['rss_peak_mib']:.0f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps({"direct": direct, **{gw.name: gw.results for gw in gateways}}, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "provider":
+        run_provider(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "client":
+        run_client(sys.argv[2:])
+    else:
+        main()

@@ -1,0 +1,179 @@
+"""The continuation KV cache against a real server: where each request's
+prefix came from (``cache_source``) and how many tokens it prefilled."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import MODEL
+from support.server import ServerProcess
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}, "strict": True}
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture(scope="module")
+def srv(kv_dir):
+    server = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(kv_dir), "--max-queue", "4").start()
+    yield server
+    server.stop()
+
+
+def post(server, body, **extra):
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "temperature": 0, **body, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def last(server):
+    return server.health()["models"][MODEL]
+
+
+def replay(items, response):
+    """What a stateless client sends back: its input, then the output items verbatim."""
+    return items + response["output"]
+
+
+def test_tool_loop_continues_by_call_ids(srv):
+    items = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = post(srv, {"input": items, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    call = first["output"][-1]
+    assert call["type"] == "function_call"
+    context_tokens = last(srv)["last_reused_tokens"] + last(srv)["last_prefilled_tokens"]
+    items = replay(items, first) + [{"type": "function_call_output", "call_id": call["call_id"],
+                                     "output": json.dumps({"temp_c": 3})}]
+    second = post(srv, {"input": items, "tools": [WEATHER], "max_output_tokens": 8})
+    stats = last(srv)
+    assert stats["last_cache_source"] == "tool-output-ids" and stats["last_cache_detail"] == "ids=1"
+    # Only the tool-result turn is prefilled: the prompt and the sampled call stay in the KV.
+    assert stats["last_prefilled_tokens"] < 100, stats  # the turn markup, the call id, the result
+    assert stats["last_reused_tokens"] >= context_tokens + first["usage"]["output_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] == stats["last_reused_tokens"]
+
+
+def test_tool_output_only_request_continues_live_state(srv):
+    first = post(srv, {"input": "Weather in Lima?", "tools": [WEATHER], "tool_choice": "required",
+                       "parallel_tool_calls": False})
+    call = first["output"][-1]
+    post(srv, {"input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}],
+               "tools": [WEATHER], "max_output_tokens": 4})
+    assert last(srv)["last_cache_source"] == "tool-output-ids"
+    assert last(srv)["last_prefilled_tokens"] < 100
+
+
+def test_codex_style_full_visible_replay(srv):
+    items = [{"type": "message", "role": "developer", "id": "msg_dev",
+              "content": [{"type": "input_text", "text": "You are a terse assistant."}]},
+             {"type": "message", "role": "user", "id": "msg_u1",
+              "content": [{"type": "input_text", "text": "Name a planet."}]}]
+    first = post(srv, {"input": items, "max_output_tokens": 12, "store": False, "prompt_cache_key": "thread-a"})
+    items = replay(items, first) + [{"type": "message", "role": "user", "id": "msg_u2",
+                                     "content": [{"type": "input_text", "text": "Another one."}]}]
+    second = post(srv, {"input": items, "max_output_tokens": 6, "store": False, "prompt_cache_key": "thread-a"})
+    stats = last(srv)
+    assert stats["last_cache_source"] == "visible-prefix", stats
+    assert stats["last_prefilled_tokens"] < 20
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > first["usage"]["input_tokens"]
+
+
+def session_turns(prefix: str):
+    return [{"role": "user", "content": f"{prefix}: tell me one fact about rivers."}]
+
+
+def test_two_sessions_interleaved_continue_from_ram(srv):
+    a_items, b_items = session_turns("Alice"), session_turns("Bob")
+    a1 = post(srv, {"input": a_items, "max_output_tokens": 10})
+    b1 = post(srv, {"input": b_items, "max_output_tokens": 10})
+    a_items = replay(a_items, a1) + [{"role": "user", "content": "And lakes?"}]
+    post(srv, {"input": a_items, "max_output_tokens": 4})
+    stats = last(srv)
+    assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+    b_items = replay(b_items, b1) + [{"role": "user", "content": "And seas?"}]
+    post(srv, {"input": b_items, "max_output_tokens": 4})
+    stats = last(srv)
+    assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+
+
+def text_of(response):
+    return response["output"][0]["content"][0]["text"]
+
+
+def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
+    """Turn 2 of one conversation, generated at temperature 0 three ways:
+    continuing the live KV, restored from a RAM session, restored from a
+    disk checkpoint after a restart. The restored KV is byte-identical to
+    the live one, so all three generate the same text."""
+    r1 = [{"role": "system", "content": "You answer in one short sentence. " * 6},
+          {"role": "user", "content": "What is a volcano?"}]
+    reference = ServerProcess("--ctx", "2048", "--kv-disk-space-mb", "0").start()
+    try:
+        first = post(reference, {"input": r1, "max_output_tokens": 12})
+        r2 = replay(r1, first) + [{"role": "user", "content": "Where are they found?"}]
+        live = post(reference, {"input": r2, "max_output_tokens": 12})
+        assert last(reference)["last_cache_source"] == "visible-prefix"
+    finally:
+        reference.stop()
+
+    disk = kv_dir / "restart"
+    a = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(disk)).start()
+    try:
+        assert text_of(post(a, {"input": r1, "max_output_tokens": 12})) == text_of(first)
+        post(a, {"input": "An unrelated question about trees.", "max_output_tokens": 4})
+        from_ram = post(a, {"input": r2, "max_output_tokens": 12})
+        stats = last(a)
+        assert stats["last_cache_source"] == "ram" and stats["cache"]["ram_restores"] == 1, stats
+        assert a.terminate() in (0, -15)  # the shutdown checkpoint is written here
+    finally:
+        a.stop()
+
+    b = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(disk)).start()
+    try:
+        from_disk = post(b, {"input": r2, "max_output_tokens": 12})
+        stats = last(b)
+        assert stats["last_cache_source"] == "disk", stats
+        assert stats["cache"]["disk_restores"] == 1
+        # The history came back from disk; only the new user turn was prefilled.
+        assert stats["last_prefilled_tokens"] < 20, stats
+    finally:
+        b.stop()
+    assert text_of(from_ram) == text_of(live)
+    assert text_of(from_disk) == text_of(live)
+
+
+def test_no_prefix_cache_flag_prefills_everything(tmp_path):
+    srv = ServerProcess("--ctx", "1024", "--no-prefix-cache").start()
+    try:
+        items = [{"role": "user", "content": "Say one word."}]
+        first = post(srv, {"input": items, "max_output_tokens": 4})
+        post(srv, {"input": replay(items, first) + [{"role": "user", "content": "Again."}], "max_output_tokens": 4})
+        stats = last(srv)
+        assert stats["last_cache_source"] == "cold" and stats["last_reused_tokens"] == 0
+        assert stats["cache"]["enabled"] is False
+    finally:
+        srv.stop()
+
+
+def test_tool_output_for_replaced_state_is_refused(tmp_path):
+    """With no RAM to keep it, a tool-output-only request whose live state was
+    replaced gets a clear 400 instead of a prompt that starts with an orphan."""
+    srv = ServerProcess("--ctx", "1024", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0").start()
+    try:
+        first = post(srv, {"input": "Weather in Quito?", "tools": [WEATHER], "tool_choice": "required",
+                           "parallel_tool_calls": False})
+        call_id = first["output"][-1]["call_id"]
+        post(srv, {"input": "Something else entirely.", "max_output_tokens": 2})
+        r = httpx.post(srv.url + "/v1/responses", json={
+            "model": MODEL, "tools": [WEATHER],
+            "input": [{"type": "function_call_output", "call_id": call_id, "output": "rain"}]}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "replay" in r.json()["error"]["message"].lower()
+    finally:
+        srv.stop()

@@ -1,0 +1,76 @@
+"""Closing a task's log that a crash cut off: whatever the cut point, the
+closed log is a valid stream of its dialect (every item done, one terminal
+event) and ends the response as failed with the output it had."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmspd.core.events import Finished, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, Usage
+from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI, Dialect
+from lmspd.store.base import TaskEvent, TaskRecord
+from lmspd.streaming.session import ResponseState, StreamSession
+from lmspd.tasks.recovery import RESTART_MESSAGE, close_interrupted
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from support.sse import Frame  # noqa: E402
+from support.validate import validate_lmsp_stream, validate_openai_stream  # noqa: E402
+
+ENGINE_EVENTS = [
+    TextDelta("Hello"), TextDelta(", world"),
+    ToolCallStarted(0, "call_1", "lookup"), ToolCallDelta(0, '{"q":'), ToolCallDelta(0, '"x"}'),
+    ToolCallDone(0, '{"q":"x"}'),
+    TextDelta("Done."),
+    Finished("stop", Usage(input_tokens=5, output_tokens=7)),
+]
+
+
+def whole_log(dialect: Dialect) -> list[TaskEvent]:
+    """What a task running these engine events writes, as store events."""
+    status = "queued" if dialect is OPENAI else "in_progress"
+    session = StreamSession(ResponseState(id="resp_1", model="m", status=status, created_at=100), dialect.encoder())
+    wires = session.start()
+    if status == "queued":
+        wires += session.begin_progress()
+    for event in ENGINE_EVENTS:
+        wires += session.handle(event)
+    return [TaskEvent(dialect.store_seq(seq), name, data) for seq, name, data in wires]
+
+
+def task(dialect: Dialect, last_seq: int) -> TaskRecord:
+    return TaskRecord(id="task_1", owner="o", status="failed", request={"dialect": dialect.name, "model": "m"},
+                      result=None, error={"code": "server_restarted", "message": RESTART_MESSAGE},
+                      response_id="resp_1", created_at=100.0, updated_at=100.0, finished_at=101.0,
+                      last_seq=last_seq, first_retained_seq=1)
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_every_cut_point_closes_into_a_valid_stream(name: str) -> None:
+    dialect = DIALECTS[name]
+    log = whole_log(dialect)
+    for cut in range(1, len(log)):  # the terminal event itself never made it
+        head = log[:cut]
+        closed = close_interrupted(task(dialect, cut), cut + 1, head)
+        events = [(e.event, e.data) for e in head] + closed.events
+        assert closed.result is not None and closed.result["status"] == "failed"
+        if dialect is LMSP:
+            frames = [Frame(ev, json.dumps(data), str(i + 1)) for i, (ev, data) in enumerate(events)]
+            summary = validate_lmsp_stream(frames)
+            assert summary["terminal"] == "response.failed"
+            assert summary["data"]["error"]["code"] == "server_restarted"
+            assert closed.result["output"] == summary["output"]
+        else:
+            final = validate_openai_stream([data for _, data in events])
+            assert final == closed.result and final["error"]["code"] == "server_restarted"
+
+
+def test_a_log_without_events_gets_a_bare_failure() -> None:
+    closed = close_interrupted(task(LMSP, 0), 1, [])
+    assert closed.events == [("response.failed", {"response_id": "resp_1", "status": "failed",
+                                                  "error": {"code": "server_restarted", "message": RESTART_MESSAGE}})]
+
+
