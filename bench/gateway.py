@@ -341,7 +341,8 @@ def main() -> None:
 
         chat = {"model": "bench-upstream", "messages": [{"role": "user", "content": "Say something."}],
                 "stream": True}
-        responses = {"model": "bench", "input": "Say something.", "stream": True}
+        # store: false, as Codex sends it: the gateways are compared, not a database.
+        responses = {"model": "bench", "input": "Say something.", "stream": True, "store": False}
         direct = client(pport, "/v1/chat/completions", chat, '"content"', 1, args.requests_1)
         for gw in gateways:
             client(gw.port, "/v1/responses", responses, "output_text.delta", 4, 5)  # warm up

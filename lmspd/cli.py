@@ -110,6 +110,8 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
 
 def _cache_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("continuation KV cache (local models)")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template to use instead of the GGUF's own")
     group.add_argument("--no-prefix-cache", action="store_true",
                        help="never reuse KV state between requests (for comparison)")
     group.add_argument("--kv-disk-dir", type=Path, default=None, metavar="DIR",
@@ -126,6 +128,7 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     for flag in ("kv_disk_space_mb", "kv_ram_mb", "kv_checkpoint_every"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    settings.chat_template = args.chat_template
     settings.prefix_cache = not args.no_prefix_cache
     settings.kv_disk_dir = args.kv_disk_dir.expanduser() if args.kv_disk_dir else None
     settings.kv_disk_space_mb = args.kv_disk_space_mb

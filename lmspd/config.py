@@ -32,6 +32,8 @@ class Settings:
     upstream_idle_timeout_s: float | None = None
     # A TOML/JSON file mapping served model ids to engines, instead of the above.
     config_file: Path | None = None
+    # A Jinja chat template file to use instead of the GGUF's own.
+    chat_template: str | None = None
     # The continuation KV cache (lmspd.cache): RAM sessions and disk checkpoints.
     prefix_cache: bool = True
     kv_disk_dir: Path | None = None  # default: <data_dir>/kv

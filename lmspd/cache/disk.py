@@ -29,11 +29,15 @@ SUFFIX = ".kv"
 @dataclass
 class Checkpoint:
     path: Path
-    n_tokens: int
+    tokens: list[int]
     kv_text: str
     visible: str | None
     response_id: str | None
     size: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
 
 
 class DiskCheckpoints:
@@ -54,7 +58,7 @@ class DiskCheckpoints:
             if header is None:
                 continue
             self._index[path.stem] = Checkpoint(
-                path=path, n_tokens=len(header["tokens"]), kv_text=header["kv_text"],
+                path=path, tokens=header["tokens"], kv_text=header["kv_text"],
                 visible=header.get("visible"), response_id=header.get("response_id"), size=path.stat().st_size,
             )
         for tmp in self.directory.glob("*.tmp"):
@@ -81,6 +85,21 @@ class DiskCheckpoints:
             for kind, key in (("responses-visible", cp.visible), ("token-text", cp.kv_text)):
                 if key and text.startswith(key) and (best is None or cp.n_tokens > best[0].n_tokens):
                     best = (cp, kind)
+        return best
+
+    def longest_common(self, tokens: list[int]) -> tuple[Checkpoint, int] | None:
+        """The checkpoint sharing the longest token prefix with ``tokens``
+        (a branch or an edit of a saved conversation)."""
+        best: tuple[Checkpoint, int] | None = None
+        with self._lock:
+            entries = list(self._index.values())
+        for cp in entries:
+            n = min(len(cp.tokens), len(tokens))
+            common = 0
+            while common < n and cp.tokens[common] == tokens[common]:
+                common += 1
+            if common and (best is None or common > best[1]):
+                best = (cp, common)
         return best
 
     def load(self, cp: Checkpoint) -> SessionState | None:
@@ -127,7 +146,7 @@ class DiskCheckpoints:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         with self._lock:
-            self._index[name] = Checkpoint(path=path, n_tokens=len(state.tokens), kv_text=state.kv_text,
+            self._index[name] = Checkpoint(path=path, tokens=list(state.tokens), kv_text=state.kv_text,
                                            visible=state.visible, response_id=state.response_id, size=size)
         self._evict()
         return path

@@ -63,6 +63,9 @@ class CacheRequest:
     # (a tool output whose call exists nowhere but in that state).
     requires_state: str | None = None
     max_new_tokens: int = 0
+    # A replayed tool-call turn lacks its reasoning: only a remembered state
+    # (live, RAM, disk by visible transcript) may explain it.
+    needs_reasoning_state: bool = False
 
 
 class CacheRefused(Exception):
@@ -130,6 +133,16 @@ class ContinuationCache:
     # -- matching ----------------------------------------------------------------
 
     def plan(self, req: CacheRequest) -> CachePlan:
+        plan = self._plan(req)
+        if req.needs_reasoning_state and (plan.source == "cold" or plan.detail in ("partial", "text")):
+            raise CacheRefused(
+                "This replay is missing reasoning state: a tool-call turn of this reasoning model comes without "
+                "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
+                "include: [\"reasoning.encrypted_content\"] to get them) or continue the session it came from."
+            )
+        return plan
+
+    def _plan(self, req: CacheRequest) -> CachePlan:
         if not self.enabled or not req.reuse:
             return self._cold(req)
         live = self.live
@@ -179,12 +192,21 @@ class ContinuationCache:
                         if plan is not None:
                             plan.detail = f"key={kind}"
                             candidates.append(plan)
+        live_common = 0
         if live is not None:
-            common = _common_prefix(live.tokens, req.tokens)
-            common = min(common, len(req.tokens) - 1)
-            if common > 0:
-                candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text,
+            live_common = min(_common_prefix(live.tokens, req.tokens), len(req.tokens) - 1)
+            if live_common > 0:
+                candidates.append(CachePlan("memory-token", live_common, req.tokens[live_common:], req.text,
                                             detail="partial"))
+        if self.disk is not None:
+            best = max((c.keep for c in candidates), default=0)
+            shared = self.disk.longest_common(req.tokens)
+            if shared is not None and min(shared[1], len(req.tokens) - 1) > best:
+                state = self.disk.load(shared[0])
+                if state is not None:
+                    keep = min(shared[1], len(req.tokens) - 1)
+                    candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=state,
+                                                detail="partial"))
         for plan in sorted(candidates, key=lambda p: p.keep, reverse=True):
             fitted = self._fits(req, plan)
             if fitted.source != "cold":

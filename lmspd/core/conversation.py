@@ -57,6 +57,9 @@ class Reasoning:
     encrypted_content: str | None = None
     id: str | None = None
     status: str = "completed"
+    # The exact hidden text of the turn (from a valid encrypted_content): the
+    # engine renders it so that the replayed prompt is what the model saw.
+    hidden: str | None = None
 
 
 Item = Union[Message, ToolCall, ToolOutput, Reasoning]
@@ -133,6 +136,9 @@ class Conversation:
     previous_response_id: str | None = None
     # False: neither reuse nor remember KV state for this request.
     cache_reuse: bool = True
+    # Responses replays of a reasoning model's tool-call turns must carry the
+    # reasoning (items or encrypted_content) unless a cached state explains them.
+    require_reasoning_state: bool = False
 
 
 def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:

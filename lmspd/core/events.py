@@ -38,6 +38,14 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningDone:
+    """The reasoning item is complete; ``encrypted_content`` carries the hidden
+    reasoning across a stateless replay (when the client asked for it)."""
+
+    encrypted_content: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallStarted:
     """A tool call whose name is final and on the request's allowlist."""
 
@@ -98,6 +106,6 @@ class Failed:
 
 
 EngineEvent = Union[
-    TextDelta, ReasoningDelta, ToolCallStarted, ToolCallDelta, ToolCallDone, Finished, Failed
+    TextDelta, ReasoningDelta, ReasoningDone, ToolCallStarted, ToolCallDelta, ToolCallDone, Finished, Failed
 ]
 TERMINAL_EVENTS = (Finished, Failed)

@@ -115,6 +115,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         max_output_tokens=body.max_output_tokens,
         previous_response_id=body.previous_response_id,
         cache_reuse=extensions.cache_reuse,
+        require_reasoning_state=True,
     )
     return LmspRequest(body, conversation, extensions, items)
 

@@ -164,6 +164,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         prompt_cache_key=body.prompt_cache_key,
         previous_response_id=body.previous_response_id,
         cache_reuse=extensions.cache_reuse,
+        require_reasoning_state=True,
     )
     return DecodedRequest(body, conversation, extensions, items)
 
@@ -460,6 +461,10 @@ class OpenAIEncoder:
             return "response.reasoning_text.delta", {
                 "type": "response.reasoning_text.delta", "sequence_number": seq, "item_id": item.id,
                 "output_index": index, "content_index": 0, "delta": ctx["delta"]}
+        if kind == "reasoning.part_done":
+            return "response.content_part.done", {
+                "type": "response.content_part.done", "sequence_number": seq, "item_id": item.id,
+                "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": item.text or ""}}
         if kind == "reasoning.done":
             return "response.reasoning_text.done", {
                 "type": "response.reasoning_text.done", "sequence_number": seq, "item_id": item.id,

@@ -43,12 +43,14 @@ class LlamaSpec:
     model: str | None = None
     ctx: int = 8192
     threads: int | None = None
+    # A Jinja chat template file used instead of the GGUF's own.
+    chat_template: str | None = None
 
 
 EngineSpec = Union[LlamaSpec, UpstreamSpec]
 
 # Field name -> accepted types, per engine (served_model comes from the table key).
-_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,)}
+_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,), "chat_template": (str,)}
 _UPSTREAM_FIELDS = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
@@ -90,7 +92,8 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         model = entry.get("model")
         if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
             model = str((path.parent / model).resolve())
-        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", 8192), threads=entry.get("threads"))
+        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", 8192), threads=entry.get("threads"),
+                         chat_template=entry.get("chat_template"))
     urls = entry.pop("urls", None) or []
     if "url" in entry:
         urls = [entry.pop("url"), *urls]
@@ -122,7 +125,7 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return [LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
-                      threads=settings.threads)]
+                      threads=settings.threads, chat_template=settings.chat_template)]
 
 
 def build_engine(spec: EngineSpec, settings: Any) -> Any:
@@ -159,8 +162,17 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
         disk_budget_bytes=settings.kv_disk_space_mb << 20,
         checkpoint_every=settings.kv_checkpoint_every,
     )
+    from lmspd.core.sealing import Sealer
+
+    template = None
+    if spec.chat_template:
+        try:
+            template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
     return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, cache=cache,
-                       limits=settings.limits.request)
+                       limits=settings.limits.request, chat_template=template,
+                       sealer=Sealer.from_data_dir(Path(settings.data_dir)))
 
 
 def _is_loopback_url(url: str) -> bool:

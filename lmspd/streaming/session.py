@@ -18,6 +18,7 @@ from lmspd.core.events import (
     Failed,
     Finished,
     ReasoningDelta,
+    ReasoningDone,
     TextDelta,
     ToolCallDelta,
     ToolCallDone,
@@ -114,6 +115,11 @@ class StreamSession:
             self._text_delta(out, event.text)
         elif isinstance(event, ReasoningDelta):
             self._reasoning_delta(out, event.text)
+        elif isinstance(event, ReasoningDone):
+            item = self._open_item()
+            if isinstance(item, Reasoning):
+                item.encrypted_content = event.encrypted_content
+                self._close_open(out)
         elif isinstance(event, ToolCallStarted):
             self._close_open(out)
             item = ToolCall(
@@ -235,6 +241,7 @@ class StreamSession:
             self._emit(out, "response.content_part.done", index=index, item=item)
         elif isinstance(item, Reasoning):
             self._emit(out, "reasoning.done", index=index, item=item)
+            self._emit(out, "reasoning.part_done", index=index, item=item)
         item.status = status
         self._emit(out, "response.output_item.done", index=index, item=item)
 

@@ -34,16 +34,20 @@ from lmspd.core.conversation import (
     FunctionTool,
     Item,
     Message,
+    Reasoning,
     ToolCall,
     orphan_tool_outputs,
 )
 from lmspd.core.errors import ApiError
+from lmspd.core.sealing import Sealer
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.events import (
     TERMINAL_EVENTS,
     EngineEvent,
     Failed,
     Finished,
+    ReasoningDelta,
+    ReasoningDone,
     TextDelta,
     ToolCallDelta,
     ToolCallDone,
@@ -55,6 +59,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 
 from . import grammars
 from .prompt import template_messages
+from .reasoning import BUDGETS, ReasoningSplitter, ReasoningSyntax
 from .template import ChatTemplate
 from .tool_formats import ToolCallError, ToolCallParser, ToolFormat, detect_tool_format
 
@@ -83,6 +88,7 @@ class LlamaPrepared:
     stop: list[str] = field(default_factory=list)
     requires_state: str | None = None
     reuse_cache: bool = True
+    needs_reasoning_state: bool = False
     # The id of the response this generation produces (set by the service).
     response_id: str | None = None
 
@@ -116,8 +122,11 @@ class LlamaEngine:
         n_batch: int = 512,
         cache: CacheSettings | None = None,
         limits: RequestLimits = DEFAULT_LIMITS.request,
+        chat_template: str | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.limits = limits
+        self.sealer = sealer
         threads = n_threads or max(1, (os.cpu_count() or 2))
         self._llm = llama_cpp.Llama(
             model_path=str(path),
@@ -131,7 +140,8 @@ class LlamaEngine:
         self._vocab = llm._model.vocab
         self._n_batch = n_batch
         meta = llm.metadata
-        template_source = meta.get("tokenizer.chat_template")
+        # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
+        template_source = chat_template or meta.get("tokenizer.chat_template")
         self.template = ChatTemplate(
             template_source,
             bos_token=self._token_text(llm.token_bos()),
@@ -139,10 +149,12 @@ class LlamaEngine:
         )
         self.tool_format: ToolFormat = detect_tool_format(template_source)
         self._closer = self._turn_closer()
+        self.reasoning = ReasoningSyntax.detect(self.template)
         self.info = ModelInfo(
             id=model_id,
             context_window=llm.n_ctx(),
-            capabilities={"streaming": True, "tools": True, "structured_output": True, "reasoning": False},
+            capabilities={"streaming": True, "tools": True, "structured_output": True,
+                          "reasoning": self.reasoning is not None},
             source=str(path),
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmspd-llama")
@@ -188,6 +200,7 @@ class LlamaEngine:
     # -- preparing (event loop; reads, never touches the KV) --------------------
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
+        self._open_sealed_reasoning(conversation)
         requires_state = self._attach_live_history(conversation)
         n_ctx = self.info.context_window
         text = self.render(conversation)
@@ -216,9 +229,35 @@ class LlamaEngine:
             stop=list(conversation.sampling.stop),
             requires_state=requires_state,
             reuse_cache=conversation.cache_reuse,
+            needs_reasoning_state=self._needs_reasoning_state(conversation),
         )
         self._constrain(prepared)
         return prepared
+
+    def _open_sealed_reasoning(self, conversation: Conversation) -> None:
+        """Replayed reasoning this server sealed renders exactly as sampled."""
+        for i, item in enumerate(conversation.items):
+            if isinstance(item, Reasoning) and item.encrypted_content:
+                if self.sealer is None or self.reasoning is None:
+                    continue  # another provider's blob: nothing we can render
+                item.hidden = self.sealer.open(self.info.id, item.encrypted_content,
+                                               f"input[{i}].encrypted_content")
+
+    def _needs_reasoning_state(self, conversation: Conversation) -> bool:
+        """A replayed tool-call turn of a reasoning model without its reasoning
+        item cannot be rendered as the model saw it."""
+        if self.reasoning is None or not conversation.require_reasoning_state:
+            return False
+        reasoning_seen = False
+        for item in conversation.items:
+            if isinstance(item, Reasoning):
+                reasoning_seen = True
+            elif isinstance(item, ToolCall):
+                if not reasoning_seen:
+                    return True
+            elif isinstance(item, Message) and item.role != "assistant":
+                reasoning_seen = False
+        return False
 
     def _attach_live_history(self, conversation: Conversation) -> str | None:
         """A tool output must answer a call in the replayed history — or one the
@@ -379,6 +418,7 @@ class LlamaEngine:
             reuse=prepared.reuse_cache,
             requires_state=prepared.requires_state,
             max_new_tokens=prepared.max_new_tokens,
+            needs_reasoning_state=prepared.needs_reasoning_state,
         )
 
     def _restore(self, state: SessionState) -> bool:
@@ -455,7 +495,8 @@ class LlamaEngine:
         """The text a client's replay of this turn renders to, as far as the
         KV covers it (up to the end-of-turn token when one was sampled)."""
         closer = self._closer
-        if closer is None or not outputs:
+        # Only a turn that renders (text or calls) has a transcript to extend.
+        if closer is None or not any(isinstance(o, (Message, ToolCall)) for o in outputs):
             return None
         after = dataclasses.replace(conversation, items=list(conversation.items) + outputs)
         try:
@@ -518,7 +559,15 @@ class _Generation:
         self.text = ""  # visible text, for the transcript
         self.raw = bytearray()  # everything sampled, for the KV's text
         self.calls: dict[int, ToolCall] = {}
-        self.order: list[Item] = []
+        syntax = engine.reasoning
+        self.splitter = ReasoningSplitter(syntax) if syntax is not None else None
+        self.reasoning_open = False
+        self.forced = 0
+        conv = prepared.conversation
+        self.budget = BUDGETS.get(conv.reasoning_effort, BUDGETS[None])
+        if prepared.grammar is not None and not prepared.lazy_patterns:
+            # The reply has a required shape: no free-form thinking first.
+            self.budget = 0
 
     def run(self) -> None:
         engine, llm = self.engine, self.engine._llm
@@ -537,6 +586,9 @@ class _Generation:
                     self.emit(engine._cancelled(self.cancel, self.usage))
                     self._remember(None)
                     return
+                splitter = self.splitter
+                if splitter is not None and splitter.in_reasoning and self.usage.reasoning_tokens >= self.budget:
+                    self._force_close()
                 token = sampler.sample(ctx, -1)
                 if engine.is_eog(token):
                     # Keep the end-of-turn token in the KV: the next turn's prompt
@@ -546,6 +598,8 @@ class _Generation:
                     reason = "stop"
                     break
                 sampled.append(token)
+                if self.splitter is not None and self.splitter.in_reasoning:
+                    self.usage.reasoning_tokens += 1
                 piece = engine.piece(token)
                 self.raw += piece
                 text = decoder.decode(piece)
@@ -568,6 +622,9 @@ class _Generation:
             # response is incomplete (the session closes that call as
             # incomplete), not an invalid call. What the parser still holds
             # is at most the start of call markup, never shown as text.
+            if self.splitter is not None:
+                self._route(self.splitter.feed("", final=True))
+                self._close_reasoning()
             if self.parser is not None and reason != "length":
                 self._events(self.parser.finish())
         except ToolCallError as exc:
@@ -582,6 +639,41 @@ class _Generation:
         self.emit(Finished(reason, self.usage))  # type: ignore[arg-type]
 
     def _text(self, text: str) -> None:
+        if self.splitter is not None:
+            self._route(self.splitter.feed(text))
+            return
+        self._visible(text)
+
+    def _route(self, pieces: list[tuple[str, str]]) -> None:
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                self.reasoning_open = True
+                self.emit(ReasoningDelta(piece))
+            else:
+                self._close_reasoning()
+                self._visible(piece)
+
+    def _close_reasoning(self) -> None:
+        if not self.reasoning_open:
+            return
+        self.reasoning_open = False
+        sealed = None
+        engine = self.engine
+        if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
+            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden)
+        self.emit(ReasoningDone(sealed))
+
+    def _force_close(self) -> None:
+        """The thinking budget is spent: write the block's end into the KV."""
+        engine, llm = self.engine, self.engine._llm
+        text = self.splitter.syntax.forced_close
+        tokens = engine.tokenize(text)
+        llm.eval(tokens)
+        self.forced += len(tokens)
+        self.raw += text.encode()
+        self._route(self.splitter.feed(text))
+
+    def _visible(self, text: str) -> None:
         if self.parser is None:
             self.text += text
             self.emit(TextDelta(text))
@@ -611,7 +703,7 @@ class _Generation:
         return event
 
     def _finish_tokens(self, sampled: list[int]) -> None:
-        self.usage.output_tokens = len(sampled)
+        self.usage.output_tokens = len(sampled) + self.forced
         stats = self.engine.stats_
         stats.last_output_tokens = len(sampled)
         stats.last_output_token_ids = sampled
@@ -620,6 +712,9 @@ class _Generation:
         """Make what is now in the KV the live state."""
         engine, llm = self.engine, self.engine._llm
         outputs: list[Item] = []
+        if self.splitter is not None and self.splitter.hidden:
+            # The client replays it (without the hidden text unless sealed).
+            outputs.append(Reasoning(text=self.splitter.reasoning))
         if self.text:
             outputs.append(Message(role="assistant", text=self.text))
         for index in sorted(self.calls):

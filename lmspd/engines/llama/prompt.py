@@ -73,9 +73,13 @@ def template_messages(
             {"role": "user", "content": _require_format(tool_format).render_outputs(outputs, names)}
         )
 
+    hidden = ""  # a replayed turn's hidden reasoning, rendered in front of it
     for item in items:
         if isinstance(item, ToolCall):
             flush_outputs()
+            if hidden and not pending_calls and not native_tools:
+                messages.append({"role": "assistant", "content": hidden})
+                hidden = ""
             pending_calls.append(item)
             continue
         flush_calls()
@@ -85,11 +89,14 @@ def template_messages(
         flush_outputs()
         if isinstance(item, Message):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text})
+            text = item.text
+            if role == "assistant" and hidden:
+                text, hidden = hidden + text, ""
+            messages.append({"role": role, "content": text})
         elif isinstance(item, Reasoning):
-            # Visible reasoning is not part of the prompt for templates without
-            # a reasoning channel; hidden reasoning is the continuation cache's job.
-            continue
+            # Only reasoning the server sealed itself is rendered, exactly as
+            # sampled; visible summaries are not part of the prompt.
+            hidden = item.hidden or ""
     flush_calls()
     flush_outputs()
     tools = tool_format.template_tools(offered) if native_tools and offered else None

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -44,6 +45,7 @@ from .errors import (
     public_provider_code,
 )
 from .pool import Endpoint, EndpointPool
+from .transport import ShardedClients
 
 __all__ = ["ProviderClient", "ProviderStream", "Timeouts"]
 
@@ -73,11 +75,13 @@ class ProviderStream:
     ``StopAsyncIteration``, then ``aclose()`` (or ``drain()`` after a clean
     end, to keep the connection)."""
 
-    def __init__(self, response: httpx.Response, endpoint: Endpoint, idle_s: float) -> None:
+    def __init__(self, response: httpx.Response, endpoint: Endpoint, idle_s: float,
+                 on_close: Callable[[], None] = lambda: None) -> None:
         self.response = response
         self.endpoint = endpoint
         self._idle_s = idle_s
         self._raw = response.aiter_raw()
+        self._on_close = on_close
         self._closed = False
 
     async def next_chunk(self) -> bytes:
@@ -114,6 +118,7 @@ class ProviderStream:
             return
         self._closed = True
         self.endpoint.outstanding -= 1
+        self._on_close()
         with contextlib.suppress(Exception), anyio.CancelScope(shield=True):
             await self.response.aclose()
 
@@ -140,8 +145,15 @@ class ProviderClient:
         }
         if key is not None:
             self._headers["Authorization"] = f"Bearer {key.reveal()}"
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http: httpx.AsyncClient | None = None
+        t = timeouts
+        self._http = ShardedClients(
+            max_connections,
+            timeout=httpx.Timeout(connect=t.connect_s, read=t.idle_s, write=t.connect_s, pool=t.connect_s),
+            headers=self._headers,
+            # Never follow a redirect with the key to somewhere else.
+            follow_redirects=False,
+            trust_env=False,
+        )
         self._health_interval_s = health_interval_s
         self._health_task: asyncio.Task[None] | None = None
         self._drains: set[asyncio.Task[None]] = set()
@@ -153,23 +165,14 @@ class ProviderClient:
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            t = self.timeouts
-            self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(connect=t.connect_s, read=t.idle_s, write=t.connect_s, pool=t.connect_s),
-                limits=self._limits,
-                headers=self._headers,
-                # Never follow a redirect with the key to somewhere else.
-                follow_redirects=False,
-                trust_env=False,
-            )
-            if len(self.pool.endpoints) > 1 and self._health_interval_s > 0:
-                self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+    def _clients(self) -> ShardedClients:
+        # The health loop needs a running loop, so it starts with the first request.
+        if self._health_task is None and len(self.pool.endpoints) > 1 and self._health_interval_s > 0:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         return self._http
 
     async def open(self, body: bytes, affinity: str | None = None) -> ProviderStream:
-        http = self._client()
+        clients = self._clients()
         tried: list[int] = []
         last: Exception | None = None
         while True:
@@ -179,39 +182,42 @@ class ProviderClient:
                     raise last
                 raise UpstreamUnavailable()
             tried.append(endpoint.index)
-            endpoint.outstanding += 1
-            endpoint.requests += 1
             try:
-                request = http.build_request("POST", endpoint.url("/chat/completions"), content=body)
-                response = await http.send(request, stream=True)
+                return await self._open_at(clients, endpoint, body)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing was sent: the next endpoint may take it.
-                endpoint.outstanding -= 1
                 self.pool.mark_down(endpoint)
                 log.warning("upstream %s unreachable (%s)", endpoint.label, type(exc).__name__)
-                last = UpstreamTimeout("Connecting to the upstream provider timed out.") if isinstance(
-                    exc, httpx.ConnectTimeout) else UpstreamUnavailable()
-                continue
+                last = (UpstreamTimeout("Connecting to the upstream provider timed out.")
+                        if isinstance(exc, httpx.ConnectTimeout) else UpstreamUnavailable())
             except httpx.TimeoutException:
-                endpoint.outstanding -= 1
                 raise UpstreamTimeout(
                     f"The upstream provider did not answer within {self.timeouts.idle_s:g} s.") from None
             except httpx.TransportError:
-                endpoint.outstanding -= 1
                 self.pool.mark_down(endpoint)
                 raise UpstreamConnectionLost() from None
-            except BaseException:
-                endpoint.outstanding -= 1
-                raise
-            self.pool.mark_up(endpoint)
-            stream = ProviderStream(response, endpoint, self.timeouts.idle_s)
-            try:
-                await self._check(response)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()
-                raise
-            return stream
+
+    async def _open_at(self, clients: ShardedClients, endpoint: Endpoint, body: bytes) -> ProviderStream:
+        endpoint.outstanding += 1
+        endpoint.requests += 1
+        shard = clients.acquire()
+        http = clients.clients[shard]
+        try:
+            request = http.build_request("POST", endpoint.url("/chat/completions"), content=body)
+            response = await http.send(request, stream=True)
+        except BaseException:
+            endpoint.outstanding -= 1
+            clients.release(shard)
+            raise
+        self.pool.mark_up(endpoint)
+        stream = ProviderStream(response, endpoint, self.timeouts.idle_s, on_close=lambda: clients.release(shard))
+        try:
+            await self._check(response)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        return stream
 
     async def _check(self, response: httpx.Response) -> None:
         status = response.status_code
@@ -241,7 +247,7 @@ class ProviderClient:
         """``GET <base>/models``: reachable and not failing is healthy (a 401
         or 404 still means the server is up; requests will say the rest)."""
         try:
-            response = await self._client().get(endpoint.url("/models"), timeout=self.timeouts.health_s)
+            response = await self._clients().clients[0].get(endpoint.url("/models"), timeout=self.timeouts.health_s)
             healthy = response.status_code < 500
         except httpx.HTTPError:
             healthy = False
@@ -261,8 +267,7 @@ class ProviderClient:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        if self._http is not None:
-            await self._http.aclose()
+        await self._http.aclose()
 
 
 async def _error_body(response: httpx.Response) -> tuple[str | None, str | None]:

@@ -1,0 +1,65 @@
+"""``reasoning.encrypted_content``: hidden reasoning, sealed for the client to carry.
+
+A stateless client (Codex, pi) replays the reasoning items it received. The
+blob lets lmspd render the turn exactly as the model produced it, so that the
+prompt's prefix matches the KV (or a disk checkpoint) even after a restart or
+on another instance with the same key. AES-256-GCM: opaque to the client and
+authenticated, so a tampered blob is rejected, never rendered.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from lmspd.core.errors import ApiError
+
+_VERSION = b"l1"
+
+
+class Sealer:
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+
+    @classmethod
+    def from_data_dir(cls, data_dir: Path) -> "Sealer":
+        """The server key lives in the data dir (0600), made on first use."""
+        path = Path(data_dir) / "reasoning.key"
+        try:
+            key = path.read_bytes()
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key = AESGCM.generate_key(bit_length=256)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(key)
+        if len(key) != 32:
+            raise ValueError(f"{path} is not a 32-byte key")
+        return cls(key)
+
+    def seal(self, model: str, hidden: str) -> str:
+        nonce = os.urandom(12)
+        plain = json.dumps({"hidden": hidden}, ensure_ascii=False).encode()
+        sealed = self._aead.encrypt(nonce, plain, _VERSION + model.encode())
+        return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
+
+    def open(self, model: str, blob: str, param: str) -> str:
+        try:
+            raw = base64.urlsafe_b64decode(blob.encode())
+            if not raw.startswith(_VERSION):
+                raise ValueError("unknown version")
+            nonce, sealed = raw[2:14], raw[14:]
+            plain = self._aead.decrypt(nonce, sealed, _VERSION + model.encode())
+            return json.loads(plain)["hidden"]
+        except (ValueError, InvalidTag, KeyError, TypeError):
+            raise ApiError(
+                "invalid_request",
+                "encrypted_content is not valid: it was altered, or was issued by another server "
+                "key or model.",
+                param=param,
+            ) from None

@@ -1,0 +1,116 @@
+"""``<think>``-style reasoning: where it is in a template, and splitting it
+out of the sampled text.
+
+The hidden part of a turn is everything the model produced before its
+visible answer — the block's markers and the whitespace after it included —
+so that ``hidden + answer`` is, byte for byte, what the KV holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .template import ChatTemplate
+
+# Reasoning tokens allowed before lmspd closes the block itself, by
+# ``reasoning.effort`` (None: the default).
+BUDGETS = {"none": 0, "minimal": 16, "low": 64, "medium": 256, "high": 1024, "xhigh": 4096, None: 256}
+
+
+@dataclass(frozen=True)
+class ReasoningSyntax:
+    open: str
+    close: str
+    # What the generation prompt writes after the assistant header when it
+    # opens the block itself (e.g. "<think>\n"); "" when the model opens it.
+    prompt_tail: str
+
+    @classmethod
+    def detect(cls, template: ChatTemplate) -> "ReasoningSyntax | None":
+        if "<think>" not in template.source:
+            return None
+        marker = "\x00lmspd\x00"
+        try:
+            gen = template.render([{"role": "user", "content": "u"}], add_generation_prompt=True)
+            msg = template.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
+                                  add_generation_prompt=False)
+        except Exception:
+            return cls("<think>", "</think>", "")
+        at = msg.find(marker)
+        tail = ""
+        if at >= 0 and gen.startswith(msg[:at]):
+            tail = gen[at:]
+        return cls("<think>", "</think>", tail if "<think>" in tail else "")
+
+    @property
+    def forced_close(self) -> str:
+        return "\n" + self.close + "\n\n"
+
+
+class ReasoningSplitter:
+    """Feeds sampled text; returns ``(reasoning, visible)`` pieces in order."""
+
+    def __init__(self, syntax: ReasoningSyntax) -> None:
+        self.syntax = syntax
+        self.in_reasoning = bool(syntax.prompt_tail)
+        self.hidden = syntax.prompt_tail  # the turn's hidden raw text so far
+        self.reasoning = ""
+        self._at_start = not self.in_reasoning
+        self._after_close = False
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        buf = self._held + text
+        self._held = ""
+        while buf:
+            if self._at_start:
+                opener = self.syntax.open
+                stripped = buf.lstrip()
+                if stripped.startswith(opener):
+                    lead = len(buf) - len(stripped)
+                    self.hidden += buf[: lead + len(opener)]
+                    buf = buf[lead + len(opener):]
+                    self.in_reasoning, self._at_start = True, False
+                    continue
+                if opener.startswith(stripped) and not final:
+                    self._held = buf
+                    return out
+                self._at_start = False
+                continue
+            if self.in_reasoning:
+                close = self.syntax.close
+                at = buf.find(close)
+                if at >= 0:
+                    self._reason(out, buf[:at])
+                    self.hidden += close
+                    buf = buf[at + len(close):]
+                    self.in_reasoning, self._after_close = False, True
+                    continue
+                keep = _partial_suffix(buf, close) if not final else 0
+                self._reason(out, buf[: len(buf) - keep])
+                self._held = buf[len(buf) - keep:]
+                return out
+            if self._after_close:
+                stripped = buf.lstrip()
+                self.hidden += buf[: len(buf) - len(stripped)]
+                buf = stripped
+                if not buf:
+                    return out
+                self._after_close = False
+            out.append(("text", buf))
+            buf = ""
+        return out
+
+    def _reason(self, out: list[tuple[str, str]], text: str) -> None:
+        if text:
+            self.hidden += text
+            self.reasoning += text
+            out.append(("reasoning", text))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
