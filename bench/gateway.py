@@ -66,8 +66,10 @@ class _ProviderProtocol(asyncio.Protocol):
             b"transfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n")
     MODELS = b'{"object":"list","data":[{"id":"bench-upstream","object":"model"}]}'
 
-    def __init__(self, body: bytes) -> None:
-        self.body = body
+    def __init__(self, chunks: list[bytes], interval_s: float) -> None:
+        self.chunks = chunks
+        self.body = b"".join(chunks)
+        self.interval_s = interval_s
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -90,21 +92,58 @@ class _ProviderProtocol(asyncio.Protocol):
             if head.startswith("GET"):
                 self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                                      + str(len(self.MODELS)).encode() + b"\r\n\r\n" + self.MODELS)
-            else:
+            elif not self.interval_s:
                 self.transport.write(self.HEAD + self.body)
+            else:
+                self.transport.write(self.HEAD + self.chunks[0])
+                self._pace(1)
+
+    def _pace(self, i: int) -> None:
+        # One event per interval, like a model generating tokens.
+        if self.transport is None or self.transport.is_closing() or i >= len(self.chunks):
+            return
+        self.transport.write(self.chunks[i])
+        asyncio.get_running_loop().call_later(self.interval_s, self._pace, i + 1)
 
 
-def run_provider(port: int, deltas: int) -> None:
+def run_provider(port: int, deltas: int, interval_ms: float = 0.0) -> None:
     # Every event is its own HTTP chunk, as a real provider flushes them.
-    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in _provider_events(deltas)) + b"0\r\n\r\n"
+    chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in _provider_events(deltas)] + [b"0\r\n\r\n"]
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(lambda: _ProviderProtocol(body), "127.0.0.1", port)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _ProviderProtocol(chunks, interval_ms / 1000), "127.0.0.1", port)
         print("provider ready", flush=True)
         async with server:
             await server.serve_forever()
 
     asyncio.run(main())
+
+
+# -- the floor (a child process: `gateway.py relay PORT UPSTREAM_PORT`) -------------------
+
+
+def run_relay(port: int, upstream_port: int) -> None:
+    """A byte pipe: what one more process hop costs on this machine, with no
+    work at all. A gateway's added latency is measured against it too."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 # -- the client (a child process: `gateway.py client ...`, prints JSON) -------------------
@@ -126,8 +165,7 @@ async def _one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     status = head.split(b" ", 2)[1]
     if status != b"200":
         raise RuntimeError(f"HTTP {status.decode()}: {head[:200]!r}")
-    chunked = b"transfer-encoding: chunked" in head.lower()
-    if not chunked:
+    if b"transfer-encoding: chunked" not in head.lower():
         raise RuntimeError("expected a chunked event stream")
     first = 0.0
     events = deltas = 0
@@ -151,8 +189,8 @@ async def _one_request(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     return Sample(first, time.perf_counter() - started, events, deltas)
 
 
-async def _worker(host: str, port: int, request: bytes, marker: bytes, count: int, out: list[Sample]) -> None:
-    reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
+async def _worker(port: int, request: bytes, marker: bytes, count: int, out: list[Sample]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
     try:
         for _ in range(count):
             out.append(await _one_request(reader, writer, request, marker))
@@ -167,7 +205,7 @@ async def _client(port: int, path: str, body: dict, marker: bytes, concurrency: 
                ).encode() + data
     samples: list[Sample] = []
     started = time.perf_counter()
-    await asyncio.gather(*(_worker("127.0.0.1", port, request, marker, count, samples) for _ in range(concurrency)))
+    await asyncio.gather(*(_worker(port, request, marker, count, samples) for _ in range(concurrency)))
     wall = time.perf_counter() - started
     firsts = sorted(s.first_delta_s for s in samples)
     return {
@@ -177,7 +215,7 @@ async def _client(port: int, path: str, body: dict, marker: bytes, concurrency: 
         "deltas_per_s": sum(s.deltas for s in samples) / wall,
         "events_per_request": statistics.mean(s.events for s in samples),
         "first_delta_p50_ms": statistics.median(firsts) * 1000,
-        "first_delta_p90_ms": firsts[int(len(firsts) * 0.9) - 1] * 1000,
+        "first_delta_p90_ms": firsts[max(0, int(len(firsts) * 0.9) - 1)] * 1000,
         "total_p50_ms": statistics.median(s.total_s for s in samples) * 1000,
     }
 
@@ -197,17 +235,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tree(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        p = pending.pop()
+        found.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                pending += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
 def rss_tree_kib(pid: int) -> int:
     """Resident memory of a process and all its descendants."""
     total = 0
-    pids = [pid]
-    while pids:
-        p = pids.pop()
+    for p in _tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                pids += [int(c) for c in f.read().split()]
         except (OSError, StopIteration):
             pass
     return total
@@ -217,15 +264,11 @@ def cpu_tree_s(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants so far."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    pids = [pid]
-    while pids:
-        p = pids.pop()
+    for p in _tree(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                pids += [int(c) for c in f.read().split()]
         except (OSError, IndexError, ValueError):
             pass
     return total
@@ -293,9 +336,12 @@ def client(port: int, path: str, body: dict, marker: str, concurrency: int, coun
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--deltas", type=int, default=200, help="text deltas per provider stream")
+    ap.add_argument("--deltas", type=int, default=200, help="text deltas per stream from the burst provider")
     ap.add_argument("--requests-1", type=int, default=60, help="sequential requests at concurrency 1")
     ap.add_argument("--requests-64", type=int, default=4, help="requests per stream at concurrency 64")
+    ap.add_argument("--paced-interval-ms", type=float, default=5.0,
+                    help="the paced provider's time between tokens (first-event latency is measured on it too)")
+    ap.add_argument("--paced-deltas", type=int, default=20)
     ap.add_argument("--litellm-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
     ap.add_argument("--only", choices=["lmspd", "litellm"], default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -304,18 +350,28 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="lmspd-bench-gateway-"))
     procs: list[subprocess.Popen] = []
     try:
-        pport = free_port()
-        provider = start([sys.executable, __file__, "provider", str(pport), str(args.deltas)], logs / "provider.log")
-        procs.append(provider)
-        wait_http(pport, "/v1/models", 20, provider, logs / "provider.log")
-        upstream = f"http://127.0.0.1:{pport}/v1"
+        # Two providers: one that sends its whole stream at once (the gateway
+        # is the bottleneck: throughput), one that paces tokens like a fast
+        # model (the first token is not followed by a burst to decode).
+        ports = {}
+        for name, deltas, interval in (("burst", args.deltas, 0.0),
+                                       ("paced", args.paced_deltas, args.paced_interval_ms)):
+            ports[name] = free_port()
+            log = logs / f"provider-{name}.log"
+            proc = start([sys.executable, __file__, "provider", str(ports[name]), str(deltas), str(interval)], log)
+            procs.append(proc)
+            wait_http(ports[name], "/v1/models", 20, proc, log)
+        upstream = {name: f"http://127.0.0.1:{port}/v1" for name, port in ports.items()}
         gateways: list[Gateway] = []
 
         if args.only in (None, "lmspd"):
             port = free_port()
+            cfg = logs / "lmspd.json"
+            cfg.write_text(json.dumps({"models": {
+                model: {"engine": "upstream", "url": upstream[name], "upstream_model": "bench-upstream"}
+                for model, name in (("bench", "burst"), ("bench-paced", "paced"))}}))
             proc = start([sys.executable, "-m", "lmspd", "serve", "--port", str(port), "--log-level", "warning",
-                          "--data-dir", str(logs / "lmspd-data"), "--engine", "upstream", "--upstream-url", upstream,
-                          "--upstream-model", "bench-upstream", "--served-model", "bench"],
+                          "--data-dir", str(logs / "lmspd-data"), "--config", str(cfg)],
                          logs / "lmspd.log", env={"PYTHONPATH": str(ROOT)})
             procs.append(proc)
             wait_http(port, "/health", 60, proc, logs / "lmspd.log")
@@ -328,12 +384,14 @@ def main() -> None:
             cfg = logs / "litellm.yaml"
             # custom_openai: an OpenAI-compatible provider with no native
             # Responses API, so LiteLLM's own Chat Completions bridge runs.
-            cfg.write_text("model_list:\n  - model_name: bench\n    litellm_params:\n"
-                           f"      model: custom_openai/bench-upstream\n      api_base: {upstream}\n"
-                           "      api_key: sk-bench\n")
-            proc = start([args.litellm_python, "-c", "import sys; from litellm import run_server; sys.exit(run_server())",
-                          "--config", str(cfg), "--port", str(port),
-                          "--host", "127.0.0.1", "--num_workers", "1"], logs / "litellm.log",
+            cfg.write_text("model_list:\n" + "".join(
+                f"  - model_name: {model}\n    litellm_params:\n      model: custom_openai/bench-upstream\n"
+                f"      api_base: {upstream[name]}\n      api_key: sk-bench\n"
+                for model, name in (("bench", "burst"), ("bench-paced", "paced"))))
+            launch = "import sys; from litellm import run_server; sys.exit(run_server())"
+            proc = start([args.litellm_python, "-c", launch,
+                          "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1", "--num_workers", "1"],
+                         logs / "litellm.log",
                          env={"LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true", "LITELLM_LOG": "ERROR"})
             procs.append(proc)
             wait_http(port, "/health/liveliness", 180, proc, logs / "litellm.log")
@@ -342,20 +400,30 @@ def main() -> None:
         chat = {"model": "bench-upstream", "messages": [{"role": "user", "content": "Say something."}],
                 "stream": True}
         # store: false, as Codex sends it: the gateways are compared, not a database.
-        responses = {"model": "bench", "input": "Say something.", "stream": True, "store": False}
-        direct = client(pport, "/v1/chat/completions", chat, '"content"', 1, args.requests_1)
+        def responses(model: str) -> dict:
+            return {"model": model, "input": "Say something.", "stream": True, "store": False}
+
+        direct = {name: client(port, "/v1/chat/completions", chat, '"content"', 1, args.requests_1 if name == "burst"
+                               else max(10, args.requests_1 // 2)) for name, port in ports.items()}
+        rport = free_port()
+        relay = start([sys.executable, __file__, "relay", str(rport), str(ports["burst"])], logs / "relay.log")
+        procs.append(relay)
+        wait_http(rport, "/v1/models", 20, relay, logs / "relay.log")
+        relayed = client(rport, "/v1/chat/completions", chat, '"content"', 1, args.requests_1)
         for gw in gateways:
-            client(gw.port, "/v1/responses", responses, "output_text.delta", 4, 5)  # warm up
+            client(gw.port, "/v1/responses", responses("bench"), "output_text.delta", 4, 5)  # warm up
             idle = rss_tree_kib(gw.proc.pid)
             for key, concurrency, count in (("c1", 1, args.requests_1), ("c64", 64, args.requests_64)):
                 cpu = cpu_tree_s(gw.proc.pid)
                 with Sampler(gw.proc.pid) as sampler:
-                    r = client(gw.port, "/v1/responses", responses, "output_text.delta", concurrency, count)
+                    r = client(gw.port, "/v1/responses", responses("bench"), "output_text.delta", concurrency, count)
                 r["cpu_us_per_event"] = (cpu_tree_s(gw.proc.pid) - cpu) / (r["events_per_s"] * r["wall_s"]) * 1e6
                 r["rss_peak_mib"] = sampler.peak / 1024
                 gw.results[key] = r
+            gw.results["paced"] = client(gw.port, "/v1/responses", responses("bench-paced"), "output_text.delta", 1,
+                                         max(10, args.requests_1 // 2))
             gw.results["rss_idle_mib"] = idle / 1024
-        report(args, direct, gateways)
+        report(args, direct, relayed, gateways)
     finally:
         for p in procs:
             try:
@@ -368,9 +436,14 @@ def main() -> None:
                     pass
 
 
-def report(args: argparse.Namespace, direct: dict, gateways: list[Gateway]) -> None:
-    base = direct["first_delta_p50_ms"]
-    print(f"\nprovider: {args.deltas} text deltas per stream; straight from it, first delta p50 {base:.2f} ms\n")
+def report(args: argparse.Namespace, direct: dict, relayed: dict, gateways: list[Gateway]) -> None:
+    base = direct["burst"]["first_delta_p50_ms"]
+    paced_base = direct["paced"]["first_delta_p50_ms"]
+    floor = relayed["first_delta_p50_ms"] - base
+    print(f"\nburst provider: {args.deltas} text deltas per stream at once; first delta p50 {base:.2f} ms straight "
+          f"from it, +{floor:.2f} ms through a do-nothing byte relay")
+    print(f"paced provider: {args.paced_deltas} deltas, one per {args.paced_interval_ms:g} ms; first delta p50 "
+          f"{paced_base:.2f} ms straight from it\n")
     print(f"{'gateway':8} {'streams':>7} {'events/s':>10} {'deltas/s':>10} {'ev/req':>7} {'CPU/event':>10} "
           f"{'1st delta p50':>14} {'added p50':>10} {'p90':>8} {'peak RSS':>9}")
     for gw in gateways:
@@ -380,6 +453,9 @@ def report(args: argparse.Namespace, direct: dict, gateways: list[Gateway]) -> N
                   f"{r['events_per_request']:>7.0f} {r['cpu_us_per_event']:>7.1f} us "
                   f"{r['first_delta_p50_ms']:>11.2f} ms {r['first_delta_p50_ms'] - base:>7.2f} ms "
                   f"{r['first_delta_p90_ms']:>5.1f} ms {r['rss_peak_mib']:>5.0f} MiB")
+        r = gw.results["paced"]
+        print(f"{gw.name:8} {'1 paced':>7} {'':>10} {'':>10} {'':>7} {'':>10} {r['first_delta_p50_ms']:>11.2f} ms "
+              f"{r['first_delta_p50_ms'] - paced_base:>7.2f} ms {r['first_delta_p90_ms']:>5.1f} ms")
         print(f"{gw.name:8} {'idle':>7} {'':>10} {'':>10} {'':>7} {'':>10} {'':>14} {'':>10} {'':>8} "
               f"{gw.results['rss_idle_mib']:>5.0f} MiB")
     named = {gw.name: gw.results for gw in gateways}
@@ -390,16 +466,21 @@ def report(args: argparse.Namespace, direct: dict, gateways: list[Gateway]) -> N
             print(f"  {c[1:]:>2} streams: throughput x{lm[c]['deltas_per_s'] / ll[c]['deltas_per_s']:.2f} "
                   f"(deltas/s), x{lm[c]['events_per_s'] / ll[c]['events_per_s']:.2f} (events/s), "
                   f"x{ll[c]['cpu_us_per_event'] / lm[c]['cpu_us_per_event']:.2f} (CPU per event); "
-                  f"added first-delta latency {lm[c]['first_delta_p50_ms'] - base:.2f} ms vs "
-                  f"{ll[c]['first_delta_p50_ms'] - base:.2f} ms; "
                   f"peak RSS {lm[c]['rss_peak_mib']:.0f} vs {ll[c]['rss_peak_mib']:.0f} MiB")
+        print(f"  added first-delta latency p50: burst {lm['c1']['first_delta_p50_ms'] - base:.2f} ms vs "
+              f"{ll['c1']['first_delta_p50_ms'] - base:.2f} ms; paced "
+              f"{lm['paced']['first_delta_p50_ms'] - paced_base:.2f} ms vs "
+              f"{ll['paced']['first_delta_p50_ms'] - paced_base:.2f} ms")
     if args.json:
-        args.json.write_text(json.dumps({"direct": direct, **{gw.name: gw.results for gw in gateways}}, indent=2))
+        args.json.write_text(json.dumps({"direct": direct, "relay": relayed,
+                                         **{gw.name: gw.results for gw in gateways}}, indent=2))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "provider":
-        run_provider(int(sys.argv[2]), int(sys.argv[3]))
+        run_provider(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
+    elif len(sys.argv) > 1 and sys.argv[1] == "relay":
+        run_relay(int(sys.argv[2]), int(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "client":
         run_client(sys.argv[2:])
     else:

@@ -113,8 +113,18 @@ class Run:
         service = self._service
         service._active.add(self.cancel)
         try:
+            refused: ApiError | None = None
+            if self.ticket.ready and getattr(self.engine, "open", None) is not None:
+                # The model has room: send the provider its request before
+                # building any event, so the first bytes wait on it, not on us.
+                try:
+                    await self.open()
+                except ApiError as exc:
+                    refused = exc
             for wire in session.start():
                 yield wire
+            if refused is not None:
+                raise refused
             async with self.ticket:
                 self.started = True
                 if service.shutting_down:

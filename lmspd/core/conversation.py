@@ -104,6 +104,8 @@ class OutputFormat:
     name: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool = False
+    # Where the schema sits in the request, for errors that name a keyword.
+    param: str = "text.format.schema"
 
 
 @dataclass(slots=True)

@@ -437,4 +437,5 @@ def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise invalid(f"Missing required parameter: '{path}.name'.", f"{path}.name")
-    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")))
+    param = f"{path}.json_schema.schema" if "json_schema" in raw else f"{path}.schema"
+    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")), param=param)

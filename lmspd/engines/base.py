@@ -160,6 +160,11 @@ class QueueTicket:
         self._holding = False
         self._released = False
 
+    @property
+    def ready(self) -> bool:
+        """Admitted straight away: ``wait()`` will not wait."""
+        return self._holding and not self._released
+
     async def wait(self) -> None:
         if self._holding:
             return

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -67,7 +67,8 @@ def load_config_file(path: Path) -> list[EngineSpec]:
     try:
         raw = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {exc}") from None
+        kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
+        raise ConfigError(f"{path} is not valid {kind}: {exc}") from None
     if not isinstance(raw, dict) or set(raw) != {"models"} or not isinstance(raw["models"], dict) or not raw["models"]:
         raise ConfigError(f"{path} must have one table 'models' mapping model ids to engines")
     return [_spec(model_id, entry, path) for model_id, entry in raw["models"].items()]

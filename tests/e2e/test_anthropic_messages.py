@@ -22,8 +22,6 @@ TOOL_HISTORY = [
     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]},
 ]
 
-needs_tool_engine = pytest.mark.xfail(reason="needs tool-call engine", strict=False)
-
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -75,8 +73,9 @@ def test_sdk_create_and_stream_agree(client, http):
 
 
 def test_system_blocks_and_max_tokens(http):
-    body = create(http, max_tokens=4, system=[{"type": "text", "text": "You are a storyteller."},
-                                              {"type": "text", "text": "Be vivid.", "cache_control": {"type": "ephemeral"}}],
+    system = [{"type": "text", "text": "You are a storyteller."},
+              {"type": "text", "text": "Be vivid.", "cache_control": {"type": "ephemeral"}}]
+    body = create(http, max_tokens=4, system=system,
                   messages=[{"role": "user", "content": [{"type": "text", "text": "Tell a long story."}]}])
     assert body["stop_reason"] == "max_tokens" and body["usage"]["output_tokens"] == 4
     events = stream_raw(http, max_tokens=4, system="You are a storyteller.",
@@ -95,26 +94,34 @@ def test_tool_result_turn(client):
     assert [b.type for b in final.content] == [b.type for b in message.content]
 
 
-@needs_tool_engine
 def test_forced_tool_use(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    forced = {"type": "tool", "name": "get_weather"}
-    message = client.messages.create(model=MODEL, max_tokens=40, tools=[WEATHER], tool_choice=forced,
+    # One call per turn: offered parallel calls, the 135M model repeats its call until the cap.
+    forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    message = client.messages.create(model=MODEL, max_tokens=48, tools=[WEATHER], tool_choice=forced,
                                      messages=messages, **GREEDY)
     assert message.stop_reason == "tool_use"
     use = [b for b in message.content if b.type == "tool_use"][0]
     assert use.name == "get_weather" and use.id and isinstance(use.input.get("city"), str)
-    with client.messages.stream(model=MODEL, max_tokens=40, tools=[WEATHER], tool_choice={"type": "any"},
+    with client.messages.stream(model=MODEL, max_tokens=48, tools=[WEATHER],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 messages=messages, **GREEDY) as stream:
         final = stream.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"][0]
     assert final.stop_reason == "tool_use" and streamed.input == use.input
 
 
-@needs_tool_engine
+# Anthropic clients replay a call's ``input`` as a parsed object, so its JSON
+# comes back re-serialized (``{"city": "Paris"}``) rather than as sampled
+# (``{ "city": "Paris" }``); the engine renders replayed arguments verbatim,
+# so the tool-output-ids / visible-prefix rules miss and only the common
+# token prefix is reused. Passes once the engine canonicalizes call payloads.
+@pytest.mark.xfail(reason="engine renders replayed tool arguments verbatim (needs canonical payloads)", strict=False)
 def test_tool_loop_reuses_the_prior_context(http):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = create(http, max_tokens=40, tools=[WEATHER], tool_choice={"type": "any"}, messages=messages)
+    one_call = {"type": "any", "disable_parallel_tool_use": True}
+    first = create(http, max_tokens=48, tools=[WEATHER], tool_choice=one_call, messages=messages)
+    assert first["stop_reason"] == "tool_use"
     use = [b for b in first["content"] if b["type"] == "tool_use"][0]
     messages += [{"role": "assistant", "content": first["content"]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "Sunny"}]}]

@@ -138,13 +138,15 @@ def test_api_keys_and_refusal_to_listen_openly():
     srv = ServerProcess("--ctx", "512", "--api-key", "sekrit-1", "--api-key", "sekrit-2").start()
     try:
         body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
-        r = httpx.post(srv.url + "/v1/responses", json=body)
+        r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
-        r = httpx.post(srv.url + "/lmsp/v1/responses", json=body, headers={"Authorization": "Bearer nope"})
+        r = httpx.post(srv.url + "/lmsp/v1/responses", json=body, headers={"Authorization": "Bearer nope"},
+                       timeout=60)
         assert r.status_code == 401 and r.json()["code"] == "unauthorized"
         assert srv.generations() == 0
         for key in ("sekrit-1", "sekrit-2"):
-            r = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"})
+            r = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"},
+                           timeout=60)
             assert r.status_code == 200
         assert "sekrit" not in srv.log(), "keys must never be logged"
     finally:

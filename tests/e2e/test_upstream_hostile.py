@@ -18,7 +18,6 @@ from support.provider import (
     DONE,
     Reply,
     ScriptedProvider,
-    chunk,
     finish_chunk,
     reasoning_chunk,
     split_every_byte,

@@ -56,7 +56,9 @@ def llama_server(tmp_path_factory):
     log = (tmp_path_factory.mktemp("llama-server") / "log.txt").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", bundled_gguf(), "--model_alias", "smol",
-         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1",
+         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
+         # One thread: on a busy machine llama.cpp's spinning threads starve each other.
+         "--n_threads", "1", "--n_threads_batch", "1",
          "--chat_format", "chatml-function-calling"],
         stdout=log, stderr=subprocess.STDOUT, text=True,
     )

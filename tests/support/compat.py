@@ -114,7 +114,8 @@ def validate_anthropic_stream(events: list[tuple[str, dict[str, Any]]]) -> Anthr
             open_block = None
         if name == "content_block_start":
             last_start = data
-        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=json_bufs)  # type: ignore[arg-type]
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot,  # type: ignore[arg-type]
+                                    json_bufs=json_bufs)
     assert open_block is None, "a block was never stopped"
     assert snapshot is not None
     return AnthropicMessage.model_validate(snapshot.model_dump())

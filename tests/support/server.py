@@ -54,7 +54,7 @@ class ServerProcess:
         return "".join(self.output)
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+        return httpx.get(self.url + "/health", timeout=30).json()
 
     def generations(self, model: str = "smollm2-135m-instruct") -> int:
         return self.health()["models"][model]["generations"]

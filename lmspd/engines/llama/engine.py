@@ -295,8 +295,15 @@ class LlamaEngine:
                 )
                 self._check_grammar(prepared.grammar)
                 return
+        if conv.tools and fmt.type == "text":
+            # The tools are in the prompt: a tool result the model writes
+            # itself ends its turn, and so does a call where none may be made
+            # (tool_choice none); neither markup ever reaches output_text.
+            prepared.stop += self.tool_format.result_markers
+            if not prepared.tools:
+                prepared.stop.append(self.tool_format.trigger)
         if fmt.type == "json_schema" and fmt.schema is not None:
-            prepared.grammar = grammars.json_schema_grammar(fmt.schema)
+            prepared.grammar = grammars.json_schema_grammar(fmt.schema, param=fmt.param)
         elif fmt.type != "text":
             prepared.grammar = grammars.json_object_grammar()
         elif prepared.tools:

@@ -60,6 +60,10 @@ newline is followed by a blank line). An input cannot contain
     {"temperature": 21}
     </tool_response>
 
+A model that writes ``<tool_response`` itself (small models parrot the last
+result) is inventing the next turn: the engine stops generation there
+(``ToolFormat.result_markers``), so the markup never reaches the client.
+
 Parsing
 -------
 
@@ -939,6 +943,9 @@ class ToolFormat(ABC):
     #: Whether custom tools are called with their raw input (else wrapped
     #: as a function with one string parameter ``input``).
     raw_custom: bool = False
+    #: Text that opens a tool *result*. The model writing one is inventing
+    #: the next turn: generation stops there, and it is never shown as text.
+    result_markers: tuple[str, ...] = ()
 
     def __init__(self, native: bool) -> None:
         self.native = native
@@ -1115,6 +1122,8 @@ def _trigger_pattern(trigger: str, heads: Iterable[str], *, at_start: bool = Fal
 
 
 class _TaggedFormat(ToolFormat):
+    result_markers = ("<tool_response",)
+
     def _render_call(self, call: ToolCall) -> str:
         if call.kind == "custom":
             if self.raw_custom:
@@ -1253,6 +1262,7 @@ class Llama3Format(ToolFormat):
 class MistralFormat(ToolFormat):
     name: FormatName = "mistral"
     trigger = _TOOL_CALLS
+    result_markers = ("[TOOL_RESULTS]",)
 
     def __init__(self, native: bool, v11: bool = False) -> None:
         super().__init__(native)

@@ -34,7 +34,7 @@ import anyio
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
-from lmspd.core.events import EngineEvent, Failed, Finished, ToolCallStarted
+from lmspd.core.events import EngineEvent, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDone, ToolCallStarted
 from lmspd.core.limits import UpstreamStreamLimits
 from lmspd.engines.base import CancelToken, ModelInfo
 
@@ -48,8 +48,6 @@ from .request import PROFILES, ChatRequest, build_chat_request
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
 
 log = logging.getLogger("lmspd.upstream")
-import os as _os
-_REUSE = _os.environ.get("X_REUSE", "1") == "1"
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -189,6 +187,7 @@ class UpstreamEngine:
         remove = cancel.on_cancel(lambda: loop.call_soon_threadsafe(interrupt))
         outcome = "cancelled"
         clean = False  # ended by the provider's own terminal marker
+        first_output = True
         try:
             while True:
                 if cancel.cancelled:
@@ -222,11 +221,17 @@ class UpstreamEngine:
                     elif isinstance(event, Failed):
                         outcome = event.code
                     yield event
+                    if first_output and isinstance(event, (TextDelta, ReasoningDelta, ToolCallDone)):
+                        # Let the first output reach the client now, not with
+                        # the rest of a burst (the writer joins what is produced
+                        # without a pause; this is the pause).
+                        first_output = False
+                        await asyncio.sleep(0)
                 if bridge.done:
                     return
         finally:
             remove()
-            if clean and _REUSE:
+            if clean:
                 self.client.release(stream)
             else:
                 # Closing the body is what tells the provider to stop.
@@ -236,8 +241,9 @@ class UpstreamEngine:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
             self._count(outcome)
-            log.info("upstream %s via %s: %s in %.1f ms", self.info.id, stream.endpoint.label, outcome,
-                     (time.perf_counter() - prepared.opened_at) * 1000)
+            level = logging.INFO if clean or outcome == "cancelled" else logging.WARNING
+            log.log(level, "upstream %s via %s: %s in %.1f ms", self.info.id, stream.endpoint.label, outcome,
+                    (time.perf_counter() - prepared.opened_at) * 1000)
 
     def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
         call_id = event.call_id

@@ -281,7 +281,9 @@ def _messages(conversation: Conversation, profile: ProviderProfile) -> list[dict
             if turn is None:
                 turn = {"role": "assistant", "content": None}
             name = provider_name(_public_call_name(item))
-            arguments = json.dumps({"input": item.payload}, ensure_ascii=False) if item.kind == "custom" else item.payload
+            arguments = item.payload
+            if item.kind == "custom":
+                arguments = json.dumps({"input": item.payload}, ensure_ascii=False)
             turn.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             )

@@ -49,7 +49,8 @@ def test_blocks_become_neutral_items():
         system=[{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
                 {"type": "text", "text": "Answer in English."}],
         messages=[
-            {"role": "user", "content": [{"type": "text", "text": "<reminder/>"}, {"type": "text", "text": "Weather?"}]},
+            {"role": "user", "content": [{"type": "text", "text": "<reminder/>"},
+                                         {"type": "text", "text": "Weather?"}]},
             {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "Use the tool.", "signature": "sig-1"},
                 {"type": "redacted_thinking", "data": "opaque"},

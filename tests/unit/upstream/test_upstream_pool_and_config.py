@@ -219,3 +219,34 @@ def test_queue_runs_up_to_its_concurrency_then_queues_fifo():
         assert queue.running == 0 and not queue.busy
 
     asyncio.run(go())
+
+
+# -- the CLI ------------------------------------------------------------------------------
+
+
+def test_config_set_key_reads_stdin_and_never_echoes(tmp_path, monkeypatch, capsys):
+    import io
+
+    from lmspd.cli import main
+
+    monkeypatch.delenv(DEFAULT_ENV, raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-from-stdin-42\n"))
+    assert main(["config", "set-key", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "sk-from-stdin-42" not in out.out + out.err
+    assert resolve_key(tmp_path) == Secret("sk-from-stdin-42")
+    assert main(["config", "clear-key", "--data-dir", str(tmp_path)]) == 0
+    assert resolve_key(tmp_path) is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--engine", "upstream", "--upstream-model", "m"],
+    ["serve", "--upstream-url", "http://h/v1"],
+    ["serve", "--config", "x.toml", "--model", "y"],
+])
+def test_serve_flag_mistakes_are_usage_errors(argv):
+    from lmspd.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
