@@ -108,6 +108,9 @@ from _common import (  # noqa: E402
 MODEL_ID = "smollm2-135m-instruct"
 ALL_SYSTEMS = ["lmspd", "lmspd-nocache", "xllamacpp-responses", "xllamacpp-chat", "llama-cpp-server"]
 N_BATCH = 512
+# A new connection per request: xllamacpp's server sometimes drops a kept-alive
+# connection between two streams ("Server disconnected without sending a response").
+FRESH = {"Connection": "close"}
 
 SHELL_TOOL = {
     "type": "function",
@@ -374,12 +377,16 @@ class Workload:
             self.outputs[key] = tool_output(self.counter, session, turn, self.tool_tokens, self.seed)
         return self.outputs[key]
 
-    def responses_body(self, session: str, items: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-        return {
+    def responses_body(self, session: str, items: list[dict[str, Any]], max_tokens: int,
+                       cache_key: bool = True) -> dict[str, Any]:
+        body = {
             "model": MODEL_ID, "stream": True, "store": False, "temperature": 0,
             "input": items, "tools": [SHELL_TOOL], "tool_choice": "required", "parallel_tool_calls": False,
-            "max_output_tokens": max_tokens, "prompt_cache_key": f"bench-session-{session}",
+            "max_output_tokens": max_tokens,
         }
+        if cache_key:  # Codex sends one per thread
+            body["prompt_cache_key"] = f"bench-session-{session}"
+        return body
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -452,7 +459,7 @@ def stream_responses_turn(client: httpx.Client, url: str, body: dict[str, Any]) 
     clock = time.perf_counter
     out: dict[str, Any] = {"ttft": None, "response": None, "timings": None}
     t0 = clock()
-    with client.stream("POST", url, json=body) as resp:
+    with client.stream("POST", url, json=body, headers=FRESH) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:600]}")
@@ -464,6 +471,8 @@ def stream_responses_turn(client: httpx.Client, url: str, body: dict[str, Any]) 
             if out["ttft"] is None and _first_output(kind, data):
                 out["ttft"] = clock() - t0
             if kind in ("response.completed", "response.incomplete", "response.failed"):
+                if out["ttft"] is None:  # the first token ended the turn: no output event to time
+                    out["ttft"], out["ttft_is_end"] = clock() - t0, True
                 out["response"] = data.get("response") or {}
                 out["timings"] = data.get("timings")
             elif kind == "error":
@@ -476,7 +485,7 @@ def stream_chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> di
     clock = time.perf_counter
     out: dict[str, Any] = {"ttft": None, "usage": None, "timings": None, "finish": None, "calls": {}, "text": ""}
     t0 = clock()
-    with client.stream("POST", url, json=body) as resp:
+    with client.stream("POST", url, json=body, headers=FRESH) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:600]}")
@@ -498,6 +507,8 @@ def stream_chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> di
                     slot["arguments"] += fn.get("arguments") or ""
                 if choice.get("finish_reason"):
                     out["finish"] = choice["finish_reason"]
+                    if out["ttft"] is None:  # the first token ended the turn: no delta to time
+                        out["ttft"], out["ttft_is_end"] = clock() - t0, True
             if data.get("usage"):
                 out["usage"] = data["usage"]
             if isinstance(data.get("timings"), dict):
@@ -756,6 +767,8 @@ class Bench:
                     turn.wait_ms = (after[1] - before[1]) / 1e6
                 turn.ttft_ms = None if r["ttft"] is None else r["ttft"] * 1000
                 turn.total_ms = r["total"] * 1000
+                if r.get("ttft_is_end"):
+                    turn.note += "first token was end-of-turn: TTFT is the time of the finish; "
                 own = None
                 if chat:
                     usage = r["usage"] or {}
@@ -809,7 +822,8 @@ class Bench:
                       max_tokens: int) -> dict[str, Any]:
         if chat:
             return stream_chat_turn(self.client, url, chat_body(items, max_tokens))
-        return stream_responses_turn(self.client, url, self.wl.responses_body("x", items, max_tokens))
+        # No prompt_cache_key: xllamacpp's server shuts down on a /v1/responses request that has one.
+        return stream_responses_turn(self.client, url, self.wl.responses_body("x", items, max_tokens, cache_key=False))
 
     @staticmethod
     def llcpp_facts(turn: Turn, log: str) -> None:
@@ -826,8 +840,6 @@ class Bench:
         elif evals:
             turn.reused, turn.prefilled = 0, int(evals[-1][1])
             src.append("cold")
-        if evals:
-            turn.prefill_ms = float(evals[-1][0])  # llama_perf's number: see the notes
         if turn.prompt_tokens is None and turn.prefilled is not None:
             turn.prompt_tokens = (turn.reused or 0) + turn.prefilled
         turn.source = " ".join(src)
@@ -974,7 +986,9 @@ class Bench:
             out["restart"] = {
                 "name": f"cold-prefill TTFT / lmspd TTFT on {label}, the first turn after the restart",
                 "value": f"{r:.1f}x ({cold.ttft_ms:.0f} ms cold, {cold.prefilled} tokens; {warm.ttft_ms:.0f} ms "
-                         f"after restart, {warm.prefilled} tokens, {warm.source})",
+                         f"after restart, {warm.prefilled} tokens, {warm.source})"
+                         + (f"; server prefill ms {cold.prefill_ms:.0f} vs {warm.prefill_ms:.0f} = "
+                            f"{cold.prefill_ms / warm.prefill_ms:.1f}x" if cold.prefill_ms and warm.prefill_ms else ""),
                 "target": ">= 5x", "verdict": "met" if r >= 5 else "NOT met",
             }
         return out
@@ -1043,8 +1057,10 @@ def main(argv: list[str] | None = None) -> int:
         "TTFT: lmspd = request sent -> response.output_item.added of the forced function_call (sent once "
         "the call's name is parsed, so it includes the decode of the call's opening tokens); text systems = "
         "first text delta.",
-        "llama-cpp-server: prefilled = the 'prompt eval ... / N tokens' count in its verbose log; its prefill "
-        "ms (llama_perf) is not meaningful after a prefix hit.",
+        "llama-cpp-server: prefilled = the 'prompt eval ... / N tokens' count in its verbose log (its "
+        "llama_perf milliseconds are not meaningful, so no prefill ms); reused = its 'N prefix-match hit'.",
+        "xllamacpp-responses: sent without prompt_cache_key (xllamacpp 2026.10.11549's server shuts down on a "
+        "/v1/responses request that carries one).",
     ]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))

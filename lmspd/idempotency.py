@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -97,6 +97,38 @@ class Attempt:
                 self.store.idempotency_finish(self.owner, self.key, status, b"".join(sent), headers)
             else:
                 self.abandon()
+
+
+@dataclass
+class Reply:
+    """What a guarded handler produced: its response and, when that response
+    follows a background task's events, the task (a retry follows it too)."""
+
+    response: Response
+    follow_task: str | None = None
+
+
+async def once(store: Store, owner: str, request: Request, body: dict[str, Any],
+               work: Callable[[], Awaitable[Reply]],
+               follow: Callable[[str], Response] | None = None) -> Response:
+    """Run ``work`` unless this key already has a reply; ``follow(task_id)``
+    replays a reply that followed a task."""
+    attempt = begin(store, owner, request, body)
+    if attempt is not None and attempt.replay is not None:
+        if attempt.follow_task is None or follow is None:
+            return attempt.replayed()
+        reply = follow(attempt.follow_task)
+        reply.headers[REPLAYED] = "true"
+        return reply
+    try:
+        done = await work()
+    except BaseException:
+        if attempt is not None:
+            attempt.abandon()
+        raise
+    if attempt is None:
+        return done.response
+    return attempt.seal(done.response, done.follow_task)
 
 
 def begin(store: Store, owner: str, request: Request, body: dict[str, Any]) -> Attempt | None:

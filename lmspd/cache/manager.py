@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from lmspd.core.conversation import Item, ToolOutput

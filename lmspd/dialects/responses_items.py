@@ -9,7 +9,7 @@ items verbatim, with whatever fields a newer API version put on them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Protocol, Sequence, Union
+from typing import Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 

@@ -14,11 +14,13 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from lmspd import idempotency
 from lmspd.bodies import read_json_object
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.openai_responses import input_item_json
 from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.idempotency import Reply
 from lmspd.routes.common import LmspdApp, app_state, json_reply, principal
 from lmspd.routes.stored import list_json, page_params
 from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
@@ -49,12 +51,15 @@ def conversation_json(record: ConversationRecord) -> dict[str, Any]:
             "metadata": record.metadata}
 
 
-async def _body(request: Request, app: LmspdApp, model: type[Strict]) -> Any:
-    raw = await read_json_object(request, app.limits)
+def _parse(raw: dict[str, Any], model: type[Strict]) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def _body(request: Request, app: LmspdApp, model: type[Strict]) -> Any:
+    return _parse(await read_json_object(request, app.limits), model)
 
 
 def _metadata(app: LmspdApp, metadata: dict[str, str] | None) -> dict[str, str]:
@@ -76,10 +81,15 @@ def _items(app: LmspdApp, raw: list[Any] | None) -> list[JSON]:
 async def create_conversation(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
-    body = await _body(request, app, CreateConversation)
-    record = app.store.create_conversation(owner, new_id("conv"), metadata=_metadata(app, body.metadata),
-                                           items=_items(app, body.items))
-    return json_reply(conversation_json(record))
+    raw = await read_json_object(request, app.limits)
+
+    async def create() -> Reply:
+        body = _parse(raw, CreateConversation)
+        record = app.store.create_conversation(owner, new_id("conv"), metadata=_metadata(app, body.metadata),
+                                               items=_items(app, body.items))
+        return Reply(json_reply(conversation_json(record)))
+
+    return await idempotency.once(app.store, owner, request, raw, create)
 
 
 async def get_conversation(request: Request) -> Response:
@@ -116,12 +126,18 @@ async def add_items(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     conversation_id = request.path_params["conversation_id"]
-    body = await _body(request, app, AddItems)
-    stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items))
-    if stored is None:
-        raise not_found(conversation_id)
-    return json_reply({"object": "list", "data": stored, "first_id": stored[0]["id"] if stored else None,
-                       "last_id": stored[-1]["id"] if stored else None, "has_more": False})
+    raw = await read_json_object(request, app.limits)
+
+    async def add() -> Reply:
+        body = _parse(raw, AddItems)
+        stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items))
+        if stored is None:
+            raise not_found(conversation_id)
+        return Reply(json_reply({"object": "list", "data": stored, "has_more": False,
+                                 "first_id": stored[0]["id"] if stored else None,
+                                 "last_id": stored[-1]["id"] if stored else None}))
+
+    return await idempotency.once(app.store, owner, request, raw, add)
 
 
 async def list_items(request: Request) -> Response:

@@ -11,13 +11,13 @@ stream owned by this connection, or a background task that outlives it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd import idempotency
+from lmspd.idempotency import Reply
 from lmspd.bodies import read_json_object
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
@@ -44,37 +44,19 @@ async def lmsp_create_task(request: Request) -> Response:
     return await _create(request, LMSP, as_task=True)
 
 
-@dataclass
-class _Reply:
-    response: Response
-    # Set when the reply follows a background task's events.
-    follow_task: str | None = None
-
-
 async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) -> Response:
     app = app_state(request)
     who = lmsp_request(request, "responses:write") if dialect is LMSP else principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
-    attempt = idempotency.begin(app.store, who.owner, request, raw)
-    if attempt is not None and attempt.replay is not None:
-        if attempt.follow_task is None:
-            return attempt.replayed()
-        reply = _follow(app, who.owner, dialect, attempt.follow_task)
-        reply.headers[idempotency.REPLAYED] = "true"
-        return reply
-    try:
-        reply = await _run(request, app, who.owner, dialect, raw, as_task=as_task)
-    except BaseException:
-        if attempt is not None:
-            attempt.abandon()
-        raise
-    if attempt is None:
-        return reply.response
-    return attempt.seal(reply.response, reply.follow_task)
+    return await idempotency.once(
+        app.store, who.owner, request, raw,
+        lambda: _run(request, app, who.owner, dialect, raw, as_task=as_task),
+        follow=lambda task_id: _follow(app, who.owner, dialect, task_id),
+    )
 
 
 async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, raw: dict,
-               *, as_task: bool) -> _Reply:
+               *, as_task: bool) -> Reply:
     req = dialect.decode(raw, app.limits, context=StoredContext(app.store, owner))
     background = as_task or req.background
     if req.background and not req.store:
@@ -91,18 +73,21 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
                             previous_response_id=req.previous_response_id, conversation_id=req.conversation_id)
     if background:
         return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
+    # An engine that must reach its provider first does it now, so that a
+    # refusal is still an HTTP error (a no-op for the embedded engine).
+    await run.open()
     if req.stream:
-        return _Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
+        return Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
     if not await run_to_end(request, run.events(session)):
-        return _Reply(Response(status_code=499))
+        return Reply(Response(status_code=499))
     _ended(record, state)
     if state.status == "failed":
         raise ApiError(state.error["code"], state.error["message"])
-    return _Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+    return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
 
 
 def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,
-                session: StreamSession, record: ResponseRecord, *, as_task: bool) -> _Reply:
+                session: StreamSession, record: ResponseRecord, *, as_task: bool) -> Reply:
     state = session.state
     # OpenAI addresses a background response by its response id, so the task
     # that runs it has the same id.
@@ -114,12 +99,12 @@ def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: 
         # Where to resume from, should this connection drop.
         reply = _follow(app, owner, dialect, task_id)
         reply.headers.update(location)
-        return _Reply(reply, follow_task=task_id)
+        return Reply(reply, follow_task=task_id)
     if not as_task:
-        return _Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+        return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
     task = app.store.get_task(owner, task_id)
     assert task is not None
-    return _Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
+    return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
 
 
 def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> Response:

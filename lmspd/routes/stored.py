@@ -26,8 +26,8 @@ from lmspd.routes.common import (
     query_choice,
     query_int,
 )
-from lmspd.store.base import InvalidCursor, Page
-from lmspd.tasks.wire import follow_reply
+from lmspd.store.base import InvalidCursor, Page, TaskRecord
+from lmspd.tasks.wire import check_after, follow_reply
 
 
 def not_found(response_id: str) -> ApiError:
@@ -45,11 +45,12 @@ def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
     return body
 
 
-def _background_task(app: LmspdApp, owner: str, response_id: str) -> None:
+def _background_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord:
     task = app.store.get_task(owner, response_id)
     if task is None or task.request.get("dialect") != OPENAI.name:
         raise invalid(f"Response {response_id!r} was not created with 'background: true'; only background "
                       "responses can be streamed again or cancelled.", "response_id")
+    return task
 
 
 async def openai_get_response(request: Request) -> Response:
@@ -59,10 +60,11 @@ async def openai_get_response(request: Request) -> Response:
     body = _stored(app, owner, response_id)
     if not query_bool(request, "stream"):
         return json_reply(body)
-    _background_task(app, owner, response_id)
+    task = _background_task(app, owner, response_id)
     starting_after = query_int(request, "starting_after", minimum=0)
     # sequence_number N is store seq N + 1; "after N" means store seq > N + 1.
     after = 0 if starting_after is None else OPENAI.store_seq(starting_after)
+    check_after(task, after, OPENAI, "starting_after")
     return follow_reply(app, owner, OPENAI, response_id, after, not_found(response_id))
 
 

@@ -46,6 +46,7 @@ class LiveTask:
         self.record = record
         self.done = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
+        self.recorded = 0  # events written so far
         self._readers: set[asyncio.Queue[TaskEvent | None]] = set()
 
     @property
@@ -91,9 +92,17 @@ class TaskManager:
     def start(self, *, task_id: str, owner: str, dialect: Dialect, request: JSON, run: Run,
               session: StreamSession, record: ResponseRecord) -> LiveTask:
         """Persist the task and start driving its run; returns at once."""
-        self.store.create_task(owner, task_id, request, status="queued", response_id=session.state.id,
-                               created_at=session.state.created_at)
-        record.created(session.state)
+        try:
+            self.store.create_task(owner, task_id, request, status="queued", response_id=session.state.id,
+                                   created_at=session.state.created_at)
+            record.created(session.state)
+        except BaseException:
+            # No runner will ever release the run's place in the model queue.
+            run.ticket.release()
+            with contextlib.suppress(Exception):
+                self.store.set_task_status(owner, task_id, "failed",
+                                           error={"code": "server_error", "message": "The task could not start."})
+            raise
         live = LiveTask(task_id, owner, dialect, run, session, record)
         self._live[task_id] = live
         live.runner = asyncio.create_task(self._drive(live), name=f"lmspd-task-{task_id}")
@@ -122,6 +131,7 @@ class TaskManager:
                                        error=state.error, final_event=event)
         else:
             self.store.append_event(live.id, event.seq, event.event, event.data)
+        live.recorded += 1
         live.publish(event)
 
     def _finished(self, live: LiveTask, runner: asyncio.Task[None]) -> None:
@@ -129,14 +139,16 @@ class TaskManager:
         try:
             session = live.session
             if not session.terminated:
+                # Stopped before its first step: the log still starts with created.
+                wires = session.start() if live.recorded == 0 else []
                 if self._closing:
-                    wires = session.fail("server_shutting_down", "The server is shutting down.")
+                    wires += session.fail("server_shutting_down", "The server is shutting down.")
                 elif runner.cancelled():
-                    wires = session.cancel()
+                    wires += session.cancel()
                 else:
                     exc = runner.exception()
                     log.error("task %s failed", live.id, exc_info=exc)
-                    wires = session.fail("server_error", f"Internal error: {type(exc).__name__}")
+                    wires += session.fail("server_error", f"Internal error: {type(exc).__name__}")
                 for seq, name, data in wires:
                     self._record(live, seq, name, data)
             elif not runner.cancelled() and runner.exception() is not None:
@@ -145,6 +157,9 @@ class TaskManager:
             # The store itself is failing; the next start closes this task.
             log.exception("task %s: could not close its event log", live.id)
         finally:
+            # A runner cancelled before its first step never entered the run,
+            # so nothing else gives back its place in the model queue.
+            live.run.ticket.release()
             self._live.pop(live.id, None)
             live.close()
 

@@ -16,7 +16,7 @@ from lmspd.dialects.registry import LMSP
 from lmspd.routes.common import LmspdApp, app_state, json_reply, lmsp_request, query_int
 from lmspd.routes.responses import lmsp_create_task
 from lmspd.store.base import TaskRecord
-from lmspd.tasks.wire import follow_reply, task_json
+from lmspd.tasks.wire import check_after, follow_reply, task_json
 
 __all__ = ["lmsp_create_task", "get_task", "task_events", "cancel_task"]
 
@@ -48,10 +48,12 @@ async def task_events(request: Request) -> Response:
     app = app_state(request)
     owner = lmsp_request(request, "tasks:read").owner
     task_id = request.path_params["task_id"]
-    _task(app, owner, task_id)
+    task = _task(app, owner, task_id)
     after = query_int(request, "after", minimum=0)
+    param = "after"
     if after is None:
-        after = _last_event_id(request)
+        after, param = _last_event_id(request), "Last-Event-ID"
+    check_after(task, after, LMSP, param)
     return follow_reply(app, owner, LMSP, task_id, after, not_found(task_id))
 
 

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, invalid
 from lmspd.dialects.registry import LMSP, Dialect
 from lmspd.routes.common import LmspdApp, sse_reply
 from lmspd.store.base import EventsExpired, TaskRecord
@@ -37,6 +37,14 @@ def task_json(task: TaskRecord, live: LiveTask | None) -> dict[str, Any]:
         "result": result,
         "error": error,
     }
+
+
+def check_after(task: TaskRecord, after: int, dialect: Dialect, param: str) -> None:
+    """Every event is stored before anyone sees it, so an id past the stored
+    log was never sent: a client mistake, not something to wait for."""
+    if after > task.last_seq:
+        raise invalid(f"No event {dialect.wire_seq(after)} has been sent yet; the last one is "
+                      f"{dialect.wire_seq(task.last_seq)}.", param)
 
 
 def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,

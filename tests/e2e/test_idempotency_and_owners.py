@@ -39,6 +39,11 @@ def test_retry_returns_the_original_and_never_generates_twice(server, http):
     assert r.status_code == 422 and r.json()["code"] == "idempotency_conflict"
     assert server.generations() == before + 1
 
+    # Other POSTs keep their keys too.
+    k3 = key()
+    conv = http.post("/v1/conversations", json={"metadata": {"a": "b"}}, headers=k3)
+    assert http.post("/v1/conversations", json={"metadata": {"a": "b"}}, headers=k3).json() == conv.json()
+
     # A failed attempt does not hold the key.
     k2 = key()
     for _ in range(2):

@@ -3,7 +3,6 @@ bounded FIFO queue, dropped clients, SIGTERM, auth."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from conftest import MODEL
 from support.server import ServerProcess
 from support.sse import parse_frames

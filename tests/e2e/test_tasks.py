@@ -59,6 +59,11 @@ def test_task_followed_dropped_and_resumed(server, http):
     # After the last event there is nothing more, and the stream just ends.
     status, rest, _ = follow(http, events, params={"after": len(full)})
     assert status == 200 and rest == []
+    # An id that was never sent is a mistake, not something to wait for.
+    r = http.get(events, params={"after": len(full) + 1})
+    assert r.status_code == 400 and r.json()["param"] == "after"
+    r = http.get(events, headers={"Last-Event-ID": "x"})
+    assert r.status_code == 400 and r.json()["param"] == "Last-Event-ID"
 
 
 def test_task_created_with_stream_true_survives_its_client(http):

@@ -10,7 +10,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 

@@ -60,9 +60,10 @@ newline is followed by a blank line). An input cannot contain
     {"temperature": 21}
     </tool_response>
 
-A model that writes ``<tool_response`` itself (small models parrot the last
-result) is inventing the next turn: the engine stops generation there
-(``ToolFormat.result_markers``), so the markup never reaches the client.
+A model that writes ``<tool_response`` or ``</tool_response`` itself (small
+models parrot the last result) is inventing the next turn: the engine stops
+generation there (``ToolFormat.result_markers``), so the markup never
+reaches the client.
 
 Parsing
 -------
@@ -1122,7 +1123,7 @@ def _trigger_pattern(trigger: str, heads: Iterable[str], *, at_start: bool = Fal
 
 
 class _TaggedFormat(ToolFormat):
-    result_markers = ("<tool_response",)
+    result_markers = ("<tool_response", "</tool_response")
 
     def _render_call(self, call: ToolCall) -> str:
         if call.kind == "custom":
