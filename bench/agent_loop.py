@@ -70,8 +70,9 @@ Targets: steady-state prefill == the new suffix; interleaved TTFT within 1.3×
 of the single session's at the same turn (paired per turn); first turn after
 the restart ≥ 5× faster than ``lmspd-nocache`` on the same request.
 
-    .venv/bin/python bench/agent_loop.py --quick            # ~3-4 min
-    .venv/bin/python bench/agent_loop.py --json out.json    # the full run, ~15 min here
+    .venv/bin/python bench/agent_loop.py --quick            # ~3-5 min on the shared 2-core machine
+    .venv/bin/python bench/agent_loop.py --json out.json    # the full run: ~23 min there (load ~10);
+    # --baseline-turns 2 --dev-tokens 1600 trims it towards ~15 min
 """
 
 from __future__ import annotations
@@ -822,8 +823,8 @@ class Bench:
                       max_tokens: int) -> dict[str, Any]:
         if chat:
             return stream_chat_turn(self.client, url, chat_body(items, max_tokens))
-        # No prompt_cache_key: xllamacpp's server shuts down on a /v1/responses request that has one.
-        return stream_responses_turn(self.client, url, self.wl.responses_body("x", items, max_tokens, cache_key=False))
+        session = next((it["id"][len("msg_task_"):] for it in items if str(it.get("id", "")).startswith("msg_task_")), "x")
+        return stream_responses_turn(self.client, url, self.wl.responses_body(session, items, max_tokens))
 
     @staticmethod
     def llcpp_facts(turn: Turn, log: str) -> None:
@@ -1059,8 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         "first text delta.",
         "llama-cpp-server: prefilled = the 'prompt eval ... / N tokens' count in its verbose log (its "
         "llama_perf milliseconds are not meaningful, so no prefill ms); reused = its 'N prefix-match hit'.",
-        "xllamacpp-responses: sent without prompt_cache_key (xllamacpp 2026.10.11549's server shuts down on a "
-        "/v1/responses request that carries one).",
+        "every request goes on a new connection (Connection: close): xllamacpp's server sometimes drops a "
+        "kept-alive connection between two streams.",
     ]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))

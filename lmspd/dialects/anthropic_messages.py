@@ -99,9 +99,11 @@ class CountTokens(CreateMessage):
 
 
 class MessagesRequest:
-    def __init__(self, body: CreateMessage, conversation: Conversation) -> None:
+    def __init__(self, body: CreateMessage, conversation: Conversation, item_paths: list[str]) -> None:
         self.body = body
         self.conversation = conversation
+        # Where each neutral item came from, for errors the core raises about one.
+        self.item_paths = item_paths
 
     @property
     def stream(self) -> bool:
@@ -151,9 +153,12 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         ),
         max_output_tokens=body.max_tokens,
         reasoning_effort=_effort(body),
+        # A thinking block always carries its signature: the sealed hidden
+        # reasoning that lets a stateless replay render what the model saw.
+        include_encrypted_reasoning=True,
         cache_reuse=extensions.cache_reuse,
     )
-    return MessagesRequest(body, conversation)
+    return MessagesRequest(body, conversation, paths)
 
 
 def _refuse_unhonourable(body: CreateMessage) -> None:
@@ -164,12 +169,22 @@ def _refuse_unhonourable(body: CreateMessage) -> None:
             raise unsupported(name, f"'{name}' is an Anthropic-hosted feature that lmspd does not provide.")
 
 
+# Anthropic sizes thinking in tokens, the neutral scale (Responses') in
+# effort levels: a budget maps to the largest level it affords.
+_BUDGET_EFFORTS = ((4096, "xhigh"), (1024, "high"), (256, "medium"), (64, "low"), (0, "minimal"))
+
+
 def _effort(body: CreateMessage) -> str | None:
-    if body.thinking is not None and body.thinking.type == "disabled":
+    thinking = body.thinking
+    if thinking is not None and thinking.type == "disabled":
         return "none"
     effort = body.output_config.effort if body.output_config else None
-    # The neutral scale (Responses') tops out at xhigh.
-    return "xhigh" if effort == "max" else effort
+    if effort is not None:
+        # The neutral scale tops out at xhigh.
+        return "xhigh" if effort == "max" else effort
+    if thinking is not None and thinking.budget_tokens is not None:
+        return next(level for floor, level in _BUDGET_EFFORTS if thinking.budget_tokens >= floor)
+    return None
 
 
 def _output_format(config: OutputConfigIn | None) -> OutputFormat:

@@ -153,9 +153,11 @@ _MESSAGE_MODELS: dict[str, type[Lenient]] = {
 class ChatRequest:
     """A decoded chat request: the neutral conversation and how to deliver it."""
 
-    def __init__(self, body: ChatCompletionRequest, conversation: Conversation) -> None:
+    def __init__(self, body: ChatCompletionRequest, conversation: Conversation, item_paths: list[str]) -> None:
         self.body = body
         self.conversation = conversation
+        # Where each neutral item came from, for errors the core raises about one.
+        self.item_paths = item_paths
 
     @property
     def stream(self) -> bool:
@@ -206,7 +208,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
         prompt_cache_key=body.prompt_cache_key,
         cache_reuse=extensions.cache_reuse,
     )
-    return ChatRequest(body, conversation)
+    return ChatRequest(body, conversation, paths)
 
 
 def _refuse_unhonourable(body: ChatCompletionRequest) -> None:

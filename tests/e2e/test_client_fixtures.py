@@ -40,6 +40,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import MODEL
 from support.server import ServerProcess
@@ -101,6 +102,14 @@ def send(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
         if item["type"] == "message":
             assert not MARKUP.search(item["content"][0]["text"]), item
     return final
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """The shared server, with room for a cold 1.5k-token prefill (pi's
+    prompts) on a loaded machine."""
+    with httpx.Client(base_url=server.url, timeout=600) as client:
+        yield client
 
 
 @pytest.mark.parametrize("path", OTHERS, ids=[fixture_id(f) for f in OTHERS])
@@ -196,8 +205,6 @@ def test_replay_as_a_chain(http, path):
 
 @pytest.fixture(scope="module")
 def codex_http():
-    import httpx
-
     # No disk checkpoints: they would write ~200 MB of KV per long prompt,
     # and this module is about acceptance, not the disk cache.
     srv = ServerProcess("--ctx", "10240", "--kv-disk-space-mb", "0").start()

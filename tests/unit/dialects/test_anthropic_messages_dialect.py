@@ -104,7 +104,10 @@ def test_sampling_thinking_and_output_format():
     assert c.instructions == "Be brief."
     assert (c.sampling.temperature, c.sampling.top_p, c.sampling.stop, c.sampling.seed) == (0, 0.5, ["END"], 3)
     assert decode(thinking={"type": "disabled"}).conversation.reasoning_effort == "none"
-    assert decode(thinking={"type": "enabled", "budget_tokens": 1024}).conversation.reasoning_effort is None
+    assert decode(thinking={"type": "enabled", "budget_tokens": 1024}).conversation.reasoning_effort == "high"
+    assert decode(thinking={"type": "enabled", "budget_tokens": 100}).conversation.reasoning_effort == "low"
+    assert decode(thinking={"type": "adaptive"}).conversation.reasoning_effort is None
+    assert decode().conversation.include_encrypted_reasoning, "thinking blocks always carry a signature"
     assert decode(output_config={"effort": "max"}).conversation.reasoning_effort == "xhigh"
     fmt = decode(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}).conversation
     assert (fmt.output_format.type, fmt.output_format.schema) == ("json_schema", {"type": "object"})
