@@ -6,6 +6,8 @@ continuation cache compare a request with what the model already saw.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 from lmspd.core.conversation import Conversation, Message, Reasoning, ToolCall, ToolOutput
@@ -54,7 +56,7 @@ def template_messages(
             else:
                 messages.append(entry)
             return
-        text = _require_format(tool_format).render_calls(calls)
+        text = _require_format(tool_format).render_calls([_canonical(c) for c in calls])
         if messages and messages[-1]["role"] == "assistant":
             messages[-1]["content"] += text
         else:
@@ -101,6 +103,19 @@ def template_messages(
     flush_outputs()
     tools = tool_format.template_tools(offered) if native_tools and offered else None
     return messages, tools
+
+
+def _canonical(call: ToolCall) -> ToolCall:
+    """Past calls render with canonical JSON arguments: clients replay them
+    re-serialized (Anthropic, Chat Completions SDKs parse and dump them), and
+    the visible transcript must render the same whichever dialect replays."""
+    if call.kind != "function":
+        return call
+    try:
+        payload = json.dumps(json.loads(call.payload or "{}"), ensure_ascii=False)
+    except ValueError:
+        return call
+    return dataclasses.replace(call, payload=payload)
 
 
 def _require_format(tool_format: Any | None) -> Any:
