@@ -93,7 +93,7 @@ def test_queued_request_runs_after_the_current_one(small_server):
     results = {}
 
     def call(name, tokens):
-        r = httpx.post(small_server.url + "/v1/responses", json={**LONG, "max_output_tokens": tokens}, timeout=60)
+        r = httpx.post(small_server.url + "/v1/responses", json={**LONG, "max_output_tokens": tokens}, timeout=300)
         results[name] = (time.monotonic(), r.status_code, r.json())
 
     first = threading.Thread(target=call, args=("first", 40))
