@@ -58,7 +58,7 @@ class ServerProcess:
     def generations(self, model: str = "smollm2-135m-instruct") -> int:
         return self.health()["models"][model]["generations"]
 
-    def wait_idle(self, timeout: float = 10.0) -> dict:
+    def wait_idle(self, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             h = self.health()
