@@ -115,13 +115,10 @@ def test_forced_tool_use(client):
     assert final.stop_reason == "tool_use" and streamed.input == use.input
 
 
-# Anthropic clients replay a call's ``input`` as a parsed object, so its JSON
-# comes back re-serialized (``{"city": "Paris"}``) rather than as sampled
-# (``{ "city": "Paris" }``); the engine renders replayed arguments verbatim,
-# so the tool-output-ids / visible-prefix rules miss and only the common
-# token prefix is reused. Passes once the engine canonicalizes call payloads.
-@pytest.mark.xfail(reason="engine renders replayed tool arguments verbatim (needs canonical payloads)", strict=False)
 def test_tool_loop_reuses_the_prior_context(http):
+    """Anthropic clients replay a call's ``input`` as a parsed object, so its
+    JSON comes back re-serialized, not as sampled; the engine renders past
+    calls with canonical JSON, so the continuation still matches."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     one_call = {"type": "any", "disable_parallel_tool_use": True}
     first = create(http, max_tokens=48, tools=[WEATHER], tool_choice=one_call, messages=messages)
