@@ -5,7 +5,10 @@ provider and turn its stream into Responses events. One run measures, at 1
 and at 64 concurrent streams:
 
 - added time to first event: the client's time to the first text delta
-  through a gateway, minus the same time straight from the provider (p50);
+  through a gateway, minus the same time straight from the provider (p50),
+  against a provider that sends a whole stream at once (the gateway is the
+  bottleneck: at 64 streams this is mostly queueing behind other streams'
+  events) and one that paces tokens like a fast model (1 and 64 streams);
 - events per second the client receives (and text deltas per second);
 - the gateway's memory (peak RSS of its process tree while under load).
 
@@ -107,8 +110,10 @@ class _ProviderProtocol(asyncio.Protocol):
 
 
 def run_provider(port: int, deltas: int, interval_ms: float = 0.0) -> None:
-    # Every event is its own HTTP chunk, as a real provider flushes them.
-    chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in _provider_events(deltas)] + [b"0\r\n\r\n"]
+    # Every event is its own HTTP chunk, as a real provider flushes them; the
+    # body ends right after [DONE], as it does when a server's generator ends.
+    chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in _provider_events(deltas)]
+    chunks[-1] += b"0\r\n\r\n"
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(
@@ -405,6 +410,7 @@ def main() -> None:
 
         direct = {name: client(port, "/v1/chat/completions", chat, '"content"', 1, args.requests_1 if name == "burst"
                                else max(10, args.requests_1 // 2)) for name, port in ports.items()}
+        direct["paced64"] = client(ports["paced"], "/v1/chat/completions", chat, '"content"', 64, args.requests_64)
         rport = free_port()
         relay = start([sys.executable, __file__, "relay", str(rport), str(ports["burst"])], logs / "relay.log")
         procs.append(relay)
@@ -422,6 +428,10 @@ def main() -> None:
                 gw.results[key] = r
             gw.results["paced"] = client(gw.port, "/v1/responses", responses("bench-paced"), "output_text.delta", 1,
                                          max(10, args.requests_1 // 2))
+            # 64 streams at model speed: busy, not saturated (the burst rows
+            # above saturate the gateway, so their first-event time is queueing).
+            gw.results["paced64"] = client(gw.port, "/v1/responses", responses("bench-paced"), "output_text.delta",
+                                           64, args.requests_64)
             gw.results["rss_idle_mib"] = idle / 1024
         report(args, direct, relayed, gateways)
     finally:
@@ -443,7 +453,7 @@ def report(args: argparse.Namespace, direct: dict, relayed: dict, gateways: list
     print(f"\nburst provider: {args.deltas} text deltas per stream at once; first delta p50 {base:.2f} ms straight "
           f"from it, +{floor:.2f} ms through a do-nothing byte relay")
     print(f"paced provider: {args.paced_deltas} deltas, one per {args.paced_interval_ms:g} ms; first delta p50 "
-          f"{paced_base:.2f} ms straight from it\n")
+          f"{paced_base:.2f} ms straight from it ({direct['paced64']['first_delta_p50_ms']:.2f} ms at 64 streams)\n")
     print(f"{'gateway':8} {'streams':>7} {'events/s':>10} {'deltas/s':>10} {'ev/req':>7} {'CPU/event':>10} "
           f"{'1st delta p50':>14} {'added p50':>10} {'p90':>8} {'peak RSS':>9}")
     for gw in gateways:
@@ -453,9 +463,11 @@ def report(args: argparse.Namespace, direct: dict, relayed: dict, gateways: list
                   f"{r['events_per_request']:>7.0f} {r['cpu_us_per_event']:>7.1f} us "
                   f"{r['first_delta_p50_ms']:>11.2f} ms {r['first_delta_p50_ms'] - base:>7.2f} ms "
                   f"{r['first_delta_p90_ms']:>5.1f} ms {r['rss_peak_mib']:>5.0f} MiB")
-        r = gw.results["paced"]
-        print(f"{gw.name:8} {'1 paced':>7} {'':>10} {'':>10} {'':>7} {'':>10} {r['first_delta_p50_ms']:>11.2f} ms "
-              f"{r['first_delta_p50_ms'] - paced_base:>7.2f} ms {r['first_delta_p90_ms']:>5.1f} ms")
+        for key, label in (("paced", "1 paced"), ("paced64", "64 paced")):
+            r, b = gw.results[key], direct[key]["first_delta_p50_ms"]
+            print(f"{gw.name:8} {label:>8} {r['events_per_s']:>9.0f} {r['deltas_per_s']:>10.0f} {'':>7} {'':>10} "
+                  f"{r['first_delta_p50_ms']:>11.2f} ms {r['first_delta_p50_ms'] - b:>7.2f} ms "
+                  f"{r['first_delta_p90_ms']:>5.1f} ms")
         print(f"{gw.name:8} {'idle':>7} {'':>10} {'':>10} {'':>7} {'':>10} {'':>14} {'':>10} {'':>8} "
               f"{gw.results['rss_idle_mib']:>5.0f} MiB")
     named = {gw.name: gw.results for gw in gateways}
@@ -467,10 +479,13 @@ def report(args: argparse.Namespace, direct: dict, relayed: dict, gateways: list
                   f"(deltas/s), x{lm[c]['events_per_s'] / ll[c]['events_per_s']:.2f} (events/s), "
                   f"x{ll[c]['cpu_us_per_event'] / lm[c]['cpu_us_per_event']:.2f} (CPU per event); "
                   f"peak RSS {lm[c]['rss_peak_mib']:.0f} vs {ll[c]['rss_peak_mib']:.0f} MiB")
+        paced64_base = direct["paced64"]["first_delta_p50_ms"]
         print(f"  added first-delta latency p50: burst {lm['c1']['first_delta_p50_ms'] - base:.2f} ms vs "
               f"{ll['c1']['first_delta_p50_ms'] - base:.2f} ms; paced "
               f"{lm['paced']['first_delta_p50_ms'] - paced_base:.2f} ms vs "
-              f"{ll['paced']['first_delta_p50_ms'] - paced_base:.2f} ms")
+              f"{ll['paced']['first_delta_p50_ms'] - paced_base:.2f} ms; 64 paced streams "
+              f"{lm['paced64']['first_delta_p50_ms'] - paced64_base:.2f} ms vs "
+              f"{ll['paced64']['first_delta_p50_ms'] - paced64_base:.2f} ms")
     if args.json:
         args.json.write_text(json.dumps({"direct": direct, "relay": relayed,
                                          **{gw.name: gw.results for gw in gateways}}, indent=2))

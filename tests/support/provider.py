@@ -142,6 +142,8 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+    # The client's port: which connection the request came on.
+    client_port: int = 0
 
 
 class ScriptedProvider:
@@ -174,7 +176,8 @@ class ScriptedProvider:
             body: Any = json.loads(raw)
         except ValueError:
             body = raw.decode("utf-8", "replace")
-        recorded = Recorded(request.url.path, dict(request.headers), body)
+        recorded = Recorded(request.url.path, dict(request.headers), body,
+                            request.client.port if request.client else 0)
         self.requests.append(recorded)
         if self._queue:
             reply = self._queue.popleft()

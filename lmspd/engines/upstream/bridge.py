@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from lmspd.core.events import (
@@ -170,17 +170,25 @@ class BridgeDecoder:
         return self._done
 
     def feed(self, data: bytes) -> list[EngineEvent]:
+        return list(self.iter_feed(data))
+
+    def iter_feed(self, data: bytes) -> Iterator[EngineEvent]:
+        """Like ``feed`` but lazy: one provider read can hold a whole burst
+        of events, and the first of them should not wait for the decoding
+        of the rest."""
         if self._done:
-            return []
+            return
         out: list[EngineEvent] = []
         try:
             for item in self._chunks.iter_feed(data):
                 self._push(item, out)
+                yield from out
+                out.clear()
                 if self._done:
                     break  # no read-ahead: later bytes are not even parsed
         except UpstreamError as exc:
-            out.append(self._fail(exc))
-        return out
+            yield from out
+            yield self._fail(exc)
 
     def push(self, item: StreamItem) -> list[EngineEvent]:
         """Handle one already-decoded item (for adapters that decode elsewhere)."""

@@ -210,7 +210,7 @@ class UpstreamEngine:
                     yield self._stopped(cancel)
                     return
                 else:
-                    events = bridge.feed(raw)
+                    events = bridge.iter_feed(raw)
                 finally:
                     reader = None
                 for event in events:

@@ -298,3 +298,30 @@ def test_stats_and_info_never_hold_the_key(provider):
     key = "sk-test-not-in-stats"
     eng = engine(provider.url, key=key)
     assert key not in repr(eng.stats()) and key not in repr(eng.info) and key not in repr(eng.spec)
+
+
+def test_connection_is_kept_after_a_clean_end_and_dropped_after_trailing_noise(provider):
+    """After [DONE] the rest of the body is let go by unread in the
+    background so the connection serves the next request; a provider that
+    keeps talking past the drain bound loses its connection instead."""
+    noise = [b": noise\n\n" * 10_000]  # ~90 KiB after [DONE], over the 64 KiB bound
+    # The pauses make the body end well after [DONE] has been read.
+    provider.push(Reply(parts=text_stream("one")), Reply(parts=text_stream("two") + [0.05]),
+                  Reply(parts=text_stream("three") + [0.05] + noise), Reply(parts=text_stream("four")))
+
+    async def go():
+        eng = engine(provider.url)
+        texts = []
+        try:
+            for _ in range(4):
+                events = await collect(eng, conversation())
+                texts.append("".join(e.text for e in events if isinstance(e, TextDelta)))
+                while eng.client._drains:  # the drain runs after the terminal event
+                    await asyncio.sleep(0.01)
+        finally:
+            await eng.aclose()
+        return texts
+
+    assert run(go()) == ["one", "two", "three", "four"]
+    ports = [r.client_port for r in provider.requests]
+    assert ports[0] == ports[1] == ports[2] != ports[3]
