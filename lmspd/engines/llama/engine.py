@@ -583,6 +583,7 @@ class _Generation:
         stops = _StopMatcher(self.prepared.stop)
         ctx = llm._ctx
         reason = "length"
+        eog_token: int | None = None
         eog_text: str | None = None
         stopped_by_string = False
         sampled: list[int] = []
@@ -598,9 +599,7 @@ class _Generation:
                     self._force_close()
                 token = sampler.sample(ctx, -1)
                 if engine.is_eog(token):
-                    # Keep the end-of-turn token in the KV: the next turn's prompt
-                    # has it right there, so it is prefix the cache can reuse.
-                    llm.eval([token])
+                    eog_token = token
                     eog_text = engine.detokenize([token])
                     reason = "stop"
                     break
@@ -636,14 +635,25 @@ class _Generation:
                 self._events(self.parser.finish())
         except ToolCallError as exc:
             self._finish_tokens(sampled)
-            self.emit(Failed("invalid_tool_call", f"The model produced an invalid tool call: {exc}", self.usage))
-            self._remember(eog_text)
+            self._end(Failed("invalid_tool_call", f"The model produced an invalid tool call: {exc}", self.usage),
+                      eog_token, eog_text)
             return
         self._finish_tokens(sampled)
         if reason == "stop" and self.calls:
             reason = "tool_calls"
+        self._end(Finished(reason, self.usage), eog_token, eog_text)  # type: ignore[arg-type]
+
+    def _end(self, terminal: EngineEvent, eog_token: int | None, eog_text: str | None) -> None:
+        """The client gets its terminal event first; the bookkeeping after it
+        (a decode step, a transcript render) still runs on this thread, and
+        the engine's next generation is queued behind it on the same
+        executor, so it plans against the state this turn leaves."""
+        self.emit(terminal)
+        if eog_token is not None:
+            # Keep the end-of-turn token in the KV: the next turn's prompt
+            # has it right there, so it is prefix the cache can reuse.
+            self.engine._llm.eval([eog_token])
         self._remember(eog_text)
-        self.emit(Finished(reason, self.usage))  # type: ignore[arg-type]
 
     def _text(self, text: str) -> None:
         if self.splitter is not None:

@@ -61,8 +61,10 @@ _MAX_RETRY_AFTER_S = 3600
 # What may follow [DONE] before the connection is given up rather than reused.
 _MAX_DRAIN_BYTES = 64 * 1024
 _MAX_DRAIN_S = 2.0
-# Connections to one provider kept open between requests, and for how long.
-_KEEPALIVE_S = 30.0
+# How long an idle connection is kept for the next request: under uvicorn's
+# 5 s default (vLLM, SGLang, llama_cpp.server), so that lmspd closes it first
+# instead of racing the provider's close with a new request.
+_KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True)
