@@ -583,7 +583,7 @@ class _Generation:
         stops = _StopMatcher(self.prepared.stop)
         ctx = llm._ctx
         reason = "length"
-        eog_token: int | None = None
+        last_token: int | None = None  # sampled, not yet in the KV
         eog_text: str | None = None
         stopped_by_string = False
         sampled: list[int] = []
@@ -599,11 +599,12 @@ class _Generation:
                     self._force_close()
                 token = sampler.sample(ctx, -1)
                 if engine.is_eog(token):
-                    eog_token = token
+                    last_token = token
                     eog_text = engine.detokenize([token])
                     reason = "stop"
                     break
                 sampled.append(token)
+                last_token = token
                 if self.splitter is not None and self.splitter.in_reasoning:
                     self.usage.reasoning_tokens += 1
                 piece = engine.piece(token)
@@ -616,10 +617,14 @@ class _Generation:
                     text, hit = stops.feed(text)
                     if text:
                         self._text(text)
-                llm.eval([token])
                 if hit:
                     reason, stopped_by_string = "stop", True
+                if hit or len(sampled) >= self.prepared.max_new_tokens:
+                    # The last token's decode step only serves the next
+                    # turn's cache: it can wait for the terminal event.
                     break
+                llm.eval([token])
+                last_token = None
             if not stopped_by_string:
                 tail = decoder.decode(b"", final=True) + stops.flush()
                 if tail:
@@ -636,23 +641,23 @@ class _Generation:
         except ToolCallError as exc:
             self._finish_tokens(sampled)
             self._end(Failed("invalid_tool_call", f"The model produced an invalid tool call: {exc}", self.usage),
-                      eog_token, eog_text)
+                      last_token, eog_text)
             return
         self._finish_tokens(sampled)
         if reason == "stop" and self.calls:
             reason = "tool_calls"
-        self._end(Finished(reason, self.usage), eog_token, eog_text)  # type: ignore[arg-type]
+        self._end(Finished(reason, self.usage), last_token, eog_text)  # type: ignore[arg-type]
 
-    def _end(self, terminal: EngineEvent, eog_token: int | None, eog_text: str | None) -> None:
+    def _end(self, terminal: EngineEvent, last_token: int | None, eog_text: str | None) -> None:
         """The client gets its terminal event first; the bookkeeping after it
-        (a decode step, a transcript render) still runs on this thread, and
-        the engine's next generation is queued behind it on the same
-        executor, so it plans against the state this turn leaves."""
+        (the last token's decode step, a transcript render) still runs on
+        this thread, and the engine's next generation is queued behind it on
+        the same executor, so it plans against the state this turn leaves."""
         self.emit(terminal)
-        if eog_token is not None:
-            # Keep the end-of-turn token in the KV: the next turn's prompt
-            # has it right there, so it is prefix the cache can reuse.
-            self.engine._llm.eval([eog_token])
+        if last_token is not None:
+            # Also the end-of-turn token: the next turn's prompt has it right
+            # there, so it is prefix the cache can reuse.
+            self.engine._llm.eval([last_token])
         self._remember(eog_text)
 
     def _text(self, text: str) -> None:
