@@ -44,8 +44,9 @@ class Service:
                            param="model")
         return served
 
-    def begin(self, conversation: Conversation) -> "Run":
+    def begin(self, conversation: Conversation, owner: str = "local") -> "Run":
         """Everything that can refuse a request, done before any byte is sent."""
+        conversation.owner = owner
         if self.shutting_down:
             raise ApiError("server_shutting_down", "The server is shutting down.", headers={"Retry-After": "5"})
         served = self.model(conversation.model)

@@ -34,6 +34,7 @@ class Checkpoint:
     visible: str | None
     response_id: str | None
     size: int
+    owner: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -60,6 +61,7 @@ class DiskCheckpoints:
             self._index[path.stem] = Checkpoint(
                 path=path, tokens=header["tokens"], kv_text=header["kv_text"],
                 visible=header.get("visible"), response_id=header.get("response_id"), size=path.stat().st_size,
+                owner=header.get("owner"),
             )
         for tmp in self.directory.glob("*.tmp"):
             tmp.unlink(missing_ok=True)  # a write cut off by a crash
@@ -71,8 +73,8 @@ class DiskCheckpoints:
     def __len__(self) -> int:
         return len(self._index)
 
-    def best_match(self, text: str, response_id: str | None = None) -> tuple[Checkpoint, str] | None:
-        """The checkpoint whose key is the longest prefix of ``text``.
+    def best_match(self, text: str, owner: str, response_id: str | None = None) -> tuple[Checkpoint, str] | None:
+        """The checkpoint of ``owner`` whose key is the longest prefix of ``text``.
 
         Returns ``(checkpoint, key_kind)``; kinds are ``response-id``,
         ``responses-visible`` and ``token-text``."""
@@ -80,6 +82,8 @@ class DiskCheckpoints:
         with self._lock:
             entries = list(self._index.values())
         for cp in entries:
+            if cp.owner != owner:
+                continue
             if response_id is not None and cp.response_id == response_id and cp.visible and text.startswith(cp.visible):
                 return cp, "response-id"
             for kind, key in (("responses-visible", cp.visible), ("token-text", cp.kv_text)):
@@ -87,13 +91,15 @@ class DiskCheckpoints:
                     best = (cp, kind)
         return best
 
-    def longest_common(self, tokens: list[int]) -> tuple[Checkpoint, int] | None:
-        """The checkpoint sharing the longest token prefix with ``tokens``
-        (a branch or an edit of a saved conversation)."""
+    def longest_common(self, tokens: list[int], owner: str) -> tuple[Checkpoint, int] | None:
+        """The checkpoint of ``owner`` sharing the longest token prefix with
+        ``tokens`` (a branch or an edit of a saved conversation)."""
         best: tuple[Checkpoint, int] | None = None
         with self._lock:
             entries = list(self._index.values())
         for cp in entries:
+            if cp.owner != owner:
+                continue
             n = min(len(cp.tokens), len(tokens))
             common = 0
             while common < n and cp.tokens[common] == tokens[common]:
@@ -113,6 +119,7 @@ class DiskCheckpoints:
         return SessionState(
             tokens=header["tokens"], kv_text=header["kv_text"], visible=header.get("visible"),
             call_ids=frozenset(header.get("call_ids", [])), response_id=header.get("response_id"), kv=payload,
+            owner=header.get("owner", ""),
         )
 
     # -- writing ---------------------------------------------------------------
@@ -128,6 +135,7 @@ class DiskCheckpoints:
             "visible": state.visible,
             "call_ids": sorted(state.call_ids),
             "response_id": state.response_id,
+            "owner": state.owner,
             "created": time.time(),
         }).encode()
         digest = hashlib.sha256(header + state.kv).digest()
@@ -147,7 +155,8 @@ class DiskCheckpoints:
         os.replace(tmp, path)
         with self._lock:
             self._index[name] = Checkpoint(path=path, tokens=list(state.tokens), kv_text=state.kv_text,
-                                           visible=state.visible, response_id=state.response_id, size=size)
+                                           visible=state.visible, response_id=state.response_id, size=size,
+                                           owner=state.owner)
         self._evict()
         return path
 

@@ -66,6 +66,8 @@ class CacheRequest:
     # A replayed tool-call turn lacks its reasoning: only a remembered state
     # (live, RAM, disk by visible transcript) may explain it.
     needs_reasoning_state: bool = False
+    # Only states this owner's requests left are candidates.
+    owner: str = "local"
 
 
 class CacheRefused(Exception):
@@ -109,6 +111,8 @@ class ContinuationCache:
         self.disk = disk
         self.live: SessionState | None = None
         self._live_saved = False
+        # The owner of the request being run (for its mid-prefill checkpoints).
+        self._owner: str | None = None
         self._ram: OrderedDict[str, SessionState] = OrderedDict()
         self.stats = CacheStats()
         self._writes: queue.Queue[SessionState | None] = queue.Queue(maxsize=4)
@@ -119,13 +123,14 @@ class ContinuationCache:
 
     # -- read-only views (safe from the event loop) ----------------------------
 
-    def states(self) -> list[SessionState]:
+    def states(self, owner: str) -> list[SessionState]:
         live = self.live
-        return ([live] if live else []) + list(reversed(self._ram.values()))
+        every = ([live] if live else []) + list(reversed(self._ram.values()))
+        return [s for s in every if s.owner == owner]
 
-    def state_for_calls(self, call_ids: set[str]) -> SessionState | None:
-        """A remembered state whose last turn produced all of ``call_ids``."""
-        for state in self.states():
+    def state_for_calls(self, call_ids: set[str], owner: str) -> SessionState | None:
+        """A remembered state of ``owner`` whose last turn produced all of ``call_ids``."""
+        for state in self.states(owner):
             if call_ids and call_ids <= state.call_ids:
                 return state
         return None
@@ -143,12 +148,13 @@ class ContinuationCache:
         return plan
 
     def _plan(self, req: CacheRequest) -> CachePlan:
+        self._owner = req.owner
         if not self.enabled or not req.reuse:
             return self._cold(req)
-        live = self.live
+        live = self.live if self.live is not None and self.live.owner == req.owner else None
         if req.requires_state is not None and (live is None or live.key != req.requires_state):
             state = self._ram.get(req.requires_state)
-            if state is None:
+            if state is None or state.owner != req.owner:
                 raise CacheRefused(
                     "This request carries only tool outputs and requires live call state, which was replaced "
                     "before it ran; replay the full input."
@@ -156,7 +162,7 @@ class ContinuationCache:
             return self._fits(req, self._continue(req, state, "tool-output-ids", restore=True))
 
         if req.previous_response_id:
-            for state in self.states():
+            for state in self.states(req.owner):
                 if state.response_id == req.previous_response_id and state.visible and req.text.startswith(state.visible):
                     return self._fits(req, self._continue(req, state, "response-id", restore=state is not live))
         if live is not None:
@@ -171,7 +177,7 @@ class ContinuationCache:
                 return self._fits(req, CachePlan("memory-text", n, self.ops.tokenize(suffix_text), req.text))
 
         candidates: list[CachePlan] = []
-        for state in list(self._ram.values()):
+        for state in [s for s in self._ram.values() if s.owner == req.owner]:
             plan = self._match_saved(req, state, "ram")
             if plan is None:
                 # A branch or an edit: the longest common token prefix still
@@ -182,7 +188,7 @@ class ContinuationCache:
             if plan is not None:
                 candidates.append(plan)
         if self.disk is not None:
-            hit = self.disk.best_match(req.text, req.previous_response_id)
+            hit = self.disk.best_match(req.text, req.owner, req.previous_response_id)
             if hit is not None:
                 cp, kind = hit
                 if not any(c.keep >= cp.n_tokens for c in candidates):
@@ -200,7 +206,7 @@ class ContinuationCache:
                                             detail="partial"))
         if self.disk is not None:
             best = max((c.keep for c in candidates), default=0)
-            shared = self.disk.longest_common(req.tokens)
+            shared = self.disk.longest_common(req.tokens, req.owner)
             if shared is not None and min(shared[1], len(req.tokens) - 1) > best:
                 state = self.disk.load(shared[0])
                 if state is not None:
@@ -288,7 +294,7 @@ class ContinuationCache:
         """A mid-prefill checkpoint, so that a crash loses little of a long prompt."""
         if self.disk is None:
             return
-        state = SessionState(tokens=list(tokens), kv_text=text, kv=self.ops.capture())
+        state = SessionState(tokens=list(tokens), kv_text=text, kv=self.ops.capture(), owner=self._owner)
         self._checkpoint(state)
 
     def save_live(self) -> None:

@@ -34,11 +34,13 @@ class SessionState:
     response_id: str | None = None
     # The KV bytes, once captured (RAM session or disk checkpoint).
     kv: bytes | None = None
+    # Whose request left this state; only that owner's requests reuse it.
+    owner: str = "local"
 
     @property
     def key(self) -> str:
-        """Stable identity: the hash of the exact tokens."""
-        return hashlib.sha256(repr(self.tokens).encode()).hexdigest()[:32]
+        """Stable identity: the hash of the owner and the exact tokens."""
+        return hashlib.sha256(f"{self.owner}\n{self.tokens!r}".encode()).hexdigest()[:32]
 
     @property
     def nbytes(self) -> int:

@@ -141,6 +141,11 @@ class Conversation:
     # Responses replays of a reasoning model's tool-call turns must carry the
     # reasoning (items or encrypted_content) unless a cached state explains them.
     require_reasoning_state: bool = False
+    # The credential's owner: remembered KV state is reused only for the
+    # owner whose request left it (cached-token counts, a continuation's
+    # reply and tool-output-only requests would otherwise reveal another
+    # key's conversation).
+    owner: str = "local"
 
 
 def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:

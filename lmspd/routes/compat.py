@@ -31,9 +31,10 @@ from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 log = logging.getLogger("lmspd.http")
 
 
-def _begin(service: Service, conversation: Conversation, names: dict[str, str], item_paths: list[str]) -> Run:
+def _begin(service: Service, conversation: Conversation, owner: str, names: dict[str, str],
+           item_paths: list[str]) -> Run:
     try:
-        return service.begin(conversation)
+        return service.begin(conversation, owner)
     except ApiError as exc:
         raise rename_param(exc, names, item_paths) from None
 
@@ -58,10 +59,10 @@ async def _frames(events: AsyncIterator[WireEvent], frame: Frame,
 
 async def chat_create(request: Request) -> Response:
     app = app_state(request)
-    principal(request, "responses:write")
+    who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, req.param_names, req.item_paths)
+    run = _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
@@ -105,10 +106,10 @@ def anthropic_error(exc: ApiError) -> Response:
 
 async def messages_create(request: Request) -> Response:
     app = app_state(request)
-    principal(request, "responses:write")
+    who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, anthropic_messages.PARAM_NAMES, req.item_paths)
+    run = _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.compat import check_anthropic_message, validate_anthropic_stream
 from support.server import ServerProcess
 from support.sse import parse_frames

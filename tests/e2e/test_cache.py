@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.server import ServerProcess
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",

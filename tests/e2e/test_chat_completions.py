@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from pydantic import BaseModel
 from support.compat import check_chat_completion, validate_chat_stream
 from support.sse import parse_frames

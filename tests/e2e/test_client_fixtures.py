@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.server import ServerProcess
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream

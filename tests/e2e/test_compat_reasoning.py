@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.compat import (
     check_anthropic_message,
     check_chat_completion,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 
 
 def gens(server):

@@ -7,7 +7,7 @@ import uuid
 
 import httpx
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.follow import LONG, SHORT, follow, openai_events, wait_for
 from support.server import ServerProcess
 from support.sse import parse_frames
@@ -153,3 +153,41 @@ def test_one_credential_cannot_reach_anothers_state(two_keys):
     assert alice.get(f"/v1/conversations/{cid}").status_code == 200
     assert bob.get("/v1/responses/resp_x").status_code == 404
     assert httpx.get(srv.url + f"/v1/responses/{bid}").status_code == 401
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                "strict": True}
+
+
+def test_one_credential_never_continues_anothers_kv_state(two_keys):
+    """The KV cache is per credential: Bob's identical prompt is prefilled
+    cold (a cached-token count would reveal Alice's prompt), and a tool
+    output for Alice's call finds no state for Bob to continue."""
+    srv, alice, bob = two_keys
+    srv.wait_idle()
+
+    def usage(client, text: str) -> dict:
+        r = client.post("/v1/responses", json={"model": MODEL, "input": text, "temperature": 0,
+                                               "max_output_tokens": 4, "store": False})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    secret = "Alice's secret plan for the weekend: buy seven blue kites and fly them over the harbour."
+    prompt_tokens = usage(alice, secret)["input_tokens"]
+    usage(bob, "Hello there.")  # Bob's own state: it shares only the template's opening with the secret
+    bob_cached = usage(bob, secret)["input_tokens_details"]["cached_tokens"]
+    alice_cached = usage(alice, secret)["input_tokens_details"]["cached_tokens"]
+    assert alice_cached >= prompt_tokens - 1  # hers is still remembered for her
+    assert bob_cached < prompt_tokens - 12, (bob_cached, prompt_tokens)  # none of Alice's words
+
+    first = alice.post("/v1/responses", json={
+        "model": MODEL, "input": "Weather in Oslo?", "tools": [WEATHER_TOOL], "tool_choice": "required",
+        "parallel_tool_calls": False, "temperature": 0, "max_output_tokens": 32, "store": False}).json()
+    call = next(o for o in first["output"] if o["type"] == "function_call")
+    only_output = {"model": MODEL, "tools": [WEATHER_TOOL], "temperature": 0, "max_output_tokens": 4, "store": False,
+                   "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny"}]}
+    r = bob.post("/v1/responses", json=only_output)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].call_id", r.text
+    r = alice.post("/v1/responses", json=only_output)
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0, r.text

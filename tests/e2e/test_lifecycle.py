@@ -10,7 +10,7 @@ import threading
 import time
 
 import httpx
-from conftest import MODEL
+from support.server import MODEL
 from support.server import ServerProcess
 from support.sse import parse_frames
 

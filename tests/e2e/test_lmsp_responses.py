@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import MODEL
+from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import validate_lmsp_stream
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream
 

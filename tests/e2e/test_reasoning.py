@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MODEL
+from support.server import MODEL
 from support.server import ServerProcess
 from support.sse import parse_frames
 from support.validate import validate_openai_stream

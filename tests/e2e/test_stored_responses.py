@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import MODEL
+from support.server import MODEL
 from support.follow import SHORT
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_lmsp_stream, validate_openai_stream

@@ -7,7 +7,7 @@ import threading
 import time
 
 import httpx
-from conftest import MODEL
+from support.server import MODEL
 from support.follow import LONG, SHORT, follow, openai_events, wait_for
 from support.server import ServerProcess
 from support.sse import parse_frames

@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+# The id the bundled model is served under.
+MODEL = "smollm2-135m-instruct"
 URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
 
 

@@ -60,6 +60,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 from . import grammars
 from .prompt import template_messages
 from .reasoning import BUDGETS, ReasoningSplitter, ReasoningSyntax
+from .sampling import GrammarFirstRejection
 from .template import ChatTemplate
 from .tool_formats import ToolCallError, ToolCallParser, ToolFormat, detect_tool_format
 
@@ -138,6 +139,7 @@ class LlamaEngine:
         )
         llm = self._llm
         self._vocab = llm._model.vocab
+        self._n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._n_batch = n_batch
         meta = llm.metadata
         # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
@@ -265,7 +267,8 @@ class LlamaEngine:
         orphans = orphan_tool_outputs(conversation.items)
         if not orphans:
             return None
-        state = self.cache.state_for_calls({call_id for _, call_id in orphans}) if self.cache.enabled else None
+        state = (self.cache.state_for_calls({call_id for _, call_id in orphans}, conversation.owner)
+                 if self.cache.enabled else None)
         # Only a request that starts with the outputs continues a remembered
         # turn; outputs after some replayed history must find their call there.
         if state is None or orphans[0][0] != 0:
@@ -426,6 +429,7 @@ class LlamaEngine:
             requires_state=prepared.requires_state,
             max_new_tokens=prepared.max_new_tokens,
             needs_reasoning_state=prepared.needs_reasoning_state,
+            owner=conv.owner,
         )
 
     def _restore(self, state: SessionState) -> bool:
@@ -445,26 +449,22 @@ class LlamaEngine:
             return Failed("server_shutting_down", "The server is shutting down.", usage)
         return Finished("cancelled", usage)
 
-    def _sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler:
+    def _sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | GrammarFirstRejection:
         sampling = prepared.conversation.sampling
-        sampler = internals.LlamaSampler()
-        if prepared.grammar is not None:
-            grammar = llama_cpp.LlamaGrammar.from_string(prepared.grammar, verbose=False)
-            if prepared.lazy_patterns:
-                sampler.add_grammar_lazy_patterns(self._llm._model, grammar, prepared.lazy_patterns, [])
-            else:
-                sampler.add_grammar(self._llm._model, grammar)
+        chain = internals.LlamaSampler()
         temperature = 1.0 if sampling.temperature is None else sampling.temperature
         if temperature <= 0:
-            sampler.add_greedy()
-            return sampler
-        top_p = 1.0 if sampling.top_p is None else sampling.top_p
-        if top_p < 1.0:
-            sampler.add_top_p(top_p, 1)
-        sampler.add_temp(temperature)
-        seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
-        sampler.add_dist(seed)
-        return sampler
+            chain.add_greedy()
+        else:
+            top_p = 1.0 if sampling.top_p is None else sampling.top_p
+            if top_p < 1.0:
+                chain.add_top_p(top_p, 1)
+            chain.add_temp(temperature)
+            seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
+            chain.add_dist(seed)
+        if prepared.grammar is None:
+            return chain
+        return GrammarFirstRejection(self._vocab, self._n_vocab, prepared.grammar, chain, prepared.lazy_patterns)
 
     def piece(self, token: int) -> bytes:
         piece = self._pieces.get(token)
@@ -649,16 +649,17 @@ class _Generation:
         self._end(Finished(reason, self.usage), last_token, eog_text)  # type: ignore[arg-type]
 
     def _end(self, terminal: EngineEvent, last_token: int | None, eog_text: str | None) -> None:
-        """The client gets its terminal event first; the bookkeeping after it
-        (the last token's decode step, a transcript render) still runs on
-        this thread, and the engine's next generation is queued behind it on
-        the same executor, so it plans against the state this turn leaves."""
+        """The live state is set before the terminal event (a client's next
+        request may look up its calls the moment it has the reply); the last
+        token's decode step comes after it. The engine's next generation is
+        queued behind this one on the same executor, so it plans against a
+        KV that holds that token."""
+        self._remember(eog_text, last_token)
         self.emit(terminal)
         if last_token is not None:
             # Also the end-of-turn token: the next turn's prompt has it right
             # there, so it is prefix the cache can reuse.
             self.engine._llm.eval([last_token])
-        self._remember(eog_text)
 
     def _text(self, text: str) -> None:
         if self.splitter is not None:
@@ -730,8 +731,9 @@ class _Generation:
         stats.last_output_tokens = len(sampled)
         stats.last_output_token_ids = sampled
 
-    def _remember(self, eog_text: str | None) -> None:
-        """Make what is now in the KV the live state."""
+    def _remember(self, eog_text: str | None, pending: int | None = None) -> None:
+        """Make what is in the KV, plus the ``pending`` token about to be
+        evaluated, the live state."""
         engine, llm = self.engine, self.engine._llm
         outputs: list[Item] = []
         if self.splitter is not None and self.splitter.hidden:
@@ -748,12 +750,13 @@ class _Generation:
         visible = engine.visible_transcript(conversation, outputs, eog_text)
         kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")
         state = SessionState(
-            tokens=llm.input_ids[: llm.n_tokens].tolist(),
+            tokens=llm.input_ids[: llm.n_tokens].tolist() + ([pending] if pending is not None else []),
             kv_text=kv_text,
             visible=visible,
             items=list(conversation.items) + outputs,
             call_ids=frozenset(c.call_id for c in self.calls.values()),
             response_id=self.prepared.response_id,
+            owner=conversation.owner,
         )
         engine.cache.set_live(state)
 

@@ -17,19 +17,19 @@ def test_round_trip_and_longest_prefix(tmp_path):
     disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
     disk.save(state("ab", 2))
     disk.save(state("abcd", 4))
-    cp, kind = disk.best_match("abcdef")
+    cp, kind = disk.best_match("abcdef", "local")
     assert cp.n_tokens == 4 and kind == "token-text"
     loaded = disk.load(cp)
     assert loaded.tokens == [0, 1, 2, 3] and loaded.kv == b"kv" * 100 and loaded.call_ids == {"c1"}
-    cp, kind = disk.best_match("abcd|more", response_id="resp_1")
+    cp, kind = disk.best_match("abcd|more", "local", response_id="resp_1")
     assert kind == "response-id"
-    assert disk.best_match("zzz") is None
+    assert disk.best_match("zzz", "local") is None
 
 
 def test_survives_reopen(tmp_path):
     DiskCheckpoints(tmp_path, 10 << 20, "fp").save(state("hello", 5))
     again = DiskCheckpoints(tmp_path, 10 << 20, "fp")
-    assert len(again) == 1 and again.load(again.best_match("hello world")[0]).kv_text == "hello"
+    assert len(again) == 1 and again.load(again.best_match("hello world", "local")[0]).kv_text == "hello"
 
 
 def test_corrupt_file_is_removed_not_loaded(tmp_path):
@@ -38,7 +38,7 @@ def test_corrupt_file_is_removed_not_loaded(tmp_path):
     data = bytearray(path.read_bytes())
     data[-40] ^= 0xFF  # flip a payload byte: the checksum no longer matches
     path.write_bytes(bytes(data))
-    cp, _ = disk.best_match("hello!")
+    cp, _ = disk.best_match("hello!", "local")
     assert disk.load(cp) is None
     assert not path.exists()
 
@@ -59,7 +59,20 @@ def test_budget_evicts_least_recently_used(tmp_path):
     second = disk.save(state("b", 2, kv))
     os.utime(first, (1, 1))  # "a" is the oldest use
     os.utime(second, (2, 2))
-    disk.load(disk.best_match("b")[0])  # touching "b" makes it recent
+    disk.load(disk.best_match("b", "local")[0])  # touching "b" makes it recent
     disk.save(state("c", 3, kv))
     assert disk.total_bytes <= 10_000
-    assert disk.best_match("a") is None and disk.best_match("b") is not None and disk.best_match("c") is not None
+    assert disk.best_match("a", "local") is None and disk.best_match("b", "local") is not None and disk.best_match("c", "local") is not None
+
+
+def test_checkpoints_match_only_their_owners_requests(tmp_path):
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    mine = state("secret prompt", 5)
+    mine.owner = "key_alice"
+    disk.save(mine)
+    assert disk.best_match("secret prompt and more", "key_bob") is None
+    assert disk.longest_common(list(range(8)), "key_bob") is None
+    assert disk.best_match("secret prompt and more", "key_alice") is not None
+    again = DiskCheckpoints(tmp_path, 10 << 20, "fp")  # the owner survives a restart
+    cp, _ = again.best_match("secret prompt and more", "key_alice")
+    assert again.load(cp).owner == "key_alice" and again.best_match("secret prompt", "key_bob") is None

@@ -331,8 +331,8 @@ def test_lazy_grammar_leaves_text_free_and_constrains_the_call(rig, fmt_name: st
 
 _LAZY_JUNK = r"""
 import sys
-sys.path.insert(0, "tests/unit/tools")
-from conftest import GrammarRig
+sys.path.insert(0, "tests")
+from support.grammar_rig import GrammarRig
 from lmspd.core.conversation import FunctionTool
 from lmspd.engines.llama.grammars import lazy_tool_call_grammar
 from lmspd.engines.llama.tool_formats import FallbackFormat

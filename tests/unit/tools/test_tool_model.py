@@ -13,7 +13,7 @@ from lmspd.core.events import ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.grammars import json_schema_grammar, tool_call_grammar
 from lmspd.engines.llama.tool_formats import detect_tool_format
 
-from conftest import model_path
+from support.grammar_rig import model_path
 
 WEATHER = {
     "type": "object",
