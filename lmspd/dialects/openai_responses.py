@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 from pydantic import Field, ValidationError
 
 from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Sampling, ToolCall, ToolOutput
-from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.errors import invalid, unsupported
 from lmspd.core.events import Usage
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming.session import ResponseState

@@ -94,6 +94,7 @@ def validate_anthropic_stream(events: list[tuple[str, dict[str, Any]]]) -> Anthr
     started = 0
     snapshot = None
     json_bufs: dict[int, bytes] = {}
+    last_start: dict[str, Any] = {}
     for name, data in events:
         if name == "ping":
             continue
