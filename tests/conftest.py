@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.server import MODEL, ServerProcess  # noqa: E402,F401  (MODEL: for tests that import it from here)
+from support.server import ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")
