@@ -208,7 +208,7 @@ class BridgeDecoder:
             return []
         try:
             self._chunks.close()
-            if not self._choices or any(c.finish_reason is None for c in self._choices.values()):
+            if any(c.finish_reason is None for c in self._choices.values()):
                 raise StreamTruncated()
             return self._terminal()
         except UpstreamError as exc:
@@ -337,6 +337,12 @@ class BridgeDecoder:
         Builds the whole list before returning, so a bad call anywhere means
         no call is released.
         """
+        if not self._choices or any(c.finish_reason is None and c.calls for c in self._choices.values()):
+            # Nothing at all, or [DONE] without a finish reason after a call
+            # began: its arguments may be cut off, and a half-written call
+            # must not be released as complete. (Text without a finish
+            # reason before [DONE] is a common provider quirk: it completes.)
+            raise StreamTruncated()
         reasons = {c.finish_reason for c in self._choices.values()}
         usage = self._usage or Usage()
         for cut_off in ("content_filter", "length"):

@@ -56,6 +56,7 @@ log = logging.getLogger("lmspd.upstream")
 
 # An error body is read for its code and logs only; this much is plenty.
 _MAX_ERROR_BODY = 64 * 1024
+_ERROR_BODY_S = 5.0
 _SAFE_MEDIA = re.compile(r"[A-Za-z0-9.+\-]{1,40}/[A-Za-z0-9.+\-]{1,60}\Z")
 _MAX_RETRY_AFTER_S = 3600
 # What may follow [DONE] before the connection is given up rather than reused.
@@ -88,13 +89,16 @@ class ProviderStream:
 
     async def next_chunk(self) -> bytes:
         try:
-            data = await self.response.content.readany()
-        except aiohttp.SocketTimeoutError:
+            # Our own clock as well as aiohttp's socket timeout: on some
+            # framing errors aiohttp drops its read timer and never wakes
+            # the reader.
+            async with asyncio.timeout(self._idle_s):
+                data = await self.response.content.readany()
+        except TimeoutError:
             raise UpstreamTimeout(f"The upstream provider sent nothing for {self._idle_s:g} s.") from None
-        except asyncio.TimeoutError:
-            raise UpstreamTimeout() from None
-        except (aiohttp.ClientError, OSError):
-            # A truncated chunked body, a reset, a malformed frame.
+        except Exception:
+            # A truncated or malformed chunked body, a reset: aiohttp says so
+            # with ClientError, OSError or a bare RuntimeError.
             raise UpstreamConnectionLost() from None
         if not data:
             raise StopAsyncIteration
@@ -295,9 +299,10 @@ class ProviderClient:
 async def _error_body(response: aiohttp.ClientResponse) -> tuple[str | None, str | None]:
     """(message for logs, safe code for the client) from an error reply."""
     raw = bytearray()
-    with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        while len(raw) < _MAX_ERROR_BODY and (piece := await response.content.readany()):
-            raw += piece
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(_ERROR_BODY_S):
+            while len(raw) < _MAX_ERROR_BODY and (piece := await response.content.readany()):
+                raw += piece
     text = bytes(raw[:_MAX_ERROR_BODY]).decode("utf-8", "replace")
     try:
         body = json.loads(text)

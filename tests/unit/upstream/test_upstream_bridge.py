@@ -399,7 +399,18 @@ def test_finish_without_done_then_eof_completes():
 
 
 def test_done_without_finish_reason_completes():
+    # A common provider quirk: text, then [DONE] with no finish reason.
     assert bridge_events(text("a") + DONE) == [TextDelta("a"), Finished("stop")]
+
+
+def test_done_without_finish_reason_after_a_call_began_fails():
+    # The arguments may be cut off: the call is never released as complete.
+    raw = tool(0, id="call_a", name="lookup", args='{"q": "ab') + DONE
+    assert bridge_events(raw) == [("Failed", "upstream_truncated")]
+
+
+def test_done_with_no_choice_at_all_fails():
+    assert bridge_events(DONE) == [("Failed", "upstream_truncated")]
 
 
 def test_empty_strings_are_not_events():
