@@ -146,6 +146,15 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_request", message, param=param)
 
 
+def tag(value: object, param: str) -> str | None:
+    """A discriminator read from a request (a ``type``, a ``role``): a string
+    or absent. Anything else is the client's error, named by ``param`` — and
+    is never used as a lookup key (a list is unhashable)."""
+    if value is None or isinstance(value, str):
+        return value
+    raise invalid(f"'{param}' must be a string.", param)
+
+
 def unsupported(param: str, message: str | None = None) -> ApiError:
     return ApiError(
         "unsupported_parameter",

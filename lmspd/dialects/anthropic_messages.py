@@ -29,7 +29,7 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.errors import ApiError, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming.session import ResponseState
 
@@ -294,7 +294,7 @@ def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimit
         where = f"{path}[{j}]"
         if not isinstance(block, dict):
             raise invalid(f"Invalid content block at '{where}': expected an object.", where)
-        kind = block.get("type")
+        kind = tag(block.get("type"), f"{where}.type")
         if kind in MEDIA_BLOCK_TYPES:
             raise ApiError("unsupported_capability",
                            f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
@@ -340,7 +340,7 @@ def _result_text(content: str | list[Any] | None, path: str) -> str:
     texts = []
     for k, block in enumerate(content):
         where = f"{path}[{k}]"
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
         if kind in MEDIA_BLOCK_TYPES:
             raise ApiError("unsupported_capability",
                            f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
@@ -366,7 +366,7 @@ def _flat_tools(raw: list[Any] | None) -> list[Any] | None:
         where = f"tools[{i}]"
         if not isinstance(entry, dict):
             raise invalid(f"Invalid tool at '{where}': expected an object.", where)
-        kind = entry.get("type")
+        kind = tag(entry.get("type"), f"{where}.type")
         if kind not in (None, "custom"):
             if isinstance(kind, str) and kind.startswith(_SERVER_TOOL_PREFIXES):
                 continue

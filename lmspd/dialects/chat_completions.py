@@ -27,7 +27,7 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, unsupported
+from lmspd.core.errors import ApiError, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming.session import ResponseState
 
@@ -247,7 +247,7 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
         where = f"messages[{i}]"
         if not isinstance(entry, dict):
             raise invalid(f"Invalid message at '{where}': expected an object.", where)
-        role = entry.get("role")
+        role = tag(entry.get("role"), f"{where}.role")
         model = _MESSAGE_MODELS.get(role)  # type: ignore[arg-type]
         if model is None:
             hint = " Use role 'tool' with 'tool_call_id'." if role == "function" else ""
@@ -305,22 +305,27 @@ def _flat_tools(raw: list[Any] | None) -> list[Any] | None:
     return flat
 
 
+def _function_name(entry: Any) -> Any:
+    """``{type: function, function: {name}}`` -> the name (None if malformed)."""
+    fn = entry.get("function") if isinstance(entry, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else None
+
+
 def _flat_tool_choice(raw: Any) -> Any:
     """Chat's ``{type: function, function: {name}}`` forms in the Responses shape."""
     if not isinstance(raw, dict):
         return raw
-    kind = raw.get("type")
+    kind = tag(raw.get("type"), "tool_choice.type")
     if kind == "function":
-        fn = raw.get("function")
-        return {"type": "function", "name": fn.get("name") if isinstance(fn, dict) else None}
+        return {"type": "function", "name": _function_name(raw)}
     if kind == "allowed_tools":
         spec = raw.get("allowed_tools")
         if not isinstance(spec, dict):
             raise invalid("'tool_choice.allowed_tools' must be an object.", "tool_choice.allowed_tools")
-        tools = [
-            {"type": "function", "name": (t.get("function") or {}).get("name") if isinstance(t, dict) else None}
-            for t in spec.get("tools") or []
-        ]
+        listed = spec.get("tools") or []
+        if not isinstance(listed, list):
+            raise invalid("'tool_choice.allowed_tools.tools' must be an array.", "tool_choice.allowed_tools.tools")
+        tools = [{"type": "function", "name": _function_name(t)} for t in listed]
         return {"type": "allowed_tools", "mode": spec.get("mode", "auto"), "tools": tools}
     return raw
 

@@ -24,7 +24,7 @@ from lmspd.core.conversation import (
     ToolChoice,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid
+from lmspd.core.errors import ApiError, invalid, tag
 from lmspd.core.limits import RequestLimits
 
 
@@ -86,7 +86,7 @@ def content_text(content: Any, path: str, limits: RequestLimits) -> str:
             continue
         if not isinstance(part, dict):
             raise invalid(f"Invalid content part at '{where}': expected an object.", where)
-        kind = part.get("type")
+        kind = tag(part.get("type"), f"{where}.type")
         if kind in MEDIA_PART_TYPES:
             raise ApiError(
                 "unsupported_capability",
@@ -208,7 +208,7 @@ def decode_items(
         where = f"{path}[{i}]"
         if not isinstance(entry, dict):
             raise invalid(f"Invalid item at '{where}': expected an object.", where)
-        kind = entry.get("type", "message")
+        kind = tag(entry.get("type", "message"), f"{where}.type")
         model = _ITEM_MODELS.get(kind)
         if model is None:
             raise invalid(f"Unsupported input item type {kind!r} at '{where}'.", f"{where}.type")
@@ -317,7 +317,7 @@ def decode_tools(raw: list[Any] | None, limits: RequestLimits) -> list[FunctionT
         where = f"tools[{i}]"
         if not isinstance(entry, dict):
             raise invalid(f"Invalid tool at '{where}': expected an object.", where)
-        kind = entry.get("type")
+        kind = tag(entry.get("type"), f"{where}.type")
         try:
             if kind == "function":
                 tools.append(_function_tool(FunctionToolIn.model_validate(entry), where, limits))
@@ -386,22 +386,27 @@ def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> Tool
         return ToolChoice(mode=raw)  # type: ignore[arg-type]
     if not isinstance(raw, dict):
         raise invalid("Invalid type for 'tool_choice'.", "tool_choice")
-    kind = raw.get("type")
+    kind = tag(raw.get("type"), "tool_choice.type")
     if kind in ("function", "custom"):
         name = raw.get("name")
         if not isinstance(name, str) or name not in names:
             raise invalid(f"'tool_choice' names tool {name!r}, which is not in 'tools'.", "tool_choice.name")
         return ToolChoice(mode="required", allowed=[name])
     if kind == "allowed_tools":
-        mode = raw.get("mode", "auto")
+        mode = tag(raw.get("mode", "auto"), "tool_choice.mode")
         if mode not in ("auto", "required"):
             raise invalid(f"Invalid 'tool_choice.mode': {mode!r}.", "tool_choice.mode")
+        listed = raw.get("tools") or []
+        if not isinstance(listed, list):
+            raise invalid("'tool_choice.tools' must be an array.", "tool_choice.tools")
         allowed: list[str] = []
-        for j, t in enumerate(raw.get("tools") or []):
-            name = t.get("name") if isinstance(t, dict) else None
-            if t.get("type") in HOSTED_TOOL_TYPES if isinstance(t, dict) else False:
+        for j, t in enumerate(listed):
+            if not isinstance(t, dict):
+                raise invalid(f"'tool_choice.tools[{j}]' must be an object.", f"tool_choice.tools[{j}]")
+            if tag(t.get("type"), f"tool_choice.tools[{j}].type") in HOSTED_TOOL_TYPES:
                 continue
-            if name not in names:
+            name = t.get("name")
+            if not isinstance(name, str) or name not in names:
                 raise invalid(f"'tool_choice.tools[{j}]' names {name!r}, which is not in 'tools'.",
                               f"tool_choice.tools[{j}]")
             allowed.append(name)
@@ -421,7 +426,7 @@ def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
     """OpenAI ``text.format`` (flat) or LMSP ``response_format`` (nested)."""
     if raw is None:
         return OutputFormat()
-    kind = raw.get("type", "text")
+    kind = tag(raw.get("type", "text"), f"{path}.type")
     if kind == "text":
         return OutputFormat()
     if kind == "json_object":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Awaitable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -98,21 +98,29 @@ async def run_to_end(request: Request, events: AsyncIterator[Any]) -> bool:
         async for _ in events:
             pass
 
+    return await unless_disconnected(request, drain())
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> bool:
+    """Await ``work`` unless the client leaves first: then cancel it (a
+    queued generation leaves the queue, a provider request is closed) and
+    return False."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work = asyncio.ensure_future(drain())
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()
+        if not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await work
-    if work.cancelled():
+                await task
+    if task.cancelled():
         return False
-    work.result()
+    task.result()
     return True

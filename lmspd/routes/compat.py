@@ -23,7 +23,7 @@ from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.common import rename_param
-from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply
+from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
@@ -37,6 +37,25 @@ def _begin(service: Service, conversation: Conversation, owner: str, names: dict
         return service.begin(conversation, owner)
     except ApiError as exc:
         raise rename_param(exc, names, item_paths) from None
+
+
+async def _open(request: Request, run: Run, names: dict[str, str], item_paths: list[str]) -> bool:
+    """Reach the model before any byte is sent, so that a provider's refusal
+    is still an HTTP error reply (see responses.py); False if the client left."""
+    try:
+        return await unless_disconnected(request, run.open())
+    except ApiError as exc:
+        raise rename_param(exc, names, item_paths) from None
+
+
+def _raise_unless_answered(state: ResponseState) -> None:
+    """These dialects have no reply shape for a failed or cancelled
+    generation (their finish/stop reason would be null): an error reply."""
+    if state.status == "failed" and state.error:
+        raise ApiError(state.error["code"], state.error["message"])
+    if state.status not in ("completed", "incomplete"):
+        raise ApiError("server_shutting_down" if state.status == "cancelled" else "server_error",
+                       "The generation was stopped before it finished.")
 
 
 Frame = Callable[[str, dict], bytes]
@@ -66,14 +85,15 @@ async def chat_create(request: Request) -> Response:
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
+    if not await _open(request, run, req.param_names, req.item_paths):
+        return Response(status_code=499)
     if req.stream:
         # Chat Completions streams are data-only frames.
         return sse_reply(_frames(run.events(session), lambda name, data: sse_event(None, data),
                                  lambda: encoder.trailer(state), SSE_DONE))
     if not await run_to_end(request, run.events(session)):
         return Response(status_code=499)
-    if state.status == "failed":
-        raise ApiError(state.error["code"], state.error["message"])
+    _raise_unless_answered(state)
     return json_reply(chat_completions.completion_json(state))
 
 
@@ -115,12 +135,13 @@ async def messages_create(request: Request) -> Response:
                           echo={"input_tokens": run.prepared.input_tokens})
     encoder = anthropic_messages.AnthropicEncoder()
     session = StreamSession(state, encoder)
+    if not await _open(request, run, anthropic_messages.PARAM_NAMES, req.item_paths):
+        return Response(status_code=499)
     if req.stream:
         return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))
     if not await run_to_end(request, run.events(session)):
         return Response(status_code=499)
-    if state.status == "failed":
-        raise ApiError(state.error["code"], state.error["message"])
+    _raise_unless_answered(state)
     return json_reply(anthropic_messages.message_json(state))
 
 

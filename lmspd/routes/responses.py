@@ -23,7 +23,16 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.history import ResponseRecord, StoredContext
-from lmspd.routes.common import LmspdApp, app_state, json_reply, lmsp_request, principal, run_to_end, sse_reply
+from lmspd.routes.common import (
+    LmspdApp,
+    app_state,
+    json_reply,
+    lmsp_request,
+    principal,
+    run_to_end,
+    sse_reply,
+    unless_disconnected,
+)
 from lmspd.service import Run
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks.manager import TERMINAL_EVENTS, task_request
@@ -75,7 +84,8 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
     # An engine that must reach its provider first does it now, so that a
     # refusal is still an HTTP error (a no-op for the embedded engine).
-    await run.open()
+    if not await unless_disconnected(request, run.open()):
+        return Reply(Response(status_code=499))
     if req.stream:
         return Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
     if not await run_to_end(request, run.events(session)):

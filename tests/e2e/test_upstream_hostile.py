@@ -40,11 +40,6 @@ APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a 
 # What the provider says that must never reach a client.
 PRIVATE = (b"PRIVATE", b"provider-private-model", KEY.encode())
 
-# The handlers' side of "refuse before the headers": they must await
-# ``Run.open()`` after ``Service.begin`` (lmspd/service.py). Until they do, a
-# refusal still ends well (one response.failed, or a reply with the right
-# status) but streams cannot become HTTP errors and Retry-After is lost.
-APP_HOOK = "the /v1/responses handler does not await Run.open() before its reply yet"
 TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added"]
 TEXT_CLOSE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -340,26 +335,53 @@ def test_upstream_rate_limit_passes_retry_after(http, provider):
                               **{"Retry-After": "7"}))
     r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
-    if "retry-after" not in r.headers:
-        pytest.xfail(APP_HOOK)
     assert r.headers["retry-after"] == "7"
 
 
-def test_upstream_refusal_while_streaming(http, provider):
-    """With the handler opening the upstream before its headers (``Run.open``)
-    the refusal is an HTTP error; otherwise one well-formed response.failed."""
+def test_upstream_refusal_while_streaming_is_an_http_error(http, provider):
+    """The handlers open the provider request before their own headers, so a
+    refusal is an HTTP error in each dialect's shape, not a broken stream."""
     provider.push(error_reply(500))
     with http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "Hi", "stream": True}) as r:
         body = r.read()
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_http_error"
     assert not any(s in body for s in PRIVATE)
-    if r.status_code != 200:
-        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_http_error"
-        return
-    frames = list(parse_frames(body.decode().splitlines(keepends=True)))
-    events = [f.json() for f in frames[:-1]]
-    validate_openai_stream(events)
-    assert failed_code(events) == "upstream_http_error"
-    pytest.xfail(APP_HOOK)
+
+    provider.push(error_reply(429, {"error": {"message": "slow down", "type": "rate_limit_error"}},
+                              **{"Retry-After": "7"}))
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}) as r:
+        r.read()
+    assert r.status_code == 429 and r.headers["retry-after"] == "7"
+    assert r.json()["error"]["code"] == "rate_limited"
+
+    provider.push(error_reply(503))
+    with http.stream("POST", "/v1/messages", json={
+            "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}], "stream": True}) as r:
+        r.read()
+    assert r.status_code == 502 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "api_error"
+
+
+def test_client_leaving_before_the_provider_answers_cancels_the_request(lmspd, provider):
+    """The client goes away while the provider has not sent its headers yet
+    (it is queueing): lmspd closes the provider request at once, rather than
+    holding it until the provider answers or the idle timeout (1 s here)
+    gives up on it."""
+    provider.clear()
+    provider.push(Reply(parts=text_stream("late"), head_delay_s=6))
+
+    def upstream() -> dict:
+        return httpx.get(lmspd.url + "/health").json()["models"][MODEL]
+
+    timeouts = upstream()["outcomes"].get("upstream_timeout", 0)
+    with httpx.Client(base_url=lmspd.url, timeout=httpx.Timeout(30, read=0.3)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/responses", json={"model": MODEL, "input": "go", "stream": True})
+    time.sleep(2)  # past the idle timeout
+    state = upstream()
+    assert state["endpoints"][0]["outstanding"] == 0
+    assert state["outcomes"].get("upstream_timeout", 0) == timeouts, "the provider request outlived its client"
 
 
 # -- the key ------------------------------------------------------------------------------

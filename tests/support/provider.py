@@ -129,6 +129,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes | None = None  # for non-stream replies (errors)
     stall_s: float = 0.0
+    # A wait before the status line and headers (a provider still queueing).
+    head_delay_s: float = 0.0
     # A pause after every part, so that parts really arrive apart (without
     # it the kernel may coalesce tiny writes into one read).
     pace_s: float = 0.0
@@ -186,6 +188,8 @@ class ScriptedProvider:
         else:
             reply = Reply(status=500, content_type="application/json",
                           body=b'{"error": {"message": "no scripted reply", "type": "server_error"}}')
+        if reply.head_delay_s:
+            await asyncio.sleep(reply.head_delay_s)
         if reply.body is not None or reply.status != 200:
             reply.finished.set()
             return Response(reply.body or b"", status_code=reply.status, headers=reply.headers,

@@ -1,0 +1,86 @@
+"""The provider HTTP client against raw sockets: whatever a provider does to
+its HTTP framing, a read ends with a typed transport error within the idle
+timeout (never a hang, never an untyped exception)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from lmspd.engines.upstream.client import ProviderClient, Timeouts
+from lmspd.engines.upstream.errors import UpstreamConnectionLost, UpstreamHTTPError, UpstreamTimeout
+from lmspd.engines.upstream.pool import EndpointPool
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b'data: {"choices":[]}\n\n'
+GOOD_CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+
+BODIES = {
+    "chunk size line that is not hex": b"zz\r\nhello\r\n",
+    "chunk longer than its size": b"5\r\ndata:\r\nZZZ\r\nhello\r\n",
+    "body cut inside a chunk": b"40\r\ndata: {}",
+}
+
+
+async def _serve(head: bytes, body: bytes, *, close: bool):
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await reader.read(65536)
+        writer.write(head + GOOD_CHUNK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(body)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await asyncio.sleep(30)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["then-closed", "then-silent"])
+@pytest.mark.parametrize("body", list(BODIES.values()), ids=list(BODIES))
+def test_broken_framing_is_a_typed_error_within_the_idle_timeout(body: bytes, close: bool) -> None:
+    async def go() -> tuple[type[BaseException], float]:
+        server = await _serve(HEAD, body, close=close)
+        port = server.sockets[0].getsockname()[1]
+        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]),
+                                timeouts=Timeouts(connect_s=2, idle_s=1))
+        stream = await client.open(b"{}")
+        started = time.monotonic()
+        try:
+            assert await stream.next_chunk() == EVENT
+            while True:
+                await asyncio.wait_for(stream.next_chunk(), 10)
+        except BaseException as exc:  # noqa: BLE001 - the type is the assertion
+            return type(exc), time.monotonic() - started
+        finally:
+            await stream.aclose()
+            await client.aclose()
+            server.close()
+
+    kind, elapsed = asyncio.run(go())
+    assert kind in (UpstreamConnectionLost, UpstreamTimeout)
+    assert elapsed < 3
+
+
+def test_error_reply_with_broken_framing_is_still_an_http_error() -> None:
+    async def go() -> UpstreamHTTPError:
+        head = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+        server = await _serve(head, b"zz\r\n", close=False)
+        port = server.sockets[0].getsockname()[1]
+        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]),
+                                timeouts=Timeouts(connect_s=2, idle_s=1))
+        try:
+            with pytest.raises(UpstreamHTTPError) as info:
+                await asyncio.wait_for(client.open(b"{}"), 10)
+            return info.value
+        finally:
+            await client.aclose()
+            server.close()
+
+    assert asyncio.run(go()).status == 503
