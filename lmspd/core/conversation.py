@@ -129,6 +129,11 @@ class Conversation:
     output_format: OutputFormat = field(default_factory=OutputFormat)
     sampling: Sampling = field(default_factory=Sampling)
     max_output_tokens: int | None = None
+    # ``max_output_tokens`` is a ceiling the client always sends rather than
+    # a demand (Anthropic's required ``max_tokens``; Claude Code sends
+    # 32000): an engine clamps it to the room the context leaves instead of
+    # refusing the request.
+    max_output_tokens_is_ceiling: bool = False
     # Drop the oldest items to fit the context window instead of failing.
     truncate: bool = False
     reasoning_effort: str | None = None

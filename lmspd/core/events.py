@@ -93,6 +93,8 @@ class Finished:
 
     reason: FinishReason
     usage: Usage = field(default_factory=Usage)
+    # The request's stop sequence that ended the output (not part of it).
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

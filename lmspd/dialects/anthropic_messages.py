@@ -152,6 +152,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
             stop=decode_stop(body.stop_sequences, limits, "stop_sequences"),
         ),
         max_output_tokens=body.max_tokens,
+        max_output_tokens_is_ceiling=True,
         reasoning_effort=_effort(body),
         # A thinking block always carries its signature: the sealed hidden
         # reasoning that lets a stateless replay render what the model saw.
@@ -325,8 +326,12 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
         return ToolCall(call_id=use.id, name=use.name, payload=json.dumps(use.input, ensure_ascii=False))
     if kind == "tool_result":
         result = ToolResultIn.model_validate(block)
-        return ToolOutput(call_id=result.tool_use_id,
-                          output=_check(_result_text(result.content, f"{where}.content"), f"{where}.content", limits))
+        text = _check(_result_text(result.content, f"{where}.content"), f"{where}.content", limits)
+        if result.is_error:
+            # The neutral tool output has no error flag; the model is told in
+            # words, the same way on every replay (so the cache still matches).
+            text = f"Error: {text}" if text else "Error"
+        return ToolOutput(call_id=result.tool_use_id, output=text)
     if kind == "thinking":
         thought = ThinkingBlockIn.model_validate(block)
         return Reasoning(text=thought.thinking, encrypted_content=thought.signature or None)
@@ -401,7 +406,9 @@ def stop_reason(state: ResponseState) -> str | None:
         # A provider's content filter is what Anthropic calls a refusal.
         return "refusal" if state.incomplete_reason == "content_filter" else "max_tokens"
     if state.status == "completed":
-        return "tool_use" if any(isinstance(i, ToolCall) for i in state.output) else "end_turn"
+        if any(isinstance(i, ToolCall) for i in state.output):
+            return "tool_use"
+        return "stop_sequence" if state.stop_sequence is not None else "end_turn"
     return None
 
 
@@ -456,7 +463,7 @@ def message_json(state: ResponseState) -> dict[str, Any]:
         "model": state.model,
         "content": [block_json(i) for i in state.output],
         "stop_reason": stop_reason(state),
-        "stop_sequence": None,
+        "stop_sequence": state.stop_sequence,
         "usage": usage_json(state),
     }
 
@@ -492,7 +499,7 @@ class AnthropicEncoder:
             return "ping", {"type": "ping"}
         if kind in ("response.completed", "response.incomplete"):
             return "message_delta", {"type": "message_delta",
-                                     "delta": {"stop_reason": stop_reason(state), "stop_sequence": None},
+                                     "delta": {"stop_reason": stop_reason(state), "stop_sequence": state.stop_sequence},
                                      "usage": usage_json(state)}
         if kind in ("response.failed", "response.cancelled"):
             error = state.error or {"code": "cancelled", "message": "The request was cancelled."}

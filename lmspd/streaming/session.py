@@ -44,6 +44,8 @@ class ResponseState:
     usage: Usage | None = None
     error: dict | None = None
     incomplete_reason: str | None = None
+    # Which of the request's stop sequences ended the output, if one did.
+    stop_sequence: str | None = None
     completed_at: int | None = None
     # The request fields a dialect echoes back on the Response object.
     echo: dict[str, Any] = field(default_factory=dict)
@@ -187,6 +189,7 @@ class StreamSession:
             self._terminate(out, "response.incomplete")
         else:
             self.state.status = "completed"
+            self.state.stop_sequence = event.stop_sequence
             self.state.completed_at = int(time.time())
             self._terminate(out, "response.completed")
         return out

@@ -83,6 +83,36 @@ def test_system_blocks_and_max_tokens(http):
     assert validate_anthropic_stream(events).stop_reason == "max_tokens"
 
 
+def test_stop_sequence_is_reported_and_max_tokens_is_a_ceiling(http):
+    """Claude Code sends max_tokens far above a local context window: it is
+    clamped, not refused. The stop sequence that ended the text is named,
+    as Anthropic does (and the earliest one wins)."""
+    messages = [{"role": "user", "content": "Write the numbers 1, 2, 3."}]
+    body = create(http, max_tokens=32000, stop_sequences=["zzz", ","], messages=messages)
+    assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == ",", body
+    assert "," not in body["content"][0]["text"]
+    final = validate_anthropic_stream(stream_raw(http, max_tokens=32000, stop_sequences=[","], messages=messages))
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == ","
+    # Chat Completions and Responses keep refusing a max_tokens that cannot fit.
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 32000, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_tool_result_is_error_is_told_to_the_model(http):
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": [use]}]
+    failed = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "timeout", "is_error": True}]
+    fine = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "timeout"}]
+
+    def count(result: list) -> int:
+        r = http.post("/v1/messages/count_tokens", json={"model": MODEL, "tools": [WEATHER],
+                                                         "messages": messages + [{"role": "user", "content": result}]})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    assert count(failed) > count(fine)
+
+
 def test_tool_result_turn(client, http):
     """A replayed tool_use and its tool_result are accepted and answered.
     (What the 135M model answers is its own business: at the time of
@@ -181,7 +211,7 @@ ERRORS = [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
      400, "invalid_request_error"),
     ("unknown model", {"model": "no-such-model"}, 404, "not_found_error"),
-    ("context exceeded", {"max_tokens": 100000}, 400, "invalid_request_error"),
+    ("context exceeded", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "invalid_request_error"),
 ]
 
 
@@ -210,7 +240,7 @@ def test_transport_errors_in_anthropic_shape(http):
 
 def test_sdk_raises_typed_errors(client):
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model=MODEL, max_tokens=100000, messages=[{"role": "user", "content": "hi"}])
+        client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "word " * 5000}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}])

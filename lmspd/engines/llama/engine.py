@@ -214,6 +214,8 @@ class LlamaEngine:
             text = self.render(conversation)
             tokens = self.tokenize(text)
         room = n_ctx - len(tokens)
+        if conversation.max_output_tokens_is_ceiling and requested is not None and room >= 1:
+            requested = min(requested, room)
         if (requested is not None and requested > room) or room < 1:
             need = len(tokens) + (requested or 1)
             raise ApiError(
@@ -585,7 +587,7 @@ class _Generation:
         reason = "length"
         last_token: int | None = None  # sampled, not yet in the KV
         eog_text: str | None = None
-        stopped_by_string = False
+        stopped_by: str | None = None  # the stop sequence that ended the text
         sampled: list[int] = []
         try:
             while len(sampled) < self.prepared.max_new_tokens:
@@ -612,20 +614,20 @@ class _Generation:
                 text = decoder.decode(piece)
                 # Text goes out before the token is evaluated: the client
                 # should not wait a decode step for what is already known.
-                hit = False
+                hit: str | None = None
                 if text:
                     text, hit = stops.feed(text)
                     if text:
                         self._text(text)
                 if hit:
-                    reason, stopped_by_string = "stop", True
+                    reason, stopped_by = "stop", hit
                 if hit or len(sampled) >= self.prepared.max_new_tokens:
                     # The last token's decode step only serves the next
                     # turn's cache: it can wait for the terminal event.
                     break
                 llm.eval([token])
                 last_token = None
-            if not stopped_by_string:
+            if stopped_by is None:
                 tail = decoder.decode(b"", final=True) + stops.flush()
                 if tail:
                     self._text(tail)
@@ -646,7 +648,10 @@ class _Generation:
         self._finish_tokens(sampled)
         if reason == "stop" and self.calls:
             reason = "tool_calls"
-        self._end(Finished(reason, self.usage), last_token, eog_text)  # type: ignore[arg-type]
+        # Only the client's own stop sequences are named (not the tool
+        # format's markers the engine also stops at).
+        named = stopped_by if stopped_by in self.prepared.conversation.sampling.stop else None
+        self._end(Finished(reason, self.usage, named), last_token, eog_text)  # type: ignore[arg-type]
 
     def _end(self, terminal: EngineEvent, last_token: int | None, eog_text: str | None) -> None:
         """The live state is set before the terminal event (a client's next
@@ -782,15 +787,17 @@ class _StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """The text that is safe to show, and the stop sequence that ended
+        it (the earliest in the text), if one did."""
         if not self._stops:
-            return text, False
+            return text, None
         buf = self._held + text
-        for stop in self._stops:
-            at = buf.find(stop)
-            if at >= 0:
-                self._held = ""
-                return buf[:at], True
+        found = [(at, stop) for stop in self._stops if (at := buf.find(stop)) >= 0]
+        if found:
+            at, stop = min(found)
+            self._held = ""
+            return buf[:at], stop
         keep = 0
         for stop in self._stops:
             for k in range(min(len(stop) - 1, len(buf)), 0, -1):
@@ -798,7 +805,7 @@ class _StopMatcher:
                     keep = max(keep, k)
                     break
         self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], False
+        return buf[: len(buf) - keep], None
 
     def flush(self) -> str:
         held, self._held = self._held, ""

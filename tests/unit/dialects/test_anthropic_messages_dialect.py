@@ -77,7 +77,7 @@ def test_blocks_become_neutral_items():
         ToolCall(call_id="toolu_1", name="get_weather", payload='{"city": "Paris"}'),
         ToolCall(call_id="toolu_2", name="get_time", payload="{}"),
         ToolOutput(call_id="toolu_1", output="sunny"),
-        ToolOutput(call_id="toolu_2", output="clock broken"),
+        ToolOutput(call_id="toolu_2", output="Error: clock broken"),
         Message(role="user", text="And tomorrow?"),
     ]
     assert [t.name for t in c.tools] == ["get_weather", "get_time"]
