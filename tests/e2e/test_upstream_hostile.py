@@ -254,13 +254,19 @@ def test_nothing_is_read_after_the_first_done(http, provider):
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "fine" and b"MORE" not in raw
 
 
-def test_provider_error_in_stream_is_one_failure_without_its_text(http, provider):
+def test_provider_error_in_stream_is_one_failure_without_its_text(http, lmspd, provider):
     provider.push(Reply(parts=[text_chunk("ok"), sse({"error": {"message": f"boom {KEY} internal trace",
                                                                  "type": "server_error"}})]))
     events, raw = stream(http, {"input": "go"})
     assert failed_code(events) == "upstream_provider_error"
     assert b"internal trace" not in raw
     assert "server_error" in events[-1]["response"]["error"]["message"]
+    # The operator sees what the provider said, without the key.
+    deadline = time.monotonic() + 5
+    while "internal trace" not in lmspd.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    said = [line for line in lmspd.log().splitlines() if "internal trace" in line]
+    assert said and all(KEY not in line and "****" in line for line in said), said
 
 
 def test_contradictory_finish_fails(http, provider):

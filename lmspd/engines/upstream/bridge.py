@@ -159,6 +159,7 @@ class BridgeDecoder:
         self._retained_bytes = 0
         self._usage: Usage | None = None
         self._done = False
+        self.error: UpstreamError | None = None
         # Private correlation metadata; never copied into public ids.
         self.provider_response_id: str | None = None
         self.provider_model: str | None = None
@@ -389,4 +390,6 @@ class BridgeDecoder:
 
     def _fail(self, error: UpstreamError) -> Failed:
         self._done = True
+        # Kept for the engine's log line (the client gets only code and message).
+        self.error = error
         return Failed(error.code, error.message, self._usage or Usage())

@@ -278,9 +278,12 @@ class ProviderClient:
             healthy = False
         if healthy:
             self.pool.mark_up(endpoint)
-        elif endpoint.healthy:
+        else:
+            if endpoint.healthy:
+                log.warning("upstream %s failed its health check", endpoint.label)
+            # Every failed probe pushes the next try further out, so that a
+            # dead endpoint is not handed real requests between probes.
             self.pool.mark_down(endpoint)
-            log.warning("upstream %s failed its health check", endpoint.label)
         return healthy
 
     async def aclose(self) -> None:

@@ -41,7 +41,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 from .bridge import BridgeDecoder
 from .client import ProviderClient, ProviderStream, Timeouts
 from .credentials import Secret
-from .errors import UpstreamError, UpstreamHTTPError
+from .errors import UpstreamError, UpstreamHTTPError, UpstreamProviderError
 from .pool import EndpointPool
 from .request import PROFILES, ChatRequest, build_chat_request
 
@@ -242,8 +242,8 @@ class UpstreamEngine:
                     await stream.aclose()
             self._count(outcome)
             level = logging.INFO if clean or outcome == "cancelled" else logging.WARNING
-            log.log(level, "upstream %s via %s: %s in %.1f ms", self.info.id, stream.endpoint.label, outcome,
-                    (time.perf_counter() - prepared.opened_at) * 1000)
+            log.log(level, "upstream %s via %s: %s in %.1f ms%s", self.info.id, stream.endpoint.label, outcome,
+                    (time.perf_counter() - prepared.opened_at) * 1000, self._provider_said(bridge.error))
 
     def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
         call_id = event.call_id
@@ -264,6 +264,14 @@ class UpstreamEngine:
         if cancel.reason == "shutdown":
             return Failed("server_shutting_down", "The server is shutting down.")
         return Finished("cancelled")
+
+    def _provider_said(self, error: UpstreamError | None) -> str:
+        """What a provider's in-stream error said, for operators (never sent on)."""
+        if not isinstance(error, UpstreamProviderError):
+            return ""
+        said = [f"{k}={v!r}" for k, v in (("type", error.provider_type), ("code", error.provider_code),
+                                          ("message", error.provider_message)) if v]
+        return self._scrub(f" (provider: {', '.join(said)})") if said else ""
 
     def _scrub(self, text: str) -> str:
         if self._key is not None:

@@ -267,6 +267,9 @@ def test_health_probe_marks_endpoints(provider):
             live, dead = eng.pool.endpoints
             assert await eng.client.probe(live) is True and live.healthy
             assert await eng.client.probe(dead) is False and not dead.healthy
+            # Every failed probe pushes the next try further out.
+            first_retry = dead.retry_at
+            assert await eng.client.probe(dead) is False and dead.failures == 2 and dead.retry_at > first_retry
             provider.model_list_status = 503
             assert await eng.client.probe(live) is False and not live.healthy
         finally:
