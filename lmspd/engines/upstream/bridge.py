@@ -355,6 +355,15 @@ class BridgeDecoder:
                 return [Finished(cut_off, usage)]
 
         events: list[EngineEvent] = []
+        # The provider's own ids first: a stand-in for a missing one must
+        # not collide with a real one that comes later.
+        provider_ids: set[str] = set()
+        for choice in self._choices.values():
+            for call in choice.calls.values():
+                if _PUBLIC_CALL_ID.match(call.provider_id):
+                    if call.provider_id in provider_ids:
+                        raise DuplicateCallId()
+                    provider_ids.add(call.provider_id)
         call_ids: set[str] = set()
         released = 0
         for choice_index in sorted(self._choices):
@@ -368,9 +377,10 @@ class BridgeDecoder:
                     raise UndeclaredTool(call.name)
                 call_id = call.provider_id
                 if not _PUBLIC_CALL_ID.match(call_id):
-                    call_id = f"call_{choice_index}_{tool_index}"
-                if call_id in call_ids:
-                    raise DuplicateCallId()
+                    call_id = base = f"call_{choice_index}_{tool_index}"
+                    n = 1
+                    while call_id in provider_ids or call_id in call_ids:
+                        call_id, n = f"{base}_{n}", n + 1
                 call_ids.add(call_id)
                 payload = "".join(call.arguments)
                 if custom_name is not None:
