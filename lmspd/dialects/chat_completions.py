@@ -36,6 +36,7 @@ from .extensions import decode_extensions
 from .responses_items import (
     Lenient,
     Strict,
+    check_metadata,
     content_text,
     decode_json_format,
     decode_tool_choice,
@@ -180,9 +181,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
     except ValidationError as exc:
         raise validation_error(exc) from None
     _refuse_unhonourable(body)
-    if body.metadata is not None and len(body.metadata) > limits.max_metadata_pairs:
-        raise invalid(f"'metadata' has {len(body.metadata)} keys; the limit is {limits.max_metadata_pairs}.",
-                      "metadata")
+    check_metadata(body.metadata, limits)
     items, paths = decode_messages(body.messages, limits)
     check_answered(items, paths, call="tool_calls entry", output="tool message")
     tools = decode_tools(_flat_tools(body.tools), limits)

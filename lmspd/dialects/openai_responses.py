@@ -23,6 +23,7 @@ from .responses_items import (
     Lenient,
     StoredContext,
     Strict,
+    check_metadata,
     decode_items,
     decode_json_format,
     decode_tool_choice,
@@ -140,7 +141,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     except ValidationError as exc:
         raise validation_error(exc) from None
     _refuse_unhonourable(body)
-    _check_metadata(body.metadata, limits)
+    check_metadata(body.metadata, limits)
     items = decode_items(body.input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None)
     history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
@@ -181,16 +182,6 @@ def _refuse_unhonourable(body: CreateResponse) -> None:
             raise unsupported(f"include[{i}]", f"include value {name!r} is not supported.")
     if body.conversation is not None and body.previous_response_id is not None:
         raise invalid("'conversation' and 'previous_response_id' cannot be used together.", "previous_response_id")
-
-
-def _check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > limits.max_metadata_pairs:
-        raise invalid(f"'metadata' has {len(metadata)} keys; the limit is {limits.max_metadata_pairs}.", "metadata")
-    for key, value in metadata.items():
-        if len(key) > limits.max_metadata_key_chars or len(value) > limits.max_metadata_value_chars:
-            raise invalid(f"'metadata.{key[:64]}' is too long.", "metadata")
 
 
 def echo_fields(req: DecodedRequest) -> dict[str, Any]:

@@ -444,3 +444,14 @@ def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
         raise invalid(f"Missing required parameter: '{path}.name'.", f"{path}.name")
     param = f"{path}.json_schema.schema" if "json_schema" in raw else f"{path}.schema"
     return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")), param=param)
+
+
+def check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> None:
+    """OpenAI's metadata bounds (Responses and Chat Completions alike)."""
+    if metadata is None:
+        return
+    if len(metadata) > limits.max_metadata_pairs:
+        raise invalid(f"'metadata' has {len(metadata)} keys; the limit is {limits.max_metadata_pairs}.", "metadata")
+    for key, value in metadata.items():
+        if len(key) > limits.max_metadata_key_chars or len(value) > limits.max_metadata_value_chars:
+            raise invalid(f"'metadata.{key[:64]}' is too long.", "metadata")

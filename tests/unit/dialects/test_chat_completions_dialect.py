@@ -217,3 +217,12 @@ def test_failure_is_an_error_object_and_no_usage_chunk():
     assert chunks[-1] == {"error": {"message": "The server is shutting down.", "type": "server_error",
                                     "param": None, "code": "server_shutting_down"}}
     assert all("error" not in c for c in chunks[:-1])
+
+
+def test_metadata_is_bounded_like_the_responses_dialect():
+    with pytest.raises(ApiError) as info:
+        decode(metadata={"note": "x" * 10_000})
+    assert info.value.param == "metadata"
+    with pytest.raises(ApiError):
+        decode(metadata={f"k{i}": "v" for i in range(100)})
+    decode(metadata={"note": "fine"})
