@@ -39,10 +39,16 @@ LMSP_PREFIX = "/lmsp/"
 
 def error_response(request: Request, exc: ApiError) -> Response:
     headers = dict(exc.headers)
-    if request.url.path.startswith(LMSP_PREFIX):
+    path = request.url.path
+    if path.startswith(LMSP_PREFIX):
         headers["LMSP-Version"] = lmsp.VERSION
         return Response(dumps(exc.problem()), status_code=exc.status, headers=headers,
                         media_type="application/problem+json")
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        # Anthropic clients parse errors in Anthropic's shape (unknown
+        # /v1/messages/* routes such as batches included).
+        return Response(dumps(exc.anthropic()), status_code=exc.status, headers=headers,
+                        media_type="application/json")
     return Response(dumps(exc.openai()), status_code=exc.status, headers=headers, media_type="application/json")
 
 

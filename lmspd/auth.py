@@ -44,8 +44,11 @@ class Authenticator:
     def authenticate(self, request: Request) -> Principal:
         if not self._keys:
             return LOCAL
-        token = _bearer(request) or request.headers.get("x-api-key")
-        if token:
+        # Either header may carry the key (Anthropic clients send x-api-key,
+        # and some send a Bearer token beside it): a valid one is enough.
+        for token in (_bearer(request), request.headers.get("x-api-key")):
+            if not token:
+                continue
             digest = hashlib.sha256(token.encode()).digest()
             match = None
             for known, owner in self._keys:

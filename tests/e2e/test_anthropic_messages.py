@@ -5,6 +5,7 @@ the continuation cache across turns, Anthropic's error shape and x-api-key."""
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from support.server import MODEL
 from support.compat import check_anthropic_message, validate_anthropic_stream
@@ -258,5 +259,13 @@ def test_x_api_key_auth():
             bad.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert info.value.status_code == 401
         assert info.value.body["error"]["type"] == "authentication_error"
+        # A stale Bearer token next to a valid x-api-key does not lock the client out.
+        both = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
+                          headers={"Authorization": "Bearer stale", "x-api-key": "sekrit-a"},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert both.status_code == 200, both.text
+        # Unknown /v1/messages routes answer in Anthropic's error shape too.
+        r = httpx.post(srv.url + "/v1/messages/batches", headers={"x-api-key": "sekrit-a"}, json={}, timeout=60)
+        assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
     finally:
         srv.stop()
