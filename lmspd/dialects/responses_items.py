@@ -433,17 +433,22 @@ def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
         return OutputFormat(type="json_object")
     if kind != "json_schema":
         raise invalid(f"Invalid '{path}.type': {kind!r}.", f"{path}.type")
+    nested = "json_schema" in raw  # Chat Completions nests it; Responses does not
     spec = raw.get("json_schema", raw)
+    base = f"{path}.json_schema" if nested else path
     if not isinstance(spec, dict):
-        raise invalid(f"'{path}.json_schema' must be an object.", f"{path}.json_schema")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise invalid(f"Missing required parameter: '{path}.schema'.", f"{path}.schema")
+        raise invalid(f"'{base}' must be an object.", base)
     name = spec.get("name")
     if not isinstance(name, str) or not name:
-        raise invalid(f"Missing required parameter: '{path}.name'.", f"{path}.name")
-    param = f"{path}.json_schema.schema" if "json_schema" in raw else f"{path}.schema"
-    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")), param=param)
+        raise invalid(f"Missing required parameter: '{base}.name'.", f"{base}.name")
+    schema = spec.get("schema")
+    if schema is None and nested:
+        # Optional in Chat Completions: any JSON object then.
+        return OutputFormat(type="json_object")
+    if not isinstance(schema, dict):
+        raise invalid(f"Missing required parameter: '{base}.schema'.", f"{base}.schema")
+    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")),
+                        param=f"{base}.schema")
 
 
 def check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> None:

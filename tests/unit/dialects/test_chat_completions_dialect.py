@@ -134,8 +134,8 @@ def test_sampling_caps_and_formats():
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "invalid_request", "tools[0].type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "invalid_request",
      "tool_choice.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "invalid_request",
-     "response_format.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, "invalid_request",
+     "response_format.json_schema.name"),
 ])
 def test_bad_requests_name_the_field(body, code, param):
     err = refused(**body)
