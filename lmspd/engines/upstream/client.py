@@ -12,10 +12,11 @@ exceptions into typed transport errors:
     connection dropped mid-stream            UpstreamConnectionLost
     non-2xx, wrong content type              UpstreamHTTPError
 
-The idle watchdog is aiohttp's socket read timeout: it bounds the wait for
-each socket read, which is exactly "nothing arrived for idle_s". A
-provider's ``:`` keep-alive comments count as life; they are how some
-providers say "still prefilling".
+The idle watchdog bounds the wait for each read (headers included), which
+is exactly "nothing arrived for idle_s": aiohttp's socket read timeout,
+and lmspd's own clock around every body read besides. A provider's ``:``
+keep-alive comments count as life; they are how some providers say "still
+prefilling".
 
 aiohttp rather than httpx because this is the hot path of every upstream
 token: its C parser hands over a whole burst of chunked events in one read,
