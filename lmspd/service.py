@@ -86,6 +86,11 @@ class Run:
         self.started = False
         self._opened = False
 
+    @property
+    def opens_first(self) -> bool:
+        """Whether ``open`` has work to do (the upstream engine's provider request)."""
+        return not self._opened and getattr(self.engine, "open", None) is not None
+
     async def open(self) -> None:
         """Reach the model before any response byte is sent, for engines that
         must: the upstream engine checks its provider's status and content

@@ -42,6 +42,8 @@ def _begin(service: Service, conversation: Conversation, owner: str, names: dict
 async def _open(request: Request, run: Run, names: dict[str, str], item_paths: list[str]) -> bool:
     """Reach the model before any byte is sent, so that a provider's refusal
     is still an HTTP error reply (see responses.py); False if the client left."""
+    if not run.opens_first:
+        return True
     try:
         return await unless_disconnected(request, run.open())
     except ApiError as exc:

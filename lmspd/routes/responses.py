@@ -84,7 +84,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
     # An engine that must reach its provider first does it now, so that a
     # refusal is still an HTTP error (a no-op for the embedded engine).
-    if not await unless_disconnected(request, run.open()):
+    if run.opens_first and not await unless_disconnected(request, run.open()):
         return Reply(Response(status_code=499))
     if req.stream:
         return Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
