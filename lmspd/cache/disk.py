@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .state import SessionState
+from .state import SessionState, common_prefix
 
 log = logging.getLogger("lmspd.cache")
 
@@ -73,17 +73,18 @@ class DiskCheckpoints:
     def __len__(self) -> int:
         return len(self._index)
 
+    def _entries(self, owner: str) -> list[Checkpoint]:
+        """A snapshot of ``owner``'s checkpoints (the writer thread adds others)."""
+        with self._lock:
+            return [cp for cp in self._index.values() if cp.owner == owner]
+
     def best_match(self, text: str, owner: str, response_id: str | None = None) -> tuple[Checkpoint, str] | None:
         """The checkpoint of ``owner`` whose key is the longest prefix of ``text``.
 
         Returns ``(checkpoint, key_kind)``; kinds are ``response-id``,
         ``responses-visible`` and ``token-text``."""
         best: tuple[Checkpoint, str] | None = None
-        with self._lock:
-            entries = list(self._index.values())
-        for cp in entries:
-            if cp.owner != owner:
-                continue
+        for cp in self._entries(owner):
             if response_id is not None and cp.response_id == response_id and cp.visible and text.startswith(cp.visible):
                 return cp, "response-id"
             for kind, key in (("responses-visible", cp.visible), ("token-text", cp.kv_text)):
@@ -95,15 +96,8 @@ class DiskCheckpoints:
         """The checkpoint of ``owner`` sharing the longest token prefix with
         ``tokens`` (a branch or an edit of a saved conversation)."""
         best: tuple[Checkpoint, int] | None = None
-        with self._lock:
-            entries = list(self._index.values())
-        for cp in entries:
-            if cp.owner != owner:
-                continue
-            n = min(len(cp.tokens), len(tokens))
-            common = 0
-            while common < n and cp.tokens[common] == tokens[common]:
-                common += 1
+        for cp in self._entries(owner):
+            common = common_prefix(cp.tokens, tokens)
             if common and (best is None or common > best[1]):
                 best = (cp, common)
         return best

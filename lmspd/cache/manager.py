@@ -33,7 +33,7 @@ from typing import Callable
 from lmspd.core.conversation import Item, ToolOutput
 
 from .disk import DiskCheckpoints
-from .state import SessionState
+from .state import SessionState, common_prefix
 
 log = logging.getLogger("lmspd.cache")
 
@@ -182,7 +182,7 @@ class ContinuationCache:
             if plan is None:
                 # A branch or an edit: the longest common token prefix still
                 # saves that much prefill.
-                common = min(_common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
+                common = min(common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
                 if common > 0:
                     plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial")
             if plan is not None:
@@ -200,7 +200,7 @@ class ContinuationCache:
                             candidates.append(plan)
         live_common = 0
         if live is not None:
-            live_common = min(_common_prefix(live.tokens, req.tokens), len(req.tokens) - 1)
+            live_common = min(common_prefix(live.tokens, req.tokens), len(req.tokens) - 1)
             if live_common > 0:
                 candidates.append(CachePlan("memory-token", live_common, req.tokens[live_common:], req.text,
                                             detail="partial"))
@@ -346,11 +346,3 @@ class ContinuationCache:
             self.stats.disk_checkpoints = len(self.disk)
         except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

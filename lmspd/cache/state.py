@@ -59,3 +59,12 @@ def capture_kv(ctx: llama_cpp.llama_context_p) -> bytes:
 def restore_kv(ctx: llama_cpp.llama_context_p, data: bytes) -> bool:
     buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
     return llama_cpp.llama_state_seq_set_data(ctx, buf, len(data), 0) == len(data)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
