@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -178,6 +178,19 @@ def iter_sse(lines: Any) -> Any:
         yield name, "\n".join(data)
 
 
+def post_sse(client: Any, url: str, body: dict[str, Any], headers: dict | None = None) -> Iterator[tuple[str | None, str]]:
+    """POST a streaming request; yield its ``(event, data)`` frames up to
+    ``[DONE]`` (not included). A non-200 reply raises with its body."""
+    with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:600]}")
+        for name, raw in iter_sse(resp.iter_lines()):
+            if raw == "[DONE]":
+                return
+            yield name, raw
+
+
 RESPONSES_TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
@@ -186,37 +199,31 @@ def stream_responses(client: Any, url: str, body: dict[str, Any], sample: Sample
     clock = time.perf_counter
     parts: list[str] = []
     t0 = clock()
-    with client.stream("POST", url, json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        for name, raw in iter_sse(resp.iter_lines()):
-            now = clock() - t0
-            if raw == "[DONE]":
-                break
-            data = json.loads(raw)
-            kind = data.get("type") or name
-            if kind == "response.output_text.delta":
-                if sample.first_delta is None:
-                    sample.first_delta = now
-                sample.last_delta = now
-                sample.deltas += 1
-                parts.append(data["delta"])
-            elif kind in RESPONSES_TERMINAL:
-                sample.terminal = now
-                response = data.get("response") or {}
-                sample.status = response.get("status")
-                usage = response.get("usage") or {}
-                sample.output_tokens = usage.get("output_tokens")
-                sample.input_tokens = usage.get("input_tokens")
-                sample.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
-                timings = data.get("timings")
-                if isinstance(timings, dict):  # llama.cpp's server adds these
-                    sample.extra["server_cache_n"] = timings.get("cache_n")
-                    sample.extra["prefill_ms"] = timings.get("prompt_ms")
-                    sample.extra["server_predicted_per_second"] = timings.get("predicted_per_second")
-            elif kind == "error":
-                raise RuntimeError(f"{url}: error event: {raw[:500]}")
+    for name, raw in post_sse(client, url, body, headers):
+        now = clock() - t0
+        data = json.loads(raw)
+        kind = data.get("type") or name
+        if kind == "response.output_text.delta":
+            if sample.first_delta is None:
+                sample.first_delta = now
+            sample.last_delta = now
+            sample.deltas += 1
+            parts.append(data["delta"])
+        elif kind in RESPONSES_TERMINAL:
+            sample.terminal = now
+            response = data.get("response") or {}
+            sample.status = response.get("status")
+            usage = response.get("usage") or {}
+            sample.output_tokens = usage.get("output_tokens")
+            sample.input_tokens = usage.get("input_tokens")
+            sample.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+            timings = data.get("timings")
+            if isinstance(timings, dict):  # llama.cpp's server adds these
+                sample.extra["server_cache_n"] = timings.get("cache_n")
+                sample.extra["prefill_ms"] = timings.get("prompt_ms")
+                sample.extra["server_predicted_per_second"] = timings.get("predicted_per_second")
+        elif kind == "error":
+            raise RuntimeError(f"{url}: error event: {raw[:500]}")
     sample.text = "".join(parts)
     return sample
 
@@ -226,35 +233,29 @@ def stream_chat_completions(client: Any, url: str, body: dict[str, Any], sample:
     clock = time.perf_counter
     parts: list[str] = []
     t0 = clock()
-    with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        for _name, raw in iter_sse(resp.iter_lines()):
-            now = clock() - t0
-            if raw == "[DONE]":
-                sample.terminal = now
-                break
-            data = json.loads(raw)
-            for choice in data.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if sample.first_delta is None:
-                        sample.first_delta = now
-                    sample.last_delta = now
-                    sample.deltas += 1
-                    parts.append(text)
-                if choice.get("finish_reason"):
-                    sample.status = choice["finish_reason"]
-            usage = data.get("usage")
-            if usage:
-                sample.output_tokens = usage.get("completion_tokens")
-                sample.input_tokens = usage.get("prompt_tokens")
-                sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-            timings = data.get("timings")
-            if isinstance(timings, dict):
-                sample.extra["server_cache_n"] = timings.get("cache_n")
-                sample.extra["prefill_ms"] = timings.get("prompt_ms")
+    for _name, raw in post_sse(client, url, body):
+        now = clock() - t0
+        data = json.loads(raw)
+        for choice in data.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if sample.first_delta is None:
+                    sample.first_delta = now
+                sample.last_delta = now
+                sample.deltas += 1
+                parts.append(text)
+            if choice.get("finish_reason"):
+                sample.status = choice["finish_reason"]
+        usage = data.get("usage")
+        if usage:
+            sample.output_tokens = usage.get("completion_tokens")
+            sample.input_tokens = usage.get("prompt_tokens")
+            sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        timings = data.get("timings")
+        if isinstance(timings, dict):
+            sample.extra["server_cache_n"] = timings.get("cache_n")
+            sample.extra["prefill_ms"] = timings.get("prompt_ms")
+    sample.terminal = clock() - t0  # [DONE]
     sample.text = "".join(parts)
     return sample
 

@@ -100,8 +100,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     ChildServer,
     bundled_model_path,
-    iter_sse,
     lmspd_server,
+    post_sse,
     sched_ns,
     xllamacpp_server,
 )
@@ -460,24 +460,18 @@ def stream_responses_turn(client: httpx.Client, url: str, body: dict[str, Any]) 
     clock = time.perf_counter
     out: dict[str, Any] = {"ttft": None, "response": None, "timings": None}
     t0 = clock()
-    with client.stream("POST", url, json=body, headers=FRESH) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:600]}")
-        for name, raw in iter_sse(resp.iter_lines()):
-            if raw == "[DONE]":
-                break
-            data = json.loads(raw)
-            kind = data.get("type") or name
-            if out["ttft"] is None and _first_output(kind, data):
-                out["ttft"] = clock() - t0
-            if kind in ("response.completed", "response.incomplete", "response.failed"):
-                if out["ttft"] is None:  # the first token ended the turn: no output event to time
-                    out["ttft"], out["ttft_is_end"] = clock() - t0, True
-                out["response"] = data.get("response") or {}
-                out["timings"] = data.get("timings")
-            elif kind == "error":
-                raise RuntimeError(f"{url}: error event: {raw[:600]}")
+    for name, raw in post_sse(client, url, body, FRESH):
+        data = json.loads(raw)
+        kind = data.get("type") or name
+        if out["ttft"] is None and _first_output(kind, data):
+            out["ttft"] = clock() - t0
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            if out["ttft"] is None:  # the first token ended the turn: no output event to time
+                out["ttft"], out["ttft_is_end"] = clock() - t0, True
+            out["response"] = data.get("response") or {}
+            out["timings"] = data.get("timings")
+        elif kind == "error":
+            raise RuntimeError(f"{url}: error event: {raw[:600]}")
     out["total"] = clock() - t0
     return out
 
@@ -486,34 +480,28 @@ def stream_chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> di
     clock = time.perf_counter
     out: dict[str, Any] = {"ttft": None, "usage": None, "timings": None, "finish": None, "calls": {}, "text": ""}
     t0 = clock()
-    with client.stream("POST", url, json=body, headers=FRESH) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{url}: HTTP {resp.status_code}: {resp.text[:600]}")
-        for _name, raw in iter_sse(resp.iter_lines()):
-            if raw == "[DONE]":
-                break
-            data = json.loads(raw)
-            for choice in data.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("tool_calls"):
-                    if out["ttft"] is None:
-                        out["ttft"] = clock() - t0
-                out["text"] += delta.get("content") or ""
-                for tc in delta.get("tool_calls") or []:
-                    slot = out["calls"].setdefault(tc.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                    slot["id"] = tc.get("id") or slot["id"]
-                    fn = tc.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-                if choice.get("finish_reason"):
-                    out["finish"] = choice["finish_reason"]
-                    if out["ttft"] is None:  # the first token ended the turn: no delta to time
-                        out["ttft"], out["ttft_is_end"] = clock() - t0, True
-            if data.get("usage"):
-                out["usage"] = data["usage"]
-            if isinstance(data.get("timings"), dict):
-                out["timings"] = data["timings"]
+    for _name, raw in post_sse(client, url, body, FRESH):
+        data = json.loads(raw)
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
+                if out["ttft"] is None:
+                    out["ttft"] = clock() - t0
+            out["text"] += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                slot = out["calls"].setdefault(tc.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.get("id") or slot["id"]
+                fn = tc.get("function") or {}
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                out["finish"] = choice["finish_reason"]
+                if out["ttft"] is None:  # the first token ended the turn: no delta to time
+                    out["ttft"], out["ttft_is_end"] = clock() - t0, True
+        if data.get("usage"):
+            out["usage"] = data["usage"]
+        if isinstance(data.get("timings"), dict):
+            out["timings"] = data["timings"]
     out["total"] = clock() - t0
     return out
 
@@ -995,7 +983,6 @@ class Bench:
         return out
 
     def anomalies(self) -> list[str]:
-        a = self.args
         out = []
         for t in self.turns:
             if t.system != "lmspd":
