@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", default=None, help="a served model id or a path to a .gguf file")
     serve.add_argument("--ctx", type=int, default=8192, help="context window in tokens (0 = the model's own)")
     serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--parallel", type=int, default=4, metavar="N",
+                       help="sequences of a local model decoded together, each with the full --ctx (default 4)")
     serve.add_argument("--data-dir", type=Path, default=None)
     serve.add_argument("--api-key", action="append", default=[], dest="api_keys",
                        help="accept this bearer token (repeatable); required when not bound to loopback")
@@ -54,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         return _config(args)
     settings = Settings(
         host=args.host, port=args.port, model=args.model, ctx=args.ctx, threads=args.threads,
-        api_keys=args.api_keys, log_level=args.log_level,
+        parallel=args.parallel, api_keys=args.api_keys, log_level=args.log_level,
     )
+    if not 1 <= args.parallel <= 64:
+        parser.error("--parallel must be between 1 and 64")
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
     if args.max_queue is not None:

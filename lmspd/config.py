@@ -18,6 +18,8 @@ class Settings:
     model: str | None = None
     ctx: int = 8192
     threads: int | None = None
+    # Sequences of the llama context decoded together (--parallel).
+    parallel: int = 4
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())
     api_keys: list[str] = field(default_factory=list)
     log_level: str = "info"

@@ -144,11 +144,10 @@ class Run:
                     on_start()
                 for wire in progress:
                     yield wire
+                await self.open()
                 # The engine remembers which response its KV state belongs to
                 # (previous_response_id continues from it).
-                self.prepared.response_id = session.state.id
-                await self.open()
-                async for event in self.engine.generate(self.prepared, self.cancel):
+                async for event in self.engine.generate(self.prepared, self.cancel, response_id=session.state.id):
                     for wire in session.handle(event):
                         yield wire
         except asyncio.CancelledError:

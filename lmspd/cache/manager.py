@@ -1,24 +1,42 @@
-"""The continuation cache: which KV state a request continues from.
+"""The continuation cache: which sequence a request runs on and what of its
+KV it keeps.
 
-A request is matched in this order, the first rule that applies winning:
+Three tiers, fastest first: the **resident sequences** of the engine's
+context (their KV stays in place between turns), **sessions in RAM**
+(captured KV bytes of sequences that had to make room) and **disk
+checkpoints**. A request is matched in this order, the first rule that
+applies winning:
 
-1. ``previous_response_id`` names the live state, a RAM session or a disk
+1. ``previous_response_id`` names a resident state, a RAM session or a disk
    checkpoint: continue from it (``response-id``);
-2. the first new item is a tool output for call ids the live state produced:
-   append only the rendered tool-result suffix (``tool-output-ids``);
-3. the rendered visible transcript extends the live state's visible
+2. the first new item is a tool output for call ids a resident state
+   produced: append only the rendered tool-result suffix (``tool-output-ids``);
+3. the rendered visible transcript extends a resident state's visible
    transcript: append only the new suffix, hidden tokens stay in the KV
    (``visible-prefix``);
-4. the prompt tokens start with all of the live tokens (``memory-token``);
-5. the rendered text starts with the live tokens' text, the suffix
+4. the prompt tokens start with all of a resident state's tokens
+   (``memory-token``);
+5. the rendered text starts with a resident state's text, the suffix
    tokenized on its own so BPE boundaries can't break the match
    (``memory-text``);
-then the other sessions kept in RAM (``ram``), the longest disk checkpoint
-(``disk``) or the longest common token prefix with the live KV, whichever
-reuses the most; and finally a cold prefill (``cold``).
+then whichever reuses the most of: the sessions kept in RAM (``ram``), the
+longest disk checkpoint (``disk``), the longest common token prefix with a
+resident sequence — kept in place, or copied into a free sequence when the
+one holding it should stay (``copy``, e.g. agents sharing instructions);
+and finally a cold prefill (``cold``). Rules 2-5 run against every idle
+resident sequence of the request's owner; the longest continuation wins.
 
-Everything here runs on the engine's generation thread, which alone touches
-the KV; ``prepare`` on the event loop only reads the immutable states.
+A request that is no continuation goes to a free sequence, else to the
+least recently used idle one, whose state moves to RAM first. A state that
+leaves RAM (over budget) is written to disk; so is every remembered state
+at shutdown. A running sequence is never evicted: with none idle, the
+request waits for the next step. So does a request whose shared prefix
+another sequence is prefilling right now (it copies it once it is there,
+instead of prefilling it twice).
+
+Everything that changes residency runs on the engine's scheduler thread,
+which alone touches the KV; ``prepare`` on the event loop only reads
+``states``, an immutable snapshot the scheduler replaces whole.
 """
 
 from __future__ import annotations
@@ -26,8 +44,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from lmspd.core.conversation import Item, ToolOutput
@@ -36,6 +55,13 @@ from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
 
 log = logging.getLogger("lmspd.cache")
+
+# A shared prefix another sequence is prefilling is worth waiting for when
+# it saves at least this many tokens of prefill.
+WAIT_FOR_SHARED_PREFIX = 32
+# Copying between sequences moves a whole KV stream: only worth it for a
+# prefix at least this long (a chat template's default system prompt is not).
+MIN_COPY_TOKENS = 64
 
 
 @dataclass
@@ -47,7 +73,9 @@ class CachePlan:
     base_text: str
     restore: SessionState | None = None
     detail: str = ""
-    replaced_live: bool = False
+    # The sequence the request runs on, and the one it copies ``keep`` tokens from.
+    seq: int = -1
+    copy_from: int | None = None
 
 
 @dataclass
@@ -64,7 +92,7 @@ class CacheRequest:
     requires_state: str | None = None
     max_new_tokens: int = 0
     # A replayed tool-call turn lacks its reasoning: only a remembered state
-    # (live, RAM, disk by visible transcript) may explain it.
+    # (resident, RAM, disk by visible transcript) may explain it.
     needs_reasoning_state: bool = False
     # Only states this owner's requests left are candidates.
     owner: str = "local"
@@ -76,14 +104,36 @@ class CacheRefused(Exception):
 
 @dataclass
 class KvOps:
-    """The engine operations the cache needs (the engine stays the KV's owner)."""
+    """The engine's KV operations by sequence id (the engine owns the KV;
+    the cache only decides)."""
 
-    live_tokens: Callable[[], list[int]]
-    capture: Callable[[], bytes]
-    restore: Callable[[SessionState], bool]
+    capture: Callable[[int], bytes]
+    restore: Callable[[int, bytes], bool]
+    copy: Callable[[int, int, int], None]  # src, dst, n_tokens
+    trim: Callable[[int, int], None]  # seq, keep
     tokenize: Callable[[str], list[int]]
     detokenize: Callable[[list[int]], str]
-    n_ctx: int
+    n_ctx: int  # per sequence
+
+
+@dataclass
+class Resident:
+    """One sequence of the context and what its KV holds."""
+
+    seq: int
+    # The tokens evaluated in this sequence: exactly what its KV holds.
+    tokens: list[int] = field(default_factory=list)
+    # The finished turn it holds (None while a request runs on it, or empty).
+    state: SessionState | None = None
+    owner: str | None = None
+    busy: bool = False
+    last_used: float = 0.0
+    # The state is already captured in RAM (no second capture on eviction).
+    saved: bool = False
+    # While busy: the whole prompt it is prefilling (for shared-prefix waits).
+    prompt: list[int] = field(default_factory=list)
+    # A caller's hint that this sequence belongs to a session (reserved).
+    session_key: str | None = None
 
 
 @dataclass
@@ -94,6 +144,9 @@ class CacheStats:
     disk_writes: int = 0
     disk_restores: int = 0
     ram_restores: int = 0
+    evictions: int = 0
+    copies: int = 0
+    copied_tokens: int = 0
 
 
 class ContinuationCache:
@@ -101,6 +154,7 @@ class ContinuationCache:
         self,
         ops: KvOps,
         *,
+        n_seq: int = 1,
         enabled: bool = True,
         ram_budget_bytes: int = 1 << 30,
         disk: DiskCheckpoints | None = None,
@@ -109,12 +163,13 @@ class ContinuationCache:
         self.enabled = enabled
         self.ram_budget_bytes = ram_budget_bytes
         self.disk = disk
-        self.live: SessionState | None = None
-        self._live_saved = False
-        # The owner of the request being run (for its mid-prefill checkpoints).
-        self._owner: str | None = None
+        self.residents = [Resident(seq) for seq in range(max(1, n_seq))]
         self._ram: OrderedDict[str, SessionState] = OrderedDict()
         self.stats = CacheStats()
+        # Sequences a stream copy reads or writes before the next decode
+        # performs it: nothing may overwrite them until then.
+        self._copying: set[int] = set()
+        self._snapshot: tuple[SessionState, ...] = ()
         self._writes: queue.Queue[SessionState | None] = queue.Queue(maxsize=4)
         self._writer: threading.Thread | None = None
         if disk is not None:
@@ -124,9 +179,7 @@ class ContinuationCache:
     # -- read-only views (safe from the event loop) ----------------------------
 
     def states(self, owner: str) -> list[SessionState]:
-        live = self.live
-        every = ([live] if live else []) + list(reversed(self._ram.values()))
-        return [s for s in every if s.owner == owner]
+        return [s for s in self._snapshot if s.owner == owner]
 
     def state_for_calls(self, call_ids: set[str], owner: str) -> SessionState | None:
         """A remembered state of ``owner`` whose last turn produced all of ``call_ids``."""
@@ -135,11 +188,20 @@ class ContinuationCache:
                 return state
         return None
 
-    # -- matching ----------------------------------------------------------------
+    def _publish(self) -> None:
+        resident = [r.state for r in sorted(self.residents, key=lambda r: -r.last_used) if r.state is not None]
+        self._snapshot = tuple(resident + list(reversed(self._ram.values())))
 
-    def plan(self, req: CacheRequest) -> CachePlan:
+    # -- matching (scheduler thread) -------------------------------------------
+
+    def plan(self, req: CacheRequest) -> CachePlan | None:
+        """Where ``req`` runs and what it reuses; None: not now (no sequence is
+        free, or another sequence is about to hold what it needs) — ask
+        again after the next step."""
         plan = self._plan(req)
-        if req.needs_reasoning_state and (plan.source == "cold" or plan.detail in ("partial", "text")):
+        if plan is None:
+            return None
+        if req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail in ("partial", "text")):
             raise CacheRefused(
                 "This replay is missing reasoning state: a tool-call turn of this reasoning model comes without "
                 "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
@@ -147,95 +209,166 @@ class ContinuationCache:
             )
         return plan
 
-    def _plan(self, req: CacheRequest) -> CachePlan:
-        self._owner = req.owner
+    def _plan(self, req: CacheRequest) -> CachePlan | None:
+        idle = [r for r in self.residents if not r.busy]
+        target = self._target(idle)
         if not self.enabled or not req.reuse:
-            return self._cold(req)
-        live = self.live if self.live is not None and self.live.owner == req.owner else None
-        if req.requires_state is not None and (live is None or live.key != req.requires_state):
+            return None if target is None else self._cold(req, target.seq)
+        # A sequence of this owner that is just evaluating its last token
+        # holds its state a step from now: a next turn would continue it.
+        if any(r.busy and r.state is not None and r.owner == req.owner for r in self.residents):
+            return None
+        mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
+        if req.requires_state is not None:
+            for r in mine:
+                if r.state.key == req.requires_state:  # type: ignore[union-attr]
+                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))  # type: ignore[arg-type]
             state = self._ram.get(req.requires_state)
             if state is None or state.owner != req.owner:
                 raise CacheRefused(
                     "This request carries only tool outputs and requires live call state, which was replaced "
                     "before it ran; replay the full input."
                 )
-            return self._fits(req, self._continue(req, state, "tool-output-ids", restore=True))
+            if target is None:
+                return None
+            return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
 
         if req.previous_response_id:
-            for state in self.states(req.owner):
-                if state.response_id == req.previous_response_id and state.visible and req.text.startswith(state.visible):
-                    return self._fits(req, self._continue(req, state, "response-id", restore=state is not live))
-        if live is not None:
-            if live.visible and req.text.startswith(live.visible):
-                source = "tool-output-ids" if self._first_new_is_tool_output(req, live) else "visible-prefix"
-                return self._fits(req, self._continue(req, live, source))
-            n = len(live.tokens)
-            if req.tokens[:n] == live.tokens and len(req.tokens) > n:
-                return self._fits(req, CachePlan("memory-token", n, req.tokens[n:], req.text))
-            if req.text.startswith(live.kv_text) and len(req.text) > len(live.kv_text):
-                suffix_text = req.text[len(live.kv_text):]
-                return self._fits(req, CachePlan("memory-text", n, self.ops.tokenize(suffix_text), req.text))
+            for r in mine:
+                state = r.state
+                if state.response_id == req.previous_response_id and state.visible and req.text.startswith(state.visible):  # type: ignore[union-attr]
+                    return self._fits(req, self._continue(req, state, "response-id", r.seq))  # type: ignore[arg-type]
+            for state in reversed(self._ram.values()):
+                if (state.owner == req.owner and state.response_id == req.previous_response_id and state.visible
+                        and req.text.startswith(state.visible) and target is not None):
+                    return self._fits(req, self._continue(req, state, "response-id", target.seq, restore=True))
+        resident_plans = [p for r in mine if (p := self._match_resident(req, r)) is not None]
+        for plan in sorted(resident_plans, key=lambda p: p.keep, reverse=True):
+            fitted = self._fits(req, plan)
+            if fitted.source != "cold":
+                return fitted
 
+        candidates = self._saved_candidates(req, target) + self._shared_candidates(req, idle, target)
+        best = max((c.keep for c in candidates), default=0)
+        if self._worth_waiting(req, best):
+            return None
+        for plan in sorted(candidates, key=lambda p: p.keep, reverse=True):
+            fitted = self._fits(req, plan)
+            if fitted.source != "cold":
+                return fitted
+        return None if target is None else self._cold(req, target.seq)
+
+    def _target(self, idle: list[Resident]) -> Resident | None:
+        """Where a request that continues no resident state goes: an empty
+        sequence, else the least recently used idle one."""
+        usable = [r for r in idle if r.seq not in self._copying]
+        for r in usable:
+            if not r.tokens and r.state is None:
+                return r
+        return min(usable, key=lambda r: r.last_used, default=None)
+
+    def _match_resident(self, req: CacheRequest, r: Resident) -> CachePlan | None:
+        state = r.state
+        assert state is not None
+        if state.visible and req.text.startswith(state.visible):
+            source = "tool-output-ids" if self._first_new_is_tool_output(req, state) else "visible-prefix"
+            return self._continue(req, state, source, r.seq)
+        n = len(state.tokens)
+        if req.tokens[:n] == state.tokens and len(req.tokens) > n:
+            return CachePlan("memory-token", n, req.tokens[n:], req.text, seq=r.seq)
+        if req.text.startswith(state.kv_text) and len(req.text) > len(state.kv_text):
+            suffix_text = req.text[len(state.kv_text):]
+            return CachePlan("memory-text", n, self.ops.tokenize(suffix_text), req.text, seq=r.seq)
+        return None
+
+    def _saved_candidates(self, req: CacheRequest, target: Resident | None) -> list[CachePlan]:
+        """RAM sessions and disk checkpoints, restored into ``target``."""
+        if target is None:
+            return []
         candidates: list[CachePlan] = []
         for state in [s for s in self._ram.values() if s.owner == req.owner]:
-            plan = self._match_saved(req, state, "ram")
+            plan = self._match_saved(req, state, "ram", target.seq)
             if plan is None:
                 # A branch or an edit: the longest common token prefix still
                 # saves that much prefill.
                 common = min(common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
                 if common > 0:
-                    plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial")
+                    plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial",
+                                     seq=target.seq)
             if plan is not None:
                 candidates.append(plan)
-        if self.disk is not None:
-            hit = self.disk.best_match(req.text, req.owner, req.previous_response_id)
-            if hit is not None:
-                cp, kind = hit
-                if not any(c.keep >= cp.n_tokens for c in candidates):
-                    state = self.disk.load(cp)
-                    if state is not None:
-                        plan = self._match_saved(req, state, "disk")
-                        if plan is not None:
-                            plan.detail = f"key={kind}"
-                            candidates.append(plan)
-        live_common = 0
-        if live is not None:
-            live_common = min(common_prefix(live.tokens, req.tokens), len(req.tokens) - 1)
-            if live_common > 0:
-                candidates.append(CachePlan("memory-token", live_common, req.tokens[live_common:], req.text,
-                                            detail="partial"))
-        if self.disk is not None:
-            best = max((c.keep for c in candidates), default=0)
-            shared = self.disk.longest_common(req.tokens, req.owner)
-            if shared is not None and min(shared[1], len(req.tokens) - 1) > best:
-                state = self.disk.load(shared[0])
+        if self.disk is None:
+            return candidates
+        hit = self.disk.best_match(req.text, req.owner, req.previous_response_id)
+        if hit is not None:
+            cp, kind = hit
+            if not any(c.keep >= cp.n_tokens for c in candidates):
+                state = self.disk.load(cp)
                 if state is not None:
-                    keep = min(shared[1], len(req.tokens) - 1)
-                    candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=state,
-                                                detail="partial"))
-        for plan in sorted(candidates, key=lambda p: p.keep, reverse=True):
-            fitted = self._fits(req, plan)
-            if fitted.source != "cold":
-                return fitted
-        return self._cold(req)
+                    plan = self._match_saved(req, state, "disk", target.seq)
+                    if plan is not None:
+                        plan.detail = f"key={kind}"
+                        candidates.append(plan)
+        best = max((c.keep for c in candidates), default=0)
+        shared = self.disk.longest_common(req.tokens, req.owner)
+        if shared is not None and min(shared[1], len(req.tokens) - 1) > best:
+            state = self.disk.load(shared[0])
+            if state is not None:
+                keep = min(shared[1], len(req.tokens) - 1)
+                candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=state,
+                                            detail="partial", seq=target.seq))
+        return candidates
 
-    def _continue(self, req: CacheRequest, state: SessionState, source: str, restore: bool = False) -> CachePlan:
+    def _shared_candidates(self, req: CacheRequest, idle: list[Resident], target: Resident | None) -> list[CachePlan]:
+        """A common token prefix with a sequence of the same owner: kept in
+        place when that sequence is the target anyway, else copied into the
+        target (the sequence holding it stays as it is)."""
+        candidates: list[CachePlan] = []
+        for r in self.residents:
+            if r.owner != req.owner or not r.tokens:
+                continue
+            common = min(common_prefix(r.tokens, req.tokens), len(req.tokens) - 1)
+            if common <= 0:
+                continue
+            if target is not None and r.seq != target.seq:
+                if common < MIN_COPY_TOKENS:
+                    continue
+                candidates.append(CachePlan("copy", common, req.tokens[common:], req.text, detail=f"from=seq{r.seq}",
+                                            seq=target.seq, copy_from=r.seq))
+            elif not r.busy and r.seq not in self._copying:
+                candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text, detail="partial",
+                                            seq=r.seq))
+        return candidates
+
+    def _worth_waiting(self, req: CacheRequest, best: int) -> bool:
+        """Another sequence of this owner is prefilling a prompt that shares
+        more with this one than anything else has: wait until it is there."""
+        for r in self.residents:
+            if not r.busy or r.owner != req.owner or len(r.tokens) >= len(r.prompt):
+                continue
+            shared = min(common_prefix(r.prompt, req.tokens), len(req.tokens) - 1)
+            if shared > len(r.tokens) and shared >= MIN_COPY_TOKENS and shared - best >= WAIT_FOR_SHARED_PREFIX:
+                return True
+        return False
+
+    def _continue(self, req: CacheRequest, state: SessionState, source: str, seq: int,
+                  restore: bool = False) -> CachePlan:
         assert state.visible is not None
         suffix_text = req.text[len(state.visible):]
         plan = CachePlan(source, len(state.tokens), self.ops.tokenize(suffix_text),
-                         state.kv_text + suffix_text, restore=state if restore else None)
+                         state.kv_text + suffix_text, restore=state if restore else None, seq=seq)
         if source == "tool-output-ids":
             plan.detail = f"ids={sum(isinstance(i, ToolOutput) for i in self._new_items(req, state))}"
         return plan
 
-    def _match_saved(self, req: CacheRequest, state: SessionState, source: str) -> CachePlan | None:
+    def _match_saved(self, req: CacheRequest, state: SessionState, source: str, seq: int) -> CachePlan | None:
         if state.visible and req.text.startswith(state.visible):
-            plan = self._continue(req, state, source, restore=True)
+            plan = self._continue(req, state, source, seq, restore=True)
             plan.detail = "visible"
             return plan
         if req.text.startswith(state.kv_text) and len(req.text) > len(state.kv_text):
             suffix = self.ops.tokenize(req.text[len(state.kv_text):])
-            return CachePlan(source, len(state.tokens), suffix, req.text, restore=state, detail="text")
+            return CachePlan(source, len(state.tokens), suffix, req.text, restore=state, detail="text", seq=seq)
         return None
 
     def _first_new_is_tool_output(self, req: CacheRequest, state: SessionState) -> bool:
@@ -246,72 +379,148 @@ class ContinuationCache:
     def _new_items(req: CacheRequest, state: SessionState) -> list[Item]:
         return req.items[len(state.items):] if len(req.items) >= len(state.items) else []
 
+    def _base_tokens(self, plan: CachePlan) -> list[int]:
+        if plan.restore is not None:
+            return plan.restore.tokens
+        source = plan.copy_from if plan.copy_from is not None else plan.seq
+        return self.residents[source].tokens
+
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         if not plan.suffix:
             # Fresh logits need at least one evaluated token.
             if plan.keep == 0:
-                return self._cold(req)
-            base = plan.restore.tokens if plan.restore else self.ops.live_tokens()
+                return self._cold(req, plan.seq)
             plan.keep -= 1
-            plan.suffix = [base[plan.keep]]
+            plan.suffix = [self._base_tokens(plan)[plan.keep]]
         if plan.keep + len(plan.suffix) + req.max_new_tokens > self.ops.n_ctx:
             # Hidden tokens made the continuation longer than a cold prompt;
             # the cold prompt was already checked to fit.
-            return self._cold(req)
+            return self._cold(req, plan.seq)
         return plan
 
-    def _cold(self, req: CacheRequest) -> CachePlan:
-        return CachePlan("cold", 0, list(req.tokens), req.text)
+    def _cold(self, req: CacheRequest, seq: int) -> CachePlan:
+        return CachePlan("cold", 0, list(req.tokens), req.text, seq=seq)
 
-    # -- state changes (generation thread) ---------------------------------------
+    # -- residency changes (scheduler thread) ----------------------------------
 
-    def before_apply(self, plan: CachePlan) -> None:
-        """Keep the live state before a plan overwrites it (another session's turn)."""
-        live = self.live
-        if live is None:
-            return
-        continues_live = plan.restore is None and plan.keep >= len(live.tokens)
-        if continues_live:
-            return
-        plan.replaced_live = True
-        if not self._live_saved:
-            live.kv = self.ops.capture()
-            self._remember_in_ram(live)
-            self._checkpoint(live)
-            self._live_saved = True
-
-    def restored(self, plan: CachePlan) -> None:
-        if plan.source == "disk":
-            self.stats.disk_restores += 1
+    def apply(self, plan: CachePlan, req: CacheRequest) -> CachePlan:
+        """Make ``plan.seq`` hold the plan's kept tokens and mark it busy.
+        Returns the plan that was applied (cold when a restore failed)."""
+        r = self.residents[plan.seq]
+        if plan.copy_from is not None:
+            src = self.residents[plan.copy_from]
+            self._evict(r)
+            self.ops.copy(src.seq, r.seq, plan.keep)
+            self._copying.update((src.seq, r.seq))
+            r.tokens = src.tokens[: plan.keep]
+            self.stats.copies += 1
+            self.stats.copied_tokens += plan.keep
         elif plan.restore is not None:
-            self.stats.ram_restores += 1
+            self._evict(r)
+            if plan.restore.kv is not None and self.ops.restore(r.seq, plan.restore.kv):
+                if plan.source == "disk":
+                    self.stats.disk_restores += 1
+                else:
+                    self.stats.ram_restores += 1
+                r.tokens = list(plan.restore.tokens)
+                if plan.keep < len(r.tokens):
+                    self.ops.trim(r.seq, plan.keep)
+                    del r.tokens[plan.keep:]
+            else:
+                r.tokens = []
+                plan = CachePlan("cold", 0, list(req.tokens), req.text, detail="restore failed", seq=r.seq)
+        elif plan.keep == 0:
+            self._evict(r)
+            self.ops.trim(r.seq, 0)
+            r.tokens = []
+        else:
+            # Continues what this sequence holds, all of it or a prefix: a
+            # state cut short is kept in RAM first.
+            if r.state is not None and plan.keep < len(r.state.tokens):
+                self._evict(r)
+            if plan.keep < len(r.tokens):
+                self.ops.trim(r.seq, plan.keep)
+                del r.tokens[plan.keep:]
+        r.state = None
+        r.saved = False
+        r.busy = True
+        r.owner = req.owner
+        r.prompt = r.tokens + plan.suffix
+        r.last_used = time.monotonic()
+        self._publish()
+        return plan
 
-    def set_live(self, state: SessionState) -> None:
-        self.live = state
-        self._live_saved = False
+    def decoded(self) -> None:
+        """The step's ``llama_decode`` ran: pending stream copies are done."""
+        self._copying.clear()
 
-    def checkpoint_prefix(self, tokens: list[int], text: str) -> None:
+    def finished(self, seq: int, state: SessionState) -> None:
+        """The turn on ``seq`` is over; its state is set before the client
+        gets the terminal event (its next request may look up its calls)."""
+        r = self.residents[seq]
+        r.state = state
+        r.saved = False
+        self._publish()
+
+    def release(self, seq: int) -> None:
+        """``seq`` holds exactly its state's tokens now: idle, reusable."""
+        r = self.residents[seq]
+        r.busy = False
+        r.prompt = []
+        r.last_used = time.monotonic()
+        self._publish()
+
+    def discard(self, seq: int) -> None:
+        """Forget what ``seq`` holds (its generation failed)."""
+        r = self.residents[seq]
+        self.ops.trim(seq, 0)
+        r.tokens, r.state, r.busy, r.saved, r.prompt = [], None, False, False, []
+        self._publish()
+
+    def _evict(self, r: Resident) -> None:
+        """``r``'s state leaves its sequence: kept in RAM (captured once)."""
+        state = r.state
+        if state is not None and not r.saved and self.enabled:
+            state.kv = self.ops.capture(r.seq)
+            self._remember_in_ram(state)
+            r.saved = True
+            self.stats.evictions += 1
+        r.state = None
+
+    def checkpoint_prefix(self, seq: int, owner: str) -> None:
         """A mid-prefill checkpoint, so that a crash loses little of a long prompt."""
-        if self.disk is None:
+        if self.disk is None or not self.enabled:
             return
-        state = SessionState(tokens=list(tokens), kv_text=text, kv=self.ops.capture(), owner=self._owner)
+        tokens = list(self.residents[seq].tokens)
+        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), kv=self.ops.capture(seq),
+                             owner=owner)
         self._checkpoint(state)
 
-    def save_live(self) -> None:
-        """At shutdown: the live state goes to disk, synchronously."""
-        live = self.live
-        if live is None or self.disk is None:
+    def save_all(self) -> None:
+        """At shutdown: every remembered state goes to disk, synchronously."""
+        if self.disk is None or not self.enabled:
             return
-        if live.kv is None or not self._live_saved:
-            live.kv = self.ops.capture()
-        self.disk.save(live)
-        self.stats.disk_writes += 1
+        states = list(self._ram.values())
+        for r in self.residents:
+            if r.state is not None and not r.busy:
+                if r.state.kv is None or not r.saved:
+                    r.state.kv = self.ops.capture(r.seq)
+                states.append(r.state)
+        for state in states:
+            self._save(state)
 
     def flush(self) -> None:
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join(timeout=30)
             self._writer = None
+
+    def sequences(self) -> list[dict[str, object]]:
+        """Per-sequence occupancy for ``/health`` (read racily: numbers only)."""
+        now = time.monotonic()
+        return [{"id": r.seq, "owner": r.owner, "tokens": len(r.tokens), "busy": r.busy,
+                 "idle_s": round(now - r.last_used, 1) if r.last_used else None}
+                for r in self.residents]
 
     def _remember_in_ram(self, state: SessionState) -> None:
         self._ram[state.key] = state
@@ -320,6 +529,7 @@ class ContinuationCache:
         while total > self.ram_budget_bytes and self._ram:
             _, old = self._ram.popitem(last=False)
             total -= old.nbytes
+            self._checkpoint(old)  # leaving RAM: the disk keeps it
         self.stats.ram_sessions = len(self._ram)
         self.stats.ram_bytes = total
 
@@ -341,8 +551,8 @@ class ContinuationCache:
     def _save(self, state: SessionState) -> None:
         assert self.disk is not None
         try:
-            self.disk.save(state)
-            self.stats.disk_writes += 1
+            if self.disk.save(state) is not None:
+                self.stats.disk_writes += 1
             self.stats.disk_checkpoints = len(self.disk)
         except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)

@@ -9,11 +9,8 @@ what it was shown, the KV holds what the model produced.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from dataclasses import dataclass, field
-
-import llama_cpp
 
 from lmspd.core.conversation import Item
 
@@ -45,20 +42,6 @@ class SessionState:
     @property
     def nbytes(self) -> int:
         return len(self.kv or b"") + 4 * len(self.tokens) + 2 * len(self.kv_text) + 2 * len(self.visible or "")
-
-
-def capture_kv(ctx: llama_cpp.llama_context_p) -> bytes:
-    """Copy sequence 0's KV out of the context (not the logits buffer that
-    ``Llama.save_state`` would also copy)."""
-    size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-    buf = (ctypes.c_uint8 * size)()
-    n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-    return bytes(memoryview(buf)[:n])
-
-
-def restore_kv(ctx: llama_cpp.llama_context_p, data: bytes) -> bool:
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    return llama_cpp.llama_state_seq_set_data(ctx, buf, len(data), 0) == len(data)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -30,8 +30,9 @@ class ModelInfo:
     owned_by: str = "lmspd"
     # Where the weights live or which provider serves them (never a secret).
     source: str = ""
-    # Generations the engine runs at once: 1 for an embedded model; a remote
-    # provider batches requests itself, so the upstream engine takes many.
+    # Generations the engine runs at once: the embedded model's sequences
+    # (--parallel); a remote provider batches requests itself, so the
+    # upstream engine takes many.
     max_concurrency: int = 1
 
 
@@ -71,8 +72,6 @@ class Prepared(Protocol):
     tokens counted, limits checked) — made before any byte is sent."""
 
     input_tokens: int
-    # The response this generation produces; set just before it runs.
-    response_id: str | None
 
 
 class Engine(Protocol):
@@ -81,8 +80,10 @@ class Engine(Protocol):
     def prepare(self, conversation: Conversation) -> Prepared:
         """Validate and render; raise ``ApiError`` for anything the client got wrong."""
 
-    def generate(self, prepared: Prepared, cancel: CancelToken) -> AsyncIterator[EngineEvent]:
-        """Run one generation; ends with exactly one ``Finished`` or ``Failed``."""
+    def generate(self, prepared: Prepared, cancel: CancelToken,
+                 response_id: str | None = None) -> AsyncIterator[EngineEvent]:
+        """Run one generation; ends with exactly one ``Finished`` or ``Failed``.
+        ``response_id`` names the response it produces."""
 
     def count_tokens(self, conversation: Conversation) -> int:
         ...
@@ -96,7 +97,8 @@ class Engine(Protocol):
 
 class ModelQueue:
     """FIFO admission to a model that runs ``concurrency`` generations at a
-    time (one, for an embedded model).
+    time (an embedded model's sequences; while one is free a request starts
+    at once, whatever else is generating).
 
     ``admit()`` is synchronous so that an overloaded server answers 503
     before any response header is sent; the returned ticket then waits for

@@ -43,6 +43,8 @@ class LlamaSpec:
     model: str | None = None
     ctx: int = 8192
     threads: int | None = None
+    # Sequences decoded together (continuous batching), each with the full ctx.
+    parallel: int = 4
     # A Jinja chat template file used instead of the GGUF's own.
     chat_template: str | None = None
 
@@ -50,7 +52,7 @@ class LlamaSpec:
 EngineSpec = Union[LlamaSpec, UpstreamSpec]
 
 # Field name -> accepted types, per engine (served_model comes from the table key).
-_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,), "chat_template": (str,)}
+_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,), "parallel": (int,), "chat_template": (str,)}
 _UPSTREAM_FIELDS = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
@@ -90,11 +92,13 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         if isinstance(value, bool) or not isinstance(value, allowed[key]):
             raise ConfigError(f"{where}.{key} has the wrong type")
     if engine == "llama":
+        if not 1 <= entry.get("parallel", 4) <= 64:
+            raise ConfigError(f"{where}.parallel must be between 1 and 64")
         model = entry.get("model")
         if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
             model = str((path.parent / model).resolve())
         return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", 8192), threads=entry.get("threads"),
-                         chat_template=entry.get("chat_template"))
+                         parallel=entry.get("parallel", 4), chat_template=entry.get("chat_template"))
     urls = entry.pop("urls", None) or []
     if "url" in entry:
         urls = [entry.pop("url"), *urls]
@@ -126,7 +130,7 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return [LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
-                      threads=settings.threads, chat_template=settings.chat_template)]
+                      threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template)]
 
 
 def build_engine(spec: EngineSpec, settings: Any) -> Any:
@@ -171,7 +175,7 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
             template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
-    return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, cache=cache,
+    return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, parallel=spec.parallel, cache=cache,
                        limits=settings.limits.request, chat_template=template,
                        sealer=Sealer.from_data_dir(Path(settings.data_dir)))
 

@@ -166,7 +166,8 @@ class UpstreamEngine:
                         f" ({self._scrub(detail)})" if detail else "")
             raise to_api_error(exc) from None
 
-    async def generate(self, prepared: UpstreamPrepared, cancel: CancelToken) -> AsyncIterator[EngineEvent]:
+    async def generate(self, prepared: UpstreamPrepared, cancel: CancelToken,
+                       response_id: str | None = None) -> AsyncIterator[EngineEvent]:
         if prepared.stream is None:
             await self.open(prepared, cancel)
         stream, prepared.stream = prepared.stream, None

@@ -1,0 +1,301 @@
+"""One sequence's output: sampled tokens -> text -> (reasoning splitter,
+stop matcher, tool-call parser) -> events on that sequence's own stream.
+
+The scheduler drives it a token at a time (``on_token``) and evaluates what
+it returns; nothing here touches the context except through the sampler.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from lmspd.cache.manager import CachePlan
+from lmspd.cache.state import SessionState
+from lmspd.core.conversation import Item, Message, Reasoning, ToolCall
+from lmspd.core.events import (
+    EngineEvent,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    ReasoningDone,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallDone,
+    ToolCallStarted,
+    Usage,
+)
+from lmspd.core.ids import new_id
+from lmspd.engines.base import CancelToken
+
+from .preparation import LlamaPrepared
+from .reasoning import BUDGETS, ReasoningSplitter
+from .tool_formats import ToolCallError, ToolCallParser
+
+if TYPE_CHECKING:
+    from .engine import LlamaEngine
+
+
+class Generation:
+    def __init__(self, engine: "LlamaEngine", prepared: LlamaPrepared, plan: CachePlan, cancel: CancelToken,
+                 emit: Callable[[EngineEvent], None], usage: Usage, *, response_id: str | None,
+                 kv_tokens: list[int], remember: Callable[[SessionState], None]) -> None:
+        self.engine = engine
+        self.vocab = engine.vocab
+        self.prepared = prepared
+        self.plan = plan
+        self.cancel = cancel
+        self.emit = emit
+        self.usage = usage
+        self.response_id = response_id
+        # The tokens evaluated in this generation's sequence (the scheduler appends).
+        self.kv_tokens = kv_tokens
+        self._remember_state = remember
+        self.sampler = engine.preparation.sampler(prepared)
+        self.parser: ToolCallParser | None = (
+            engine.tool_format.parser(prepared.tools, lambda: new_id("call")) if prepared.tools else None
+        )
+        self.text = ""  # visible text, for the transcript
+        self.raw = bytearray()  # everything sampled, for the KV's text
+        self.calls: dict[int, ToolCall] = {}
+        syntax = engine.reasoning
+        self.splitter = ReasoningSplitter(syntax) if syntax is not None else None
+        self.reasoning_open = False
+        self.forced = 0
+        conv = prepared.conversation
+        self.budget = BUDGETS.get(conv.reasoning_effort, BUDGETS[None])
+        if prepared.grammar is not None and not prepared.lazy_patterns:
+            # The reply has a required shape: no free-form thinking first.
+            self.budget = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stops = StopMatcher(prepared.stop)
+        self.reason = "length"
+        self.sampled: list[int] = []
+        self.eog_text: str | None = None
+        self.stopped_by: str | None = None  # the stop sequence that ended the text
+        self.done = False
+
+    # -- driven by the scheduler --------------------------------------------------
+
+    def before_sample(self) -> list[int]:
+        """Tokens to evaluate before the next sample: the end of a thinking
+        block whose budget is spent (written into the KV), else none."""
+        splitter = self.splitter
+        if splitter is None or not splitter.in_reasoning or self.usage.reasoning_tokens < self.budget:
+            return []
+        text = splitter.syntax.forced_close
+        tokens = self.vocab.tokenize(text)
+        self.forced += len(tokens)
+        self.raw += text.encode()
+        try:
+            self._route(splitter.feed(text))
+        except ToolCallError as exc:
+            self._invalid_call(exc, None)
+            return []
+        return tokens
+
+    def on_token(self, token: int) -> list[int]:
+        """Take one sampled token; returns the tokens to evaluate next (the
+        token itself, which after the terminal event only serves the next
+        turn's cache). ``done`` is set once the terminal event is out."""
+        try:
+            if self.vocab.is_eog(token):
+                self.eog_text = self.vocab.detokenize([token])
+                self.reason = "stop"
+                return self._complete(token)
+            self.sampled.append(token)
+            if self.splitter is not None and self.splitter.in_reasoning:
+                self.usage.reasoning_tokens += 1
+            piece = self.vocab.piece(token)
+            self.raw += piece
+            text = self.decoder.decode(piece)
+            # Text goes out before the token is evaluated: the client
+            # should not wait a decode step for what is already known.
+            hit: str | None = None
+            if text:
+                text, hit = self.stops.feed(text)
+                if text:
+                    self._text(text)
+            if hit:
+                self.reason, self.stopped_by = "stop", hit
+            if hit or len(self.sampled) >= self.prepared.max_new_tokens:
+                return self._complete(token)
+            return [token]
+        except ToolCallError as exc:
+            return self._invalid_call(exc, token)
+
+    def cancelled(self, pending: list[int]) -> list[int]:
+        """The client left or the server is shutting down. The state keeps
+        what was sampled, ``pending`` included (evaluated after the terminal
+        event, so that the KV matches the state's text)."""
+        self._finish_tokens()
+        self._remember(None, pending)
+        if self.cancel.reason == "shutdown":
+            self.emit(Failed("server_shutting_down", "The server is shutting down.", self.usage))
+        else:
+            self.emit(Finished("cancelled", self.usage))
+        self.done = True
+        return pending
+
+    # -- the end of a turn ----------------------------------------------------------
+
+    def _complete(self, last_token: int) -> list[int]:
+        if self.stopped_by is None:
+            tail = self.decoder.decode(b"", final=True) + self.stops.flush()
+            if tail:
+                self._text(tail)
+        # Cut off by max_output_tokens, a call may be mid-arguments: the
+        # response is incomplete (the session closes that call as
+        # incomplete), not an invalid call. What the parser still holds
+        # is at most the start of call markup, never shown as text.
+        if self.splitter is not None:
+            self._route(self.splitter.feed("", final=True))
+            self._close_reasoning()
+        if self.parser is not None and self.reason != "length":
+            self._events(self.parser.finish())
+        self._finish_tokens()
+        reason = self.reason
+        if reason == "stop" and self.calls:
+            reason = "tool_calls"
+        # Only the client's own stop sequences are named (not the tool
+        # format's markers the engine also stops at).
+        named = self.stopped_by if self.stopped_by in self.prepared.conversation.sampling.stop else None
+        return self._end(Finished(reason, self.usage, named), last_token)  # type: ignore[arg-type]
+
+    def _invalid_call(self, exc: ToolCallError, last_token: int | None) -> list[int]:
+        self._finish_tokens()
+        return self._end(Failed("invalid_tool_call", f"The model produced an invalid tool call: {exc}", self.usage),
+                         last_token)
+
+    def _end(self, terminal: EngineEvent, last_token: int | None) -> list[int]:
+        """The state is remembered before the terminal event (a client's next
+        request may look up its calls the moment it has the reply); the last
+        token is evaluated after it — also the end-of-turn token, which the
+        next turn's prompt has right there."""
+        pending = [last_token] if last_token is not None else []
+        self._remember(self.eog_text, pending)
+        self.emit(terminal)
+        self.done = True
+        return pending
+
+    # -- text and events ------------------------------------------------------------
+
+    def _text(self, text: str) -> None:
+        if self.splitter is not None:
+            self._route(self.splitter.feed(text))
+            return
+        self._visible(text)
+
+    def _route(self, pieces: list[tuple[str, str]]) -> None:
+        for kind, piece in pieces:
+            if kind == "reasoning":
+                self.reasoning_open = True
+                self.emit(ReasoningDelta(piece))
+            else:
+                self._close_reasoning()
+                self._visible(piece)
+
+    def _close_reasoning(self) -> None:
+        if not self.reasoning_open:
+            return
+        self.reasoning_open = False
+        sealed = None
+        engine = self.engine
+        if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
+            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden)  # type: ignore[union-attr]
+        self.emit(ReasoningDone(sealed))
+
+    def _visible(self, text: str) -> None:
+        if self.parser is None:
+            self.text += text
+            self.emit(TextDelta(text))
+            return
+        self._events(self.parser.feed(text))
+
+    def _events(self, events: list[EngineEvent]) -> None:
+        for event in events:
+            if isinstance(event, TextDelta):
+                self.text += event.text
+            elif isinstance(event, ToolCallStarted):
+                event = self._public_call(event)
+                call = ToolCall(call_id=event.call_id, name=event.name, payload="", kind=event.kind,
+                                namespace=event.namespace)
+                self.calls[event.index] = call
+            elif isinstance(event, ToolCallDelta):
+                self.calls[event.index].payload += event.delta
+            elif isinstance(event, ToolCallDone):
+                self.calls[event.index].payload = event.payload
+            self.emit(event)
+
+    def _public_call(self, event: ToolCallStarted) -> ToolCallStarted:
+        """A namespaced function is offered as ``ns__name``; its call carries
+        the namespace and the plain name back."""
+        if event.namespace and event.name.startswith(event.namespace + "__"):
+            return dataclasses.replace(event, name=event.name[len(event.namespace) + 2:])
+        return event
+
+    def _finish_tokens(self) -> None:
+        self.usage.output_tokens = len(self.sampled) + self.forced
+        stats = self.engine.stats_
+        stats.last_output_tokens = len(self.sampled)
+        stats.last_output_token_ids = self.sampled
+
+    def _remember(self, eog_text: str | None, pending: list[int]) -> None:
+        """Make what is in the KV, plus the ``pending`` tokens about to be
+        evaluated, this sequence's remembered state."""
+        outputs: list[Item] = []
+        if self.splitter is not None and self.splitter.hidden:
+            # The client replays it (without the hidden text unless sealed).
+            outputs.append(Reasoning(text=self.splitter.reasoning))
+        if self.text:
+            outputs.append(Message(role="assistant", text=self.text))
+        for index in sorted(self.calls):
+            call = self.calls[index]
+            if call.namespace:
+                call = dataclasses.replace(call, name=f"{call.namespace}__{call.name}")
+            outputs.append(call)
+        conversation = self.prepared.conversation
+        visible = self.engine.visible_transcript(conversation, outputs, eog_text)
+        kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")
+        self._remember_state(SessionState(
+            tokens=list(self.kv_tokens) + pending,
+            kv_text=kv_text,
+            visible=visible,
+            items=list(conversation.items) + outputs,
+            call_ids=frozenset(c.call_id for c in self.calls.values()),
+            response_id=self.response_id,
+            owner=conversation.owner,
+        ))
+
+
+class StopMatcher:
+    """Stop sequences over streamed text, holding back only a possible prefix."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """The text that is safe to show, and the stop sequence that ended
+        it (the earliest in the text), if one did."""
+        if not self._stops:
+            return text, None
+        buf = self._held + text
+        found = [(at, stop) for stop in self._stops if (at := buf.find(stop)) >= 0]
+        if found:
+            at, stop = min(found)
+            self._held = ""
+            return buf[:at], stop
+        keep = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), 0, -1):
+                if buf.endswith(stop[:k]):
+                    keep = max(keep, k)
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,252 @@
+"""Preparing a request for the llama engine: render, tokenize, fit the
+context window, constrain (grammar, stop sequences) — on the event loop,
+before any byte is sent. Nothing here touches the KV; the cache is only
+read (its published snapshot of remembered states).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from llama_cpp import _internals as internals
+
+from lmspd.cache.manager import CacheRequest, ContinuationCache
+from lmspd.core.conversation import (
+    Conversation,
+    CustomTool,
+    FunctionTool,
+    Message,
+    Reasoning,
+    ToolCall,
+    orphan_tool_outputs,
+)
+from lmspd.core.errors import ApiError
+from lmspd.core.limits import RequestLimits
+from lmspd.core.sealing import Sealer
+
+from . import grammars
+from .prompt import template_messages
+from .reasoning import ReasoningSyntax
+from .sampling import GrammarFirstRejection
+from .template import ChatTemplate
+from .tool_formats import ToolFormat
+from .vocab import Vocabulary
+
+
+@dataclass
+class LlamaPrepared:
+    conversation: Conversation
+    text: str
+    tokens: list[int]
+    max_new_tokens: int
+    grammar: str | None = None
+    lazy_patterns: list[str] | None = None
+    tools: list[FunctionTool | CustomTool] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    requires_state: str | None = None
+    reuse_cache: bool = True
+    needs_reasoning_state: bool = False
+
+    @property
+    def input_tokens(self) -> int:
+        return len(self.tokens)
+
+    def cache_request(self) -> CacheRequest:
+        conv = self.conversation
+        return CacheRequest(
+            text=self.text,
+            tokens=self.tokens,
+            items=conv.items,
+            previous_response_id=conv.previous_response_id,
+            reuse=self.reuse_cache,
+            requires_state=self.requires_state,
+            max_new_tokens=self.max_new_tokens,
+            needs_reasoning_state=self.needs_reasoning_state,
+            owner=conv.owner,
+        )
+
+
+class Preparation:
+    def __init__(self, *, model_id: str, vocab: Vocabulary, template: ChatTemplate, tool_format: ToolFormat,
+                 reasoning: ReasoningSyntax | None, cache: ContinuationCache, n_ctx: int, limits: RequestLimits,
+                 sealer: Sealer | None) -> None:
+        self.model_id = model_id
+        self.vocab = vocab
+        self.template = template
+        self.tool_format = tool_format
+        self.reasoning = reasoning
+        self.cache = cache
+        self.n_ctx = n_ctx
+        self.limits = limits
+        self.sealer = sealer
+
+    def render(self, conversation: Conversation, *, add_generation_prompt: bool = True) -> str:
+        messages, tools = template_messages(conversation, self.template, self.tool_format)
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def prepare(self, conversation: Conversation) -> LlamaPrepared:
+        self._open_sealed_reasoning(conversation)
+        requires_state = self._attach_live_history(conversation)
+        n_ctx = self.n_ctx
+        text = self.render(conversation)
+        tokens = self.vocab.tokenize(text)
+        requested = conversation.max_output_tokens
+        while conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
+            if not _drop_oldest_turn(conversation):
+                break
+            text = self.render(conversation)
+            tokens = self.vocab.tokenize(text)
+        room = n_ctx - len(tokens)
+        if conversation.max_output_tokens_is_ceiling and requested is not None and room >= 1:
+            requested = min(requested, room)
+        if (requested is not None and requested > room) or room < 1:
+            need = len(tokens) + (requested or 1)
+            raise ApiError(
+                "context_length_exceeded",
+                f"This request needs {need} tokens ({len(tokens)} of input"
+                + (f" + {requested} max_output_tokens" if requested else "")
+                + f") but the model's context window is {n_ctx} tokens.",
+                param="max_output_tokens" if requested and len(tokens) < n_ctx else "input",
+            )
+        prepared = LlamaPrepared(
+            conversation=conversation,
+            text=text,
+            tokens=tokens,
+            max_new_tokens=requested if requested is not None else room,
+            stop=list(conversation.sampling.stop),
+            requires_state=requires_state,
+            reuse_cache=conversation.cache_reuse,
+            needs_reasoning_state=self._needs_reasoning_state(conversation),
+        )
+        self._constrain(prepared)
+        return prepared
+
+    def _open_sealed_reasoning(self, conversation: Conversation) -> None:
+        """Replayed reasoning this server sealed renders exactly as sampled."""
+        for i, item in enumerate(conversation.items):
+            if isinstance(item, Reasoning) and item.encrypted_content:
+                if self.sealer is None or self.reasoning is None:
+                    continue  # another provider's blob: nothing we can render
+                item.hidden = self.sealer.open(self.model_id, item.encrypted_content,
+                                               f"input[{i}].encrypted_content")
+
+    def _needs_reasoning_state(self, conversation: Conversation) -> bool:
+        """A replayed tool-call turn of a reasoning model without its reasoning
+        item cannot be rendered as the model saw it."""
+        if self.reasoning is None or not conversation.require_reasoning_state:
+            return False
+        reasoning_seen = False
+        for item in conversation.items:
+            if isinstance(item, Reasoning):
+                reasoning_seen = True
+            elif isinstance(item, ToolCall):
+                if not reasoning_seen:
+                    return True
+            elif isinstance(item, Message) and item.role != "assistant":
+                reasoning_seen = False
+        return False
+
+    def _attach_live_history(self, conversation: Conversation) -> str | None:
+        """A tool output must answer a call in the replayed history — or one the
+        engine still remembers, whose history is then put in front of it."""
+        orphans = orphan_tool_outputs(conversation.items)
+        if not orphans:
+            return None
+        state = (self.cache.state_for_calls({call_id for _, call_id in orphans}, conversation.owner)
+                 if self.cache.enabled else None)
+        # Only a request that starts with the outputs continues a remembered
+        # turn; outputs after some replayed history must find their call there.
+        if state is None or orphans[0][0] != 0:
+            index, call_id = orphans[0]
+            raise ApiError(
+                "invalid_request",
+                f"No tool call found for the tool output with call_id {call_id!r} (input[{index}]), and the "
+                "server holds no live state that produced it. Replay the full history: include the "
+                "function_call item that produced this call_id before its output.",
+                param=f"input[{index}].call_id",
+            )
+        conversation.items = list(state.items) + conversation.items
+        return state.key
+
+    def _constrain(self, prepared: LlamaPrepared) -> None:
+        """Grammars only for requests that demand a shape; none otherwise."""
+        conv = prepared.conversation
+        fmt = conv.output_format
+        choice = conv.tool_choice
+        if conv.tools and choice.mode != "none":
+            names = choice.allowed if choice.allowed is not None else [t.name for t in conv.tools]
+            prepared.tools = [t for t in conv.tools if t.name in names]
+            if choice.mode == "required":
+                prepared.grammar = grammars.tool_call_grammar(
+                    self.tool_format, conv.tools, allowed_names=names, parallel=conv.parallel_tool_calls,
+                    max_calls=self._max_calls(conv),
+                )
+                self._check_grammar(prepared.grammar)
+                return
+        if conv.tools and fmt.type == "text":
+            # The tools are in the prompt: a tool result the model writes
+            # itself ends its turn, and so does a call where none may be made
+            # (tool_choice none); neither markup ever reaches output_text.
+            prepared.stop += self.tool_format.result_markers
+            if not prepared.tools:
+                prepared.stop.append(self.tool_format.trigger)
+        if fmt.type == "json_schema" and fmt.schema is not None:
+            prepared.grammar = grammars.json_schema_grammar(fmt.schema, param=fmt.param)
+        elif fmt.type != "text":
+            prepared.grammar = grammars.json_object_grammar()
+        elif prepared.tools:
+            # auto: free text until the model starts a call, then the call is constrained.
+            prepared.grammar, prepared.lazy_patterns = grammars.lazy_tool_call_grammar(
+                self.tool_format, conv.tools, allowed_names=[t.name for t in prepared.tools],
+                parallel=conv.parallel_tool_calls, max_calls=self._max_calls(conv),
+            )
+        if fmt.type != "text" and prepared.tools:
+            # The reply must be JSON: the model cannot also call tools.
+            prepared.tools = []
+        if prepared.grammar is not None:
+            self._check_grammar(prepared.grammar)
+
+    def _max_calls(self, conv: Conversation) -> int:
+        return self.limits.max_parallel_tool_calls if conv.parallel_tool_calls else 1
+
+    def _check_grammar(self, gbnf: str) -> None:
+        # llama.cpp returns no sampler for a grammar it rejects, and a chain
+        # with that hole crashes the process: refuse the request instead.
+        if not grammars.grammar_compiles(self.vocab.vocab, gbnf):
+            raise ApiError("unsupported_capability", "The requested output shape could not be compiled "
+                           "into a grammar for this model.", param="text.format")
+
+    def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | GrammarFirstRejection:
+        """A fresh sampler for one sequence: ``sample(ctx, idx)`` reads the
+        logits of batch row ``idx``."""
+        sampling = prepared.conversation.sampling
+        chain = internals.LlamaSampler()
+        temperature = 1.0 if sampling.temperature is None else sampling.temperature
+        if temperature <= 0:
+            chain.add_greedy()
+        else:
+            top_p = 1.0 if sampling.top_p is None else sampling.top_p
+            if top_p < 1.0:
+                chain.add_top_p(top_p, 1)
+            chain.add_temp(temperature)
+            seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
+            chain.add_dist(seed)
+        if prepared.grammar is None:
+            return chain
+        return GrammarFirstRejection(self.vocab.vocab, self.vocab.n_vocab, prepared.grammar, chain,
+                                     prepared.lazy_patterns)
+
+
+def _drop_oldest_turn(conversation: Conversation) -> bool:
+    """``truncation: auto``: drop the oldest non-system item; False if none left."""
+    items = conversation.items
+    for i, item in enumerate(items):
+        if isinstance(item, Message) and item.role in ("system", "developer"):
+            continue
+        # Never leave the conversation without its last item.
+        if i == len(items) - 1:
+            return False
+        del items[i]
+        return True
+    return False

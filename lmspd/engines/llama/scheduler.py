@@ -1,0 +1,333 @@
+"""Continuous batching: one thread owns the llama.cpp context.
+
+Each step builds one ``llama_batch`` with the next token of every decoding
+sequence plus a chunk of pending prefill (capped while others decode, so a
+long prompt does not stall their streams), runs one ``llama_decode``, then
+samples every sequence whose logits are ready with its own sampler and
+hands the token to its own ``Generation`` (stop matcher, reasoning splitter,
+tool-call parser, events). A sequence that finishes or is cancelled is
+released within one step: its last token is evaluated in the next batch
+(for the next turn's cache) and the sequence is idle after it.
+
+New requests wait in a FIFO inbox; between steps the cache places each on a
+sequence (``ContinuationCache.plan``/``apply``). The batch arrays are
+allocated once; a decode step writes scalars into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import llama_cpp
+import numpy as np
+
+from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest
+from lmspd.core.events import EngineEvent, Failed, Finished, Usage
+from lmspd.engines.base import CancelToken
+
+from .generation import Generation
+from .preparation import LlamaPrepared
+
+if TYPE_CHECKING:
+    from .engine import LlamaEngine
+
+log = logging.getLogger("lmspd.engine")
+
+
+@dataclass
+class Job:
+    """A request handed to the scheduler."""
+
+    prepared: LlamaPrepared
+    cancel: CancelToken
+    emit: Callable[[EngineEvent], None]
+    response_id: str | None
+    request: CacheRequest
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Running:
+    """A job placed on a sequence: prefilling, then decoding, then its last token."""
+
+    def __init__(self, job: Job, plan: CachePlan, tokens: list[int], gen: Generation) -> None:
+        self.job = job
+        self.plan = plan
+        self.seq = plan.seq
+        # The sequence's evaluated tokens (shared with its cache Resident).
+        self.tokens = tokens
+        self.pending: list[int] = list(plan.suffix)
+        self.prefilling = True
+        self.gen = gen
+        self.since_checkpoint = 0
+        self.started = time.perf_counter()
+
+
+class Scheduler:
+    def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int) -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        self._ctx = engine.ctx
+        self.n_batch = n_batch
+        self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
+        self.checkpoint_every = checkpoint_every
+        batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch = batch
+        self._tok = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
+        self._logits = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))[:] = 1
+        self._seq_ids = [batch.seq_id[i] for i in range(n_batch)]
+        self._offsets = np.arange(n_batch, dtype=np.int32)
+        self._cond = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._waiting: list[Job] = []
+        self._running: list[Running] = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="lmspd-llama-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- other threads ------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._inbox.append(job)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Cancel what runs, write the shutdown checkpoints, stop (blocking)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        llama_cpp.llama_batch_free(self._batch)
+
+    @property
+    def active(self) -> int:
+        return len(self._running)
+
+    # -- the scheduler thread -------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._running or self._closing):
+                    self._cond.wait(0.5 if self._waiting else None)
+                    if self._waiting and not self._inbox:
+                        break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                closing = self._closing
+            if closing:
+                self._shutdown()
+                return
+            try:
+                self._admit()
+                self._reap()
+                if self._running:
+                    self._step()
+            except Exception:  # never leave the thread dead with streams open
+                log.exception("scheduler step failed")
+                for run in list(self._running):
+                    self._fail(run, "server_error", "Generation failed.")
+
+    def _admit(self) -> None:
+        """Place waiting jobs, in arrival order, on the sequences the cache picks."""
+        for job in list(self._waiting):
+            if job.cancel.cancelled:
+                self._waiting.remove(job)
+                job.emit(_cancelled_event(job.cancel, Usage()))
+                continue
+            try:
+                plan = self.cache.plan(job.request)
+            except CacheRefused as exc:
+                self._waiting.remove(job)
+                job.emit(Failed("invalid_request", str(exc)))
+                continue
+            if plan is None:
+                continue  # no sequence for it yet: asked again after the next step
+            self._waiting.remove(job)
+            self._start(job, plan)
+
+    def _start(self, job: Job, plan: CachePlan) -> None:
+        plan = self.cache.apply(plan, job.request)
+        resident = self.cache.residents[plan.seq]
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep)
+        seq = plan.seq
+        try:
+            gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,
+                             response_id=job.response_id, kv_tokens=resident.tokens,
+                             remember=lambda state: self.cache.finished(seq, state))
+        except Exception as exc:
+            log.exception("could not start a generation")
+            self.cache.discard(seq)
+            job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
+            return
+        self._running.append(Running(job, plan, resident.tokens, gen))
+
+    def _reap(self) -> None:
+        """Cancelled (client gone, shutdown): ended now, released after at most one step."""
+        for run in list(self._running):
+            if not run.job.cancel.cancelled or run.gen.done:
+                continue
+            if run.prefilling:
+                # Half a prompt has no turn to remember; its tokens stay
+                # resident for a prefix match.
+                run.job.emit(_cancelled_event(run.job.cancel, run.gen.usage))
+                run.gen.done = True
+                run.pending = []
+                self._release(run)
+            else:
+                run.pending = run.gen.cancelled(run.pending)
+                if not run.pending:
+                    self._release(run)
+
+    def _step(self) -> None:
+        rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none), tokens taken
+        n = 0
+        decoding = [r for r in self._running if not r.prefilling]
+        for run in decoding:
+            k = len(run.pending)
+            if k == 0 or n + k > self.n_batch:
+                continue
+            wants = not run.gen.done
+            self._put(run, run.pending, n, k, wants)
+            rows.append((run, n + k - 1 if wants else -1, k))
+            n += k
+        room = self.n_batch - n
+        if decoding:
+            room = min(room, self.prefill_chunk)
+        for run in self._running:
+            if not run.prefilling or room <= 0:
+                continue
+            k = min(len(run.pending), room)
+            last = k == len(run.pending)
+            self._put(run, run.pending, n, k, last)
+            rows.append((run, n + k - 1 if last else -1, k))
+            n += k
+            room -= k
+        if n == 0:
+            return
+        self._batch.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+        self.cache.decoded()
+        if rc != 0:
+            log.error("llama_decode failed (%d) for a batch of %d tokens", rc, n)
+            for run, _, _ in rows:
+                self._fail(run, "server_error", f"Decoding failed ({rc}).")
+            return
+        for run, _, k in rows:
+            taken = run.pending[:k] if k > 1 else [run.pending[0]]
+            del run.pending[:k]
+            run.tokens.extend(taken)
+        for run, row, k in rows:
+            try:
+                self._advance(run, row, k)
+            except Exception as exc:
+                log.exception("generation failed")
+                self._fail(run, "server_error", f"Generation failed: {type(exc).__name__}")
+
+    def _put(self, run: Running, tokens: list[int], at: int, k: int, logits: bool) -> None:
+        p0 = len(run.tokens)
+        seq = run.seq
+        if k == 1:
+            self._tok[at] = tokens[0]
+            self._pos[at] = p0
+            self._seq_ids[at][0] = seq
+            self._logits[at] = 1 if logits else 0
+            return
+        self._tok[at:at + k] = tokens[:k]
+        np.add(self._offsets[:k], p0, out=self._pos[at:at + k])
+        for i in range(at, at + k):
+            self._seq_ids[i][0] = seq
+        self._logits[at:at + k] = 0
+        if logits:
+            self._logits[at + k - 1] = 1
+
+    def _advance(self, run: Running, row: int, k: int) -> None:
+        gen = run.gen
+        if run.prefilling:
+            run.since_checkpoint += k
+            if run.pending:
+                every = self.checkpoint_every
+                if every and run.since_checkpoint >= every:
+                    self.cache.checkpoint_prefix(run.seq, run.job.request.owner)
+                    run.since_checkpoint = 0
+                return
+            run.prefilling = False
+            self._prefilled(run)
+        if gen.done:
+            if not run.pending:
+                self._release(run)
+            return
+        forced = gen.before_sample()
+        if not gen.done:
+            if forced:
+                run.pending = forced
+                return
+            token = gen.sampler.sample(self._ctx, row)
+            run.pending = gen.on_token(token)
+        if gen.done and not run.pending:
+            self._release(run)
+
+    def _prefilled(self, run: Running) -> None:
+        plan = run.plan
+        prefill_ms = (time.perf_counter() - run.started) * 1000
+        stats = self.engine.stats_
+        stats.generations += 1
+        stats.prefilled_tokens += len(plan.suffix)
+        stats.last_cache_source = plan.source
+        stats.last_cache_detail = plan.detail
+        stats.last_reused_tokens = plan.keep
+        stats.last_prefilled_tokens = len(plan.suffix)
+        stats.last_prefill_ms = prefill_ms
+        log.info(
+            "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f",
+            run.job.response_id, run.seq, plan.source, f" {plan.detail}" if plan.detail else "",
+            plan.keep, len(plan.suffix), prefill_ms,
+        )
+
+    def _release(self, run: Running) -> None:
+        self._running.remove(run)
+        self.cache.release(run.seq)
+        close = getattr(run.gen.sampler, "close", None)
+        if close is not None:
+            close()
+
+    def _fail(self, run: Running, code: str, message: str) -> None:
+        if run in self._running:
+            self._running.remove(run)
+        if not run.gen.done:
+            run.gen.done = True
+            run.job.emit(Failed(code, message, run.gen.usage))
+        self.cache.discard(run.seq)
+
+    def _shutdown(self) -> None:
+        for job in self._waiting:
+            job.emit(Failed("server_shutting_down", "The server is shutting down."))
+        self._waiting.clear()
+        for run in self._running:
+            run.job.cancel.cancel("shutdown")
+        # Each cancelled sequence evaluates what it sampled last, then the
+        # remembered states go to disk.
+        for _ in range(3):
+            if not self._running:
+                break
+            self._reap()
+            if self._running:
+                self._step()
+        self.cache.save_all()
+
+
+def _cancelled_event(cancel: CancelToken, usage: Usage) -> EngineEvent:
+    if cancel.reason == "shutdown":
+        return Failed("server_shutting_down", "The server is shutting down.", usage)
+    return Finished("cancelled", usage)
