@@ -345,17 +345,19 @@ XLLAMACPP_READY = re.compile(r"xllamacpp \S+ serving at (http://\S+)")
 
 
 def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log_path: Path,
-                 log_level: str = "info") -> ChildServer:
+                 log_level: str = "info", extra: list[str] | None = None) -> ChildServer:
     cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", str(data_dir),
-           "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level]
+           "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level, *(extra or [])]
     if model is not None:
         cmd += ["--model", str(model)]
     return ChildServer("lmspd", cmd, LMSPD_READY, log_path)
 
 
-def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path) -> ChildServer:
+def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path,
+                     parallel: int = 1) -> ChildServer:
+    """llama.cpp's server; with ``parallel`` slots, each gets the full ``ctx``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "serve-xllamacpp", "--model", str(model),
-           "--ctx", str(ctx), "--threads", str(threads), "--batch", str(n_batch)]
+           "--ctx", str(ctx), "--threads", str(threads), "--batch", str(n_batch), "--parallel", str(parallel)]
     return ChildServer("xllamacpp", cmd, XLLAMACPP_READY, log_path)
 
 
@@ -366,6 +368,7 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     parser.add_argument("--ctx", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--parallel", type=int, default=1)
     args = parser.parse_args(argv)
     import xllamacpp as xlc
 
@@ -373,8 +376,10 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     p.model.path = args.model
     p.hostnames = ["127.0.0.1"]
     p.port = 0  # a free port; the bound address is read back below
-    p.n_ctx = args.ctx
-    p.n_parallel = 1  # one slot: one generation at a time, as in lmspd
+    # The server splits n_ctx between its slots (one KV stream each, as lmspd's
+    # --parallel): every slot gets the full window.
+    p.n_ctx = args.ctx * args.parallel
+    p.n_parallel = args.parallel  # 1: one generation at a time
     p.n_batch = args.batch
     p.n_ubatch = args.batch  # llama-cpp-python (and so lmspd) use n_ubatch = n_batch = 512
     p.cpuparams.n_threads = args.threads

@@ -92,11 +92,8 @@ class Preparation:
         text = self.render(conversation)
         tokens = self.vocab.tokenize(text)
         requested = conversation.max_output_tokens
-        while conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
-            if not _drop_oldest_turn(conversation):
-                break
-            text = self.render(conversation)
-            tokens = self.vocab.tokenize(text)
+        if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
+            text, tokens = self._truncate(conversation, n_ctx - (requested or 1))
         room = n_ctx - len(tokens)
         if conversation.max_output_tokens_is_ceiling and requested is not None and room >= 1:
             requested = min(requested, room)
@@ -121,6 +118,36 @@ class Preparation:
         )
         self._constrain(prepared)
         return prepared
+
+    def _truncate(self, conversation: Conversation, budget: int) -> tuple[str, list[int]]:
+        """``truncation: auto``: drop the fewest oldest items (never a system
+        or developer message, never the last item) that make the prompt fit
+        ``budget`` tokens — found by bisection, so a long history costs
+        O(log n) renders, not one per dropped item. Leaves the conversation
+        with the items kept (all droppable ones gone when nothing fits)."""
+        items = list(conversation.items)
+        droppable = [i for i, item in enumerate(items[:-1])
+                     if not (isinstance(item, Message) and item.role in ("system", "developer"))]
+
+        def attempt(k: int) -> tuple[str, list[int]]:
+            gone = set(droppable[:k])
+            conversation.items = [item for i, item in enumerate(items) if i not in gone]
+            text = self.render(conversation)
+            return text, self.vocab.tokenize(text)
+
+        lo, hi = 1, len(droppable)
+        best: tuple[list, str, list[int]] | None = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            text, tokens = attempt(mid)
+            if len(tokens) <= budget:
+                best, hi = (conversation.items, text, tokens), mid - 1
+            else:
+                lo = mid + 1
+        if best is None:
+            return attempt(len(droppable))
+        conversation.items, text, tokens = best
+        return text, tokens
 
     def _open_sealed_reasoning(self, conversation: Conversation) -> None:
         """Replayed reasoning this server sealed renders exactly as sampled."""
@@ -236,17 +263,3 @@ class Preparation:
             return chain
         return GrammarFirstRejection(self.vocab.vocab, self.vocab.n_vocab, prepared.grammar, chain,
                                      prepared.lazy_patterns)
-
-
-def _drop_oldest_turn(conversation: Conversation) -> bool:
-    """``truncation: auto``: drop the oldest non-system item; False if none left."""
-    items = conversation.items
-    for i, item in enumerate(items):
-        if isinstance(item, Message) and item.role in ("system", "developer"):
-            continue
-        # Never leave the conversation without its last item.
-        if i == len(items) - 1:
-            return False
-        del items[i]
-        return True
-    return False

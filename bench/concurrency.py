@@ -1,0 +1,314 @@
+"""Several agents at once on one model: lmspd ``--parallel 4`` against lmspd
+``--parallel 1`` and llama.cpp's own server with 4 slots, side by side in
+one run (the same GGUF, ``--ctx`` per sequence/slot, ``--threads``).
+
+Systems (started one after the other, each alone on the machine):
+
+``lmspd-p4``   ``lmspd serve --parallel 4`` — four sequences, continuous batching.
+``lmspd-p1``   ``lmspd serve --parallel 1`` — one sequence: requests queue, and
+               a session switch moves KV through RAM.
+``llama-4``    ``xllamacpp`` (llama.cpp's server) with ``n_parallel = 4``, each
+               slot the full ``--ctx`` (``n_ctx = 4 × ctx``), no unified KV —
+               the same layout as lmspd's.
+
+Every system gets the same streaming ``/v1/chat/completions`` bodies
+(temperature 0). Scenarios:
+
+1. ``agents`` — 4 agent sessions at once, each a full replay every turn (a
+   ``--dev-tokens`` developer prompt, the task, then per earlier turn the
+   model's reply verbatim and a ``--tool-tokens`` tool result), ``--turns``
+   turns of ``--reply-tokens`` output. Each session's developer prompt is its
+   own (a nonce at its start). Reports aggregate output tokens/s (all output
+   tokens over the scenario's wall time), TTFT mean/p90 of turns 2+, and the
+   tokens each system prefilled per turn (prompt − cached).
+2. ``shared`` — the same, all four sessions with one developer prompt (the
+   nonce moves into the task): the instructions should be prefilled once.
+3. ``decode`` — 4 streams of ``--decode-tokens`` output on short prompts at
+   once: aggregate decode tokens/s and mean TTFT.
+4. ``short`` — a short request alone (median of 3), then the same while a
+   ``--decode-tokens`` generation streams: its TTFT against its TTFT alone.
+
+Ratios are printed against ``llama-4`` (and scenario 4 against itself).
+The development machine is 2 shared cores: quote numbers with the load they
+were measured under (``--quick`` runs a smaller version of each scenario).
+
+    python bench/concurrency.py --quick
+    python bench/concurrency.py --systems lmspd-p4,llama-4 --turns 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import (  # noqa: E402
+    ChildServer,
+    Sample,
+    bundled_model_path,
+    lmspd_server,
+    stream_chat_completions,
+    xllamacpp_server,
+)
+
+N_BATCH = 512
+SYSTEMS = ("lmspd-p4", "lmspd-p1", "llama-4")
+WORDS = ("alpha beta gamma delta repository module function test change review commit branch file line "
+         "error value return import class method result output input parse build deploy config").split()
+
+
+def filler(n_words: int, seed: int) -> str:
+    """Deterministic prose-like filler, about 1.3 tokens a word for this tokenizer."""
+    out = []
+    x = seed * 2654435761 % 2**32
+    for i in range(n_words):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(WORDS[x % len(WORDS)])
+        if i % 14 == 13:
+            out[-1] += "."
+    return " ".join(out)
+
+
+def dev_prompt(tokens: int, nonce: str | None) -> str:
+    head = f"Session {nonce}. " if nonce else ""
+    return (head + "You are a coding agent. Follow the repository rules below exactly. "
+            + filler(int(tokens / 1.3), 7))
+
+
+def tool_result(tokens: int, session: int, turn: int) -> str:
+    return f"Tool output (session {session}, turn {turn}):\n" + filler(int(tokens / 1.3), 1000 * session + turn)
+
+
+# -- systems ------------------------------------------------------------------------------
+
+
+def start(system: str, args: argparse.Namespace, model: Path, tmp: Path) -> ChildServer:
+    if system.startswith("lmspd"):
+        parallel = "4" if system == "lmspd-p4" else "1"
+        return lmspd_server(model if args.model else None, args.ctx, args.threads, tmp / f"{system}-data",
+                            tmp / f"{system}.log", log_level="warning",
+                            extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64"]).start()
+    return xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / f"{system}.log", parallel=4).start()
+
+
+def chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int, system: str,
+         rnd: int) -> Sample:
+    body = {"model": model, "messages": messages, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True}}
+    return stream_chat_completions(client, url + "/v1/chat/completions", body, Sample(system, rnd))
+
+
+def prefilled(s: Sample) -> int | None:
+    if s.input_tokens is None:
+        return None
+    cached = s.cached_tokens if s.cached_tokens is not None else s.extra.get("server_cache_n")
+    return s.input_tokens - (cached or 0)
+
+
+# -- scenarios ---------------------------------------------------------------------------
+
+
+def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: bool) -> dict[str, Any]:
+    samples: list[list[Sample]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def session(i: int) -> None:
+        try:
+            nonce = f"{i}-{os.getpid()}"
+            task = f"Task {nonce}: fix the failing test in module_{i}.py and explain the fix."
+            messages = [{"role": "system", "content": dev_prompt(args.dev_tokens, None if shared else nonce)},
+                        {"role": "user", "content": task}]
+            with httpx.Client(timeout=600) as client:
+                for turn in range(args.turns):
+                    s = chat(client, url, model, messages, args.reply_tokens, system, turn)
+                    samples[i].append(s)
+                    messages = messages + [{"role": "assistant", "content": s.text},
+                                           {"role": "user", "content": tool_result(args.tool_tokens, i, turn)}]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    every = [s for ss in samples for s in ss]
+    later = [s for s in every if s.round >= 1]
+    ttfts = sorted(s.ttft_ms for s in later if s.ttft_ms is not None)
+    return {
+        "agg_tps": sum(s.output_tokens or 0 for s in every) / wall,
+        "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+        "prefill_turn1": statistics.fmean(prefilled(s) or 0 for s in every if s.round == 0),
+        "prefill_later": statistics.fmean(prefilled(s) or 0 for s in later) if later else None,
+        "prefill_total": sum(prefilled(s) or 0 for s in every),
+        "wall_s": wall,
+    }
+
+
+LONG_PROMPTS = ["Write a very long story about a dragon and a knight.", "Write a long essay about the history of ships.",
+                "Describe, in great detail, a journey across a desert.", "Write a long poem about the northern sea."]
+
+
+def decode(url: str, model: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: list[Sample] = [None] * 4  # type: ignore[list-item]
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            out[i] = chat(client, url, model, [{"role": "user", "content": LONG_PROMPTS[i]}], args.decode_tokens,
+                          system, i)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"agg_tps": sum(s.output_tokens or 0 for s in out) / wall,
+            "ttft_mean": statistics.fmean(s.ttft_ms for s in out if s.ttft_ms is not None),
+            "tokens": sum(s.output_tokens or 0 for s in out), "wall_s": wall}
+
+
+def short(url: str, model: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
+    msgs = [{"role": "user", "content": "Name one colour."}]
+    with httpx.Client(timeout=600) as client:
+        alone = statistics.median(chat(client, url, model, msgs, 8, system, 0).ttft_ms or 0 for _ in range(3))
+        long_done = threading.Event()
+        started = threading.Event()
+        result: dict[str, Any] = {}
+
+        def long() -> None:
+            with httpx.Client(timeout=600) as c:
+                body = {"model": model, "messages": [{"role": "user", "content": LONG_PROMPTS[0]}], "stream": True,
+                        "temperature": 0, "max_tokens": args.decode_tokens}
+                with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if '"content"' in line and not started.is_set():
+                            started.set()
+                result["long_end"] = time.perf_counter()
+            long_done.set()
+
+        t = threading.Thread(target=long)
+        t.start()
+        started.wait(300)
+        time.sleep(1.0)  # well into the long generation
+        s = chat(client, url, model, msgs, 8, system, 1)
+        short_end = time.perf_counter()
+        t.join()
+    return {"alone_ms": alone, "during_ms": s.ttft_ms, "ratio": (s.ttft_ms or 0) / alone if alone else None,
+            "before_long_ended": short_end < result.get("long_end", 0)}
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def fmt(v: Any, f: str = "{:.1f}") -> str:
+    return "—" if v is None else f.format(v)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "—" if not a or not b else f"{a / b:.2f}×"
+
+
+def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
+    for scen, title in (("agents", "1. four agent sessions"), ("shared", "2. four sessions, shared instructions")):
+        print(f"\n### {title}\n")
+        print("| system | aggregate tok/s | vs llama-4 | TTFT 2+ mean ms | p90 ms | vs llama-4 (mean) "
+              "| prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        b = results.get(base, {}).get(scen, {})
+        for system, r in results.items():
+            x = r.get(scen)
+            if not x:
+                continue
+            print(f"| {system} | {fmt(x['agg_tps'])} | {ratio(x['agg_tps'], b.get('agg_tps'))} "
+                  f"| {fmt(x['ttft_mean'], '{:.0f}')} | {fmt(x['ttft_p90'], '{:.0f}')} "
+                  f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x['prefill_turn1'], '{:.0f}')} "
+                  f"| {fmt(x['prefill_later'], '{:.0f}')} | {x['prefill_total']} |")
+    print("\n### 3. decode-heavy: 4 streams\n")
+    print("| system | output tokens | aggregate decode tok/s | vs llama-4 | TTFT mean ms | vs llama-4 |")
+    print("|---|---|---|---|---|---|")
+    b = results.get(base, {}).get("decode", {})
+    for system, r in results.items():
+        x = r.get("decode")
+        if x:
+            print(f"| {system} | {x['tokens']} | {fmt(x['agg_tps'])} | {ratio(x['agg_tps'], b.get('agg_tps'))} "
+                  f"| {fmt(x['ttft_mean'], '{:.0f}')} | {ratio(x['ttft_mean'], b.get('ttft_mean'))} |")
+    print("\n### 4. a short request during a long generation\n")
+    print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
+    print("|---|---|---|---|---|")
+    for system, r in results.items():
+        x = r.get("short")
+        if x:
+            print(f"| {system} | {fmt(x['alone_ms'], '{:.0f}')} | {fmt(x['during_ms'], '{:.0f}')} "
+                  f"| {fmt(x['ratio'], '{:.2f}×')} | {'yes' if x['before_long_ended'] else 'no'} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
+    parser.add_argument("--ctx", type=int, default=4096, help="context window per sequence / slot")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--scenarios", default="agents,shared,decode,short")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--dev-tokens", type=int, default=1500)
+    parser.add_argument("--tool-tokens", type=int, default=250)
+    parser.add_argument("--reply-tokens", type=int, default=48)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true",
+                        help="3 turns, a 600-token developer prompt, 120-token tool results, 128 decode tokens")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.turns, args.dev_tokens, args.tool_tokens, args.decode_tokens = 3, 600, 120, 128
+    model = args.model or bundled_model_path()
+    scenarios = args.scenarios.split(",")
+    results: dict[str, dict[str, Any]] = {}
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="lmspd-bench-conc-") as tmp_name:
+        tmp = Path(tmp_name)
+        for system in args.systems.split(","):
+            srv = start(system, args, model, tmp)
+            try:
+                name = "bench" if system == "llama-4" else httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+                r: dict[str, Any] = {}
+                for scen in scenarios:
+                    print(f"[{system}] {scen} ...", file=sys.stderr, flush=True)
+                    if scen in ("agents", "shared"):
+                        r[scen] = agents(srv.url, name, system, args, shared=scen == "shared")
+                    elif scen == "decode":
+                        r[scen] = decode(srv.url, name, system, args)
+                    elif scen == "short":
+                        r[scen] = short(srv.url, name, system, args)
+                results[system] = r
+            finally:
+                srv.stop()
+    print(f"\n## concurrency — {model.name}, ctx {args.ctx}/sequence, {args.threads} threads, {args.turns} turns, "
+          f"dev {args.dev_tokens} / tool {args.tool_tokens} / reply {args.reply_tokens} tokens"
+          f"{' (--quick)' if args.quick else ''}; load average at start {load[0]:.1f}")
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
