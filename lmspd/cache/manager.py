@@ -59,8 +59,9 @@ log = logging.getLogger("lmspd.cache")
 # A shared prefix another sequence is prefilling is worth waiting for when
 # it saves at least this many tokens of prefill.
 WAIT_FOR_SHARED_PREFIX = 32
-# Copying between sequences moves a whole KV stream: only worth it for a
-# prefix at least this long (a chat template's default system prompt is not).
+# Copying between sequences moves a whole KV stream, and restoring a saved
+# state moves all of it: for a partial prefix, only worth it when the prefix
+# is at least this long (a chat template's default system prompt is not).
 MIN_COPY_TOKENS = 64
 
 
@@ -292,7 +293,7 @@ class ContinuationCache:
                 # A branch or an edit: the longest common token prefix still
                 # saves that much prefill.
                 common = min(common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
-                if common > 0:
+                if common >= MIN_COPY_TOKENS:
                     plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial",
                                      seq=target.seq)
             if plan is not None:
@@ -311,7 +312,7 @@ class ContinuationCache:
                         candidates.append(plan)
         best = max((c.keep for c in candidates), default=0)
         shared = self.disk.longest_common(req.tokens, req.owner)
-        if shared is not None and min(shared[1], len(req.tokens) - 1) > best:
+        if shared is not None and min(shared[1], len(req.tokens) - 1) > max(best, MIN_COPY_TOKENS - 1):
             state = self.disk.load(shared[0])
             if state is not None:
                 keep = min(shared[1], len(req.tokens) - 1)

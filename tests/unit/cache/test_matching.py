@@ -223,3 +223,17 @@ def test_a_state_leaving_ram_is_written_to_disk(vocab, tmp_path):
     cache.apply(cache.plan(req), req)
     cache.flush()
     assert cache.stats.ram_sessions == 0 and len(disk) == 1 and cache.stats.disk_writes == 1
+
+
+def test_a_short_shared_prefix_is_prefilled_not_restored(vocab):
+    """A saved state that shares only a template's opening with the request
+    is not worth restoring (its whole KV moves to save a few tokens)."""
+    cache = make_cache(vocab, n_seq=1)
+    head = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    hold(cache, 0, turn(cache, head + "An old question<|im_end|>"))
+    req = request(cache, head + "A new question<|im_end|>\n")
+    cache.apply(cache.plan(req), req)  # the old state goes to RAM
+    cache.release(0)
+    cache.residents[0].tokens, cache.residents[0].state = [], None
+    plan = cache.plan(request(cache, head + "A third question<|im_end|>\n"))
+    assert plan.source == "cold"
