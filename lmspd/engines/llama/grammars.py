@@ -104,7 +104,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +130,15 @@ __all__ = [
 # and some indentation. Unbounded whitespace lets a small model spin.
 JSON_OPTIONS = {"whitespace_pattern": r"(?:\x20|\n[\x20\t]{0,20})"}
 _LENIENT = {**JSON_OPTIONS, "lenient": True}
+
+
+def _summary(message: str) -> str:
+    """llguidance's message in one line: the first, and its ``error:`` line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "refused"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), "")
+    return (lines[0] + (" " + detail if detail else ""))[:400]
 
 
 def _unsupported(param: str, keyword: str, why: str) -> ApiError:
@@ -179,6 +188,10 @@ def _check_bounds(schema: Any, param: str, limits: Limits) -> None:
         raise ApiError("invalid_request", f"Schema at {param} is not an object or a boolean.", param=param)
 
 
+_KEYWORDS = ("oneOf", "anyOf", "allOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+             "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "format",
+             "pattern", "patternProperties", "additionalProperties", "required", "properties", "items",
+             "prefixItems", "enum", "const", "type")
 _QUOTED = re.compile(r"""["'`]([$A-Za-z][A-Za-z0-9_]*)["'`]""")
 
 
@@ -202,12 +215,21 @@ def _keyword_path(schema: Any, keyword: str, param: str) -> str | None:
 
 def _schema_error(message: str, schema: Any, param: str) -> ApiError:
     """llguidance's refusal, pinned to the keyword's path where it names one."""
-    short = message.strip().splitlines()[0][:300] if message.strip() else "refused"
+    short = _summary(message)
     for keyword in _QUOTED.findall(message):
         path = _keyword_path(schema, keyword, param)
         if path is not None:
             return _unsupported(path, keyword, short)
-    if "$ref" in message or "ref" in message.lower():
+    for keyword in _KEYWORDS:
+        if re.search(rf"\b{re.escape(keyword)}\b", message):
+            path = _keyword_path(schema, keyword, param)
+            if path is not None:
+                return _unsupported(path, keyword, short)
+    if "regex" in message:
+        path = _keyword_path(schema, "pattern", param)
+        if path is not None:
+            return _unsupported(path, "pattern", short)
+    if "$ref" in message or "ref" in message.lower() or "retriev" in message:
         path = _keyword_path(schema, "$ref", param)
         if path is not None:
             return _unsupported(path, "$ref", short)
@@ -215,12 +237,39 @@ def _schema_error(message: str, schema: Any, param: str) -> ApiError:
                     f"The JSON schema at {param} cannot be enforced by constrained decoding ({short}).", param=param)
 
 
+def _closed(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` where an object lists
+    its properties and says nothing of others: the grammar may be stricter
+    than the schema (every output still validates), and a small model given
+    room for extra keys invents them. ``allOf`` branches stay open (closing
+    each would refuse the keys of the others)."""
+    if isinstance(schema, list):
+        return [_closed(v, in_all_of) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        elif key in _NAMES and isinstance(value, dict):
+            out[key] = {k: _closed(v) for k, v in value.items()}
+        else:
+            out[key] = _closed(value, key == "allOf")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    declared = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    if ("properties" in out and not in_all_of and "allOf" not in out
+            and all(r in declared for r in required)
+            and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_grammar(schema: Any, param: str, limits: Limits, *, lenient: bool = False) -> str:
     _check_bounds(schema, param, limits)
     options = _LENIENT if lenient else JSON_OPTIONS
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema if isinstance(schema, dict) else {} if schema is True else schema, defaults=options)
+            _closed(schema) if isinstance(schema, dict) else {}, defaults=options)
     except ValueError as exc:
         raise ApiError("invalid_request", f"{param} is not a JSON schema: {exc}", param=param) from None
     error = validate(grammar)
@@ -256,7 +305,7 @@ def validate(grammar: str) -> str:
 
 
 def _json_rule(schema: Any, options: dict[str, Any] = JSON_OPTIONS) -> str:
-    body = schema if isinstance(schema, dict) else {}
+    body = _closed(schema) if isinstance(schema, dict) else {}
     return "%json " + json.dumps({**body, "x-guidance": options}, ensure_ascii=False)
 
 
@@ -330,12 +379,12 @@ def _check_custom_grammar(tool: CustomTool, definition: str, limits: Limits) -> 
 
 
 def _grammar_error(tool: CustomTool, message: str) -> ApiError:
-    first = message.strip().splitlines()[0] if message.strip() else "refused"
+    first = _summary(message)
     m = re.match(r"(?:at )?(\d+)\((\d+)\)", first)
     where = f" (line {m.group(1)}, column {m.group(2)})" if m else ""
     return ApiError("unsupported_capability",
                     f"The {tool.grammar.get('syntax', 'lark') if tool.grammar else 'lark'} grammar of custom tool "
-                    f"{tool.name!r} cannot be compiled{where}: {first[:300]}",
+                    f"{tool.name!r} cannot be compiled{where}: {first}",
                     param=f"tools.{tool.name}.format.definition")
 
 
@@ -461,12 +510,13 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
 
 
 def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[str] | None,
-                  max_calls: int, specials: Collection[str], limits: Limits) -> str:
-    if max_calls < 1:
+                  max_calls: int | None, specials: Collection[str], limits: Limits) -> str:
+    if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be at least 1")
     calls = _call_rules(fmt, tools, allowed_names, specials, limits)
     layout = fmt.layout
-    seq = "call" if max_calls == 1 else f"call ({literal(layout.separator, specials)} call){{0,{max_calls - 1}}}"
+    more = f"({literal(layout.separator, specials)} call)"
+    seq = "call" if max_calls == 1 else f"call {more}*" if max_calls is None else f"call {more}{{0,{max_calls - 1}}}"
     prefix = literal(layout.prefix, specials) if layout.prefix else ""
     if prefix and layout.prefix_optional:
         prefix = f"({prefix})?"
@@ -483,7 +533,7 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     error = validate(grammar)
     if error:
         raise ApiError("unsupported_capability",
-                       f"The tool calls could not be compiled into a grammar: {error.splitlines()[0][:300]}",
+                       f"The tool calls could not be compiled into a grammar: {_summary(error)}",
                        param="tools")
     return grammar
 
@@ -501,7 +551,7 @@ def tool_call_grammar(
     """A grammar forcing one call (``parallel``: one or more, at most
     ``max_calls``) in ``fmt``'s syntax, to a tool named in ``allowed_names``
     (None: any of ``tools``); after the last call only end-of-turn."""
-    bound = (max_calls or limits.request.max_parallel_tool_calls) if parallel else 1
+    bound = max_calls if parallel else 1
     return _tool_grammar(fmt, tools, allowed_names, bound, specials, limits)
 
 
@@ -517,13 +567,9 @@ def lazy_tool_call_grammar(
 ) -> tuple[str, list[str]]:
     """(grammar, triggers) for ``tool_choice: auto``: the grammar of the
     calls, which the sampler starts where the output first shows one of
-    the trigger texts (``fmt.triggers``; ``fmt.start_triggers`` only at the
-    start of the reply, after whitespace)."""
+    the trigger texts (``fmt.triggers``; ``fmt.start_triggers``, written
+    ``^…``, only at the start of the reply, after whitespace)."""
     grammar = tool_call_grammar(fmt, tools, allowed_names=allowed_names, parallel=parallel,
                                 max_calls=max_calls, specials=specials, limits=limits)
-    return grammar, list(fmt.triggers)
+    return grammar, [*fmt.triggers, *("^" + t for t in fmt.start_triggers)]
 
-
-def special_markers(fmt: ToolFormat, is_special: Iterable[str]) -> frozenset[str]:
-    """The markers of ``fmt`` that are special tokens of the model."""
-    return frozenset(m for m in fmt.markers if m in set(is_special))
