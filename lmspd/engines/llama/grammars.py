@@ -459,10 +459,14 @@ def _custom_json(tool: CustomTool, limits: Limits) -> str:
                        "additionalProperties": False})
 
 
-def _xml_args(fmt: ToolFormat, tool: FunctionTool, i: int, specials: Collection[str], calls: _Calls) -> str:
-    """Qwen3-Coder's ``<parameter=name>`` blocks: the declared names; the
-    values are free text up to the closing tag (not schema-checked)."""
-    props = list(((tool.parameters or {}).get("properties") or {}).keys())
+def _xml_args(fmt: ToolFormat, tool: Tool, i: int, specials: Collection[str], calls: _Calls) -> str:
+    """Qwen3-Coder's ``<parameter=name>`` blocks: the declared names (a custom
+    tool's ``input``); the values are free text up to the closing tag (not
+    schema-checked)."""
+    if isinstance(tool, CustomTool):
+        props = ["input"]
+    else:
+        props = list(((tool.parameters or {}).get("properties") or {}).keys())
     alts = []
     for name in props:
         before, after = fmt.param_parts(name)
@@ -489,7 +493,10 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
     calls = _Calls([], [], [])
     for i, name in enumerate(names):
         tool = by_name[name]
-        if isinstance(tool, CustomTool) and fmt.raw_custom:
+        if fmt.args_style == "xml":
+            before, after = fmt.call_parts(name, raw=False)
+            rule = f"{literal(before, specials)} {_xml_args(fmt, tool, i, specials, calls)} {literal(after, specials)}"
+        elif isinstance(tool, CustomTool) and fmt.raw_custom:
             before, after = fmt.call_parts(name, raw=True)
             # The newline before the closing tag belongs to the input when it is free text.
             body = _custom_raw(tool, i, after.lstrip("\n") if not (tool.grammar or {}).get("definition") else after,
@@ -498,9 +505,6 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
         elif isinstance(tool, CustomTool):
             before, after = fmt.call_parts(name, raw=False)
             rule = f"{literal(before, specials)} {_custom_json(tool, limits)} {literal(after, specials)}"
-        elif fmt.args_style == "xml":
-            before, after = fmt.call_parts(name, raw=False)
-            rule = f"{literal(before, specials)} {_xml_args(fmt, tool, i, specials, calls)} {literal(after, specials)}"
         else:
             before, after = fmt.call_parts(name, raw=False)
             rule = f"{literal(before, specials)} {_function_args(tool, limits)} {literal(after, specials)}"
