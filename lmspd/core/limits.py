@@ -23,6 +23,7 @@ class RequestLimits:
     # grammar compiler recurse deeply.
     max_grammar_bytes: int = 64 * 1024
     max_grammar_rules: int = 1000
+    max_grammar_depth: int = 64
     # Grammars compiled per engine, kept by content for the next request.
     grammar_cache_entries: int = 64
     max_metadata_pairs: int = 16
