@@ -4,8 +4,8 @@
 Two worker processes each hold one ``LlamaEngine`` (no HTTP, same model,
 same threads, continuation cache off: every run prefills the same prompt
 cold; prefill is not part of the rate): ``new`` runs this checkout's
-``lmspd``, ``old`` the code of ``--baseline`` (default: the last commit
-before lmspd moved to llguidance), extracted with ``git archive`` into a
+``lmspd``, ``old`` the code of ``--baseline`` (default: the parent of
+the commit that began the move to llguidance), extracted with ``git archive`` into a
 temporary directory. Five modes share one rendered prompt per side (the
 tools are listed in all of them), so they differ only in what the sampler
 is given:
@@ -194,9 +194,12 @@ class Side:
 
 
 def baseline_ref() -> str:
-    deleted = subprocess.run(["git", "log", "--diff-filter=D", "--format=%H", "-1", "--",
-                              "lmspd/engines/llama/lark.py"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return f"{deleted}^" if deleted else "HEAD"
+    """The parent of the commit that started the llguidance work (it added
+    the tool_formats package, the first file of the new layout)."""
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--",
+                            "lmspd/engines/llama/tool_formats/__init__.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    return f"{added[-1]}^" if added else "HEAD"
 
 
 def extract(ref: str, into: Path) -> Path:
