@@ -104,6 +104,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -198,9 +199,9 @@ _QUOTED = re.compile(r"""["'`]([$A-Za-z][A-Za-z0-9_]*)["'`]""")
 
 def _keyword_path(schema: Any, keyword: str, param: str) -> str | None:
     """Where ``keyword`` first appears as a keyword (not a property name)."""
-    stack: list[tuple[Any, str]] = [(schema, param)]
+    stack: deque[tuple[Any, str]] = deque([(schema, param)])
     while stack:
-        node, path = stack.pop(0)
+        node, path = stack.popleft()
         if isinstance(node, dict):
             if keyword in node:
                 return f"{path}.{keyword}"
@@ -465,8 +466,9 @@ def _custom_json(tool: CustomTool, limits: Limits) -> str:
         _check_custom_grammar(tool, definition, limits)
         if grammar.get("syntax") == "regex":
             string["pattern"] = f"^(?:{definition})$"
-            if validate(llguidance.LLMatcher.grammar_from_json_schema(string)):
-                raise _grammar_error(tool, validate(llguidance.LLMatcher.grammar_from_json_schema(string)))
+            error = validate(llguidance.LLMatcher.grammar_from_json_schema(string))
+            if error:
+                raise _grammar_error(tool, error)
         else:
             # A Lark grammar cannot apply inside a JSON string; it must at
             # least compile (a broken grammar is the client's error).
