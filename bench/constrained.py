@@ -1,51 +1,51 @@
 #!/usr/bin/env python
-"""What constrained decoding costs: tokens/s with and without a grammar.
+"""What constrained decoding costs, before and after llguidance, in one run.
 
-One ``LlamaEngine`` in this process (no HTTP), one model, one prompt, greedy
-sampling, the continuation cache off (every run prefills the same prompt
-cold; prefill is not part of the rate). Four modes share the exact same
-rendered prompt (the tool is listed in all of them), so they differ only in
-what the sampler is given:
+Two worker processes each hold one ``LlamaEngine`` (no HTTP, same model,
+same threads, continuation cache off: every run prefills the same prompt
+cold; prefill is not part of the rate): ``new`` runs this checkout's
+``lmspd``, ``old`` the code of ``--baseline`` (default: the parent of
+the commit that began the move to llguidance), extracted with ``git archive`` into a
+temporary directory. Five modes share one rendered prompt per side (the
+tools are listed in all of them), so they differ only in what the sampler
+is given:
 
   free   ``tool_choice: none``: no grammar (the unconstrained path);
   auto   ``tool_choice: auto``: the lazy tool-call grammar, idle until the
          model writes the call trigger (this model answers in text);
   json   ``text.format: json_schema``: a JSON-schema grammar on every token;
-  tool   ``tool_choice: {type: function, name}``: the forced call grammar
-         (parallel calls allowed, so a run holds up to 4 calls).
+  tool   ``tool_choice: {type: function, name}``: the forced call grammar;
+  lark   the forced call of a custom tool whose input follows Codex's
+         apply_patch Lark grammar.
 
-Rounds interleave the modes (the order rotates each round) so that drift in
-the machine's load hits all of them alike. Reported per mode: median decode
-tokens/s (output tokens over the time after prefill, grammar setup in
-llama.cpp included) with its interquartile range, median prepare ms
-(rendering, tokenizing, GBNF building and the compile check), and the ratio
-to ``free`` paired per round (median and p25-p75): the numbers to quote.
+Rounds interleave the modes and the two sides (the order rotates each
+round) so that drift in the machine's load hits all alike. Reported per
+side and mode: median decode tokens/s (output tokens over the time after
+prefill) and the ratio to the same side's ``free``, paired per round
+(median and p25-p75): the numbers to quote. Then grammar compile time:
+median ``prepare`` ms (render, tokenize, build and compile the grammar; a
+fresh schema each time, so no cache helps) for Codex's apply_patch tool and
+a 50-property schema, minus the median ``prepare`` ms of ``free``.
 
-    .venv/bin/python bench/constrained.py --quick    # about a minute
-    .venv/bin/python bench/constrained.py            # 8 rounds of 96 tokens
+    .venv/bin/python bench/constrained.py --quick    # a few minutes
+    .venv/bin/python bench/constrained.py            # 6 rounds of 96 tokens
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import bundled_model_path, summarize  # noqa: E402
-
-from lmspd.core.limits import DEFAULT_LIMITS  # noqa: E402
-from lmspd.dialects.openai_responses import decode_request  # noqa: E402
-from lmspd.engines.base import CancelToken  # noqa: E402
-from lmspd.engines.llama.engine import CacheSettings, LlamaEngine  # noqa: E402
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 PROMPT = "Write a detailed weather report for Paris, London and Rome: sky, temperature, wind and rain."
 WEATHER_SCHEMA = {
@@ -70,13 +70,43 @@ WEATHER_SCHEMA = {
     "required": ["reports"],
     "additionalProperties": False,
 }
+APPLY_PATCH = r'''start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+
+%import common.LF
+'''
 TOOL = {"type": "function", "name": "report_weather", "description": "Record weather reports.", "strict": True,
         "parameters": WEATHER_SCHEMA}
-MODES = ("free", "auto", "json", "tool")
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
+MODES = ("free", "auto", "json", "tool", "lark")
 
 
-def body(mode: str, max_tokens: int) -> dict[str, Any]:
-    b: dict[str, Any] = {"model": "bench", "input": PROMPT, "tools": [TOOL], "temperature": 0,
+def schema_50(salt: int) -> dict[str, Any]:
+    props = {f"field_{i}": ({"type": "string", "maxLength": 40} if i % 3 == 0 else
+                            {"type": "integer", "minimum": 0} if i % 3 == 1 else {"enum": ["a", "b", "c"]})
+             for i in range(50)}
+    return {"type": "object", "description": f"run {salt}", "properties": props, "required": list(props),
+            "additionalProperties": False}
+
+
+def body(mode: str, max_tokens: int, salt: int = 0) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": "bench", "input": PROMPT, "tools": [TOOL, PATCH_TOOL], "temperature": 0,
                          "max_output_tokens": max_tokens, "tool_choice": "none"}
     if mode == "auto":
         b["tool_choice"] = "auto"
@@ -84,44 +114,114 @@ def body(mode: str, max_tokens: int) -> dict[str, Any]:
         b["text"] = {"format": {"type": "json_schema", "name": "reports", "schema": WEATHER_SCHEMA, "strict": True}}
     elif mode == "tool":
         b["tool_choice"] = {"type": "function", "name": "report_weather"}
+    elif mode in ("lark", "compile_patch"):
+        b["tool_choice"] = {"type": "custom", "name": "apply_patch"}
+        if mode == "compile_patch":
+            # A grammar no cache has seen: a comment line that differs per run.
+            b["tools"] = [TOOL, {**PATCH_TOOL, "format": {**PATCH_TOOL["format"],
+                                                          "definition": APPLY_PATCH + f"// run {salt}\n"}}]
+    elif mode == "compile_schema":
+        b["text"] = {"format": {"type": "json_schema", "name": "fifty", "schema": schema_50(salt), "strict": True}}
     return b
 
 
-class Runner:
-    def __init__(self, model: Path, threads: int, ctx: int) -> None:
-        self.engine = LlamaEngine("bench", model, n_ctx=ctx, n_threads=threads, cache=CacheSettings(enabled=False))
-        self.loop = asyncio.new_event_loop()
+# --- the worker: one engine, one codebase ------------------------------------------
 
-    def run(self, mode: str, max_tokens: int) -> dict[str, Any]:
-        eng = self.engine
+
+def worker(root: Path, threads: int, ctx: int) -> int:
+    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(HERE))
+    import asyncio
+
+    from _common import bundled_model_path
+
+    from lmspd.core.limits import DEFAULT_LIMITS
+    from lmspd.dialects.openai_responses import decode_request
+    from lmspd.engines.base import CancelToken
+    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
+
+    import lmspd
+    assert Path(lmspd.__file__).resolve().is_relative_to(root.resolve()), lmspd.__file__
+    engine = LlamaEngine("bench", bundled_model_path(), n_ctx=ctx, n_threads=threads,
+                         cache=CacheSettings(enabled=False))
+    loop = asyncio.new_event_loop()
+    for line in sys.stdin:
+        mode, max_tokens, salt = line.split()
         t0 = time.perf_counter()
-        req = decode_request(body(mode, max_tokens), DEFAULT_LIMITS.request)
-        prepared = eng.prepare(req.conversation)
+        req = decode_request(body(mode, int(max_tokens), int(salt)), DEFAULT_LIMITS.request)
+        prepared = engine.prepare(req.conversation)
         t1 = time.perf_counter()
+        out: dict[str, Any] = {"prepare_ms": (t1 - t0) * 1000, "prompt": prepared.text}
+        if not mode.startswith("compile"):
+            async def collect() -> list[Any]:
+                return [e async for e in engine.generate(prepared, CancelToken())]
 
-        async def collect() -> list[Any]:
-            return [e async for e in eng.generate(prepared, CancelToken())]
+            events = loop.run_until_complete(collect())
+            t2 = time.perf_counter()
+            stats = engine.stats_
+            decode_s = (t2 - t1) - stats.last_prefill_ms / 1000
+            tokens = stats.last_output_tokens
+            last = events[-1]
+            out.update(decode_s=decode_s, output_tokens=tokens,
+                       tps=(tokens / decode_s) if decode_s > 0 and tokens else None,
+                       end=getattr(last, "reason", None) or getattr(last, "code", None),
+                       calls=sum(1 for e in events if type(e).__name__ == "ToolCallDone"),
+                       text=engine.detokenize(engine.last_output_token_ids())[:80])
+        print(json.dumps(out), flush=True)
+    return 0
 
-        events = self.loop.run_until_complete(collect())
-        t2 = time.perf_counter()
-        stats = eng.stats_
-        decode_s = (t2 - t1) - stats.last_prefill_ms / 1000
-        tokens = stats.last_output_tokens
-        last = events[-1]
-        return {
-            "mode": mode,
-            "prompt": prepared.text,
-            "prompt_tokens": len(prepared.tokens),
-            "grammar_bytes": len(prepared.grammar or ""),
-            "prepare_ms": (t1 - t0) * 1000,
-            "prefill_ms": stats.last_prefill_ms,
-            "decode_s": decode_s,
-            "output_tokens": tokens,
-            "tps": (tokens / decode_s) if decode_s > 0 and tokens else None,
-            "end": getattr(last, "reason", None) or getattr(last, "code", None),
-            "calls": sum(1 for e in events if type(e).__name__ == "ToolCallDone"),
-            "text": eng.detokenize(eng.last_output_token_ids())[:120],
-        }
+
+class Side:
+    def __init__(self, name: str, root: Path, threads: int, ctx: int) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(root), "--threads", str(threads),
+             "--ctx", str(ctx)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(root))
+
+    def run(self, mode: str, max_tokens: int, salt: int = 0) -> dict[str, Any]:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(f"{mode} {max_tokens} {salt}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def baseline_ref() -> str:
+    """The parent of the commit that started the llguidance work (it added
+    the tool_formats package, the first file of the new layout)."""
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--",
+                            "lmspd/engines/llama/tool_formats/__init__.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()
+    return f"{added[-1]}^" if added else "HEAD"
+
+
+def extract(ref: str, into: Path) -> Path:
+    archive = subprocess.run(["git", "archive", "--format=tar", ref, "lmspd"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return None if not xs else xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def quartiles(xs: list[float]) -> str:
+    xs = sorted(x for x in xs if x is not None)
+    if len(xs) < 2:
+        return "-"
+    import statistics
+
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
 def fmt(v: float | None, spec: str = "{:.1f}") -> str:
@@ -130,59 +230,74 @@ def fmt(v: float | None, spec: str = "{:.1f}") -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", default=None, help="git ref of the code to compare with")
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--compiles", type=int, default=7, help="fresh grammars compiled per side and kind")
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads (1 is steadier on a shared 2-core machine)")
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 48 tokens")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 48 tokens, 5 compiles")
     ap.add_argument("--json", type=Path, default=None, help="also write every sample here")
     args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, args.threads, args.ctx)
     if args.quick:
-        args.rounds, args.max_tokens = 3, 48
+        args.rounds, args.max_tokens, args.compiles = 3, 48, 5
 
-    model = args.model or bundled_model_path()
-    runner = Runner(model, args.threads, args.ctx)
-    print(f"model {model.name}  threads {args.threads}  ctx {args.ctx}  max_output_tokens {args.max_tokens}  "
+    ref = args.baseline or baseline_ref()
+    tmp = tempfile.TemporaryDirectory(prefix="lmspd-bench-old-")
+    old_root = extract(ref, Path(tmp.name))
+    sides = [Side("old", old_root, args.threads, args.ctx), Side("new", ROOT, args.threads, args.ctx)]
+    print(f"old = {ref}  new = this checkout  threads {args.threads}  max_output_tokens {args.max_tokens}  "
           f"rounds {args.rounds}  ({platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
-
-    # Warm-up (page in the model, fill caches), and a check that the prompt is the same in every mode.
-    prompts = {m: runner.run(m, 8)["prompt"] for m in MODES}
-    assert len(set(prompts.values())) == 1, "the modes must share one prompt"
-
     samples: list[dict[str, Any]] = []
-    for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
-        for mode in order:
-            s = runner.run(mode, args.max_tokens)
-            s["round"] = r
-            samples.append(s)
-        print(f"  round {r + 1}/{args.rounds}: " + "  ".join(
-            f"{s['mode']} {fmt(s['tps'])} tok/s ({s['output_tokens']} tok)" for s in samples[-len(MODES):]),
-            flush=True)
+    try:
+        for side in sides:  # warm-up: page the model in, build the tokenizer, check the prompt
+            prompts = {m: side.run(m, 8)["prompt"] for m in MODES}
+            assert len(set(prompts.values())) == 1, "the modes must share one prompt"
+        for r in range(args.rounds):
+            order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+            for mode in order:
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    s = side.run(mode, args.max_tokens)
+                    samples.append({**s, "side": side.name, "mode": mode, "round": r})
+            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+        compile_ms: dict[tuple[str, str], list[float]] = {}
+        for i in range(args.compiles):
+            for side in sides:
+                for kind in ("free", "compile_patch", "compile_schema"):
+                    ms = side.run(kind, 1, 1000 + i)["prepare_ms"] if kind != "free" else \
+                        side.run("free", 1, 0)["prepare_ms"]
+                    compile_ms.setdefault((side.name, kind), []).append(ms)
+    finally:
+        for side in sides:
+            side.close()
+        tmp.cleanup()
 
-    first = {m: next(s for s in samples if s["mode"] == m) for m in MODES}
-    print(f"\nprompt: {first['free']['prompt_tokens']} tokens, identical in every mode")
-    print(f"{'mode':<6}{'tok/s':>9}{'p25-p75':>15}{'out tok':>9}{'prepare ms':>12}{'grammar B':>11}"
-          f"{'vs free (paired)':>20}{'p25-p75':>15}  ends / sample")
-    by_round: dict[int, dict[str, dict]] = {}
-    for s in samples:
-        by_round.setdefault(s["round"], {})[s["mode"]] = s
+    print(f"\n{'mode':<6}" + "".join(f"{s + ' tok/s':>13}{s + ' vs free':>13}{'p25-p75':>12}" for s in ("old", "new"))
+          + "   ends (new)")
     for mode in MODES:
-        mine = [s for s in samples if s["mode"] == mode]
-        tps = summarize([s["tps"] for s in mine])
-        prep = summarize([s["prepare_ms"] for s in mine])
-        toks = summarize([s["output_tokens"] for s in mine])
-        ratios = summarize([rd[mode]["tps"] / rd["free"]["tps"] for rd in by_round.values()
-                            if rd[mode]["tps"] and rd["free"]["tps"]])
-        ends = sorted({f"{s['end']}" + (f", {s['calls']} calls" if s["calls"] else "") for s in mine})
-        print(f"{mode:<6}{fmt(tps and tps.median):>9}{(tps.spread() if tps else '-'):>15}"
-              f"{fmt(toks and toks.median, '{:.0f}'):>9}{fmt(prep and prep.median):>12}{first[mode]['grammar_bytes']:>11}"
-              f"{fmt(ratios and ratios.median, '{:.2f}x'):>20}{(ratios.spread('{:.2f}') if ratios else '-'):>15}"
-              f"  {'; '.join(ends)} / {first[mode]['text'][:60]!r}")
+        row = f"{mode:<6}"
+        for name in ("old", "new"):
+            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
+            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
+            ratios = [s["tps"] / free[s["round"]]["tps"] for s in mine if s["tps"] and free[s["round"]]["tps"]]
+            row += f"{fmt(median([s['tps'] for s in mine])):>13}{fmt(median(ratios), '{:.2f}x'):>13}{quartiles(ratios):>12}"
+        new = [s for s in samples if s["side"] == "new" and s["mode"] == mode]
+        ends = sorted({f"{s['end']}" + (f", {s['calls']} call(s)" if s["calls"] else "") + f", {s['output_tokens']} tok"
+                       for s in new})
+        print(row + "   " + "; ".join(ends))
+    print(f"\n{'grammar compile (prepare ms - free prepare ms)':<48}{'old':>10}{'new':>10}")
+    for kind, label in (("compile_patch", "Codex apply_patch custom tool"), ("compile_schema", "50-property schema")):
+        cells = []
+        for name in ("old", "new"):
+            cells.append(fmt((median(compile_ms[(name, kind)]) or 0) - (median(compile_ms[(name, "free")]) or 0)))
+        print(f"{label:<48}{cells[0]:>10}{cells[1]:>10}")
     if args.json:
-        args.json.write_text(json.dumps(samples, indent=1))
+        args.json.write_text(json.dumps({"samples": samples, "compile_ms": {f"{k[0]}:{k[1]}": v
+                                                                          for k, v in compile_ms.items()}}, indent=1))
         print(f"\nsamples written to {args.json}")
     return 0
 

@@ -125,7 +125,8 @@ class Conversation:
     instructions: str | None = None
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
-    parallel_tool_calls: bool = True
+    # None: the request did not say (parallel calls under auto, one forced call).
+    parallel_tool_calls: bool | None = None
     output_format: OutputFormat = field(default_factory=OutputFormat)
     sampling: Sampling = field(default_factory=Sampling)
     max_output_tokens: int | None = None

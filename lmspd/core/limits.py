@@ -18,6 +18,14 @@ class RequestLimits:
     max_text_chars: int = 4 * 1024 * 1024
     max_tools: int = 512
     max_tool_schema_bytes: int = 256 * 1024
+    # A custom tool's Lark or regex grammar (Codex's apply_patch is ~1 KB);
+    # rules are counted because a long chain of them is what makes a
+    # grammar compiler recurse deeply.
+    max_grammar_bytes: int = 64 * 1024
+    max_grammar_rules: int = 1000
+    max_grammar_depth: int = 64
+    # Grammars compiled per engine, kept by content for the next request.
+    grammar_cache_entries: int = 64
     max_metadata_pairs: int = 16
     max_metadata_key_chars: int = 64
     max_metadata_value_chars: int = 512

@@ -143,7 +143,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         instructions=_system_text(body.system, limits),
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use),
+        parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         output_format=_output_format(body.output_config),
         sampling=Sampling(
             temperature=body.temperature,

@@ -193,7 +193,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
         items=items,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=body.parallel_tool_calls is not False,
+        parallel_tool_calls=body.parallel_tool_calls,
         output_format=decode_json_format(body.response_format, "response_format"),
         sampling=Sampling(
             temperature=body.temperature,

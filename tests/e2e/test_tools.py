@@ -180,8 +180,9 @@ def test_allowed_tools_required(openai_client):
 
 
 def test_parallel_calls_in_one_turn(http):
+    # A forced call ends the turn unless the request explicitly allows more.
     body = {"model": MODEL, "input": "Get the weather in Paris and in London.", "tools": [WEATHER],
-            "tool_choice": "required", "temperature": 0, "max_output_tokens": 200}
+            "tool_choice": "required", "parallel_tool_calls": True, "temperature": 0, "max_output_tokens": 200}
     _, final = stream_openai(http, body)
     calls = final["output"]
     assert final["status"] == "completed", final["incomplete_details"]
@@ -424,19 +425,20 @@ def test_unknown_call_id_rejected(server, http):
 
 def test_unenforceable_schema_keyword_is_named(server, http):
     before = server.generations()
-    schema = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}, "required": ["n"]}
+    # (multipleOf, refused before llguidance, is enforced now: uniqueItems is not.)
+    schema = {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}, "required": ["n"]}
     err = assert_openai_error(
         http.post("/v1/responses", json={"model": MODEL, "input": "A number.", "text": {"format": {
             "type": "json_schema", "name": "n", "schema": schema}}}),
-        400, "unsupported_capability", "text.format.schema.properties.n.multipleOf")
-    assert "'multipleOf'" in err["message"]
+        400, "unsupported_capability", "text.format.schema.properties.n.uniqueItems")
+    assert "'uniqueItems'" in err["message"]
 
     problem = assert_problem(
         http.post("/lmsp/v1/responses", json={"model": MODEL, "input": "A number.", "response_format": {
             "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}),
         400, "unsupported_capability")
-    assert "'multipleOf'" in problem["detail"]
-    assert problem["param"] == "response_format.json_schema.schema.properties.n.multipleOf"
+    assert "'uniqueItems'" in problem["detail"]
+    assert problem["param"] == "response_format.json_schema.schema.properties.n.uniqueItems"
 
     # A strict tool's parameters are enforced too; what cannot be is refused.
     tool = {**WEATHER, "parameters": {**WEATHER_SCHEMA, "properties": {

@@ -1,18 +1,16 @@
-"""Shared helpers: llama.cpp's own grammar parser, driven through the
-bundled model's vocabulary (loading it vocab-only takes a fraction of a
-second).
+"""Shared helpers: the engine's own grammar compiler and sampler logic
+(llguidance), driven through the bundled model's vocabulary (loading it
+vocab-only takes a fraction of a second).
 
-``LlamaGrammar.from_string`` parses nothing in llama-cpp-python 0.3.36, so
-compiling means creating a real grammar sampler. ``accepts`` walks a text's
-tokens through the sampler, checking each one is allowed before accepting
-it: accepting a token the grammar rejects aborts the process.
+``accepts`` walks a text's tokens through the same ``GrammarFirstRejection``
+checks the engine makes (lazy triggers included), checking each token is
+allowed before accepting it. ``generate`` runs the real model under a
+grammar with the engine's sampler.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,63 +27,106 @@ class GrammarRig:
     def __init__(self) -> None:
         import llama_cpp
 
+        from lmspd.engines.llama.matchers import GrammarCompiler
+
         self.llm = llama_cpp.Llama(model_path(), vocab_only=True, verbose=False)
         self.vocab = self.llm._model.vocab
         self.C = llama_cpp.llama_cpp
+        self.compiler = GrammarCompiler(self.vocab)
+        self.eos = self.C.llama_vocab_eos(self.vocab)
 
-    def compiles(self, gbnf: str) -> bool:
-        from llama_cpp import LlamaGrammar
+    @property
+    def specials(self) -> frozenset[str]:
+        return self.compiler.specials
 
-        from lmspd.engines.llama.grammars import grammar_compiles
+    def compiles(self, grammar: str) -> bool:
+        from lmspd.core.errors import ApiError
 
-        LlamaGrammar.from_string(gbnf, verbose=False)  # what the engine will construct
-        return grammar_compiles(self.vocab, gbnf)
+        try:
+            self.compiler.matcher(grammar)
+        except ApiError:
+            return False
+        return True
 
     def tokens(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=False, special=True)
 
-    def _allowed(self, sampler, token: int) -> bool:
-        C = self.C
-        data = (C.llama_token_data * 1)(C.llama_token_data(token, 0.0, 0.0))
-        arr = C.llama_token_data_array(data, 1, -1, False)
-        C.llama_sampler_apply(sampler, ctypes.byref(arr))
-        return not math.isinf(data[0].logit)
+    def _sampler(self, grammar: str, patterns: Sequence[str] | None):
+        from llama_cpp import _internals as internals
 
-    def _sampler(self, gbnf: str, patterns: Sequence[str] | None):
-        C = self.C
-        if patterns is None:
-            sampler = C.llama_sampler_init_grammar(self.vocab, gbnf.encode(), b"root")
-        else:
-            arr = (ctypes.c_char_p * len(patterns))(*[p.encode() for p in patterns])
-            sampler = C.llama_sampler_init_grammar_lazy_patterns(
-                self.vocab, gbnf.encode(), b"root", arr, len(patterns), (C.llama_token * 0)(), 0
-            )
-        assert sampler, "grammar does not compile"
-        return sampler
+        from lmspd.engines.llama.sampling import GrammarFirstRejection
+
+        return GrammarFirstRejection(self.compiler.matcher(grammar), self.compiler.tokenizer,
+                                     self.compiler.n_vocab, internals.LlamaSampler(), list(patterns or []) or None)
 
     def accepts(
-        self, gbnf: str, text: str, *, complete: bool = True, patterns: Sequence[str] | None = None
+        self, grammar: str, text: str, *, complete: bool = True, patterns: Sequence[str] | None = None
     ) -> bool:
         """Whether the grammar lets the model write ``text`` (and then stop)."""
-        sampler = self._sampler(gbnf, patterns)
+        sampler = self._sampler(grammar, patterns)
         try:
             for token in self.tokens(text):
-                if not self._allowed(sampler, token):
+                if not sampler.allows(token):
                     return False
-                self.C.llama_sampler_accept(sampler, token)
-            if complete:
-                return self._allowed(sampler, self.C.llama_vocab_eos(self.vocab))
-            return True
+                sampler.accept(token)
+            return sampler.allows(self.eos) if complete else True
         finally:
-            self.C.llama_sampler_free(sampler)
+            sampler.close()
 
-    def rejects_after(self, gbnf: str, prefix: str, bad: str, *, patterns: Sequence[str] | None = None) -> bool:
+    def rejects_after(self, grammar: str, prefix: str, bad: str, *, patterns: Sequence[str] | None = None) -> bool:
         """Whether, after ``prefix``, the first token of ``bad`` is refused."""
-        sampler = self._sampler(gbnf, patterns)
+        sampler = self._sampler(grammar, patterns)
         try:
             for token in self.tokens(prefix):
-                assert self._allowed(sampler, token), "prefix refused"
-                self.C.llama_sampler_accept(sampler, token)
-            return not self._allowed(sampler, self.tokens(bad)[0])
+                assert sampler.allows(token), "prefix refused"
+                sampler.accept(token)
+            return not sampler.allows(self.tokens(bad)[0])
         finally:
-            self.C.llama_sampler_free(sampler)
+            sampler.close()
+
+
+class ModelRig(GrammarRig):
+    """The real model (not vocab-only), for generations under a grammar."""
+
+    def __init__(self) -> None:
+        import llama_cpp
+
+        from lmspd.engines.llama.matchers import GrammarCompiler
+
+        self.llm = llama_cpp.Llama(model_path(), n_ctx=2048, verbose=False)
+        self.vocab = self.llm._model.vocab
+        self.C = llama_cpp.llama_cpp
+        self.compiler = GrammarCompiler(self.vocab)
+        self.eos = self.C.llama_vocab_eos(self.vocab)
+
+    def generate(self, prompt: str, grammar: str, max_tokens: int, *, patterns: Sequence[str] | None = None,
+                 seed: int | None = None) -> tuple[str, bool]:
+        """(text, whether the model ended the turn) sampled under ``grammar``."""
+        from llama_cpp import _internals as internals
+
+        from lmspd.engines.llama.sampling import GrammarFirstRejection
+
+        llm = self.llm
+        chain = internals.LlamaSampler()
+        if seed is None:
+            chain.add_greedy()
+        else:
+            chain.add_temp(1.0)
+            chain.add_dist(seed)
+        sampler = GrammarFirstRejection(self.compiler.matcher(grammar), self.compiler.tokenizer,
+                                        self.compiler.n_vocab, chain, list(patterns or []) or None)
+        llm.reset()
+        llm.eval(self.tokens(prompt))
+        out: list[int] = []
+        ended = False
+        try:
+            for _ in range(max_tokens):
+                token = sampler.sample(llm._ctx, -1)
+                if self.C.llama_vocab_is_eog(self.vocab, token):
+                    ended = True
+                    break
+                out.append(token)
+                llm.eval([token])
+        finally:
+            sampler.close()
+        return llm._model.detokenize(out, special=True).decode("utf-8", "replace"), ended

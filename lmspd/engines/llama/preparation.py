@@ -22,11 +22,12 @@ from lmspd.core.conversation import (
     orphan_tool_outputs,
 )
 from lmspd.core.errors import ApiError
-from lmspd.core.limits import RequestLimits
+from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
 from . import grammars
 from .prompt import template_messages
+from .matchers import GrammarCompiler
 from .reasoning import ReasoningSyntax
 from .sampling import GrammarFirstRejection
 from .template import ChatTemplate
@@ -201,13 +202,17 @@ class Preparation:
         conv = prepared.conversation
         fmt = conv.output_format
         choice = conv.tool_choice
+        limits = Limits(request=self.limits)
+        specials = self._grammars().specials
         if conv.tools and choice.mode != "none":
             names = choice.allowed if choice.allowed is not None else [t.name for t in conv.tools]
             prepared.tools = [t for t in conv.tools if t.name in names]
             if choice.mode == "required":
+                # A forced call ends the turn (see grammars): one call unless
+                # the request explicitly allowed parallel calls.
                 prepared.grammar = grammars.tool_call_grammar(
-                    self.tool_format, conv.tools, allowed_names=names, parallel=conv.parallel_tool_calls,
-                    max_calls=self._max_calls(conv),
+                    self.tool_format, conv.tools, allowed_names=names, parallel=self._max_calls(conv, True) > 1,
+                    max_calls=self._max_calls(conv, True), specials=specials, limits=limits,
                 )
                 self._check_grammar(prepared.grammar)
                 return
@@ -219,14 +224,15 @@ class Preparation:
             if not prepared.tools:
                 prepared.stop.append(self.tool_format.trigger)
         if fmt.type == "json_schema" and fmt.schema is not None:
-            prepared.grammar = grammars.json_schema_grammar(fmt.schema, param=fmt.param)
+            prepared.grammar = grammars.json_schema_grammar(fmt.schema, param=fmt.param, limits=limits)
         elif fmt.type != "text":
             prepared.grammar = grammars.json_object_grammar()
         elif prepared.tools:
             # auto: free text until the model starts a call, then the call is constrained.
             prepared.grammar, prepared.lazy_patterns = grammars.lazy_tool_call_grammar(
                 self.tool_format, conv.tools, allowed_names=[t.name for t in prepared.tools],
-                parallel=conv.parallel_tool_calls, max_calls=self._max_calls(conv),
+                parallel=self._max_calls(conv, False) > 1, max_calls=self._max_calls(conv, False),
+                specials=specials, limits=limits,
             )
         if fmt.type != "text" and prepared.tools:
             # The reply must be JSON: the model cannot also call tools.
@@ -234,15 +240,24 @@ class Preparation:
         if prepared.grammar is not None:
             self._check_grammar(prepared.grammar)
 
-    def _max_calls(self, conv: Conversation) -> int:
-        return self.limits.max_parallel_tool_calls if conv.parallel_tool_calls else 1
+    def _max_calls(self, conv: Conversation, forced: bool) -> int:
+        """Calls one turn may make: under a forced tool_choice only an explicit
+        ``parallel_tool_calls: true`` allows more than one; under auto only
+        an explicit false forbids them."""
+        allowed = conv.parallel_tool_calls is True if forced else conv.parallel_tool_calls is not False
+        return self.limits.max_parallel_tool_calls if allowed else 1
 
-    def _check_grammar(self, gbnf: str) -> None:
-        # llama.cpp returns no sampler for a grammar it rejects, and a chain
-        # with that hole crashes the process: refuse the request instead.
-        if not grammars.grammar_compiles(self.vocab.vocab, gbnf):
-            raise ApiError("unsupported_capability", "The requested output shape could not be compiled "
-                           "into a grammar for this model.", param="text.format")
+    def _grammars(self) -> GrammarCompiler:
+        # Built on first use (it walks the vocabulary once, ~0.4 s).
+        compiler = getattr(self, "_grammar_compiler", None)
+        if compiler is None:
+            compiler = self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits)
+        return compiler
+
+    def _check_grammar(self, grammar: str) -> None:
+        # Compiles (or finds in the cache) now, so that a grammar llguidance
+        # refuses is this request's 400, not a failure mid-generation.
+        self._grammars().matcher(grammar)
 
     def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | GrammarFirstRejection:
         """A fresh sampler for one sequence: ``sample(ctx, idx)`` reads the
@@ -261,5 +276,6 @@ class Preparation:
             chain.add_dist(seed)
         if prepared.grammar is None:
             return chain
-        return GrammarFirstRejection(self.vocab.vocab, self.vocab.n_vocab, prepared.grammar, chain,
-                                     prepared.lazy_patterns)
+        compiler = self._grammars()
+        return GrammarFirstRejection(compiler.matcher(prepared.grammar), compiler.tokenizer, self.vocab.n_vocab,
+                                     chain, prepared.lazy_patterns)

@@ -1,95 +1,163 @@
 """Sampling under a grammar without paying for the grammar on every token.
 
-llama.cpp's grammar sampler checks each candidate token's text against the
-grammar; over the whole vocabulary (49k tokens for SmolLM2) that costs more
-than a small model's forward pass. Most tokens a model samples under a
-grammar are allowed anyway, so ``GrammarFirstRejection`` does what
-llama.cpp's own ``common_sampler`` does: sample from the unconstrained
-distribution, ask the grammar about that one token, and only when it is
-rejected apply the grammar to the full vocabulary and sample again.
+Computing the set of tokens a grammar allows costs a walk over the whole
+vocabulary (llguidance: ~40 µs for SmolLM2's 49k tokens; llama.cpp's GBNF
+sampler: more than a small model's forward pass). Most tokens a model
+samples under a grammar are allowed anyway, so ``GrammarFirstRejection``
+does what llama.cpp's ``common_sampler`` does: sample from the
+unconstrained distribution, ask the matcher about that one token (about a
+microsecond), and only when it is rejected mask the full vocabulary and
+sample again.
 
 The result has the same distribution as applying the grammar first (an
 allowed token is kept with probability p; a rejection resamples from the
 allowed tokens, renormalized), and with greedy sampling it is the same
-token. A lazy grammar (tool calls under ``tool_choice: auto``) allows
-everything until its trigger, so it is free until a call starts.
+token.
+
+Lazy grammars (tool calls under ``tool_choice: auto``): the matcher sleeps
+while the text is free and wakes where the output first shows a trigger
+text; it is then fed the output from the trigger on, and constrains every
+token after. A trigger followed by something the grammar does not take
+(``<tool_calls are fun``) leaves the text free and the search goes on. A
+trigger written ``^…`` counts only at the start of the reply (after
+whitespace).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 
+import llguidance
 import numpy as np
 from llama_cpp import _internals as internals
 from llama_cpp import llama_cpp
 
-__all__ = ["GrammarFirstRejection", "GrammarRejected"]
+__all__ = ["GrammarFirstRejection"]
 
-
-class GrammarRejected(ValueError):
-    """llama.cpp could not build a sampler from the grammar."""
+_WS = b" \t\r\n"
 
 
 class GrammarFirstRejection:
-    def __init__(self, vocab: ctypes.c_void_p, n_vocab: int, gbnf: str, chain: internals.LlamaSampler,
-                 lazy_patterns: list[str] | None = None, root: str = "root") -> None:
-        if lazy_patterns:
-            patterns = (ctypes.c_char_p * len(lazy_patterns))(*(p.encode() for p in lazy_patterns))
-            grammar = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                vocab, gbnf.encode(), root.encode(), patterns, len(lazy_patterns), None, 0)
-        else:
-            grammar = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode(), root.encode())
-        if not grammar:
-            raise GrammarRejected("llama.cpp rejected the grammar")
-        self._grammar = grammar
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, n_vocab: int,
+                 chain: internals.LlamaSampler, triggers: list[str] | None = None) -> None:
+        self._matcher = matcher
+        self._tokenizer = tokenizer
         self._chain = chain
         self._n_vocab = n_vocab
+        self._eos = tokenizer.eos_token
+        self._eog = frozenset(tokenizer.eos_tokens)
         # One candidate array for the whole vocabulary, reused every token.
         self._data = (llama_cpp.llama_token_data * n_vocab)()
         self._view = np.ctypeslib.as_array(self._data)
         self._ids = np.arange(n_vocab, dtype=np.int32)
         self._all = llama_cpp.llama_token_data_array(
             data=ctypes.cast(self._data, llama_cpp.llama_token_data_p), size=n_vocab, selected=-1, sorted=False)
-        self._one_data = (llama_cpp.llama_token_data * 1)()
-        self._one = llama_cpp.llama_token_data_array(
-            data=ctypes.cast(self._one_data, llama_cpp.llama_token_data_p), size=1, selected=-1, sorted=False)
         self.rejections = 0
+        # Lazy: asleep until a trigger shows in the output.
+        self._awake = not triggers
+        self._anywhere = [t.encode() for t in triggers or () if not t.startswith("^")]
+        self._at_start = [t[1:].encode() for t in triggers or () if t.startswith("^")]
+        self._out = bytearray()
+        self._tokens: list[int] = []
+        self._starts: list[int] = []
+        self._scanned = 0
 
     def sample(self, ctx: internals.LlamaContext, idx: int = -1) -> int:
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, idx), shape=(self._n_vocab,))
-        token = self._pick(logits, constrained=False)
-        if not self._allowed(token):
+        token = self._pick(logits)
+        if not self.allows(token):
             self.rejections += 1
-            token = self._pick(logits, constrained=True)
-        llama_cpp.llama_sampler_accept(self._grammar, token)
+            allowed = self._allowed()
+            # Nothing allowed is the matcher's error state: end the turn.
+            token = self._pick(logits, allowed) if allowed is not None else self._eos
+        self.accept(token)
         self._chain.accept(token)
         return token
 
-    def _pick(self, logits: np.ndarray, *, constrained: bool) -> int:
+    def allows(self, token: int) -> bool:
+        """Whether the grammar lets ``token`` come next (a microsecond)."""
+        if not self._awake:
+            return True
+        if token in self._eog:
+            # validate_tokens never commits an end-of-generation token.
+            return self._matcher.is_accepting()
+        return self._matcher.validate_tokens([token]) == 1
+
+    def accept(self, token: int) -> None:
+        if self._awake:
+            self._matcher.consume_token(token)
+        else:
+            self._watch(token)
+
+    def _allowed(self) -> np.ndarray | None:
+        mask = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(mask, bitorder="little")[: self._n_vocab].astype(bool)
+        return allowed if allowed.any() else None
+
+    def _pick(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
         view, arr = self._view, self._all
         # Samplers sort and shrink the array in place: restore it whole.
         view["id"] = self._ids
         view["logit"] = logits
         view["p"] = 0.0
+        if allowed is not None:
+            view["logit"][~allowed] = -np.inf
         arr.size, arr.selected, arr.sorted = self._n_vocab, -1, False
-        if constrained:
-            llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(arr))
         llama_cpp.llama_sampler_apply(self._chain.sampler, ctypes.byref(arr))
         return int(self._data[arr.selected].id)
 
-    def _allowed(self, token: int) -> bool:
-        one = self._one_data[0]
-        one.id, one.logit, one.p = token, 1.0, 0.0
-        self._one.size, self._one.selected, self._one.sorted = 1, -1, False
-        llama_cpp.llama_sampler_apply(self._grammar, ctypes.byref(self._one))
-        return math.isfinite(self._one_data[0].logit)
+    # -- lazy grammars -----------------------------------------------------------
+
+    def _watch(self, token: int) -> None:
+        self._starts.append(len(self._out))
+        self._tokens.append(token)
+        self._out += self._tokenizer.decode_bytes([token])
+        at = self._trigger()
+        while at is not None:
+            if self._wake(at):
+                return
+            self._scanned = at + 1
+            at = self._trigger()
+
+    def _trigger(self) -> int | None:
+        out = self._out
+        found = [i for t in self._anywhere if (i := out.find(t, self._scanned)) >= 0]
+        if self._at_start:
+            rest = bytes(out).lstrip(_WS)
+            if any(rest.startswith(t) for t in self._at_start):
+                self._at_start = []  # one chance, at the start
+                found.append(len(out) - len(rest))
+            elif rest and not any(t.startswith(rest[: len(t)]) for t in self._at_start):
+                self._at_start = []  # the reply did not start with a call
+        if not found:
+            # Only the tail that could still begin a trigger needs a second look.
+            longest = max((len(t) for t in self._anywhere), default=1)
+            self._scanned = max(self._scanned, len(out) - longest + 1)
+            return None
+        return min(found)
+
+    def _wake(self, at: int) -> bool:
+        """Feed the matcher the output from ``at``; whether it took all of it."""
+        k = max(i for i, start in enumerate(self._starts) if start <= at)
+        feed = self._tokens[k + 1:]
+        if self._starts[k] == at:
+            feed = [self._tokens[k]] + feed
+        else:
+            head = bytes(self._out[at: self._starts[k + 1] if k + 1 < len(self._starts) else len(self._out)])
+            feed = self._tokenizer.tokenize_bytes(head) + feed
+        if self._matcher.try_consume_tokens(feed) == len(feed) and not self._matcher.is_error():
+            self._awake = True
+            self._out.clear()
+            self._tokens.clear()
+            self._starts.clear()
+            return True
+        self._matcher.reset()
+        return False
 
     def close(self) -> None:
-        if self._grammar:
-            llama_cpp.llama_sampler_free(self._grammar)
-            self._grammar = None
-        self._chain.close()
+        if self._chain is not None:
+            self._chain.close()
+            self._chain = None
 
     def __del__(self) -> None:
         self.close()

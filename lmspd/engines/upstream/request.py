@@ -128,7 +128,7 @@ def build_chat_request(
         choice = _tool_choice(conversation, request, profile)
         if choice is not None:
             body["tool_choice"] = choice
-        if not conversation.parallel_tool_calls:
+        if conversation.parallel_tool_calls is False:
             body["parallel_tool_calls"] = False
     fmt = _response_format(conversation, profile)
     if fmt is not None:

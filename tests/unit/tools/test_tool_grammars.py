@@ -75,11 +75,12 @@ class Everything(BaseModel):
     flag: bool = False
 
 
-# Required properties come first, in declaration order, then optional ones:
-# the order the converter's grammar produces.
+# Properties in the schema's order, optional ones included where declared:
+# the order llguidance's grammar enforces.
 EVERYTHING_OK = {
     "title": "Ünïcode \"quoted\"",
     "count": -3,
+    "ratio": None,
     "color": "blue",
     "tags": ["a", "bc"],
     "pair": [1, "x"],
@@ -89,7 +90,6 @@ EVERYTHING_OK = {
     "day": "2024-05-06",
     "ident": "12345678-1234-1234-1234-123456789abc",
     "tree": {"name": "root", "children": [{"name": "kid", "children": []}]},
-    "ratio": None,
     "flag": True,
 }
 
@@ -157,26 +157,41 @@ def test_json_object_grammar(rig) -> None:
 UNSUPPORTED = [
     ({"not": {"type": "string"}}, "not", "text.format.schema.not"),
     ({"properties": {"a": {"if": {}, "then": {}}}}, "if", "text.format.schema.properties.a.if"),
-    ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties", "text.format.schema.patternProperties"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "text.format.schema.uniqueItems"),
-    ({"type": "integer", "multipleOf": 3}, "multipleOf", "text.format.schema.multipleOf"),
-    ({"type": "number", "maximum": 10}, "maximum", "text.format.schema.maximum"),
-    ({"type": "number", "minimum": 0.5}, "minimum", "text.format.schema.minimum"),
-    ({"type": "number", "minimum": -5}, "minimum", "text.format.schema.minimum"),
     ({"type": "array", "contains": {"const": 1}}, "contains", "text.format.schema.contains"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "text.format.schema.dependentRequired"),
     ({"type": "object", "propertyNames": {"maxLength": 3}}, "propertyNames", "text.format.schema.propertyNames"),
-    ({"type": "object", "minProperties": 2}, "minProperties", "text.format.schema.minProperties"),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf", "text.format.schema.oneOf"),
     ({"$ref": "https://example.com/s.json"}, "$ref", "text.format.schema.$ref"),
-    ({"$ref": "#/$defs/a", "maxLength": 3, "$defs": {"a": {"type": "string"}}}, "maxLength", "text.format.schema.maxLength"),
     ({"type": "string", "pattern": "^(?=a)b$"}, "pattern", "text.format.schema.pattern"),
-    ({"type": "string", "pattern": "a", "maxLength": 3}, "pattern", "text.format.schema.pattern"),
-    ({"properties": {"a": {"anyOf": [{"type": "string"}], "minLength": 1}}}, "minLength", "text.format.schema.properties.a.minLength"),
-    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "$ref", "text.format.schema"),
-    ({"const": 5, "maximum": 3}, "const", "text.format.schema.const"),
+    ({"const": 5, "maximum": 3}, "maximum", "text.format.schema.maximum"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "no-such-format"}}}, "format",
+     "text.format.schema.properties.d.format"),
     (False, "false", "text.format.schema"),
 ]
+
+# Refused by the GBNF converter before llguidance; enforced now.
+NOW_ENFORCED = [
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+     [{}, {"x1": 1}], [{"x1": "a"}, {"y": 1}]),
+    ({"type": "integer", "multipleOf": 3}, [0, 9, -3], [1, 10]),
+    ({"type": "number", "maximum": 10}, [10, -1.5, 9.99], [10.01, 11]),
+    ({"type": "number", "minimum": 0.5}, [0.5, 2], [0.49, -1]),
+    ({"type": "number", "minimum": -5}, [-5, 3.5], [-5.5, -6]),
+    ({"type": "object", "minProperties": 2, "additionalProperties": {"type": "integer"}}, [{"a": 1, "b": 2}], [{}, {"a": 1}]),
+    ({"$ref": "#/$defs/a", "maxLength": 3, "$defs": {"a": {"type": "string"}}}, ["abc"], ["abcd", 1]),
+    ({"type": "string", "pattern": "a", "maxLength": 3}, ["a", "xay"], ["xxxa", "b"]),
+    ({"properties": {"a": {"anyOf": [{"type": "string"}], "minLength": 1}}}, [{"a": "x"}], [{"a": ""}]),
+]
+
+
+@pytest.mark.parametrize("schema, good, bad", NOW_ENFORCED)
+def test_keywords_llguidance_enforces(rig, schema, good, bad) -> None:
+    grammar = json_schema_grammar(schema)
+    for value in good:
+        assert rig.accepts(grammar, _dumps(value)), (schema, value)
+    for value in bad:
+        assert not rig.accepts(grammar, _dumps(value)), (schema, value)
 
 
 @pytest.mark.parametrize("schema, keyword, param", UNSUPPORTED)
@@ -231,8 +246,9 @@ TOOLS = [
     CustomTool("apply_patch", "Edit files", {"syntax": "lark", "definition": APPLY_PATCH}),
     CustomTool("free", "Anything"),
     CustomTool("digits", "Regex", {"syntax": "regex", "definition": r"\d+"}),
-    CustomTool("weird", "Unconvertible", {"syntax": "lark", "definition": "start: /a(?=b)/"}),
 ]
+# What llguidance cannot compile is the request's 400, naming the line.
+WEIRD = CustomTool("weird", "Unconvertible", {"syntax": "lark", "definition": 'start: "x" | b\nb: /a(?=b)/'})
 FORMATS: dict[str, ToolFormat] = {
     "fallback": FallbackFormat(),
     "hermes": HermesFormat(True),
@@ -247,7 +263,6 @@ GOOD_CALLS = [
     ToolCall("c", "apply_patch", PATCHES[0], kind="custom"),
     ToolCall("c", "free", "any text, even <tool_ and \"quotes\"\n", kind="custom"),
     ToolCall("c", "digits", "123", kind="custom"),
-    ToolCall("c", "weird", "whatever", kind="custom"),
 ]
 
 
@@ -276,8 +291,20 @@ def test_forced_grammar_refuses_bad_calls(rig, fmt_name: str) -> None:
         ToolCall("c", "digits", "12a", kind="custom"),
     ]
     for call in bad:
+        if call.name == "apply_patch" and not fmt.raw_custom:
+            # Inside a JSON string the Lark grammar is not enforced (grammars docstring).
+            assert rig.accepts(gbnf, fmt.render_calls([call]))
+            continue
         assert not rig.accepts(gbnf, fmt.render_calls([call])), call
     assert not rig.accepts(gbnf, "Sure! " + fmt.render_calls(GOOD_CALLS[:1]))
+
+
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_uncompilable_custom_grammar_is_a_400_naming_the_line(fmt_name: str) -> None:
+    with pytest.raises(ApiError) as info:
+        tool_call_grammar(FORMATS[fmt_name], [*TOOLS, WEIRD])
+    assert info.value.status == 400 and info.value.param == "tools.weird.format.definition"
+    assert "line 2" in info.value.message and "look-around" in info.value.message
 
 
 def test_allowed_names_restrict_the_call(rig) -> None:

@@ -13,7 +13,7 @@ from lmspd.core.events import ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.grammars import json_schema_grammar, tool_call_grammar
 from lmspd.engines.llama.tool_formats import detect_tool_format
 
-from support.grammar_rig import model_path
+from support.grammar_rig import ModelRig
 
 WEATHER = {
     "type": "object",
@@ -28,33 +28,25 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def llm():
-    import llama_cpp
-
-    model = llama_cpp.Llama(model_path(), n_ctx=2048, verbose=False)
-    return model
+def model() -> ModelRig:
+    return ModelRig()
 
 
 def chatml(system: str, user: str) -> str:
     return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def generate(llm, prompt: str, gbnf: str, max_tokens: int) -> str:
-    from llama_cpp import LlamaGrammar
-
-    out = llm.create_completion(
-        prompt, grammar=LlamaGrammar.from_string(gbnf, verbose=False), max_tokens=max_tokens, temperature=0
-    )
-    choice = out["choices"][0]
-    assert choice["finish_reason"] == "stop", choice
-    return choice["text"]
+def generate(model: ModelRig, prompt: str, grammar: str, max_tokens: int) -> str:
+    text, ended = model.generate(prompt, grammar, max_tokens)
+    assert ended, text
+    return text
 
 
-def test_forced_call_parses_and_validates(llm) -> None:
-    fmt = detect_tool_format(llm.metadata.get("tokenizer.chat_template"))
+def test_forced_call_parses_and_validates(model) -> None:
+    fmt = detect_tool_format(model.llm.metadata.get("tokenizer.chat_template"))
     assert fmt.name == "fallback"
     prompt = chatml("You are a helpful assistant.\n\n" + fmt.system_block(TOOLS), "What's the weather in Paris?")
-    text = generate(llm, prompt, tool_call_grammar(fmt, TOOLS, allowed_names=["get_weather"]), 80)
+    text = generate(model, prompt, tool_call_grammar(fmt, TOOLS, allowed_names=["get_weather"]), 80)
     counter = iter(range(10))
     parser = fmt.parser(TOOLS, lambda: f"call_{next(counter)}")
     events = parser.feed(text) + parser.finish()
@@ -64,7 +56,7 @@ def test_forced_call_parses_and_validates(llm) -> None:
     jsonschema.validate(json.loads(done[0].payload), WEATHER)
 
 
-def test_structured_output_validates(llm) -> None:
+def test_structured_output_validates(model) -> None:
     schema = {
         "type": "object",
         "properties": {
@@ -76,5 +68,5 @@ def test_structured_output_validates(llm) -> None:
         "additionalProperties": False,
     }
     prompt = chatml("Reply in JSON.", "Describe a person called Ada, aged 36.")
-    text = generate(llm, prompt, json_schema_grammar(schema), 80)
+    text = generate(model, prompt, json_schema_grammar(schema), 80)
     jsonschema.validate(json.loads(text), schema)

@@ -1,0 +1,87 @@
+"""Compiled grammars for one model: its vocabulary as an llguidance
+tokenizer, and matchers compiled once per grammar and kept by content.
+
+The tokenizer is built from the GGUF's own vocabulary (llguidance's
+``llamacpp.lltokenizer_from_vocab``; every end-of-generation token of the
+model ends a grammar, not only its EOS). Building it walks the whole
+vocabulary (~0.4 s for SmolLM2's 49k tokens), so it happens once, on first
+use.
+
+Compiling is bounded twice: the inputs are bounded before they get here
+(``grammars``: schema and grammar bytes, rule count, depth), and
+llguidance's own fuel limits (``LLParserLimits``) stop a grammar whose
+lexer or parser would grow too large, which is a 400 too. A compiled
+matcher is cached (``RequestLimits.grammar_cache_entries``, least recently
+used out) and each generation gets its own copy (``deep_copy`` is cheap),
+so a client that sends the same schema or tools every turn pays the
+compile once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llama_cpp
+from llguidance.llamacpp import lltokenizer_from_vocab
+
+from lmspd.core.errors import ApiError
+from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
+
+__all__ = ["GrammarCompiler"]
+
+# About 20 ms of lexer construction (llguidance builds ~50k fuel/ms) and a
+# grammar of at most this many symbols; beyond that a request is refused
+# rather than allowed to stall generation.
+_PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
+
+
+class GrammarCompiler:
+    def __init__(self, vocab: Any, limits: RequestLimits = DEFAULT_LIMITS.request) -> None:
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        with warnings.catch_warnings():
+            # The helper calls a llama.cpp function deprecated under a new name, once per token.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog or None)
+        self.n_vocab = n_vocab
+        self.eog = eog
+        #: Texts of the model's special tokens (a marker among them is
+        #: written as that token in a grammar).
+        self.specials = frozenset(
+            self.tokenizer.decode_bytes([t]).decode("utf-8", "replace")
+            for t in range(n_vocab) if self.tokenizer.is_special_token(t)
+        )
+        self._limits = limits
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0
+        self.last_compile_ms = 0.0
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher for ``grammar``; ``ApiError`` if it does not compile."""
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                return cached.deep_copy()
+        started = time.perf_counter()
+        # Constructing drops the GIL: other requests keep being served.
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                        limits=llguidance.LLParserLimits(**_PARSER_LIMITS))
+        self.last_compile_ms = (time.perf_counter() - started) * 1000
+        if compiled.is_error():
+            message = compiled.get_error().strip().splitlines()
+            raise ApiError("unsupported_capability",
+                           "The requested output shape could not be compiled into a grammar for this model: "
+                           + (message[0][:300] if message else "refused"), param="text.format")
+        with self._lock:
+            self.compiles += 1
+            self._cache[grammar] = compiled
+            while len(self._cache) > max(1, self._limits.grammar_cache_entries):
+                self._cache.popitem(last=False)
+        return compiled.deep_copy()

@@ -1,0 +1,199 @@
+"""Qwen3-Coder's XML-style tool calls::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is raw text (one newline after the opening tag and one
+before the closing tag are syntax); it becomes a JSON string when the
+tool's schema says the parameter is a string (or says nothing and the text
+is not JSON), else the JSON value it spells. The call's arguments stream
+one parameter at a time. A custom tool is offered as a function with one
+string parameter ``input``, whose raw value is the input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from lmspd.core.conversation import FunctionTool, Tool, ToolCall, ToolOutput
+
+from .base import FormatName, ToolCallParser, ToolFormat, dumps
+from .json_scan import ToolCallError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_CLOSE, PARAM_CLOSE = "</function>", "</parameter>"
+_FUNCTION = re.compile(r"<function=([^>\n]{1,256})>")
+_PARAM = re.compile(r"<parameter=([^>\n]{1,256})>")
+_MAX_TAG = 300
+
+
+def _value(raw: str, schema: Any) -> Any:
+    types = schema.get("type") if isinstance(schema, dict) else None
+    if types == "string" or (isinstance(types, list) and types == ["string"]):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+class Qwen3CoderParser(ToolCallParser):
+    def __init__(self, tools: Iterable[Tool], new_call_id: Callable[[], str]) -> None:
+        tools = list(tools)
+        super().__init__(tools, new_call_id)
+        self._schemas: dict[str, dict[str, Any]] = {}
+        for tool in tools:
+            if isinstance(tool, FunctionTool):
+                self._schemas[tool.name] = dict(((tool.parameters or {}).get("properties") or {}))
+        self._state = "text"
+        self._param: str | None = None
+        self._count = 0
+        self._payload: list[str] = []
+
+    def _run(self, final: bool) -> None:
+        while True:
+            state = self._state
+            if state == "text":
+                if not self._text_until(OPEN, final):
+                    return
+                self._state = "function"
+            elif state == "function":
+                if not self._skip_ws():
+                    if final:
+                        raise ToolCallError("unterminated tool call")
+                    return
+                m = _FUNCTION.match(self._buf)
+                if m is None:
+                    if len(self._buf) > _MAX_TAG or ">" in self._buf or final:
+                        raise ToolCallError("expected <function=...> in a tool call")
+                    return
+                tool = self._lookup(m.group(1).strip())
+                self._buf = self._buf[m.end():]
+                self._start(tool)
+                self._count, self._payload = 0, []
+                self._state = "params"
+            elif state == "params":
+                if not self._skip_ws():
+                    if final:
+                        raise ToolCallError("unterminated tool call")
+                    return
+                if self._buf.startswith(FUNCTION_CLOSE):
+                    self._buf = self._buf[len(FUNCTION_CLOSE):]
+                    self._end_call()
+                    self._state = "close"
+                    continue
+                m = _PARAM.match(self._buf)
+                if m is None:
+                    if (FUNCTION_CLOSE.startswith(self._buf) or "<parameter=".startswith(self._buf[:11])) \
+                            and len(self._buf) < _MAX_TAG and not final and ">" not in self._buf:
+                        return
+                    raise ToolCallError("expected <parameter=...> or </function> in a tool call")
+                self._param = m.group(1).strip()
+                self._buf = self._buf[m.end():]
+                self._state = "value"
+            elif state == "value":
+                at = self._buf.find(PARAM_CLOSE)
+                if at < 0:
+                    if final:
+                        raise ToolCallError("unterminated <parameter=...>")
+                    return
+                raw = self._buf[:at]
+                self._buf = self._buf[at + len(PARAM_CLOSE):]
+                raw = raw[1:] if raw.startswith("\n") else raw
+                raw = raw[:-1] if raw.endswith("\n") else raw
+                self._param_done(raw)
+                self._state = "params"
+            elif state == "close":
+                if not self._skip_ws():
+                    if final:
+                        return  # a call cut short after </function> is complete
+                    return
+                if self._buf.startswith(CLOSE):
+                    self._buf = self._buf[len(CLOSE):]
+                    self._state = "after"
+                elif CLOSE.startswith(self._buf) and not final:
+                    return
+                else:
+                    raise ToolCallError(f"expected {CLOSE} after a tool call")
+            elif state == "after":
+                if not self._skip_ws():
+                    return
+                self._state = "text"
+
+    def _param_done(self, raw: str) -> None:
+        assert self._open is not None and self._param is not None
+        if self._open.kind == "custom":
+            if self._param != "input":
+                raise ToolCallError(f"custom tool {self._open.name!r} takes only <parameter=input>")
+            self._payload.append(raw)
+            self._delta(raw)
+            return
+        value = _value(raw, self._schemas.get(self._open.name, {}).get(self._param))
+        piece = ("{" if self._count == 0 else ", ") + f"{dumps(self._param)}: {dumps(value)}"
+        self._count += 1
+        self._payload.append(piece)
+        self._delta(piece)
+
+    def _end_call(self) -> None:
+        assert self._open is not None
+        if self._open.kind == "function":
+            tail = "{}" if self._count == 0 else "}"
+            self._payload.append(tail)
+            self._delta(tail)
+        self._done("".join(self._payload))
+
+
+class Qwen3CoderFormat(ToolFormat):
+    name: FormatName = "qwen3_coder"
+    trigger = OPEN
+    triggers = (OPEN,)
+    args_style = "xml"
+    result_markers = ("<tool_response", "</tool_response")
+
+    def system_block(self, tools: Sequence[Tool]) -> str:
+        listed = "\n".join(dumps(t) for t in self.template_tools(tools))
+        return (
+            "# Tools\n\nYou have access to the following functions:\n\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "If you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+            "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+            "</parameter>\n</function>\n</tool_call>"
+        )
+
+    def _render_call(self, call: ToolCall) -> str:
+        if call.kind == "custom":
+            params: dict[str, Any] = {"input": call.payload}
+        else:
+            try:
+                params = json.loads(call.payload or "{}")
+            except ValueError:
+                params = {}
+        body = "".join(
+            self.param_parts(k)[0] + (v if isinstance(v, str) else dumps(v)) + self.param_parts(k)[1]
+            for k, v in (params.items() if isinstance(params, dict) else ())
+        )
+        before, after = self.call_parts(call.name, raw=False)
+        return before + body + after
+
+    def render_outputs(self, outputs: Sequence[ToolOutput], names_by_call_id: Mapping[str, str]) -> str:
+        return "\n".join(f"<tool_response>\n{o.output}\n</tool_response>" for o in outputs)
+
+    def parser(self, tools: Iterable[Tool], new_call_id: Callable[[], str]) -> ToolCallParser:
+        return Qwen3CoderParser(tools, new_call_id)
+
+    def call_parts(self, name: str, raw: bool) -> tuple[str, str]:
+        return f"{OPEN}\n<function={name}>\n", f"{FUNCTION_CLOSE}\n{CLOSE}"
+
+    def param_parts(self, name: str) -> tuple[str, str]:
+        return f"<parameter={name}>\n", f"\n{PARAM_CLOSE}\n"
+
+
+__all__ = ["Qwen3CoderFormat", "Qwen3CoderParser"]

@@ -1,0 +1,155 @@
+"""The two syntaxes added with llguidance: gpt-oss's Harmony channels and
+Qwen3-Coder's XML calls. Detection from their templates, parsing (any
+chunking of an output gives the same calls, text and reasoning; markup never
+leaks), rendering round trips, and grammars that accept what is rendered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall
+from lmspd.core.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted
+from lmspd.engines.llama.grammars import lazy_tool_call_grammar, tool_call_grammar
+from lmspd.engines.llama.tool_formats import (
+    HarmonyFormat,
+    Qwen3CoderFormat,
+    ToolCallError,
+    detect_tool_format,
+)
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+TOOLS = [FunctionTool("get_weather", "Weather", WEATHER), CustomTool("apply_patch", "Patch")]
+
+# Outputs in the shape the models write (transcribed from the formats' documentation).
+HARMONY_OUT = (
+    "<|channel|>analysis<|message|>The user wants the weather in Paris. I should call get_weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking the forecast.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris", "days": 2}'
+)
+HARMONY_FINAL = ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "It is <b>sunny</b> in Paris.")
+QWEN_OUT = (
+    "Let me check that.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <3\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=apply_patch>\n"
+    "<parameter=input>\n*** Begin Patch\n*** Add File: a.txt\n+<tool_call> inside\n*** End Patch\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+
+
+def _parse(fmt, chunks: list[str]):
+    counter = iter(range(100))
+    parser = fmt.parser(TOOLS, lambda: f"call_{next(counter)}")
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    events += parser.finish()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    started = [(e.index, e.name, e.kind) for e in events if isinstance(e, ToolCallStarted)]
+    deltas: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, ToolCallDelta):
+            deltas[e.index] = deltas.get(e.index, "") + e.delta
+    done = {e.index: e.payload for e in events if isinstance(e, ToolCallDone)}
+    assert deltas == {i: p for i, p in done.items() if p or i in deltas}, "deltas add up to the payload"
+    return text, reasoning, started, done
+
+
+def _chunked(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(max(c, 0), len(text)) for c in cuts})
+    out, at = [], 0
+    for p in points + [len(text)]:
+        out.append(text[at:p])
+        at = p
+    return out
+
+
+def test_detected_from_their_templates() -> None:
+    assert isinstance(detect_tool_format((TEMPLATES / "gpt_oss_harmony.jinja").read_text()), HarmonyFormat)
+    assert isinstance(detect_tool_format((TEMPLATES / "qwen3_coder.jinja").read_text()), Qwen3CoderFormat)
+
+
+def test_harmony_channels() -> None:
+    text, reasoning, started, done = _parse(HarmonyFormat(True), [HARMONY_OUT])
+    assert reasoning == "The user wants the weather in Paris. I should call get_weather."
+    assert text == "Checking the forecast."
+    assert started == [(0, "get_weather", "function")]
+    assert json.loads(done[0]) == {"city": "Paris", "days": 2}
+    text, reasoning, started, _ = _parse(HarmonyFormat(True), [HARMONY_FINAL])
+    assert (text, reasoning, started) == ("It is <b>sunny</b> in Paris.", "Easy.", [])
+
+
+def test_harmony_recipient_before_the_channel_and_unknown_tools() -> None:
+    out = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+    _, _, started, done = _parse(HarmonyFormat(True), [out])
+    assert started == [(0, "get_weather", "function")] and json.loads(done[0]) == {"city": "Oslo"}
+    with pytest.raises(ToolCallError):
+        _parse(HarmonyFormat(True), ["<|channel|>commentary to=functions.nope <|message|>{}"])
+    with pytest.raises(ToolCallError):
+        _parse(HarmonyFormat(True), ["<|channel|>commentary to=functions.get_weather <|message|>[1]<|call|>"])
+
+
+def test_qwen3_coder_calls() -> None:
+    text, _, started, done = _parse(Qwen3CoderFormat(True), [QWEN_OUT])
+    assert text == "Let me check that.\n"
+    assert started == [(0, "get_weather", "function"), (1, "apply_patch", "custom")]
+    # city is a string by the schema (kept raw); days is JSON.
+    assert json.loads(done[0]) == {"city": "Paris <3", "days": 2}
+    assert done[1] == "*** Begin Patch\n*** Add File: a.txt\n+<tool_call> inside\n*** End Patch"
+    with pytest.raises(ToolCallError):
+        _parse(Qwen3CoderFormat(True), ["<tool_call>\n<function=nope>\n</function>\n</tool_call>"])
+    with pytest.raises(ToolCallError):
+        _parse(Qwen3CoderFormat(True), ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"])
+
+
+@pytest.mark.parametrize("fmt, out", [(HarmonyFormat(True), HARMONY_OUT), (HarmonyFormat(True), HARMONY_FINAL),
+                                      (Qwen3CoderFormat(True), QWEN_OUT)])
+@settings(max_examples=150, deadline=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_any_chunking_gives_the_same_result(fmt, out: str, cuts: list[int]) -> None:
+    whole = _parse(fmt, [out])
+    assert _parse(fmt, _chunked(out, cuts)) == whole
+    text = whole[0]
+    for marker in ("<|", "|>", "<tool_call", "<function=", "<parameter=", "</parameter", "</function"):
+        assert marker not in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(city=st.none() | st.text(st.sampled_from(list("ab <>é\n")), min_size=1, max_size=8),
+       days=st.none() | st.integers(-5, 5))
+def test_qwen3_coder_render_parse_round_trip(city, days) -> None:
+    fmt = Qwen3CoderFormat(True)
+    # Values as the schema types them; one newline at either end is syntax.
+    args = {k: v for k, v in (("city", city), ("days", days)) if v is not None
+            and not (isinstance(v, str) and (v.startswith("\n") or v.endswith("\n")))}
+    call = ToolCall("c", "get_weather", json.dumps(args))
+    _, _, started, done = _parse(fmt, [fmt.render_calls([call])])
+    assert started == [(0, "get_weather", "function")] and json.loads(done[0]) == args
+
+
+@pytest.mark.parametrize("fmt", [HarmonyFormat(True), Qwen3CoderFormat(True)])
+def test_grammar_accepts_rendered_calls(rig, fmt) -> None:
+    calls = [ToolCall("c", "get_weather", '{"city": "Paris", "days": 2}'),
+             ToolCall("c", "apply_patch", "*** Begin Patch\n*** End Patch", kind="custom")]
+    grammar = tool_call_grammar(fmt, TOOLS, specials=rig.specials)
+    for call in calls:
+        rendered = fmt.render_calls([call])
+        assert rig.accepts(grammar, rendered), rendered
+    lazy, triggers = lazy_tool_call_grammar(fmt, TOOLS, specials=rig.specials)
+    assert rig.accepts(lazy, "Some text first. " + fmt.render_calls(calls[:1]), patterns=triggers)
+
+
+def test_qwen3_coder_grammar_refuses_undeclared_parameters(rig) -> None:
+    fmt = Qwen3CoderFormat(True)
+    grammar = tool_call_grammar(fmt, TOOLS)
+    bad = "<tool_call>\n<function=get_weather>\n<parameter=town>\nParis\n</parameter>\n</function>\n</tool_call>"
+    assert not rig.accepts(grammar, bad)
+    assert not rig.accepts(grammar, bad.replace("get_weather", "nope"))
