@@ -76,7 +76,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
     # it; LMSP has no such status (its task object does).
     status = "queued" if background and dialect is OPENAI else "in_progress"
     state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
-    run = app.service.begin(req.conversation, owner)
+    run = await app.service.begin(req.conversation, owner)
     session = StreamSession(state, dialect.encoder())
     record = ResponseRecord(app.store, owner, req.input_items, keep=req.store,
                             previous_response_id=req.previous_response_id, conversation_id=req.conversation_id)

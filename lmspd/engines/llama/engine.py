@@ -245,7 +245,7 @@ class LlamaEngine:
                 if self.sealer is None or self.reasoning is None:
                     continue  # another provider's blob: nothing we can render
                 item.hidden = self.sealer.open(self.info.id, item.encrypted_content,
-                                               f"input[{i}].encrypted_content")
+                                               f"input[{i}].encrypted_content", owner=conversation.owner)
 
     def _needs_reasoning_state(self, conversation: Conversation) -> bool:
         """A replayed tool-call turn of a reasoning model without its reasoning
@@ -688,7 +688,7 @@ class _Generation:
         sealed = None
         engine = self.engine
         if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
-            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden)
+            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden, owner=self.prepared.conversation.owner)
         self.emit(ReasoningDone(sealed))
 
     def _force_close(self) -> None:
