@@ -86,14 +86,21 @@ def _sse(
 
 
 async def health(request: Request) -> Response:
+    """Liveness for anyone (load balancers send no key); the engines'
+    internals (queue depth, cache statistics) only for ``admin``."""
     app = _state(request)
     status = "shutting_down" if app.service.shutting_down else "ok"
-    models = {
-        mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
-        for mid, m in app.service.models.items()
-    }
-    return JSONResponse({"status": status, "version": __version__, "models": models},
-                        status_code=503 if app.service.shutting_down else 200)
+    body: dict = {"status": status, "version": __version__}
+    try:
+        details = app.auth.authenticate(request).allows("admin")
+    except ApiError:
+        details = False
+    if details:
+        body["models"] = {
+            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
+            for mid, m in app.service.models.items()
+        }
+    return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)
 
 
 async def openai_models(request: Request) -> Response:
