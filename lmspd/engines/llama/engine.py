@@ -40,6 +40,7 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import ApiError
 from lmspd.core.sealing import Sealer
+from lmspd.engines.llama.client_text import ClientText, tokenize_marked
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.events import (
     TERMINAL_EVENTS,
@@ -149,6 +150,7 @@ class LlamaEngine:
             bos_token=self._token_text(llm.token_bos()),
             eos_token=self._token_text(llm.token_eos()),
         )
+        self.template.client_text = ClientText.from_vocab(self._vocab)
         self.tool_format: ToolFormat = detect_tool_format(template_source)
         self._closer = self._turn_closer()
         self.reasoning = ReasoningSyntax.detect(self.template)
@@ -190,8 +192,10 @@ class LlamaEngine:
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
-        # markers like <|im_start|> become their single tokens.
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        # markers like <|im_start|> become their single tokens, split at the
+        # marks that keep client text from spelling them (client_text.py).
+        return tokenize_marked(text, lambda piece: self._llm.tokenize(piece.encode("utf-8"), add_bos=False,
+                                                                      special=True))
 
     def detokenize(self, tokens: list[int]) -> str:
         return self._llm._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")
