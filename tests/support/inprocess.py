@@ -79,3 +79,36 @@ def client(app, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
 
 def with_queue(limits: Limits, max_pending: int) -> Limits:
     return replace(limits, queue=replace(limits.queue, max_pending=max_pending))
+
+
+class ThreadedServer:
+    """uvicorn, configured as ``lmspd serve`` configures it (lmspd.http11),
+    serving an in-process app on a free port in a background thread."""
+
+    def __init__(self, app, limits: Limits = DEFAULT_LIMITS) -> None:
+        import threading
+
+        import uvicorn
+
+        from lmspd.http11 import uvicorn_options
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                **uvicorn_options(limits.request))
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        import time
+
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
