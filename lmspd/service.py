@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, TypeVar
@@ -36,7 +38,7 @@ class Service:
         self._active: set[CancelToken] = set()
         # Where requests are prepared: off the event loop, a few at a time.
         self._preparing = ThreadPoolExecutor(max_workers=limits.prepare_workers,
-                                             thread_name_prefix="lmspd-prepare")
+                                             thread_name_prefix="lmspd-prepare", initializer=_yield_cpu)
 
     def add_engine(self, engine: Engine) -> None:
         queue = ModelQueue(self.limits.queue, concurrency=getattr(engine.info, "max_concurrency", 1))
@@ -108,6 +110,16 @@ class Service:
         for served in self.models.values():
             await served.engine.aclose()
         self._preparing.shutdown(wait=False, cancel_futures=True)
+
+
+def _yield_cpu() -> None:
+    """A preparing thread runs at a lower CPU priority than generation (Linux
+    schedules threads by their own nice value): a huge prompt being
+    tokenized must not slow the tokens of streams already running."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class Run:

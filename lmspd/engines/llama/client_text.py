@@ -97,6 +97,30 @@ def neutral_items(items: list[Any], client: ClientText) -> list[Any]:
     return out
 
 
+def llama_tokenize(vocab: Any, text: str) -> list[int]:
+    """``text`` as tokens, special tokens on, no BOS: one llama.cpp pass into
+    a buffer sized for the worst case (a token is at least one byte), where
+    llama-cpp-python's own ``tokenize`` makes two passes over a long text and
+    builds its list while holding the GIL (a 3M-token prompt stalled every
+    other thread for most of a second). Runs in the preparing pool; ctypes
+    releases the GIL for the C call."""
+    import llama_cpp
+    import numpy as np
+
+    raw = text.encode("utf-8")
+    room = len(raw) + 8
+    buf = (llama_cpp.llama_token * room)()
+    n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, room, False, True)
+    if n < 0:  # cannot happen (room is an upper bound), but never read past the buffer
+        raise RuntimeError(f"tokenizing {len(raw)} bytes needs {-n} tokens")
+    ids = np.frombuffer(buf, dtype=np.int32, count=n)
+    tokens: list[int] = []
+    # In slices, so that other threads get the GIL in between.
+    for start in range(0, n, 1 << 16):
+        tokens += ids[start:start + (1 << 16)].tolist()
+    return tokens
+
+
 def tokenize_marked(text: str, tokenize: Callable[[str], list[int]]) -> list[int]:
     """Tokenize a rendered prompt (special tokens on) piece by piece between
     marks, so that no control token spans a mark; the marks themselves are

@@ -40,7 +40,7 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import ApiError
 from lmspd.core.sealing import Sealer
-from lmspd.engines.llama.client_text import ClientText, tokenize_marked
+from lmspd.engines.llama.client_text import ClientText, llama_tokenize, tokenize_marked
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.events import (
     TERMINAL_EVENTS,
@@ -194,8 +194,7 @@ class LlamaEngine:
         # The template already wrote any BOS it wants; special=True so that
         # markers like <|im_start|> become their single tokens, split at the
         # marks that keep client text from spelling them (client_text.py).
-        return tokenize_marked(text, lambda piece: self._llm.tokenize(piece.encode("utf-8"), add_bos=False,
-                                                                      special=True))
+        return tokenize_marked(text, lambda piece: llama_tokenize(self._vocab, piece))
 
     def detokenize(self, tokens: list[int]) -> str:
         return self._llm._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")
