@@ -148,8 +148,13 @@ def test_a_huge_request_does_not_stall_a_running_stream():
         streaming = threading.Event()
 
         def stream() -> None:
-            body = {"model": MODEL, "input": "Count from one to two hundred, in words.", "stream": True,
-                    "max_output_tokens": 1800, "temperature": 0.8, "store": False}
+            # A schema that forces a long answer: the model cannot stop early.
+            schema = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                                             "minItems": 600}},
+                      "required": ["n"], "additionalProperties": False}
+            body = {"model": MODEL, "input": "List numbers.", "stream": True, "max_output_tokens": 1900,
+                    "temperature": 0.8, "store": False,
+                    "text": {"format": {"type": "json_schema", "name": "numbers", "schema": schema}}}
             with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=600) as r:
                 for line in r.iter_lines():
                     if "output_text.delta" in line:
