@@ -207,3 +207,34 @@ def test_a_huge_request_does_not_stall_a_running_stream():
         assert max(health) < 2.0
     finally:
         srv.stop()
+
+
+def test_bad_key_specs_refuse_to_start_without_naming_the_key(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sekrit-1 responses:read\nsekrit-2 root\n")
+    for args in (["--api-key", "sekrit-0:responses:wrte"], ["--api-keys-file", str(keys)],
+                 ["--api-keys-file", str(tmp_path / "missing")]):
+        proc = subprocess.run([sys.executable, "-m", "lmspd", "serve", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "sekrit" not in proc.stderr.replace(str(tmp_path), ""), proc.stderr
+
+
+def test_a_keys_file_gives_scoped_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# reader and admin\nread-key responses:read\nadmin-key admin\n")
+    srv = ServerProcess("--ctx", "512", "--host", "localhost", "--api-keys-file", str(keys)).start()
+    try:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+        r = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": "Bearer read-key"},
+                       timeout=60)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer read-key"},
+                         timeout=60).status_code == 200
+        assert "models" not in httpx.get(srv.url + "/health", headers={"Authorization": "Bearer read-key"},
+                                         timeout=60).json()
+        admin = {"Authorization": "Bearer admin-key"}
+        assert httpx.post(srv.url + "/v1/responses", json=body, headers=admin, timeout=60).status_code == 200
+        assert httpx.get(srv.url + "/health", headers=admin, timeout=60).json()["models"][MODEL]["generations"] == 1
+    finally:
+        srv.stop()
