@@ -15,41 +15,29 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from lmspd import __version__
 from lmspd.config import Settings
 from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
+from lmspd.edge import EdgeMiddleware, error_reply
 from lmspd.routes import conversations, responses, stored
 from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
 from lmspd.store.base import Store
-from lmspd.streaming.sse import SSE_HEADERS, dumps
+from lmspd.streaming.sse import SSE_HEADERS
 from lmspd.tasks import routes as task_routes
 from lmspd.tasks.recovery import prune_forever, recover
 
 log = logging.getLogger("lmspd.http")
 
-LMSP_PREFIX = "/lmsp/"
-
-
 # -- errors ----------------------------------------------------------------------
 
 
 def error_response(request: Request, exc: ApiError) -> Response:
-    headers = dict(exc.headers)
-    path = request.url.path
-    if path.startswith(LMSP_PREFIX):
-        headers["LMSP-Version"] = lmsp.VERSION
-        return Response(dumps(exc.problem()), status_code=exc.status, headers=headers,
-                        media_type="application/problem+json")
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        # Anthropic clients parse errors in Anthropic's shape (unknown
-        # /v1/messages/* routes such as batches included).
-        return Response(dumps(exc.anthropic()), status_code=exc.status, headers=headers,
-                        media_type="application/json")
-    return Response(dumps(exc.openai()), status_code=exc.status, headers=headers, media_type="application/json")
+    return error_reply(request.url.path, exc)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -98,14 +86,21 @@ def _sse(
 
 
 async def health(request: Request) -> Response:
+    """Liveness for anyone (load balancers send no key); the engines'
+    internals (queue depth, cache statistics) only for ``admin``."""
     app = _state(request)
     status = "shutting_down" if app.service.shutting_down else "ok"
-    models = {
-        mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
-        for mid, m in app.service.models.items()
-    }
-    return JSONResponse({"status": status, "version": __version__, "models": models},
-                        status_code=503 if app.service.shutting_down else 200)
+    body: dict = {"status": status, "version": __version__}
+    try:
+        details = app.auth.authenticate(request).allows("admin")
+    except ApiError:
+        details = False
+    if details:
+        body["models"] = {
+            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
+            for mid, m in app.service.models.items()
+        }
+    return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)
 
 
 async def openai_models(request: Request) -> Response:
@@ -193,6 +188,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
 
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(EdgeMiddleware, limits=settings.limits.request)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

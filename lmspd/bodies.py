@@ -1,14 +1,46 @@
-"""Reading a request body: media type, size and JSON, each with its own 4xx."""
+"""Reading a request body: media type, encoding, size and JSON, each with its own 4xx.
+
+Every route reads its body through ``read_json_object``, so every route
+parses JSON the same strict way (``decode_json``): a body that two JSON
+parsers could read differently is refused, not guessed at —
+
+- duplicate keys (``"store": false, "store": true``): Python keeps the last,
+  other parsers the first;
+- non-finite numbers (``NaN``, ``Infinity``, ``1e400``): not JSON at all
+  (RFC 8259), and nothing downstream (the store, the SSE writer, schema
+  bounds) can represent them;
+- lone surrogate escapes (``"\\ud800"``): not a Unicode string, so no
+  tokenizer or UTF-8 writer can take it.
+
+Each is a 400 whose ``param`` is the JSON path of the offending value.
+
+Bodies may be sent ``Content-Encoding: gzip`` or ``zstd``; the size limit
+applies to the decompressed bytes too, and decompression stops as soon as it
+is passed (a zip bomb costs one limit's worth of memory, then a 413).
+Decoding a large body runs in a worker thread: the event loop only reads the
+bytes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import re
+import zlib
 from typing import Any
 
 from starlette.requests import Request
 
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import RequestLimits
+
+# Bodies up to this size are decoded on the event loop (a thread hop costs
+# more than parsing them); larger ones in a worker thread.
+_INLINE_BYTES = 64 * 1024
+_ENCODINGS = ("gzip", "x-gzip", "zstd", "identity")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
 
 
 async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:
@@ -18,6 +50,7 @@ async def read_json_object(request: Request, limits: RequestLimits) -> dict[str,
             "unsupported_media_type",
             f"Content-Type must be application/json, not {media or 'missing'!r}.",
         )
+    encodings = content_encodings(request.headers.get("content-encoding", ""))
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -33,30 +66,201 @@ async def read_json_object(request: Request, limits: RequestLimits) -> dict[str,
             raise _too_large(limits)
         chunks.append(chunk)
     raw = b"".join(chunks)
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise ApiError("invalid_json", "The JSON body is nested too deeply.") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ApiError("invalid_json", f"The body is not valid JSON: {exc}") from None
+    if not encodings and len(raw) <= _INLINE_BYTES:
+        return decode_body(raw, encodings, limits)
+    return await asyncio.to_thread(decode_body, raw, encodings, limits)
+
+
+def content_encodings(header: str) -> list[str]:
+    """The codings applied to the body, in the order they were applied."""
+    codings = [c.strip().lower() for c in header.split(",") if c.strip()]
+    for coding in codings:
+        if coding not in _ENCODINGS:
+            raise ApiError("unsupported_media_type",
+                           f"Content-Encoding {coding!r} is not supported; send gzip, zstd or identity.",
+                           headers={"Accept-Encoding": "gzip, zstd"})
+    return [c for c in codings if c != "identity"]
+
+
+def decode_body(raw: bytes, encodings: list[str], limits: RequestLimits) -> dict[str, Any]:
+    for coding in reversed(encodings):
+        raw = _decompress(raw, coding, limits)
+    data = decode_json(raw, max_depth=limits.max_json_depth)
     if not isinstance(data, dict):
         raise ApiError("invalid_json", "The JSON body must be an object.")
-    _check_depth(data, limits.max_json_depth)
     return data
+
+
+# -- decompression ---------------------------------------------------------------
+
+
+def _decompress(raw: bytes, coding: str, limits: RequestLimits) -> bytes:
+    limit = limits.max_body_bytes
+    try:
+        out = _gunzip(raw, limit) if coding in ("gzip", "x-gzip") else _unzstd(raw, limit)
+    except ApiError:
+        raise
+    except Exception as exc:  # zlib.error, zstd.ZstdError: the client's bytes are bad
+        raise ApiError("invalid_request", f"The body is not valid {coding} data: {exc}") from None
+    return out
+
+
+def _gunzip(raw: bytes, limit: int) -> bytes:
+    out = bytearray()
+    data = raw
+    while data:
+        # One gzip member at a time (RFC 1952 allows several in a row).
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        while data:
+            out += inflater.decompress(data, limit + 1 - len(out))
+            if len(out) > limit:
+                raise _too_large_decoded(limit)
+            data = inflater.unconsumed_tail
+        if not inflater.eof:
+            raise ApiError("invalid_request", "The body is not valid gzip data: it ends early.")
+        data = inflater.unused_data
+    return bytes(out)
+
+
+def _unzstd(raw: bytes, limit: int) -> bytes:
+    import io
+
+    import zstandard
+
+    out = bytearray()
+    with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as reader:
+        while True:
+            chunk = reader.read(min(1 << 20, limit + 1 - len(out)))
+            if not chunk:
+                break
+            out += chunk
+            if len(out) > limit:
+                raise _too_large_decoded(limit)
+    return bytes(out)
 
 
 def _too_large(limits: RequestLimits) -> ApiError:
     return ApiError("request_too_large", f"The request body exceeds {limits.max_body_bytes} bytes.")
 
 
-def _check_depth(value: Any, limit: int) -> None:
-    # Iterative, so that the check itself cannot hit the recursion limit.
-    stack = [(value, 1)]
+def _too_large_decoded(limit: int) -> ApiError:
+    return ApiError("request_too_large", f"The decompressed request body exceeds {limit} bytes.")
+
+
+# -- strict JSON -----------------------------------------------------------------
+
+
+class _NonFinite:
+    """Stands where the parser met NaN, ±Infinity or an overflowing number,
+    so that the walk after parsing can say where it was."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class _Duplicated(dict):
+    """An object in which ``key`` appeared more than once."""
+
+    __slots__ = ("key",)
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                dup = _Duplicated(obj)
+                dup.key = key
+                return dup
+            seen.add(key)
+    return obj
+
+
+def _float(text: str) -> Any:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=_float, parse_constant=_NonFinite)
+
+
+def decode_json(raw: bytes | str, *, max_depth: int = 64) -> Any:
+    """Parse JSON strictly (see the module docstring); every refusal is an
+    ``ApiError`` (400) naming the JSON path where it applies."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        if text.startswith("\ufeff"):
+            raise ValueError("a byte order mark is not allowed (RFC 8259 §8.1)")
+        value = _DECODER.decode(text)
+    except RecursionError:
+        raise ApiError("invalid_json", "The JSON body is nested too deeply.") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError("invalid_json", f"The body is not valid JSON: {exc}") from None
+    _check(value, max_depth)
+    return value
+
+
+def _check(value: Any, max_depth: int) -> None:
+    # Iterative, so that the walk itself cannot hit the recursion limit; the
+    # path is only spelled out for the one value that is refused.
+    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
     while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            raise ApiError("invalid_json", f"The JSON body is nested deeper than {limit} levels.")
+        node, depth, path = stack.pop()
         if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+            if depth > max_depth:
+                raise ApiError("invalid_json", f"The JSON body is nested deeper than {max_depth} levels.",
+                               param=json_path(path) or None)
+            if isinstance(node, _Duplicated):
+                where = json_path((*path, node.key))
+                raise ApiError("invalid_json", f"The JSON body repeats the key {node.key!r} (at {where!r}); "
+                               "each key may appear once.", param=where)
+            for key, child in node.items():
+                if _SURROGATE.search(key):
+                    raise _surrogate(json_path(path), "a key")
+                if isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, (*path, key)))
+                else:
+                    _check_scalar(child, (*path, key))
         elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+            if depth > max_depth:
+                raise ApiError("invalid_json", f"The JSON body is nested deeper than {max_depth} levels.",
+                               param=json_path(path) or None)
+            for index, child in enumerate(node):
+                if isinstance(child, (dict, list)):
+                    stack.append((child, depth + 1, (*path, index)))
+                else:
+                    _check_scalar(child, (*path, index))
+        else:
+            _check_scalar(node, path)
+
+
+def _check_scalar(value: Any, path: tuple[str | int, ...]) -> None:
+    if isinstance(value, str):
+        if not value.isascii() and _SURROGATE.search(value):
+            raise _surrogate(json_path(path), "the string")
+    elif isinstance(value, _NonFinite):
+        where = json_path(path)
+        raise ApiError("invalid_json", f"{where or 'The body'!r} is {value.text}: JSON numbers must be finite.",
+                       param=where or None)
+
+
+def _surrogate(where: str, what: str) -> ApiError:
+    return ApiError("invalid_json", f"In {where or 'the body'!r}, {what} contains a lone UTF-16 surrogate "
+                    "escape (\\ud800-\\udfff without its pair), which is not text.", param=where or None)
+
+
+def json_path(path: tuple[str | int, ...]) -> str:
+    """``('input', 0, 'content')`` -> ``input[0].content``, the ``param`` style
+    of every other error."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _IDENT.match(part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part, ensure_ascii=True)}]"
+    return out

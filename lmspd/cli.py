@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--parallel", type=int, default=4, metavar="N",
                        help="sequences of a local model decoded together, each with the full --ctx (default 4)")
     serve.add_argument("--data-dir", type=Path, default=None)
-    serve.add_argument("--api-key", action="append", default=[], dest="api_keys",
-                       help="accept this bearer token (repeatable); required when not bound to loopback")
+    serve.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY[:SCOPES]",
+                       help="accept this bearer token (repeatable); required when not bound to loopback. "
+                            "KEY:responses:read,tasks:read limits it to those scopes (default: all)")
+    serve.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
+                       help="more keys, one per line: KEY [scope,scope...]; # starts a comment")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--parallel must be between 1 and 64")
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
+    _apply_keys(parser, args, settings)
     if args.max_queue is not None:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
@@ -72,6 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     from lmspd.server import serve as run_server
 
     return run_server(settings)
+
+
+def _apply_keys(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    from lmspd.auth import parse_key, read_keys_file
+
+    try:
+        for spec in settings.api_keys:
+            parse_key(spec)
+        if args.api_keys_file is not None:
+            settings.api_keys = [*settings.api_keys, *read_keys_file(args.api_keys_file.expanduser())]
+    except (OSError, ValueError) as exc:
+        # The message names the file and line, never the key.
+        parser.error(f"--api-key/--api-keys-file: {exc}")
 
 
 def _apply_retention(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,12 +49,21 @@ class Settings:
 
     @property
     def loopback(self) -> bool:
-        if self.host in ("localhost", ""):
-            return True
+        """Whether every address ``host`` binds is a loopback one. ``""`` (and
+        ``0.0.0.0``, ``::``) bind every interface; a name counts only if all
+        it resolves to is loopback; one that does not resolve does not count."""
+        if not self.host:
+            return False
         try:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
+            pass
+        try:
+            infos = socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
             return False
+        addresses = {info[4][0] for info in infos}
+        return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
 
     @property
     def url(self) -> str:

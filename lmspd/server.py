@@ -10,6 +10,7 @@ import uvicorn
 
 from lmspd.app import build_app
 from lmspd.config import Settings
+from lmspd.http11 import uvicorn_options
 from lmspd.service import Service
 from lmspd.streaming.coalesce import CoalescingMiddleware
 from lmspd.store.base import Store
@@ -47,9 +48,11 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if not settings.loopback and not settings.api_keys:
+    if not settings.api_keys and not settings.loopback:
+        # Only an address that resolves to loopback alone may run open: ""
+        # and 0.0.0.0 bind every interface.
         print(
-            f"lmspd: refusing to listen on {settings.host} without an API key; "
+            f"lmspd: refusing to listen on {settings.host!r} without an API key; "
             "pass --api-key (or bind to 127.0.0.1)",
             file=sys.stderr,
         )
@@ -69,6 +72,8 @@ def serve(settings: Settings) -> int:
         access_log=False,
         timeout_graceful_shutdown=int(settings.limits.shutdown_grace_s),
         lifespan="on",
+        # Request heads bounded by limits.max_header_bytes, refused as a 431.
+        **uvicorn_options(settings.limits.request),
     )
     server = _Server(config, service, settings)
     server.run()

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
@@ -17,6 +20,8 @@ from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueT
 from lmspd.streaming.session import StreamSession, WireEvent
 
 log = logging.getLogger("lmspd.service")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -31,6 +36,9 @@ class Service:
         self.models: dict[str, ServedModel] = {}
         self.shutting_down = False
         self._active: set[CancelToken] = set()
+        # Where requests are prepared: off the event loop, a few at a time.
+        self._preparing = ThreadPoolExecutor(max_workers=limits.prepare_workers,
+                                             thread_name_prefix="lmspd-prepare", initializer=_yield_cpu)
 
     def add_engine(self, engine: Engine) -> None:
         queue = ModelQueue(self.limits.queue, concurrency=getattr(engine.info, "max_concurrency", 1))
@@ -44,8 +52,14 @@ class Service:
                            param="model")
         return served
 
-    def begin(self, conversation: Conversation, owner: str = "local") -> "Run":
-        """Everything that can refuse a request, done before any byte is sent."""
+    async def begin(self, conversation: Conversation, owner: str = "local") -> "Run":
+        """Everything that can refuse a request, done before any byte is sent.
+
+        Cheap checks first, then admission (an overloaded server answers 503
+        without doing the request's work), then the engine's ``prepare``
+        (render, tokenize, schemas, grammars: work proportional to the
+        request) in a worker thread under ``limits.prepare_timeout_s``, so
+        that no request stalls the event loop and the streams it serves."""
         conversation.owner = owner
         if self.shutting_down:
             raise ApiError("server_shutting_down", "The server is shutting down.", headers={"Retry-After": "5"})
@@ -57,9 +71,34 @@ class Service:
         if conversation.output_format.type != "text" and not caps.get("structured_output"):
             raise ApiError("unsupported_capability",
                            f"Model {conversation.model!r} does not support structured output.", param="text.format")
-        prepared = served.engine.prepare(conversation)
         ticket = served.queue.admit()
+        try:
+            prepared = await self.off_loop(served.engine.prepare, conversation)
+        except BaseException:
+            ticket.release()
+            raise
         return Run(self, served.engine, prepared, ticket)
+
+    async def count_tokens(self, conversation: Conversation) -> int:
+        """The prompt size of ``conversation``, rendered off the event loop."""
+        return await self.off_loop(self.model(conversation.model).engine.count_tokens, conversation)
+
+    async def off_loop(self, work: Callable[[Conversation], T], conversation: Conversation) -> T:
+        """Run ``work`` in the preparing pool, bounded in time. A thread cannot
+        be stopped: one that overruns finishes in the pool, whose size bounds
+        how many such overruns run at once, while its client is answered."""
+        loop = asyncio.get_running_loop()
+        bound = self.limits.prepare_timeout_s
+        future = loop.run_in_executor(self._preparing, work, conversation)
+        try:
+            return await asyncio.wait_for(future, bound)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                "prepare_timeout",
+                f"Preparing this request (rendering, tokenizing, compiling its grammar) took longer than "
+                f"{bound:g} s; send a smaller input or a simpler schema, or retry when the server is less busy.",
+                headers={"Retry-After": str(self.limits.queue.retry_after_s)},
+            ) from None
 
     def shutdown(self) -> None:
         """Stop taking work and end every running generation with a terminal event."""
@@ -70,6 +109,17 @@ class Service:
     async def aclose(self) -> None:
         for served in self.models.values():
             await served.engine.aclose()
+        self._preparing.shutdown(wait=False, cancel_futures=True)
+
+
+def _yield_cpu() -> None:
+    """A preparing thread runs at a lower CPU priority than generation (Linux
+    schedules threads by their own nice value): a huge prompt being
+    tokenized must not slow the tokens of streams already running."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class Run:

@@ -16,6 +16,7 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "invalid_json": (400, "Invalid JSON", "invalid_request_error"),
     "unsupported_media_type": (415, "Unsupported media type", "invalid_request_error"),
     "request_too_large": (413, "Request body too large", "invalid_request_error"),
+    "headers_too_large": (431, "Request header fields too large", "invalid_request_error"),
     "unsupported_capability": (400, "Unsupported capability", "invalid_request_error"),
     "unsupported_parameter": (400, "Unsupported parameter", "invalid_request_error"),
     "context_length_exceeded": (400, "Context length exceeded", "invalid_request_error"),
@@ -37,6 +38,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "rate_limited": (429, "Too many requests", "rate_limit_error"),
     "server_overloaded": (503, "Server overloaded", "server_error"),
     "server_shutting_down": (503, "Server shutting down", "server_error"),
+    "prepare_timeout": (503, "Preparing the request took too long", "server_error"),
+    "store_unavailable": (503, "Could not store the response", "server_error"),
     "upstream_error": (502, "Upstream error", "server_error"),
     "upstream_timeout": (504, "Upstream timeout", "server_error"),
     # The provider refused this request (4xx): not worth retrying as is.

@@ -66,6 +66,10 @@ class Limits:
     upstream: UpstreamStreamLimits = UpstreamStreamLimits()
     # Seconds to let in-flight streams end with a terminal event on shutdown.
     shutdown_grace_s: float = 10.0
+    # Preparing a request (render, tokenize, schemas, grammars) runs in this
+    # many worker threads, each bounded to this long (lmspd.service).
+    prepare_workers: int = 2
+    prepare_timeout_s: float = 30.0
 
 
 DEFAULT_LIMITS = Limits()

@@ -5,6 +5,10 @@ blob lets lmspd render the turn exactly as the model produced it, so that the
 prompt's prefix matches the KV (or a disk checkpoint) even after a restart or
 on another instance with the same key. AES-256-GCM: opaque to the client and
 authenticated, so a tampered blob is rejected, never rendered.
+
+A blob is bound to the model and to the credential (owner) it was issued
+to: the AEAD's associated data names both, so another key's blob (or one
+replayed against another model) fails authentication like a tampered one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lmspd.core.errors import ApiError
 
-_VERSION = b"l1"
+# l2: bound to model and owner (l1 blobs, bound to the model only, no longer open).
+_VERSION = b"l2"
 
 
 class Sealer:
@@ -42,24 +47,30 @@ class Sealer:
             raise ValueError(f"{path} is not a 32-byte key")
         return cls(key)
 
-    def seal(self, model: str, hidden: str) -> str:
+    def seal(self, model: str, hidden: str, owner: str = "local") -> str:
         nonce = os.urandom(12)
         plain = json.dumps({"hidden": hidden}, ensure_ascii=False).encode()
-        sealed = self._aead.encrypt(nonce, plain, _VERSION + model.encode())
+        sealed = self._aead.encrypt(nonce, plain, _bound_to(model, owner))
         return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
 
-    def open(self, model: str, blob: str, param: str) -> str:
+    def open(self, model: str, blob: str, param: str, owner: str = "local") -> str:
         try:
             raw = base64.urlsafe_b64decode(blob.encode())
             if not raw.startswith(_VERSION):
                 raise ValueError("unknown version")
             nonce, sealed = raw[2:14], raw[14:]
-            plain = self._aead.decrypt(nonce, sealed, _VERSION + model.encode())
+            plain = self._aead.decrypt(nonce, sealed, _bound_to(model, owner))
             return json.loads(plain)["hidden"]
         except (ValueError, InvalidTag, KeyError, TypeError):
             raise ApiError(
                 "invalid_request",
                 "encrypted_content is not valid: it was altered, or was issued by another server "
-                "key or model.",
+                "key, model or API key.",
                 param=param,
             ) from None
+
+
+def _bound_to(model: str, owner: str) -> bytes:
+    # Length-prefixed, so that no (model, owner) pair can spell another's.
+    m, o = model.encode(), owner.encode()
+    return _VERSION + len(m).to_bytes(4, "big") + m + o

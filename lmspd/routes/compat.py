@@ -31,10 +31,10 @@ from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 log = logging.getLogger("lmspd.http")
 
 
-def _begin(service: Service, conversation: Conversation, owner: str, names: dict[str, str],
-           item_paths: list[str]) -> Run:
+async def _begin(service: Service, conversation: Conversation, owner: str, names: dict[str, str],
+                 item_paths: list[str]) -> Run:
     try:
-        return service.begin(conversation, owner)
+        return await service.begin(conversation, owner)
     except ApiError as exc:
         raise rename_param(exc, names, item_paths) from None
 
@@ -83,7 +83,7 @@ async def chat_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
@@ -131,7 +131,7 @@ async def messages_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
-    run = _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})
@@ -150,9 +150,10 @@ async def messages_create(request: Request) -> Response:
 async def messages_count_tokens(request: Request) -> Response:
     app = app_state(request)
     # Counting creates nothing; a read credential may do it.
-    principal(request, "responses:read")
+    who = principal(request, "responses:read")
     raw = await read_json_object(request, app.limits)
     conversation: Conversation = anthropic_messages.decode_count_tokens(raw, app.limits).conversation
+    conversation.owner = who.owner
     engine = app.service.model(conversation.model).engine
     # The count must be of a prompt the model could run: a create with these
     # tools would be refused, so the count is too (rather than counting a
@@ -160,7 +161,7 @@ async def messages_count_tokens(request: Request) -> Response:
     if conversation.tools and conversation.tool_choice.mode != "none" and not engine.info.capabilities.get("tools"):
         raise ApiError("unsupported_capability", f"Model {conversation.model!r} does not support tools.",
                        param="tools")
-    return json_reply({"input_tokens": engine.count_tokens(conversation)})
+    return json_reply({"input_tokens": await app.service.count_tokens(conversation)})
 
 
 # Every method reaches the Anthropic wrapper, which answers a wrong one in

@@ -76,7 +76,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
     # it; LMSP has no such status (its task object does).
     status = "queued" if background and dialect is OPENAI else "in_progress"
     state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
-    run = app.service.begin(req.conversation, owner)
+    run = await app.service.begin(req.conversation, owner)
     session = StreamSession(state, dialect.encoder())
     record = ResponseRecord(app.store, owner, req.input_items, keep=req.store,
                             previous_response_id=req.previous_response_id, conversation_id=req.conversation_id)
@@ -90,9 +90,14 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
     if not await run_to_end(request, run.events(session)):
         return Reply(Response(status_code=499))
-    _ended(record, state)
+    stored = _ended(record, state)
     if state.status == "failed":
         raise ApiError(state.error["code"], state.error["message"])
+    if not stored:
+        # Never a 200 that claims store: true for a response nobody can read back.
+        raise ApiError("store_unavailable", f"The response {state.id!r} was generated but could not be stored, "
+                       "so it cannot be retrieved or continued from; retry once the server's storage recovers, "
+                       "or send store: false.", headers={"Retry-After": "5"})
     return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
 
 
@@ -128,15 +133,26 @@ async def _stream(dialect: Dialect, run: Run, session: StreamSession, record: Re
     async for seq, name, data in run.events(session):
         if name in TERMINAL_EVENTS:
             # Stored before the client reads the end: a GET right after finds it.
-            _ended(record, session.state)
+            if not _ended(record, session.state):
+                _mark_unstored(data)
         yield dialect.frame(seq, name, data)
     if dialect.trailer is not None:
         yield dialect.trailer
 
 
-def _ended(record: ResponseRecord, state: ResponseState) -> None:
+def _ended(record: ResponseRecord, state: ResponseState) -> bool:
+    """Store the final state; False if that failed (a full or broken disk)."""
     try:
         record.ended(state)
     except Exception:
-        # The client still gets its answer; the store's trouble is logged.
         log.exception("could not store response %s", state.id)
+        return False
+    return True
+
+
+def _mark_unstored(data: dict) -> None:
+    """A stream's output is already with the client when storing fails: the
+    terminal event says ``store: false`` (in the Response object on /v1, on
+    the event itself on LMSP) rather than failing an answer that is whole."""
+    response = data.get("response")
+    (response if isinstance(response, dict) else data)["store"] = False

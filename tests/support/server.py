@@ -54,8 +54,16 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.output)
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """A credential with every scope (the first ``--api-key`` given without
+        scopes), for the engine internals /health shows only to ``admin``."""
+        keys = [self.args[i + 1] for i, a in enumerate(self.args[:-1]) if a == "--api-key"]
+        plain = [k for k in keys if ":" not in k]
+        return {"Authorization": f"Bearer {plain[0]}"} if plain else {}
+
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=30).json()
+        return httpx.get(self.url + "/health", headers=self.admin_headers, timeout=30).json()
 
     def generations(self, model: str = "smollm2-135m-instruct") -> int:
         return self.health()["models"][model]["generations"]

@@ -37,6 +37,7 @@ from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.sealing import Sealer
 from lmspd.engines.base import CancelToken, ModelInfo
 
+from .client_text import ClientText
 from .kv import SequenceKv
 from .preparation import LlamaPrepared, Preparation
 from .reasoning import ReasoningSyntax
@@ -127,6 +128,7 @@ class LlamaEngine:
             bos_token=self.vocab.token_text(model.token_bos()),
             eos_token=self.vocab.token_text(model.token_eos()),
         )
+        self.template.client_text = ClientText.from_vocab(self.vocab.vocab)
         self.tool_format: ToolFormat = detect_tool_format(template_source)
         self.reasoning = ReasoningSyntax.detect(self.template)
         self.info = ModelInfo(

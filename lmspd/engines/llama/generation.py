@@ -203,7 +203,8 @@ class Generation:
         sealed = None
         engine = self.engine
         if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
-            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden)  # type: ignore[union-attr]
+            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
+                                        owner=self.prepared.conversation.owner)  # type: ignore[union-attr]
         self.emit(ReasoningDone(sealed))
 
     def _visible(self, text: str) -> None:

@@ -157,7 +157,7 @@ class Preparation:
                 if self.sealer is None or self.reasoning is None:
                     continue  # another provider's blob: nothing we can render
                 item.hidden = self.sealer.open(self.model_id, item.encrypted_content,
-                                               f"input[{i}].encrypted_content")
+                                               f"input[{i}].encrypted_content", owner=conversation.owner)
 
     def _needs_reasoning_state(self, conversation: Conversation) -> bool:
         """A replayed tool-call turn of a reasoning model without its reasoning

@@ -13,6 +13,7 @@ from typing import Any
 from lmspd.core.conversation import Conversation, Message, Reasoning, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError
 
+from .client_text import neutral_items
 from .template import ChatTemplate
 
 
@@ -21,15 +22,22 @@ def template_messages(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Return ``(messages, tools)`` as a Hugging Face chat template expects them."""
     native_tools = bool(tool_format is not None and tool_format.native)
+    # Client strings can never spell a control token (lmspd.engines.llama.client_text).
+    client = template.client_text
     # tool_choice "none" still lists the tools, so that the prompt (and the
     # cache) stay the same across turns.
     offered = list(conversation.tools)
+    items = list(conversation.items)
+    instructions = conversation.instructions
+    if client is not None:
+        offered, items = neutral_items(offered, client), neutral_items(items, client)
+        instructions = client.neutral(instructions) if instructions else instructions
+    all_items = list(items)
     messages: list[dict[str, Any]] = []
     system_parts: list[str] = []
-    if conversation.instructions:
-        system_parts.append(conversation.instructions)
+    if instructions:
+        system_parts.append(instructions)
 
-    items = list(conversation.items)
     # Leading system/developer messages become the one system message most
     # templates require at the start.
     while items and isinstance(items[0], Message) and items[0].role in ("system", "developer"):
@@ -40,7 +48,7 @@ def template_messages(
     if system_parts:
         messages.append({"role": "system", "content": "\n\n".join(system_parts)})
 
-    names = {i.call_id: i.name for i in conversation.items if isinstance(i, ToolCall)}
+    names = {i.call_id: i.name for i in all_items if isinstance(i, ToolCall)}
     pending_calls: list[ToolCall] = []
     pending_outputs: list[ToolOutput] = []
 

@@ -17,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lmspd.core.errors import ApiError
 
+from .client_text import ClientText
+
 # Used when a GGUF carries no template at all.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -54,6 +56,9 @@ class ChatTemplate:
             raise ValueError(f"the model's chat template does not compile: {exc}") from exc
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # Set by the engine from its vocabulary: how client strings are kept
+        # from spelling control tokens (lmspd.engines.llama.client_text).
+        self.client_text: ClientText | None = None
 
     @property
     def renders_tools(self) -> bool:

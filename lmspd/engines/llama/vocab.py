@@ -7,6 +7,8 @@ import ctypes
 import llama_cpp
 from llama_cpp import _internals as internals
 
+from .client_text import llama_tokenize, tokenize_marked
+
 
 class Vocabulary:
     def __init__(self, model: internals.LlamaModel) -> None:
@@ -18,8 +20,9 @@ class Vocabulary:
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
-        # markers like <|im_start|> become their single tokens.
-        return self._model.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        # markers like <|im_start|> become their single tokens, split at the
+        # marks that keep client text from spelling them (client_text.py).
+        return tokenize_marked(text, lambda piece: llama_tokenize(self.vocab, piece))
 
     def detokenize(self, tokens: list[int]) -> str:
         return self._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")

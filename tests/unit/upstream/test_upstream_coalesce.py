@@ -139,7 +139,7 @@ def events_of(engine: OpeningEngine) -> list[str]:
     async def go():
         service = Service(DEFAULT_LIMITS)
         service.add_engine(engine)
-        run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+        run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
         session = StreamSession(ResponseState(id="resp_1", model="m"), OpenAIEncoder())
         names = []
         async for _, name, _ in run.events(session):

@@ -96,7 +96,7 @@ def test_service_open_refuses_before_any_byte_with_status_and_retry_after(provid
         service = Service(DEFAULT_LIMITS)
         eng = engine(provider.url)
         service.add_engine(eng)
-        run_ = service.begin(conversation())
+        run_ = await service.begin(conversation())
         try:
             with pytest.raises(ApiError) as caught:
                 await run_.open()
@@ -117,7 +117,7 @@ def test_service_runs_many_upstream_generations_at_once(provider):
         eng = engine(provider.url, max_concurrency=8)
         service.add_engine(eng)
         try:
-            runs = [service.begin(conversation()) for _ in range(8)]
+            runs = [await service.begin(conversation()) for _ in range(8)]
             assert service.models["up"].queue.running == 8 and service.models["up"].queue.pending == 0
             started = time.monotonic()
             outs = await asyncio.gather(*(collect_run(r) for r in runs))

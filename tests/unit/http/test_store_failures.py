@@ -1,0 +1,81 @@
+"""A response that could not be stored says so (never ``store: true`` over a
+lost write), in every shape: a 503 for JSON replies, ``store: false`` on a
+stream's terminal event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+
+from lmspd.store.sqlite import SQLiteStore
+from support.inprocess import MODEL, client, make_app
+
+
+class FullDisk(SQLiteStore):
+    """Every write of a response fails as SQLite does on a full disk."""
+
+    def put_response(self, *args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    def update_response(self, *args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+
+def frames(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" in lines and lines["data"] != "[DONE]":
+            out.append((lines.get("event", ""), json.loads(lines["data"])))
+    return out
+
+
+def test_unstored_responses_say_so(tmp_path) -> None:
+    app, store = make_app(tmp_path, store=FullDisk(tmp_path / "lmspd.sqlite3"))
+    body = {"model": MODEL, "input": "hi", "store": True}
+
+    async def go() -> None:
+        async with client(app) as c:
+            r = await c.post("/v1/responses", json=body)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "store_unavailable" and "Retry-After" in r.headers
+            r = await c.post("/lmsp/v1/responses", json=body, headers={"LMSP-Version": "1.0"})
+            assert r.status_code == 503 and r.headers["content-type"].startswith("application/problem+json")
+            assert r.json()["code"] == "store_unavailable"
+
+            r = await c.post("/v1/responses", json={**body, "stream": True})
+            assert r.status_code == 200
+            events = frames(r.text)
+            name, data = events[-1]
+            assert name == "response.completed" and data["response"]["store"] is False
+            assert data["response"]["output"][0]["content"][0]["text"] == "Hello there"
+            assert (await c.get(f"/v1/responses/{data['response']['id']}")).status_code == 404
+
+            r = await c.post("/lmsp/v1/responses", json={**body, "stream": True}, headers={"LMSP-Version": "1.0"})
+            name, data = frames(r.text)[-1]
+            assert name == "response.completed" and data["store"] is False
+
+            # Not asked to store: nothing to fail.
+            r = await c.post("/v1/responses", json={**body, "store": False})
+            assert r.status_code == 200 and r.json()["store"] is False
+
+    asyncio.run(go())
+    store.close()
+
+
+def test_stored_responses_still_say_store_true(tmp_path) -> None:
+    app, store = make_app(tmp_path)
+
+    async def go() -> None:
+        async with client(app) as c:
+            r = await c.post("/v1/responses", json={"model": MODEL, "input": "hi", "stream": True})
+            name, data = frames(r.text)[-1]
+            assert data["response"]["store"] is True
+            assert (await c.get(f"/v1/responses/{data['response']['id']}")).status_code == 200
+            r = await c.post("/lmsp/v1/responses", json={"model": MODEL, "input": "hi", "stream": True,
+                                                          "store": True}, headers={"LMSP-Version": "1.0"})
+            assert "store" not in frames(r.text)[-1][1]
+
+    asyncio.run(go())
+    store.close()
