@@ -103,6 +103,9 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="provider dialect quirks (default generic: vLLM, SGLang, llama-server, Ollama)")
     group.add_argument("--upstream-idle-timeout", type=float, default=None, metavar="SECONDS",
                        help="fail a provider stream that sends nothing for this long (default 120)")
+    group.add_argument("--upstream-routing", default="affinity", choices=["affinity", "least-loaded", "round-robin"],
+                       help="how several --upstream-url endpoints share requests (default affinity: the endpoint "
+                            "that has the conversation's prefix cached, bounded by load)")
     group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
                        help="a TOML/JSON file mapping served model ids to engines (instead of the flags above)")
 
@@ -141,6 +144,7 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
     settings.upstream_urls = list(args.upstream_urls)
     settings.upstream_model = args.upstream_model
     settings.upstream_profile = args.upstream_profile
+    settings.upstream_routing = args.upstream_routing
     if args.upstream_idle_timeout is not None:
         if args.upstream_idle_timeout <= 0:
             parser.error("--upstream-idle-timeout must be > 0")

@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -198,12 +199,18 @@ class ProviderClient:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         return self._http
 
-    async def open(self, body: bytes, affinity: str | None = None) -> ProviderStream:
+    async def open(self, body: bytes,
+                   choose: Callable[[Sequence[int]], Endpoint | None] | None = None) -> ProviderStream:
+        """POST ``body`` to ``choose(tried)`` (the router's choice; by default
+        the least loaded); an endpoint that cannot be reached is marked down
+        and ``choose`` asked again without it."""
+        if choose is None:
+            choose = self._least_loaded
         session = self._session()
         tried: list[int] = []
         last: Exception | None = None
         while True:
-            endpoint = self.pool.pick(affinity, exclude=tried)
+            endpoint = choose(tried)
             if endpoint is None:
                 if isinstance(last, UpstreamTimeout):
                     raise last
@@ -223,6 +230,9 @@ class ProviderClient:
             except (aiohttp.ClientError, OSError):
                 self.pool.mark_down(endpoint)
                 raise UpstreamConnectionLost() from None
+
+    def _least_loaded(self, tried: Sequence[int]) -> Endpoint | None:
+        return min(self.pool.live(tried), key=lambda e: e.outstanding, default=None)
 
     async def _open_at(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes) -> ProviderStream:
         endpoint.outstanding += 1
