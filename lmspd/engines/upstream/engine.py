@@ -275,8 +275,9 @@ class UpstreamEngine:
                     await stream.aclose()
             self._count(outcome)
             level = logging.INFO if clean or outcome == "cancelled" else logging.WARNING
-            log.log(level, "upstream %s via %s: %s in %.1f ms%s", self.info.id, stream.endpoint.label, outcome,
-                    (time.perf_counter() - prepared.opened_at) * 1000, self._provider_said(bridge.error))
+            log.log(level, "upstream %s via %s: %s in %.1f ms response=%s%s", self.info.id, stream.endpoint.label,
+                    outcome, (time.perf_counter() - prepared.opened_at) * 1000, prepared.response_id,
+                    self._provider_said(bridge.error))
 
     def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
         call_id = event.call_id
