@@ -76,8 +76,11 @@ class RoutingSettings:
     # prompts in about 7 MiB of memory).
     prefix_blocks: int = 65536
     # Only the first this many bytes of a prompt are indexed: the hashing
-    # runs on the event loop, so its cost is bounded whatever the prompt.
-    prefix_max_bytes: int = 1 << 20
+    # runs on the event loop, so its cost is bounded whatever the prompt
+    # (2048 blocks: about a millisecond). Two turns of one conversation
+    # longer than this still match (the same capped chain), two forks that
+    # share it do not differ.
+    prefix_max_bytes: int = 256 << 10
     # Entries per pin map (response/conversation ids; session keys).
     max_pins: int = 100_000
 
