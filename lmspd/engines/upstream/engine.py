@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,7 @@ from .credentials import Secret
 from .errors import UpstreamError, UpstreamHTTPError, UpstreamProviderError
 from .pool import Endpoint, EndpointPool
 from .request import PROFILES, ChatRequest, build_chat_request
-from .routing import Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
+from .routing import Decision, Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
 
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
 
@@ -177,9 +177,9 @@ class UpstreamEngine:
             return
         prepared.opened_at = time.perf_counter()
         route = _route_request(prepared)
-        decisions: list[Any] = []
+        decisions: list[Decision] = []
 
-        def choose(tried: Any) -> Endpoint | None:
+        def choose(tried: Sequence[int]) -> Endpoint | None:
             decision = self.router.choose(route, tried)
             if decision is None:
                 return None
