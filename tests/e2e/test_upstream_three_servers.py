@@ -10,9 +10,10 @@ Three sessions x six turns, each round's three turns sent at once. Every
 turn from the second on must land on its session's endpoint, and that
 endpoint must report a prefix-cache hit (llama-server's
 ``prompt_tokens_details.cached_tokens``, relayed by lmspd). After round
-three one endpoint is killed (SIGKILL): its session moves once (the log
-says so) and stays where it moved, the others keep their endpoint, and
-no request hangs.
+three one endpoint is killed (SIGKILL) in the middle of a stream: that
+stream ends with ``response.failed`` at once, the session moves once (the
+log says so) and stays where it moved, the others keep their endpoint,
+and no request hangs.
 
 Which endpoint served a response is read from lmspd's own log line
 (``upstream … via URL: stop … response=ID``).
@@ -20,6 +21,7 @@ Which endpoint served a response is read from lmspd's own log line
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +137,27 @@ class Chained(Session):
         return data["id"], usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
 
 
+    def interrupted(self, http, kill) -> tuple[str, float]:
+        """A long streamed answer whose endpoint is killed at its first
+        delta: (the terminal event, seconds from the kill to it)."""
+        body = {"model": MODEL, "instructions": self.system, "previous_response_id": self.previous,
+                "input": "Tell me a long story about the project, in many sentences.",
+                "max_output_tokens": 200, "temperature": 0, "stream": True}
+        killed_at = None
+        with http.stream("POST", "/v1/responses", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                kind = json.loads(line[6:])["type"]
+                if kind == "response.output_text.delta" and killed_at is None:
+                    kill()
+                    killed_at = time.monotonic()
+                if kind in ("response.completed", "response.failed", "response.incomplete"):
+                    return kind, time.monotonic() - (killed_at or time.monotonic())
+        raise AssertionError("the stream ended without a terminal event")
+
+
 class ChatReplay(Session):
     def send(self, http, turn):
         if not self.history:
@@ -173,10 +196,12 @@ def test_three_agent_sessions_keep_their_endpoints_and_one_moves_once(pool_lmspd
     with ThreadPoolExecutor(len(sessions)) as pool:
         for turn in range(1, TURNS + 1):
             if turn == KILL_AFTER + 1:
-                victim = homes["bob"]
-                server = next(s for s in llama_servers if s.url == victim)
-                server.kill()
-                killed, kill_mark = victim, len(pool_lmspd.output)
+                # bob's endpoint dies in the middle of one of its streams.
+                killed = homes["bob"]
+                server = next(s for s in llama_servers if s.url == killed)
+                ended, after = sessions[1].interrupted(http, server.kill)
+                assert ended == "response.failed" and after < 15, (ended, after)
+                kill_mark = len(pool_lmspd.output)
             started = time.monotonic()
             results = list(pool.map(lambda s: s.send(http, turn), sessions))
             assert time.monotonic() - started < 60, "a round took too long"
@@ -200,18 +225,16 @@ def test_three_agent_sessions_keep_their_endpoints_and_one_moves_once(pool_lmspd
     assert list(moved) == ["bob"] and moved["bob"] != killed
     assert all(r[2] == homes[r[0]] for r in records if r[0] != "bob"), "the others kept their endpoint"
     log = pool_lmspd.log()
+    assert f"upstream {killed} dropped a stream: marked down" in log
     assert log.count(f"moved_from={killed} reason=endpoint-down") == 1, log[-4000:]
-    # Unless a health check saw it die first, the turn that moved was first
-    # routed to the dead endpoint (its connection refused, then rerouted):
-    # it is tried at most once.
-    tries = [line for line in pool_lmspd.output[kill_mark:] if f"route=affinity endpoint={killed} " in line]
-    assert len(tries) <= 1 and not any(f"endpoint={killed} " in line and "route=" in line and line not in tries
-                                       for line in pool_lmspd.output[kill_mark:])
+    # The dropped stream took its endpoint out: nothing was routed there again.
+    assert not [line for line in pool_lmspd.output[kill_mark:] if f"endpoint={killed} " in line and "route=" in line]
     end = routing(pool_lmspd)
     delta = {k: end["routes"][k] - start["routes"][k] for k in end["routes"]}
     # Turns 2..6: ada by its key, bob by its chain (but the turn that moved),
     # cyd by its prefix; the first turns and the move by load.
     assert delta["session"] == TURNS - 1 and delta["prefix"] == TURNS - 1
     assert delta["least-loaded"] == 3 + 1
-    assert delta["affinity"] == TURNS - 2 + len(tries)
+    # (bob's interrupted turn was routed by affinity too.)
+    assert delta["affinity"] == TURNS - 2 + 1
     assert end["moved"] - start["moved"] == 1

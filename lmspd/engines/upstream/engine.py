@@ -42,7 +42,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 from .bridge import BridgeDecoder
 from .client import ProviderClient, ProviderStream, Timeouts
 from .credentials import Secret
-from .errors import UpstreamError, UpstreamHTTPError, UpstreamProviderError
+from .errors import UpstreamConnectionLost, UpstreamError, UpstreamHTTPError, UpstreamProviderError
 from .pool import Endpoint, EndpointPool
 from .request import PROFILES, ChatRequest, build_chat_request
 from .routing import Decision, Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
@@ -233,6 +233,12 @@ class UpstreamEngine:
                 except StopAsyncIteration:
                     events = bridge.close()
                 except UpstreamError as exc:
+                    if isinstance(exc, UpstreamConnectionLost) and stream.endpoint.healthy:
+                        # A dropped connection mid-stream is how a dying
+                        # endpoint looks: the next request goes elsewhere at
+                        # once (a health check brings it back if it is up).
+                        self.pool.mark_down(stream.endpoint)
+                        log.warning("upstream %s dropped a stream: marked down", stream.endpoint.label)
                     events = bridge.fail(exc)
                 except asyncio.CancelledError:
                     # Ours (the token's interrupt) unless someone else also

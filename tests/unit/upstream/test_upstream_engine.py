@@ -415,3 +415,38 @@ def test_a_refused_connection_moves_the_session_once(provider, caplog):
     assert lines[1].startswith(f"route=least-loaded endpoint={live} ") and f"moved_from={dead}" in lines[1]
     assert all(line.startswith(f"route=session endpoint={live} ") for line in lines[2:]) and len(lines) == 4
     assert routing["moved"] == 1
+
+
+def test_a_stream_dropped_midway_marks_its_endpoint_down_and_moves_the_session(provider):
+    provider.responder = lambda request: Reply(parts=text_stream("ok"))
+
+    async def dying(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # An endpoint that dies mid-stream: headers, one event, then gone.
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = text_stream("half")[1]
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        writer.transport.abort()
+
+    async def go():
+        server = await asyncio.start_server(dying, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        eng = engine(f"http://127.0.0.1:{port}/v1", provider.url, health_interval_s=0)
+        try:
+            dying_endpoint = eng.pool.endpoints[0]
+            eng.router._sessions.set("s", dying_endpoint.index)
+            first = await collect(eng, conversation("one", session_key="s"))
+            second = await collect(eng, conversation("two", session_key="s"))
+            return first, second, dying_endpoint.healthy, eng.stats()["routing"]
+        finally:
+            await eng.aclose()
+            server.close()
+
+    try:
+        first, second, healthy, routing = run(go())
+    finally:
+        provider.responder = None
+    assert isinstance(first[-1], Failed) and first[-1].code == "upstream_connection_lost"
+    assert isinstance(second[-1], Finished) and not healthy
+    assert routing["moved"] == 1 and len(provider.requests) == 1
