@@ -2,10 +2,11 @@
 
 Which endpoint takes a request is routing.py's choice; this module keeps
 what it chooses from: per endpoint, the requests in flight and whether it
-is up. Health is learnt two ways: a failed connection marks an endpoint
-down at once (with a growing back-off before it is tried again), and with
-more than one endpoint a background probe (``GET <base>/models``, see
-client.py) brings endpoints back, or takes them out, between requests.
+is up. Health is learnt two ways: a refused connection, or a stream whose
+connection drops midway (engine.py), marks an endpoint down at once (with a
+growing back-off before it is tried again), and with more than one
+endpoint a background probe (``GET <base>/models``, see client.py) brings
+endpoints back, or takes them out, between requests.
 """
 
 from __future__ import annotations

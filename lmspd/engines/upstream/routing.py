@@ -27,8 +27,9 @@ loaded live endpoint sheds this request to the least loaded one (logged as
 ``shed_from``); a pinned session stays pinned (the overload is taken to
 pass), a new one is pinned where it went.
 
-Failover: a request whose pinned endpoint is down (a failed connection or
-health check, see pool.py) moves to the next choice, once: the pin follows
+Failover: a request whose pinned endpoint is down (a refused connection, a
+stream dropped midway or a failed health check, see pool.py) moves to the
+next choice, once: the pin follows
 it, so the session stays on its new endpoint even when the old one returns.
 The log line says ``moved_from=…``.
 
