@@ -7,10 +7,12 @@ lmspd/engines/upstream/routing.py). The first of these headers present
 wins; a body's ``prompt_cache_key`` (Responses, Chat Completions) wins
 over all of them:
 
-    session_id                  Codex CLI (older releases, and over WebSocket)
+    x-claude-code-session-id    Claude Code (v2.1.86 on, every request: one UUID per session)
     session-id                  Codex CLI (0.171: the thread id, also in prompt_cache_key)
-    x-claude-code-session-id    Claude Code (/v1/messages)
+    session_id                  Codex CLI (older releases, and over WebSocket), pi
     x-session-id                generic gateways and SDK users
+    x-session-affinity          generic gateways
+    x-opencode-session          OpenCode
     x-codex-turn-state          Codex's sticky-routing token within one turn
 
 The value is only a routing hint: never stored, never echoed, and one
@@ -24,7 +26,8 @@ from collections.abc import Mapping
 
 __all__ = ["MAX_SESSION_KEY", "SESSION_HEADERS", "session_key"]
 
-SESSION_HEADERS = ("session_id", "session-id", "x-claude-code-session-id", "x-session-id", "x-codex-turn-state")
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id", "x-session-affinity",
+                   "x-opencode-session", "x-codex-turn-state")
 MAX_SESSION_KEY = 256
 
 
