@@ -7,6 +7,9 @@ The returned ``ProviderStream`` yields raw body bytes and turns aiohttp's
 exceptions into typed transport errors:
 
     connect refused / reset, all endpoints   UpstreamUnavailable
+    closed with no answer                    tried once more at the same endpoint
+                                             (the keep-alive reuse race), then
+                                             UpstreamConnectionLost
     connect or header wait too slow          UpstreamTimeout
     no byte for ``idle_s`` mid-stream        UpstreamTimeout (the idle watchdog)
     connection dropped mid-stream            UpstreamConnectionLost
@@ -217,7 +220,14 @@ class ProviderClient:
                 raise UpstreamUnavailable()
             tried.append(endpoint.index)
             try:
-                return await self._open_at(session, endpoint, body)
+                try:
+                    return await self._open_at(session, endpoint, body)
+                except aiohttp.ServerDisconnectedError:
+                    # Closed with no answer: most often a kept-alive
+                    # connection the provider shut just as it was reused.
+                    # Once more before calling the endpoint down (which
+                    # would move every session pinned to it).
+                    return await self._open_at(session, endpoint, body)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # Nothing was sent: the next endpoint may take it.
                 self.pool.mark_down(endpoint)
