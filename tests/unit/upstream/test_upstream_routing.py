@@ -293,3 +293,25 @@ def test_prefix_match_is_the_longest_block_prefix_of_what_was_inserted(inserted,
     whole = lambda p: len(p) // block * block  # noqa: E731 - only whole blocks are indexed
     expected = max(min(common(query, p), whole(p), whole(query)) // block for p in inserted)
     assert index.match(block_chain(query, block, 1 << 20))[0] == expected
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=10), st.lists(st.dictionaries(st.text(max_size=8), json_values, max_size=3), max_size=4),
+       st.one_of(st.none(), st.lists(json_values, max_size=3)),
+       st.dictionaries(st.sampled_from(["temperature", "stream", "max_tokens", "tool_choice"]), json_values))
+def test_the_body_encoded_in_pieces_is_the_plain_encoding(model, messages, tools, rest):
+    from lmspd.engines.upstream.engine import _dumps, _encode_body
+
+    body = {"model": model, "messages": messages, **({"tools": tools} if tools is not None else {}), **rest}
+    encoded, messages_end, tools_json = _encode_body(body)
+    assert encoded == _dumps(body).encode("utf-8")
+    head = _dumps({"model": model, "messages": messages})
+    assert encoded[:messages_end] == head[:-2].encode("utf-8"), "the messages, without the closing bracket"
+    assert tools_json == (_dumps(tools).encode("utf-8") if tools is not None else b"")
