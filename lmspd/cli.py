@@ -150,7 +150,8 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
     if args.config_file is not None:
-        if args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model:
+        if (args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model
+                or args.upstream_routing != "affinity"):
             parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
         settings.config_file = args.config_file.expanduser()
     elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):
