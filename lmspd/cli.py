@@ -124,6 +124,9 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="provider dialect quirks (default generic: vLLM, SGLang, llama-server, Ollama)")
     group.add_argument("--upstream-idle-timeout", type=float, default=None, metavar="SECONDS",
                        help="fail a provider stream that sends nothing for this long (default 120)")
+    group.add_argument("--upstream-routing", default="affinity", choices=["affinity", "least-loaded", "round-robin"],
+                       help="how several --upstream-url endpoints share requests (default affinity: the endpoint "
+                            "that has the conversation's prefix cached, bounded by load)")
     group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
                        help="a TOML/JSON file mapping served model ids to engines (instead of the flags above)")
 
@@ -162,12 +165,14 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
     settings.upstream_urls = list(args.upstream_urls)
     settings.upstream_model = args.upstream_model
     settings.upstream_profile = args.upstream_profile
+    settings.upstream_routing = args.upstream_routing
     if args.upstream_idle_timeout is not None:
         if args.upstream_idle_timeout <= 0:
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
     if args.config_file is not None:
-        if args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model:
+        if (args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model
+                or args.upstream_routing != "affinity"):
             parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
         settings.config_file = args.config_file.expanduser()
     elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):

@@ -33,6 +33,8 @@ class Settings:
     upstream_model: str | None = None
     upstream_profile: str = "generic"
     upstream_idle_timeout_s: float | None = None
+    # How several --upstream-url endpoints share requests (upstream/routing.py).
+    upstream_routing: str = "affinity"
     # A TOML/JSON file mapping served model ids to engines, instead of the above.
     config_file: Path | None = None
     # A Jinja chat template file to use instead of the GGUF's own.

@@ -142,6 +142,11 @@ class Conversation:
     # Routing/caching hints; engines may use them, none may require them.
     prompt_cache_key: str | None = None
     previous_response_id: str | None = None
+    # The stored conversation this turn belongs to (OpenAI ``conversation``).
+    conversation_id: str | None = None
+    # A client's session id from its headers (lmspd/dialects/session.py):
+    # turns of one agent session share it, whatever the dialect.
+    session_key: str | None = None
     # False: neither reuse nor remember KV state for this request.
     cache_reuse: bool = True
     # Responses replays of a reasoning model's tool-call turns must carry the

@@ -164,6 +164,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         include_encrypted_reasoning="reasoning.encrypted_content" in (body.include or []),
         prompt_cache_key=body.prompt_cache_key,
         previous_response_id=body.previous_response_id,
+        conversation_id=conversation_id(body.conversation),
         cache_reuse=extensions.cache_reuse,
         require_reasoning_state=True,
     )

@@ -14,6 +14,9 @@ by side::
     urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
     upstream_model = "Qwen/Qwen3-8B"
     api_key_env = "VLLM_API_KEY"         # optional; never the key itself
+    routing = "affinity"                 # or "least-loaded", "round-robin" (upstream/routing.py)
+    affinity_slack = 4                   # in-flight imbalance past which a preferred endpoint sheds
+    prefix_threshold = 0.5               # share of a prompt an endpoint's prefix index must match
 
 Keys are never in this file: ``api_key_env`` names a variable, ``key_name``
 a key saved with ``lmspd config set-key --name``.
@@ -57,7 +60,7 @@ _UPSTREAM_FIELDS = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
     "max_concurrency": (int,), "context_window": (int,), "health_interval_s": (int, float),
-    "affinity_slack": (int,),
+    "affinity_slack": (int,), "routing": (str,), "prefix_threshold": (int, float),
 }
 
 
@@ -126,6 +129,7 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                 urls=list(settings.upstream_urls),
                 profile=settings.upstream_profile,
                 idle_timeout_s=settings.upstream_idle_timeout_s,
+                routing=settings.upstream_routing,
             )]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

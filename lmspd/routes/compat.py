@@ -23,6 +23,7 @@ from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.common import rename_param
+from lmspd.dialects.session import session_key
 from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
@@ -83,6 +84,7 @@ async def chat_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
+    req.conversation.session_key = session_key(request.headers)
     run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
@@ -131,6 +133,7 @@ async def messages_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
+    req.conversation.session_key = session_key(request.headers)
     run = await _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,

@@ -22,6 +22,7 @@ from lmspd.bodies import read_json_object
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
+from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
 from lmspd.routes.common import (
     LmspdApp,
@@ -67,6 +68,7 @@ async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) 
 async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, raw: dict,
                *, as_task: bool) -> Reply:
     req = dialect.decode(raw, app.limits, context=StoredContext(app.store, owner))
+    req.conversation.session_key = session_key(request.headers)
     background = as_task or req.background
     if req.background and not req.store:
         raise invalid("Background responses are stored: 'background: true' needs 'store: true' (the default).",

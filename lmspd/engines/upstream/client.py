@@ -7,6 +7,9 @@ The returned ``ProviderStream`` yields raw body bytes and turns aiohttp's
 exceptions into typed transport errors:
 
     connect refused / reset, all endpoints   UpstreamUnavailable
+    closed with no answer                    tried once more at the same endpoint
+                                             (the keep-alive reuse race), then
+                                             UpstreamConnectionLost
     connect or header wait too slow          UpstreamTimeout
     no byte for ``idle_s`` mid-stream        UpstreamTimeout (the idle watchdog)
     connection dropped mid-stream            UpstreamConnectionLost
@@ -34,6 +37,7 @@ import contextlib
 import json
 import logging
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -198,19 +202,32 @@ class ProviderClient:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         return self._http
 
-    async def open(self, body: bytes, affinity: str | None = None) -> ProviderStream:
+    async def open(self, body: bytes,
+                   choose: Callable[[Sequence[int]], Endpoint | None] | None = None) -> ProviderStream:
+        """POST ``body`` to ``choose(tried)`` (the router's choice; by default
+        the least loaded); an endpoint that cannot be reached is marked down
+        and ``choose`` asked again without it."""
+        if choose is None:
+            choose = self._least_loaded
         session = self._session()
         tried: list[int] = []
         last: Exception | None = None
         while True:
-            endpoint = self.pool.pick(affinity, exclude=tried)
+            endpoint = choose(tried)
             if endpoint is None:
                 if isinstance(last, UpstreamTimeout):
                     raise last
                 raise UpstreamUnavailable()
             tried.append(endpoint.index)
             try:
-                return await self._open_at(session, endpoint, body)
+                try:
+                    return await self._open_at(session, endpoint, body)
+                except aiohttp.ServerDisconnectedError:
+                    # Closed with no answer: most often a kept-alive
+                    # connection the provider shut just as it was reused.
+                    # Once more before calling the endpoint down (which
+                    # would move every session pinned to it).
+                    return await self._open_at(session, endpoint, body)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # Nothing was sent: the next endpoint may take it.
                 self.pool.mark_down(endpoint)
@@ -223,6 +240,9 @@ class ProviderClient:
             except (aiohttp.ClientError, OSError):
                 self.pool.mark_down(endpoint)
                 raise UpstreamConnectionLost() from None
+
+    def _least_loaded(self, tried: Sequence[int]) -> Endpoint | None:
+        return min(self.pool.live(tried), key=lambda e: e.outstanding, default=None)
 
     async def _open_at(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes) -> ProviderStream:
         endpoint.outstanding += 1

@@ -1,7 +1,8 @@
 """The upstream engine: a Chat Completions provider behind lmspd's Responses.
 
     prepare   Conversation -> Chat Completions JSON (request.py), no I/O
-    open      POST to a routed endpoint; status and content type checked
+    open      route (routing.py), POST to the chosen endpoint; status and
+              content type checked
               (client.py) -- *before* any downstream byte, so a 4xx/5xx is
               still an HTTP error reply (``Run.open`` calls it ahead of the
               response headers; otherwise ``Run.events`` does, and a refusal
@@ -26,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +42,10 @@ from lmspd.engines.base import CancelToken, ModelInfo
 from .bridge import BridgeDecoder
 from .client import ProviderClient, ProviderStream, Timeouts
 from .credentials import Secret
-from .errors import UpstreamError, UpstreamHTTPError, UpstreamProviderError
-from .pool import EndpointPool
+from .errors import UpstreamConnectionLost, UpstreamError, UpstreamHTTPError, UpstreamProviderError
+from .pool import Endpoint, EndpointPool
 from .request import PROFILES, ChatRequest, build_chat_request
+from .routing import Decision, Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
 
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
 
@@ -69,9 +71,19 @@ class UpstreamSpec:
     max_concurrency: int = 256
     context_window: int = 131072
     health_interval_s: float = 10.0
+    # Which endpoint takes a request (routing.py): "affinity" (continuation,
+    # session, prefix, then load), "least-loaded" or "round-robin".
+    routing: str = "affinity"
     affinity_slack: int = 4
+    prefix_threshold: float = 0.5
+
+    @property
+    def routing_settings(self) -> RoutingSettings:
+        return RoutingSettings(policy=self.routing, affinity_slack=self.affinity_slack,
+                               prefix_threshold=self.prefix_threshold)
 
     def __post_init__(self) -> None:
+        self.routing_settings  # noqa: B018 - validates the routing fields (ValueError)
         if self.profile not in PROFILES:
             raise ValueError(f"unknown upstream profile {self.profile!r}; one of: {', '.join(PROFILES)}")
         if not self.urls:
@@ -86,6 +98,11 @@ class UpstreamPrepared:
     request: ChatRequest
     body: bytes
     input_tokens: int
+    # What the router matches on: the body's messages (all but the closing
+    # bracket, so that a later turn's prompt extends this one's) and a hash
+    # of its tools (rendered before the messages by chat templates).
+    route_prompt: memoryview = memoryview(b"")
+    route_seed: int = 0
     response_id: str | None = None
     # Set by ``open``: the accepted provider response, consumed by ``generate``.
     stream: ProviderStream | None = None
@@ -122,7 +139,8 @@ class UpstreamEngine:
         self._profile = PROFILES[spec.profile]
         self._key = key
         idle = spec.idle_timeout_s if spec.idle_timeout_s is not None else self._limits.idle_timeout_s
-        self.pool = EndpointPool(spec.urls, affinity_slack=spec.affinity_slack)
+        self.pool = EndpointPool(spec.urls)
+        self.router = Router(self.pool, spec.routing_settings, model=spec.served_model)
         self.client = ProviderClient(
             self.pool,
             key=key,
@@ -144,8 +162,9 @@ class UpstreamEngine:
 
     def prepare(self, conversation: Conversation) -> UpstreamPrepared:
         request = build_chat_request(conversation, self.spec.upstream_model, self._profile)
-        body = _dumps(request.body).encode("utf-8")
-        return UpstreamPrepared(conversation, request, body, input_tokens=_estimate_tokens(body))
+        body, messages_end, tools = _encode_body(request.body)
+        return UpstreamPrepared(conversation, request, body, input_tokens=_estimate_tokens(body),
+                                route_prompt=memoryview(body)[:messages_end], route_seed=hash(tools))
 
     def count_tokens(self, conversation: Conversation) -> int:
         # The provider's tokenizer is not ours to run; a byte-based estimate.
@@ -157,8 +176,19 @@ class UpstreamEngine:
         if prepared.stream is not None:
             return
         prepared.opened_at = time.perf_counter()
+        route = _route_request(prepared)
+        decisions: list[Decision] = []
+
+        def choose(tried: Sequence[int]) -> Endpoint | None:
+            decision = self.router.choose(route, tried)
+            if decision is None:
+                return None
+            decisions.append(decision)
+            return decision.endpoint
+
         try:
-            prepared.stream = await self.client.open(prepared.body, prepared.conversation.prompt_cache_key)
+            prepared.stream = await self.client.open(prepared.body, choose)
+            self.router.served(route, decisions[-1])
         except UpstreamError as exc:
             self._count(exc.code)
             detail = getattr(exc, "detail", None)
@@ -172,6 +202,9 @@ class UpstreamEngine:
             await self.open(prepared, cancel)
         stream, prepared.stream = prepared.stream, None
         assert stream is not None
+        if prepared.response_id is not None:
+            # A request that continues this response goes where its prefix is.
+            self.router.remember(prepared.response_id, stream.endpoint)
         request = prepared.request
         bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits)
         self._generations += 1
@@ -201,6 +234,12 @@ class UpstreamEngine:
                 except StopAsyncIteration:
                     events = bridge.close()
                 except UpstreamError as exc:
+                    if isinstance(exc, UpstreamConnectionLost) and stream.endpoint.healthy:
+                        # A dropped connection mid-stream is how a dying
+                        # endpoint looks: the next request goes elsewhere at
+                        # once (a health check brings it back if it is up).
+                        self.pool.mark_down(stream.endpoint)
+                        log.warning("upstream %s dropped a stream: marked down", stream.endpoint.label)
                     events = bridge.fail(exc)
                 except asyncio.CancelledError:
                     # Ours (the token's interrupt) unless someone else also
@@ -243,8 +282,9 @@ class UpstreamEngine:
                     await stream.aclose()
             self._count(outcome)
             level = logging.INFO if clean or outcome == "cancelled" else logging.WARNING
-            log.log(level, "upstream %s via %s: %s in %.1f ms%s", self.info.id, stream.endpoint.label, outcome,
-                    (time.perf_counter() - prepared.opened_at) * 1000, self._provider_said(bridge.error))
+            log.log(level, "upstream %s via %s: %s in %.1f ms response=%s%s", self.info.id, stream.endpoint.label,
+                    outcome, (time.perf_counter() - prepared.opened_at) * 1000, prepared.response_id,
+                    self._provider_said(bridge.error))
 
     def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
         call_id = event.call_id
@@ -290,10 +330,40 @@ class UpstreamEngine:
             "generations": self._generations,
             "outcomes": dict(self._outcomes),
             "endpoints": self.pool.snapshot(),
+            "routing": self.router.stats(),
         }
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def _route_request(prepared: UpstreamPrepared) -> RouteRequest:
+    conversation = prepared.conversation
+    continues = []
+    if conversation.previous_response_id:
+        continues.append(response_anchor(conversation.previous_response_id))
+    if conversation.conversation_id:
+        continues.append(conversation_anchor(conversation.conversation_id))
+    return RouteRequest(prompt=prepared.route_prompt, seed=prepared.route_seed, continues=tuple(continues),
+                        session=conversation.prompt_cache_key or conversation.session_key)
+
+
+def _encode_body(body: dict[str, Any]) -> tuple[bytes, int, bytes]:
+    """The request body as JSON (the same bytes ``_dumps(body)`` gives), with
+    where its messages array ends and its tools' JSON, each encoded once."""
+    head = {"model": body["model"]}
+    messages = _dumps(body["messages"]).encode("utf-8")
+    tools = _dumps(body["tools"]).encode("utf-8") if "tools" in body else b""
+    rest = {k: v for k, v in body.items() if k not in ("model", "messages", "tools")}
+    out = bytearray(_dumps(head)[:-1].encode("utf-8"))
+    out += b',"messages":'
+    out += messages
+    messages_end = len(out) - 1
+    if tools:
+        out += b',"tools":'
+        out += tools
+    out += b"," + _dumps(rest)[1:].encode("utf-8") if rest else b"}"
+    return bytes(out), messages_end, tools
 
 
 def _estimate_tokens(body: bytes) -> int:

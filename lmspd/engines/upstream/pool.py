@@ -1,22 +1,16 @@
-"""Several provider URLs behind one model: health, routing, affinity.
+"""Several provider URLs behind one model: the endpoints and their health.
 
-Routing is least-outstanding-requests, with affinity by ``prompt_cache_key``:
-requests that share a key go to the same endpoint (rendezvous hashing, so
-losing one endpoint moves only its own keys), which keeps that provider's
-prefix cache hitting — an agent resends the same long prefix every turn.
-Affinity yields to load only when the preferred endpoint is clearly busier
-than the least loaded one (``affinity_slack`` more requests in flight).
-
-Health is learnt two ways: a failed connection marks an endpoint down at
-once (with a growing back-off before it is tried again), and with more than
-one endpoint a background probe (``GET <base>/models``) brings endpoints
-back, or takes them out, between requests.
+Which endpoint takes a request is routing.py's choice; this module keeps
+what it chooses from: per endpoint, the requests in flight and whether it
+is up. Health is learnt two ways: a refused connection, or a stream whose
+connection drops midway (engine.py), marks an endpoint down at once (with a
+growing back-off before it is tried again), and with more than one
+endpoint a background probe (``GET <base>/models``, see client.py) brings
+endpoints back, or takes them out, between requests.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -62,6 +56,8 @@ class Endpoint:
     failures: int = 0
     retry_at: float = 0.0
     requests: int = 0
+    # Times it went down: whatever it had cached before is gone.
+    epoch: int = 0
 
     @property
     def label(self) -> str:
@@ -81,39 +77,25 @@ class Endpoint:
 
 
 class EndpointPool:
-    def __init__(
-        self,
-        urls: Iterable[str],
-        *,
-        affinity_slack: int = 4,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, urls: Iterable[str], *, clock: Callable[[], float] = time.monotonic) -> None:
         self.endpoints = [Endpoint(i, normalize_base_url(u)) for i, u in enumerate(urls)]
         if not self.endpoints:
             raise ValueError("an upstream model needs at least one URL")
-        self._slack = affinity_slack
         self._clock = clock
-        self._turn = itertools.count()
 
-    def pick(self, affinity: str | None = None, exclude: Iterable[int] = ()) -> Endpoint | None:
-        """The endpoint for the next request, or None when all were tried."""
+    def live(self, exclude: Iterable[int] = ()) -> list[Endpoint]:
+        """The endpoints a request may go to now, leaving out ``exclude``
+        (those it already tried); empty when all were tried."""
         excluded = set(exclude)
         candidates = [e for e in self.endpoints if e.index not in excluded]
-        if not candidates:
-            return None
         now = self._clock()
         # A down endpoint is tried again once its back-off has passed; if
         # every one is down, trying beats refusing (one may be back).
-        live = [e for e in candidates if e.healthy or now >= e.retry_at] or candidates
-        least = min(e.outstanding for e in live)
-        if affinity:
-            preferred = max(live, key=lambda e: _score(affinity, e.base_url))
-            if preferred.outstanding <= least + self._slack:
-                return preferred
-        tied = [e for e in live if e.outstanding == least]
-        return tied[next(self._turn) % len(tied)]
+        return [e for e in candidates if e.healthy or now >= e.retry_at] or candidates
 
     def mark_down(self, endpoint: Endpoint) -> None:
+        if endpoint.healthy:
+            endpoint.epoch += 1
         endpoint.healthy = False
         endpoint.failures += 1
         endpoint.retry_at = self._clock() + min(_MAX_BACKOFF_S, 0.5 * 2 ** min(endpoint.failures, 8))
@@ -125,7 +107,3 @@ class EndpointPool:
 
     def snapshot(self) -> list[dict[str, object]]:
         return [e.snapshot() for e in self.endpoints]
-
-
-def _score(key: str, url: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{url}".encode("utf-8", "surrogatepass"), digest_size=8).digest()

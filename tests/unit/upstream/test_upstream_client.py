@@ -5,6 +5,7 @@ timeout (never a hang, never an untyped exception)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -84,3 +85,44 @@ def test_error_reply_with_broken_framing_is_still_an_http_error() -> None:
             server.close()
 
     assert asyncio.run(go()).status == 503
+
+
+def test_a_connection_closed_without_an_answer_is_tried_once_more():
+    from support.provider import text_stream
+
+    connections = []
+
+    async def flaky(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        if len(connections) == 1:
+            writer.close()  # the keep-alive race: closed, nothing answered
+            return
+        body = b"".join(text_stream("ok"))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(flaky, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = EndpointPool([f"http://127.0.0.1:{port}/v1"])
+        client = ProviderClient(pool, health_interval_s=0)
+        try:
+            stream = await client.open(b"{}")
+            data = b""
+            with contextlib.suppress(StopAsyncIteration):
+                while True:
+                    data += await stream.next_chunk()
+            await stream.aclose()
+            return data, pool.endpoints[0]
+        finally:
+            await client.aclose()
+            server.close()
+
+    data, endpoint = asyncio.run(go())
+    assert b"[DONE]" in data and len(connections) == 2
+    assert endpoint.healthy and endpoint.outstanding == 0

@@ -328,3 +328,125 @@ def test_connection_is_kept_after_a_clean_end_and_dropped_after_trailing_noise(p
     assert run(go()) == ["one", "two", "three", "four"]
     ports = [r.client_port for r in provider.requests]
     assert ports[0] == ports[1] == ports[2] != ports[3]
+
+
+def test_the_body_is_the_same_json_and_routes_on_its_messages():
+    from lmspd.engines.upstream.engine import _dumps
+
+    eng = UpstreamEngine(UpstreamSpec(served_model="up", upstream_model="m", urls=["http://h/v1"]))
+    tool = FunctionTool(name="lookup", parameters={"type": "object", "properties": {"q": {"type": "string"}}})
+    for conv in (conversation("héllo"), conversation("x", tools=[tool], max_output_tokens=5, instructions="be brief")):
+        prepared = eng.prepare(conv)
+        assert prepared.body == _dumps(prepared.request.body).encode()
+        prompt = bytes(prepared.route_prompt)
+        assert prepared.body.startswith(prompt) and prompt.endswith(b"}")
+        assert b'"tools"' not in prompt and b'"stream"' not in prompt
+    # A later turn's routed prompt extends the earlier one's.
+    one = eng.prepare(conversation("first"))
+    two = eng.prepare(Conversation(model="up", items=[Message(role="user", text="first"),
+                                                      Message(role="assistant", text="ok"),
+                                                      Message(role="user", text="second")]))
+    assert bytes(two.route_prompt).startswith(bytes(one.route_prompt))
+    # Other tools: another prefix (templates render tools first).
+    assert eng.prepare(conversation("first", tools=[tool])).route_seed != one.route_seed
+
+
+def test_continuations_and_sessions_stay_on_their_endpoint(provider, provider2):
+    for p in (provider, provider2):
+        p.responder = lambda request: Reply(parts=text_stream("ok"))
+
+    async def turn(eng, response_id, **kw):
+        prepared = eng.prepare(conversation(**kw))
+        prepared.response_id = response_id
+        return [e async for e in eng.generate(prepared, CancelToken())]
+
+    async def go():
+        eng = engine(provider.url, provider2.url)
+        try:
+            await turn(eng, "resp_1", text="start one")
+            first = 0 if provider.requests else 1
+            await turn(eng, "resp_2", text="start two")  # the other endpoint: least loaded
+            for i in range(3):
+                await turn(eng, f"resp_1{i}", text=f"more {i}", previous_response_id="resp_1" if i == 0 else f"resp_1{i - 1}")
+            await turn(eng, "resp_s1", text="a", session_key="codex-thread")
+            await turn(eng, "resp_s2", text="b", session_key="codex-thread")
+            return first, eng.stats()["routing"]
+        finally:
+            await eng.aclose()
+
+    try:
+        first, routing = run(go())
+    finally:
+        provider.responder = provider2.responder = None
+    home, other = (provider, provider2) if first == 0 else (provider2, provider)
+    texts = lambda p: [r.body["messages"][-1]["content"] for r in p.requests]  # noqa: E731
+    assert texts(home)[:4] == ["start one", "more 0", "more 1", "more 2"]
+    assert texts(other)[0] == "start two"
+    assert routing["routes"]["affinity"] == 3 and routing["routes"]["session"] == 1
+    assert routing["pinned_sessions"] == 1
+
+
+def test_a_refused_connection_moves_the_session_once(provider, caplog):
+    import logging
+
+    provider.responder = lambda request: Reply(parts=text_stream("ok"))
+
+    async def go():
+        eng = engine(dead_url(), provider.url, health_interval_s=0)
+        try:
+            dead, live = eng.pool.endpoints
+            # Pin the session to the dead endpoint, as if it had served it.
+            eng.router._sessions.set("s", dead.index)
+            with caplog.at_level(logging.INFO, logger="lmspd.upstream.routing"):
+                for text in ("one", "two", "three"):
+                    events = await collect(eng, conversation(text, session_key="s"))
+                    assert isinstance(events[-1], Finished)
+            return eng.stats()["routing"], dead.label, live.label
+        finally:
+            await eng.aclose()
+
+    try:
+        routing, dead, live = run(go())
+    finally:
+        provider.responder = None
+    assert len(provider.requests) == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "lmspd.upstream.routing"]
+    assert lines[0] == f"route=session endpoint={dead} matched=0 model=up"
+    assert lines[1].startswith(f"route=least-loaded endpoint={live} ") and f"moved_from={dead}" in lines[1]
+    assert all(line.startswith(f"route=session endpoint={live} ") for line in lines[2:]) and len(lines) == 4
+    assert routing["moved"] == 1
+
+
+def test_a_stream_dropped_midway_marks_its_endpoint_down_and_moves_the_session(provider):
+    provider.responder = lambda request: Reply(parts=text_stream("ok"))
+
+    async def dying(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # An endpoint that dies mid-stream: headers, one event, then gone.
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        event = text_stream("half")[1]
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        writer.transport.abort()
+
+    async def go():
+        server = await asyncio.start_server(dying, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        eng = engine(f"http://127.0.0.1:{port}/v1", provider.url, health_interval_s=0)
+        try:
+            dying_endpoint = eng.pool.endpoints[0]
+            eng.router._sessions.set("s", dying_endpoint.index)
+            first = await collect(eng, conversation("one", session_key="s"))
+            second = await collect(eng, conversation("two", session_key="s"))
+            return first, second, dying_endpoint.healthy, eng.stats()["routing"]
+        finally:
+            await eng.aclose()
+            server.close()
+
+    try:
+        first, second, healthy, routing = run(go())
+    finally:
+        provider.responder = None
+    assert isinstance(first[-1], Failed) and first[-1].code == "upstream_connection_lost"
+    assert isinstance(second[-1], Finished) and not healthy
+    assert routing["moved"] == 1 and len(provider.requests) == 1

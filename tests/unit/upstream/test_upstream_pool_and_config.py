@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections import Counter
-
 import pytest
 
 from lmspd.config import Settings
@@ -37,47 +35,29 @@ class Clock:
         return self.now
 
 
-def test_least_outstanding_wins_and_ties_rotate():
-    pool = EndpointPool(URLS)
-    a, b, c = pool.endpoints
-    a.outstanding, b.outstanding, c.outstanding = 3, 1, 1
-    picks = Counter(pool.pick().index for _ in range(10))
-    assert set(picks) == {1, 2} and abs(picks[1] - picks[2]) <= 1
-
-
-def test_affinity_is_stable_and_yields_only_to_clear_overload():
-    pool = EndpointPool(URLS, affinity_slack=2)
-    home = pool.pick("thread-1")
-    assert all(pool.pick("thread-1") is home for _ in range(5))
-    keys = {pool.pick(f"thread-{i}").index for i in range(40)}
-    assert keys == {0, 1, 2}, "keys spread over endpoints"
-    home.outstanding = 2
-    assert pool.pick("thread-1") is home
-    home.outstanding = 3
-    assert pool.pick("thread-1") is not home
-
-
-def test_affinity_moves_only_the_keys_of_a_lost_endpoint():
-    pool = EndpointPool(URLS)
-    before = {k: pool.pick(k).index for k in map(str, range(60))}
-    pool.mark_down(pool.endpoints[0])
-    after = {k: pool.pick(k).index for k in before}
-    assert all(after[k] == before[k] for k in before if before[k] != 0)
-    assert all(after[k] != 0 for k in before)
-
-
 def test_down_endpoints_back_off_then_get_retried():
     clock = Clock()
     pool = EndpointPool(URLS[:2], clock=clock)
     a, b = pool.endpoints
     pool.mark_down(a)
-    assert all(pool.pick() is b for _ in range(4))
+    assert pool.live() == [b]
     clock.now += 60
-    assert 0 in {pool.pick().index for _ in range(4)}
+    assert pool.live() == [a, b], "back-off passed: tried again"
     pool.mark_down(b)
     pool.mark_down(a)
-    assert pool.pick() is not None, "all down: still try one"
-    assert pool.pick(exclude=[0, 1]) is None
+    assert pool.live() == [a, b], "all down: still try them"
+    assert pool.live(exclude=[0, 1]) == []
+
+
+def test_going_down_starts_a_new_epoch():
+    pool = EndpointPool(URLS[:1])
+    (a,) = pool.endpoints
+    pool.mark_down(a)
+    pool.mark_down(a)  # still the same outage
+    assert a.epoch == 1
+    pool.mark_up(a)
+    pool.mark_down(a)
+    assert a.epoch == 2
 
 
 def test_urls_are_normalized_and_redacted():
@@ -157,6 +137,18 @@ max_concurrency = 64
     assert remote.api_key_env == "VLLM_KEY" and remote.idle_timeout_s == 30 and remote.max_concurrency == 64
 
 
+def test_routing_settings_from_the_config_file(tmp_path):
+    cfg = tmp_path / "models.toml"
+    cfg.write_text('[models.r]\nengine = "upstream"\nurls = ["http://a/v1", "http://b/v1"]\nupstream_model = "m"\n'
+                   'routing = "round-robin"\naffinity_slack = 2\nprefix_threshold = 0.75\n')
+    (spec,) = load_config_file(cfg)
+    assert spec.routing_settings.policy == "round-robin"
+    assert (spec.routing_settings.affinity_slack, spec.routing_settings.prefix_threshold) == (2, 0.75)
+    cfg.write_text('[models.r]\nengine = "upstream"\nurl = "http://a/v1"\nupstream_model = "m"\nrouting = "random"\n')
+    with pytest.raises(ConfigError, match="unknown routing policy"):
+        load_config_file(cfg)
+
+
 def test_json_config_and_single_url(tmp_path):
     cfg = tmp_path / "models.json"
     cfg.write_text('{"models": {"r": {"engine": "upstream", "url": "http://h/v1", "upstream_model": "m"}}}')
@@ -188,7 +180,9 @@ def test_flags_make_one_upstream_spec():
     settings = Settings(engine="upstream", upstream_urls=["http://h/v1"], upstream_model="m", served_model="s",
                         upstream_idle_timeout_s=5)
     (spec,) = specs_from_settings(settings)
-    assert spec.served_model == "s" and spec.idle_timeout_s == 5
+    assert spec.served_model == "s" and spec.idle_timeout_s == 5 and spec.routing == "affinity"
+    settings.upstream_routing = "least-loaded"
+    assert specs_from_settings(settings)[0].routing_settings.policy == "least-loaded"
     settings.served_model = None
     assert specs_from_settings(settings)[0].served_model == "m"
     assert isinstance(specs_from_settings(Settings())[0], LlamaSpec)
@@ -243,6 +237,9 @@ def test_config_set_key_reads_stdin_and_never_echoes(tmp_path, monkeypatch, caps
     ["serve", "--engine", "upstream", "--upstream-model", "m"],
     ["serve", "--upstream-url", "http://h/v1"],
     ["serve", "--config", "x.toml", "--model", "y"],
+    ["serve", "--config", "x.toml", "--upstream-routing", "round-robin"],
+    ["serve", "--engine", "upstream", "--upstream-url", "http://h/v1", "--upstream-model", "m",
+     "--upstream-routing", "random"],
 ])
 def test_serve_flag_mistakes_are_usage_errors(argv):
     from lmspd.cli import main
