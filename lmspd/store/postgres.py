@@ -18,6 +18,13 @@ store turns them into ``listen`` callbacks. A notice only says that something
 changed: readers read the events by seq, so a lost or duplicated notice costs
 latency, never a gap or a repeat.
 
+Durability, as in the SQLite store: per-token event appends commit with
+``synchronous_commit = off`` (a database crash may lose the last few
+hundred milliseconds of them, never corrupt anything, and a restarted log
+is closed by recovery anyway); everything else, a task's terminal status and
+a finished idempotency key included, waits for the WAL flush as the server
+is configured to.
+
 Liveness: each instance holds a lease in ``instances`` and renews it with
 ``heartbeat``; running rows carry the instance that wrote them. A survivor's
 ``fail_interrupted_*`` calls take only the rows of instances whose lease ran
@@ -940,6 +947,7 @@ class PostgresStore:
         if not events:
             return
         with self._write() as conn:
+            conn.execute("SET LOCAL synchronous_commit = off")
             row = conn.execute(
                 "SELECT status, last_seq FROM tasks WHERE id = %s FOR UPDATE", (task_id,)
             ).fetchone()

@@ -45,7 +45,8 @@ def find_bindir() -> Path | None:
 
 
 class PostgresCluster:
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        self.settings = {**_SETTINGS, **(settings or {})}
         self.bindir = find_bindir()
         if self.bindir is None or not (self.bindir / "initdb").exists():
             raise RuntimeError("no PostgreSQL server binaries (initdb) found; run ./dev.sh to install them")
@@ -74,7 +75,7 @@ class PostgresCluster:
     def start(self) -> "PostgresCluster":
         self._run(str(self.bindir / "initdb"), "-D", str(self.datadir), "-U", self.user, "--auth=trust",
                   "--no-sync", "-E", "UTF8", "--locale=C")
-        opts = " ".join(f"-c {k}={v}" for k, v in _SETTINGS.items())
+        opts = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-w", "-t", "60",
                   "-l", str(self.root / "server.log"), "-o", f"{opts} -k {self.sockdir}", "start")
         self._started = True
