@@ -66,10 +66,10 @@ def pg_cluster():
 
 @pytest.fixture
 def pg_database(pg_cluster):
-    """A fresh, empty database in the shared cluster: its DSN."""
+    """A fresh, empty namespace in the shared cluster: its DSN."""
     from support.postgres import Databases
 
     dbs = Databases(pg_cluster)
-    name = dbs.create()
-    yield pg_cluster.dsn(name)
-    dbs.drop(name)
+    dsn = dbs.create()
+    yield dsn
+    dbs.drop(dsn)

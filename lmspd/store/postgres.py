@@ -209,6 +209,47 @@ _PRUNE_BATCH = 256
 _MIGRATION_LOCK = 0x6C6D7370
 
 
+# A task's events appended in one round trip (the hot path: every token of
+# every running task): lock the task, check it, insert, bump last_seq,
+# notify. Errors carry their own SQLSTATEs (class "LM"), mapped back to
+# NotFound / TaskFinished / SequenceError.
+_APPEND_FUNCTION = """
+CREATE OR REPLACE FUNCTION lmspd_append_events(
+    p_task TEXT, p_seqs BIGINT[], p_events TEXT[], p_datas TEXT[], p_bytes BIGINT
+) RETURNS VOID LANGUAGE plpgsql AS $fn$
+DECLARE
+    t_status TEXT;
+    t_last BIGINT;
+BEGIN
+    -- Per-token appends need not wait for the WAL flush (see the module doc).
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT status, last_seq INTO t_status, t_last FROM tasks WHERE id = p_task FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'task % not found', quote_literal(p_task) USING ERRCODE = 'LM404';
+    END IF;
+    IF t_status IN ('completed', 'failed', 'cancelled', 'incomplete') THEN
+        RAISE EXCEPTION 'task % is already %', quote_literal(p_task), t_status USING ERRCODE = 'LM409';
+    END IF;
+    IF p_seqs[1] <= t_last THEN
+        RAISE EXCEPTION 'event seq % for task % must be an integer above %', p_seqs[1],
+            quote_literal(p_task), t_last USING ERRCODE = 'LM400';
+    END IF;
+    INSERT INTO task_events (task_id, seq, event, data)
+        SELECT p_task, u.s, u.e, u.d FROM unnest(p_seqs, p_events, p_datas) AS u(s, e, d);
+    UPDATE tasks SET last_seq = p_seqs[array_length(p_seqs, 1)], events_bytes = events_bytes + p_bytes
+        WHERE id = p_task;
+    PERFORM pg_notify('lmspd', 'events:' || p_task);
+END
+$fn$
+"""
+
+_APPEND_ERRORS: dict[str, type[StoreError]] = {
+    "LM404": NotFound,
+    "LM409": TaskFinished,
+    "LM400": SequenceError,
+}
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -268,7 +309,10 @@ class PostgresStore:
                 dsn,
                 min_size=1,
                 max_size=pool_size,
-                kwargs={"row_factory": dict_row, "connect_timeout": int(connect_timeout_s)},
+                # Autocommit: a lone statement is its own transaction (one round
+                # trip); several run inside ``conn.transaction()``.
+                kwargs={"row_factory": dict_row, "connect_timeout": int(connect_timeout_s),
+                        "autocommit": True},
                 timeout=connect_timeout_s,
                 open=False,
                 name="lmspd",
@@ -292,6 +336,13 @@ class PostgresStore:
     @contextlib.contextmanager
     def _tx(self) -> Iterator[Conn]:
         """One transaction: committed when the block ends, rolled back if it raises."""
+        self._check_open()
+        with self._pool.connection() as conn, conn.transaction():
+            yield conn
+
+    @contextlib.contextmanager
+    def _single(self) -> Iterator[Conn]:
+        """A connection for one statement (autocommit: no BEGIN/COMMIT round trips)."""
         self._check_open()
         with self._pool.connection() as conn:
             yield conn
@@ -317,6 +368,9 @@ class PostgresStore:
                 conn.execute("INSERT INTO lmspd_schema (version) VALUES (%s)", (len(MIGRATIONS),))
             elif version != len(MIGRATIONS):
                 conn.execute("UPDATE lmspd_schema SET version = %s", (len(MIGRATIONS),))
+            # Code, not data: replaced by every start, so it always matches
+            # this lmspd (under the lock, so two starts never race on it).
+            conn.execute(_APPEND_FUNCTION)
 
     def close(self) -> None:
         if self._closed:
@@ -490,7 +544,7 @@ class PostgresStore:
         return items
 
     def get_response(self, owner: str, response_id: str) -> JSON | None:
-        with self._read() as conn:
+        with self._single() as conn:
             row = conn.execute(
                 "SELECT body FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
             ).fetchone()
@@ -868,7 +922,7 @@ class PostgresStore:
         return self._task(row)
 
     def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        with self._read() as conn:
+        with self._single() as conn:
             row = conn.execute(
                 "SELECT * FROM tasks WHERE id = %s AND owner = %s", (task_id, owner)
             ).fetchone()
@@ -946,16 +1000,33 @@ class PostgresStore:
     def append_events(self, task_id: str, events: Sequence[tuple[int, str, JSON]]) -> None:
         if not events:
             return
-        with self._write() as conn:
-            conn.execute("SET LOCAL synchronous_commit = off")
-            row = conn.execute(
-                "SELECT status, last_seq FROM tasks WHERE id = %s FOR UPDATE", (task_id,)
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"task {task_id!r} not found")
-            if row["status"] in TERMINAL_STATUSES:
-                raise TaskFinished(f"task {task_id!r} is already {row['status']}")
-            self._insert_events(conn, task_id, row["last_seq"], events)
+        seqs: list[int] = []
+        names: list[str] = []
+        bodies: list[str] = []
+        added = 0
+        for seq, name, data in events:
+            # Within the batch here; against the stored log in the function.
+            if not isinstance(seq, int) or isinstance(seq, bool) or (seqs and seq <= seqs[-1]):
+                above = seqs[-1] if seqs else "the task's last seq"
+                raise SequenceError(
+                    f"event seq {seq!r} for task {task_id!r} must be an integer above {above}"
+                )
+            body = _dumps(data)
+            added += _size(name) + _size(body)
+            seqs.append(seq)
+            names.append(name)
+            bodies.append(body)
+        try:
+            with self._single() as conn:
+                conn.execute(
+                    "SELECT lmspd_append_events(%s, %s::bigint[], %s::text[], %s::text[], %s)",
+                    (task_id, seqs, names, bodies, added),
+                )
+        except psycopg.Error as exc:
+            mapped = _APPEND_ERRORS.get(exc.sqlstate or "")
+            if mapped is None:
+                raise
+            raise mapped(exc.diag.message_primary or str(exc)) from None
 
     def events_after(
         self, owner: str, task_id: str, after_seq: int = 0, limit: int = 1000

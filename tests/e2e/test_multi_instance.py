@@ -26,9 +26,9 @@ def body(text: str = LONG, **extra):
 @pytest.fixture(scope="module")
 def shared_dsn(pg_cluster):
     dbs = Databases(pg_cluster)
-    name = dbs.create()
-    yield pg_cluster.dsn(name)
-    dbs.drop(name)
+    dsn = dbs.create()
+    yield dsn
+    dbs.drop(dsn)
 
 
 @pytest.fixture(scope="module")

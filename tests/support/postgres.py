@@ -9,14 +9,16 @@ the package creates.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import shutil
 import subprocess
 import tempfile
-import time
+import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 # Tuned for tests, not for keeping data: nothing here survives the run.
 _SETTINGS = {
@@ -101,23 +103,30 @@ class PostgresCluster:
 
 
 class Databases:
-    """Fresh databases in one cluster, one per test (dropped afterwards)."""
+    """Fresh, empty namespaces in one cluster, one per test: a schema of its
+    own in a shared database (instant, unlike CREATE DATABASE), named by the
+    DSN's ``search_path``; dropped afterwards."""
+
+    DATABASE = "lmspd_tests"
 
     def __init__(self, cluster: PostgresCluster) -> None:
         self.cluster = cluster
-        self._n = 0
 
     def create(self) -> str:
         import psycopg
 
-        self._n += 1
-        name = f"t{os.getpid()}_{self._n}_{int(time.time() * 1000) % 100000}"
         with psycopg.connect(self.cluster.dsn(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return name
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.DATABASE,)).fetchone() is None:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
+                    conn.execute(f'CREATE DATABASE "{self.DATABASE}"')
+        schema = f"t_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.cluster.dsn(self.DATABASE), autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{schema}"')
+        return self.cluster.dsn(self.DATABASE) + "&options=" + quote(f"-csearch_path={schema}")
 
-    def drop(self, name: str) -> None:
+    def drop(self, dsn: str) -> None:
         import psycopg
 
-        with psycopg.connect(self.cluster.dsn(), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        schema = dsn.rsplit("search_path%3D", 1)[1]
+        with psycopg.connect(self.cluster.dsn(self.DATABASE), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')

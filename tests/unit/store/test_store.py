@@ -99,12 +99,14 @@ class Backend:
         if self.name == "sqlite":
             return [r[1] for r in self.sql(f"PRAGMA table_info({table})")]
         return [r[0] for r in self.sql(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", (table,))]
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+            "AND table_schema = current_schema()", (table,))]
 
     def table_exists(self, table: str) -> bool:
         if self.name == "sqlite":
             return bool(self.sql("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)))
-        return bool(self.sql("SELECT 1 FROM information_schema.tables WHERE table_name = ?", (table,)))
+        return bool(self.sql("SELECT 1 FROM information_schema.tables WHERE table_name = ? "
+                             "AND table_schema = current_schema()", (table,)))
 
     def integrity(self) -> str:
         """SQLite's own check of its file; PostgreSQL has no file of ours to check."""
