@@ -329,6 +329,8 @@ class TaskManager:
         if live is not None:
             await self.cancel(live, wait_s)
             return
+        if not self.store.shared:
+            return  # one process per store: not running here is not running at all
         if not await self._off_loop(self.store.request_cancel, owner, task_id):
             return
         deadline = time.monotonic() + wait_s
