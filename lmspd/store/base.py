@@ -348,6 +348,12 @@ class Store(Protocol):
         already terminal."""
         ...
 
+    def release_task(self, task_id: str) -> bool:
+        """Give up a running task this instance can no longer write (its
+        store writes failed): it counts as interrupted from now on, so the
+        next sweep of any instance (or the next start) closes its log."""
+        ...
+
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         """Call ``callback(kind, task_id)`` after each commit that appends a
         task's events or ends it, and for cancel requests: from every

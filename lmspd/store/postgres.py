@@ -431,6 +431,13 @@ class PostgresStore:
                 _notify(conn, "cancel", task_id)
         return changed == 1
 
+    def release_task(self, task_id: str) -> bool:
+        with self._single() as conn:
+            return conn.execute(
+                f"UPDATE tasks SET instance_id = NULL WHERE id = %s AND status IN {_ACTIVE_SQL}",
+                (task_id,),
+            ).rowcount == 1
+
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         remove = self._notices.add(callback)
         with self._listen_lock:

@@ -411,6 +411,13 @@ class SQLiteStore:
             self._notices.send("cancel", task_id)
         return changed == 1
 
+    def release_task(self, task_id: str) -> bool:
+        with self._write() as conn:
+            return conn.execute(
+                f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {_ACTIVE_SQL}",
+                (task_id,),
+            ).rowcount == 1
+
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         return self._notices.add(callback)
 

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import Run
-from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent
+from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
 from lmspd.streaming.session import ResponseState, StreamSession
 
 log = logging.getLogger("lmspd.tasks")
@@ -237,6 +237,10 @@ class TaskManager:
             if not live.writer.done():
                 await live.pending.put(_END)
             await live.writer
+            if live.write_error is not None and not isinstance(live.write_error, TaskFinished):
+                # Its log is cut short: hand it to recovery (on a shared
+                # store, the next sweep of any instance closes it).
+                await self._off_loop(self.store.release_task, live.id)
         except Exception:
             # The store itself is failing; recovery (here at the next start,
             # or a survivor on a shared store) closes this task.

@@ -1182,3 +1182,17 @@ def test_two_survivors_close_each_log_once(backend: Backend, clock: FakeClock) -
     for i in range(20):
         events = survivors[0].events_after("alice", f"task_{i}", 0)
         assert [(e.seq, e.event) for e in events] == [(1, "response.created"), (2, "response.failed")]
+
+
+def test_a_released_task_is_interrupted_even_for_its_own_instance(backend: Backend, clock: FakeClock) -> None:
+    # Its writes failed: whoever sweeps next (itself included) closes it.
+    me = backend.open(clock=clock)
+    me.create_task("alice", "task_1", {}, status="in_progress")
+    me.create_task("alice", "task_2", {}, status="in_progress")
+    me.append_event("task_1", 1, "response.created", {})
+    assert me.release_task("task_1") is True
+    failed = me.fail_interrupted_tasks("its writes failed")
+    expected = ["task_1"] if me.shared else ["task_1", "task_2"]  # unshared: all, at start
+    assert [t.id for t in failed] == expected
+    assert me.events_after("alice", "task_1", 0)[-1].event == "response.failed"
+    assert me.release_task("task_1") is False  # finished: nothing to release
