@@ -1042,21 +1042,26 @@ class PostgresStore:
             raise ValueError(f"after_seq must be at least 0, got {after_seq}")
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = %s AND owner = %s",
-                (task_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            if after_seq + 1 < row["first_retained_seq"]:
-                raise EventsExpired(task_id, after_seq, row["first_retained_seq"])
+        # One statement (one round trip, one snapshot): every reader of every
+        # task runs this once per notice.
+        with self._single() as conn:
             rows = conn.execute(
-                "SELECT seq, event, data FROM task_events WHERE task_id = %s AND seq > %s "
-                "ORDER BY seq LIMIT %s",
-                (task_id, after_seq, limit),
+                "SELECT t.first_retained_seq, e.seq, e.event, e.data FROM tasks t "
+                "LEFT JOIN LATERAL (SELECT seq, event, data FROM task_events "
+                "WHERE task_id = t.id AND seq > %s ORDER BY seq LIMIT %s) e ON true "
+                "WHERE t.id = %s AND t.owner = %s ORDER BY e.seq",
+                (after_seq, limit, task_id, owner),
             ).fetchall()
-        return [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in rows]
+        if not rows:
+            return None
+        first_retained = rows[0]["first_retained_seq"]
+        if after_seq + 1 < first_retained:
+            raise EventsExpired(task_id, after_seq, first_retained)
+        return [
+            TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
+            for r in rows
+            if r["seq"] is not None  # the task row alone: no events after after_seq
+        ]
 
     def first_retained_seq(self, owner: str, task_id: str) -> int | None:
         with self._read() as conn:
