@@ -34,7 +34,9 @@ def shared_dsn(pg_cluster):
 @pytest.fixture(scope="module")
 def pair(shared_dsn):
     """Instances A and B on one database (A may be killed by the last test)."""
-    args = ("--ctx", "1024", "--store", shared_dsn, "--store-lease-s", str(LEASE_S))
+    # One thread each: two llama.cpp processes on a shared 2-core machine
+    # stall at every OpenMP barrier otherwise (see bench/README.md).
+    args = ("--ctx", "1024", "--threads", "1", "--store", shared_dsn, "--store-lease-s", str(LEASE_S))
     a = ServerProcess(*args).start()
     try:
         b = ServerProcess(*args).start()
@@ -61,8 +63,8 @@ def timed_follow(client: httpx.Client, path: str, out: dict, **kw) -> None:
 
 def test_task_on_a_is_followed_live_and_resumed_through_b(pair):
     a, b = pair
-    with httpx.Client(base_url=a.url, timeout=120) as on_a, httpx.Client(base_url=b.url, timeout=120) as on_b:
-        r = on_a.post("/lmsp/v1/tasks", json=body(max_output_tokens=120))
+    with httpx.Client(base_url=a.url, timeout=300) as on_a, httpx.Client(base_url=b.url, timeout=300) as on_b:
+        r = on_a.post("/lmsp/v1/tasks", json=body(max_output_tokens=48))
         assert r.status_code == 202, r.text
         task_id = r.json()["id"]
         events = f"/lmsp/v1/tasks/{task_id}/events"
@@ -77,7 +79,7 @@ def test_task_on_a_is_followed_live_and_resumed_through_b(pair):
         assert status == 200 and [f.id for f in head] == ["1", "2", "3"]
         _, rest, _ = follow(on_b, events, headers={"Last-Event-ID": "3"})
         for t in readers:
-            t.join(120)
+            t.join(300)
 
         whole_a, whole_b = from_a["frames"], from_b["frames"]
         summary = validate_lmsp_stream(whole_a)
@@ -99,7 +101,7 @@ def test_task_on_a_is_followed_live_and_resumed_through_b(pair):
 
 def test_cancel_through_b_reaches_the_task_on_a(pair):
     a, b = pair
-    with httpx.Client(base_url=a.url, timeout=120) as on_a, httpx.Client(base_url=b.url, timeout=120) as on_b:
+    with httpx.Client(base_url=a.url, timeout=300) as on_a, httpx.Client(base_url=b.url, timeout=300) as on_b:
         task_id = on_a.post("/lmsp/v1/tasks", json=body(max_output_tokens=400)).json()["id"]
         events = f"/lmsp/v1/tasks/{task_id}/events"
         _, head, _ = follow(on_b, events, stop_after=4)
@@ -114,19 +116,19 @@ def test_cancel_through_b_reaches_the_task_on_a(pair):
         summary = validate_lmsp_stream(log)
         assert summary["terminal"] == "response.cancelled"
         assert on_a.get(f"/lmsp/v1/tasks/{task_id}").json()["status"] == "cancelled"
-        a.wait_idle()
+        a.wait_idle(300)
 
 
 def test_one_idempotency_key_on_both_instances_runs_once(pair):
     a, b = pair
     key = {"Idempotency-Key": f"pair-{uuid.uuid4()}"}
-    request = {"model": MODEL, "input": "Say hello.", "temperature": 0, "max_output_tokens": 24}
+    request = {"model": MODEL, "input": "Say hello.", "temperature": 0, "max_output_tokens": 8}
     before = a.generations() + b.generations()
     barrier = threading.Barrier(2)
     replies: dict[str, httpx.Response] = {}
 
     def post(name: str, url: str) -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with httpx.Client(base_url=url, timeout=300) as client:
             barrier.wait()
             replies[name] = client.post("/v1/responses", json=request, headers=key)
 
@@ -134,15 +136,15 @@ def test_one_idempotency_key_on_both_instances_runs_once(pair):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(300)
     codes = sorted(r.status_code for r in replies.values())
     # One ran; the other either saw it running (409) or got its reply back.
     assert codes in ([200, 409], [200, 200]), [(r.status_code, r.text) for r in replies.values()]
     first = next(r for r in replies.values() if r.status_code == 200)
-    a.wait_idle()
-    b.wait_idle()
+    a.wait_idle(300)
+    b.wait_idle(300)
     for url in (a.url, b.url):
-        again = httpx.post(url + "/v1/responses", json=request, headers=key, timeout=120)
+        again = httpx.post(url + "/v1/responses", json=request, headers=key, timeout=300)
         assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
         assert again.content == first.content
     assert a.generations() + b.generations() == before + 1, "the key ran exactly once, on one instance"
@@ -150,7 +152,7 @@ def test_one_idempotency_key_on_both_instances_runs_once(pair):
 
 def test_kill_9_of_a_is_noticed_by_b_within_the_lease(pair):
     a, b = pair
-    with httpx.Client(base_url=a.url, timeout=120) as on_a, httpx.Client(base_url=b.url, timeout=120) as on_b:
+    with httpx.Client(base_url=a.url, timeout=300) as on_a, httpx.Client(base_url=b.url, timeout=300) as on_b:
         task_id = on_a.post("/lmsp/v1/tasks", json=body(max_output_tokens=400)).json()["id"]
         events = f"/lmsp/v1/tasks/{task_id}/events"
         _, head, _ = follow(on_b, events, stop_after=5)
