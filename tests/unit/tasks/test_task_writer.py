@@ -133,3 +133,44 @@ def test_a_slow_store_gets_batches_and_the_run_waits_for_it(tmp_path: Path, monk
     stored = store.events_after("alice", "task_1", 0)
     assert out["followed"] == [e.seq for e in stored] == list(range(1, len(stored) + 1))
     store.close()
+
+
+def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_path: Path, monkeypatch) -> None:
+    # Two store objects on one SQLite file: B never hears A's notices (they
+    # stay in A's store), so B's reader lives on its re-reads alone, the
+    # fallback for a lost notice on a shared store.
+    monkeypatch.setattr(manager_module, "REMOTE_POLL_S", 0.05)
+
+    async def go() -> tuple[list[int], list[int], str, bool]:
+        store_a = WatchedStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.005)
+        store_b = SQLiteStore(tmp_path / "s.db")
+        service = Service(DEFAULT_LIMITS)
+        service.add_engine(CountingEngine(60))
+        on_a, on_b = TaskManager(store_a), TaskManager(store_b)  # type: ignore[arg-type]
+        on_a.attach()
+        on_b.attach()
+        run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+        session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
+        live = on_a.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+                          run=run, session=session, record=ResponseRecord(store_a, "alice", [], keep=False))
+        while live.recorded < 2:
+            await asyncio.sleep(0.005)
+        assert on_b.live("task_1", "alice") is None, "B does not run it"
+        running_when_followed = not live.done.is_set()
+        stream = on_b.follow("alice", "task_1", 1)
+        assert stream is not None
+        seen = [event.seq async for event in stream]
+        await live.done.wait()
+        stored = [e.seq for e in store_b.events_after("alice", "task_1", 0)]
+        last = store_b.events_after("alice", "task_1", stored[-1] - 1)[0].event
+        on_a.close()
+        on_b.close()
+        await service.aclose()
+        store_a.close()
+        store_b.close()
+        return seen, stored, last, running_when_followed
+
+    seen, stored, last, running_when_followed = asyncio.run(go())
+    assert running_when_followed, "B followed a task still running on A"
+    assert last == "response.completed"
+    assert seen == stored[1:], "from after seq 1 to the terminal event, once each, in order"
