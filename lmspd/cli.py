@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="total size of task event logs before the oldest go (default 256)")
     store.add_argument("--prune-interval-s", type=float, default=None,
                        help="how often expired state is removed (default 60)")
+    store.add_argument("--store", default=None, metavar="URL",
+                       help="postgresql://... to share state between lmspd instances "
+                            "(default: <data-dir>/lmspd.sqlite3; env LMSPD_STORE)")
+    store.add_argument("--store-lease-s", type=float, default=None, metavar="SECONDS",
+                       help="a shared store fails the running tasks of an instance silent this long "
+                            "(default 15)")
 
     sub.add_parser("models", help="list the models lmspd can serve")
     _config_parser(sub)
@@ -71,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--max-queue must be >= 0")
         settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
     _apply_retention(parser, args, settings)
+    if args.store is not None:
+        settings.store = args.store
+    if args.store_lease_s is not None:
+        if args.store_lease_s <= 0:
+            parser.error("--store-lease-s must be > 0")
+        settings.store_lease_s = args.store_lease_s
     _apply_engine(parser, args, settings)
     _apply_cache(parser, args, settings)
     from lmspd.server import serve as run_server

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
-from lmspd.store.base import Retention
+from lmspd.store.base import DEFAULT_LEASE_S, Retention
 
 
 @dataclass
@@ -48,6 +48,12 @@ class Settings:
     # How long and how much the store keeps (responses, tasks, event logs).
     retention: Retention = field(default_factory=Retention)
     prune_interval_s: float = 60.0
+    # Where that state lives: None is <data_dir>/lmspd.sqlite3; a
+    # postgresql:// URL is a database several instances share.
+    store: str | None = field(default_factory=lambda: os.environ.get("LMSPD_STORE") or None)
+    # How long an instance's running tasks count as alive without its
+    # heartbeat (shared store: a survivor fails them after that).
+    store_lease_s: float = DEFAULT_LEASE_S
 
     @property
     def loopback(self) -> bool:

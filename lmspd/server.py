@@ -81,9 +81,12 @@ def serve(settings: Settings) -> int:
 
 
 def open_store(settings: Settings) -> Store:
-    from lmspd.store.sqlite import SQLiteStore
+    # --store postgresql://... shares state between instances; the default
+    # is the embedded SQLite file in the data dir.
+    from lmspd import store
 
-    return SQLiteStore(settings.data_dir / "lmspd.sqlite3", retention=settings.retention)
+    target = settings.store or settings.data_dir / "lmspd.sqlite3"
+    return store.open_store(target, retention=settings.retention, lease_s=settings.store_lease_s)
 
 
 def build_service(settings: Settings) -> Service:

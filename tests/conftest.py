@@ -41,3 +41,36 @@ def small_server():
     srv = ServerProcess("--ctx", "512", "--parallel", "1", "--max-queue", "1").start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster (tests/support/postgres.py) for the
+    whole run, started on first use and removed at the end. In CI a server
+    that cannot start fails the tests that need it; elsewhere they skip,
+    saying why."""
+    import os
+
+    from support.postgres import PostgresCluster
+
+    try:
+        cluster = PostgresCluster().start()
+    except Exception as exc:
+        reason = f"PostgreSQL test server could not start: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        print("\n" + "!" * 20 + " " + reason, file=sys.stderr)
+        pytest.skip(reason)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_database(pg_cluster):
+    """A fresh, empty namespace in the shared cluster: its DSN."""
+    from support.postgres import Databases
+
+    dbs = Databases(pg_cluster)
+    dsn = dbs.create()
+    yield dsn
+    dbs.drop(dsn)

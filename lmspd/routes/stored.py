@@ -72,9 +72,7 @@ async def openai_delete_response(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     response_id = request.path_params["response_id"]
-    live = app.tasks.live(response_id, owner)
-    if live is not None:
-        await app.tasks.cancel(live)
+    await app.tasks.cancel_task(owner, response_id)
     if not app.store.delete_response(owner, response_id):
         raise not_found(response_id)
     return json_reply({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -86,9 +84,7 @@ async def openai_cancel_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     _stored(app, owner, response_id)
     _background_task(app, owner, response_id)
-    live = app.tasks.live(response_id, owner)
-    if live is not None:
-        await app.tasks.cancel(live)
+    await app.tasks.cancel_task(owner, response_id)
     # Already finished: returned as it is (cancelling twice is harmless).
     return json_reply(_stored(app, owner, response_id))
 

@@ -15,7 +15,9 @@ reveals that the id exists.
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -41,6 +43,55 @@ ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 def is_terminal(status: str | None) -> bool:
     return status in TERMINAL_STATUSES
+
+
+# --- instances and notices ---------------------------------------------------
+
+# How long an instance's rows count as alive without a heartbeat (seconds).
+# A shared store fails the running tasks of an instance whose lease ran out.
+DEFAULT_LEASE_S = 15.0
+
+# What a notice is about: "events" (new events, or a terminal status, of the
+# task), "cancel" (someone asked the task's instance to cancel it), or
+# "resync" (notices may have been lost, e.g. after a reconnect: re-check all;
+# the task id is then "").
+NoticeKind = Literal["events", "cancel", "resync"]
+# Called from a store thread, never the event loop's: hand over, do not block.
+NoticeCallback = Callable[[NoticeKind, str], None]
+
+_notice_log = logging.getLogger("lmspd.store")
+
+
+def new_instance_id() -> str:
+    return f"inst_{secrets.token_hex(8)}"
+
+
+class Notices:
+    """The callbacks ``Store.listen`` registered, called after a commit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[NoticeCallback] = []
+
+    def add(self, callback: NoticeCallback) -> Callable[[], None]:
+        with self._lock:
+            self._callbacks.append(callback)
+
+        def remove() -> None:
+            with self._lock:
+                if callback in self._callbacks:
+                    self._callbacks.remove(callback)
+
+        return remove
+
+    def send(self, kind: NoticeKind, task_id: str) -> None:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(kind, task_id)
+            except Exception:  # a listener's bug must not fail the write that committed
+                _notice_log.exception("store notice callback failed")
 
 
 # --- errors ---------------------------------------------------------------
@@ -267,9 +318,49 @@ def ensure_item_ids(items: Sequence[Mapping[str, Any]]) -> list[JSON]:
 class Store(Protocol):
     """Synchronous and short per call; async handlers may call it directly or
     through a worker thread. Timestamps are epoch seconds; a ``None`` time
-    means "the store's clock now"."""
+    means "the store's clock now".
+
+    Instances: each store object is one lmspd instance (``instance_id``),
+    which stamps the running rows it writes (tasks, responses, idempotency
+    keys) and holds a lease it renews with ``heartbeat``. A ``shared`` store
+    (PostgreSQL) serves several instances at once: "interrupted" then means
+    "written by an instance whose lease ran out", and ``reap_interrupted``
+    runs while serving. An unshared one (SQLite: one process per file)
+    treats every running row as interrupted at start.
+    """
 
     retention: Retention
+    instance_id: str
+    lease_s: float
+    shared: bool
+
+    # Instances and notices -------------------------------------------------------
+
+    def heartbeat(self) -> list[str]:
+        """Renew this instance's lease; returns the ids of this instance's
+        running tasks whose cancel was requested (``request_cancel``), so a
+        lost notice still cancels within one heartbeat."""
+        ...
+
+    def request_cancel(self, owner: str, task_id: str) -> bool:
+        """Ask whichever instance runs the task to cancel it (a ``cancel``
+        notice, and a flag ``heartbeat`` reports). ``False`` if not found or
+        already terminal."""
+        ...
+
+    def release_task(self, task_id: str) -> bool:
+        """Give up a running task this instance can no longer write (its
+        store writes failed): it counts as interrupted from now on, so the
+        next sweep of any instance (or the next start) closes its log."""
+        ...
+
+    def listen(self, callback: NoticeCallback) -> Callable[[], None]:
+        """Call ``callback(kind, task_id)`` after each commit that appends a
+        task's events or ends it, and for cancel requests: from every
+        instance of a shared store, from this one otherwise. Returns a
+        function that removes the callback. Notices only say *that*
+        something changed; readers read the events themselves, by seq."""
+        ...
 
     # Responses ---------------------------------------------------------------
 

@@ -15,6 +15,7 @@ every earlier commit durable. Per-token event appends stay cheap.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from lmspd.store.base import (
     ACTIVE_STATUSES,
+    DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
     TERMINAL_STATUSES,
@@ -48,8 +50,11 @@ from lmspd.store.base import (
     TaskFinished,
     TaskRecord,
     TerminalEventBuilder,
+    Notices,
+    NoticeCallback,
     default_terminal_event,
     ensure_item_ids,
+    new_instance_id,
 )
 
 # --- schema -----------------------------------------------------------------
@@ -148,10 +153,31 @@ def _m1_initial(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+def _m2_instances(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA_V2:
+        conn.execute(statement)
+
+
+# Version 2: which lmspd instance wrote a running row, and that instance's
+# lease, so that on a shared store a survivor can tell a dead instance's
+# tasks (fail them) from a live one's (leave them). Kept identical in both
+# backends (lmspd.store.postgres).
+_SCHEMA_V2 = (
+    """CREATE TABLE instances (
+        id TEXT PRIMARY KEY,
+        started_at REAL NOT NULL,
+        lease_until REAL NOT NULL
+    )""",
+    "ALTER TABLE tasks ADD COLUMN instance_id TEXT",
+    "ALTER TABLE tasks ADD COLUMN cancel_requested_at REAL",
+    "ALTER TABLE responses ADD COLUMN instance_id TEXT",
+    "ALTER TABLE idempotency_keys ADD COLUMN instance_id TEXT",
+)
+
 # Append-only: migration i moves the schema from version i to i + 1. Never
 # edit a shipped one; add the next. Each runs inside the open transaction
 # (no executescript: it would commit half-way).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_instances]
 
 _ACTIVE_SQL = "('queued', 'in_progress')"
 _TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
@@ -194,8 +220,13 @@ class SQLiteStore:
         max_chain_depth: int = 4096,
         max_idle_readers: int = 8,
         busy_timeout_s: float = 10.0,
+        instance_id: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self._path = os.fspath(path)
+        self.instance_id = instance_id or new_instance_id()
+        self.lease_s = lease_s
+        self._notices = Notices()
         self._clock = clock
         self.retention = retention
         self.max_chain_depth = max_chain_depth
@@ -219,6 +250,7 @@ class SQLiteStore:
             raise StoreError(f"could not put {self._path} in WAL mode (got {mode!r})")
         try:
             self._migrate()
+            self._register()
         except BaseException:
             self._writer.close()
             raise
@@ -314,6 +346,9 @@ class SQLiteStore:
         with self._lock:
             if self._closed:
                 return
+            # Best effort: a clean stop ends this instance's lease at once.
+            with contextlib.suppress(sqlite3.Error):
+                self._writer.execute("DELETE FROM instances WHERE id = ?", (self.instance_id,))
             self._closed = True
             self._writer.close()
         with self._pool_lock:
@@ -329,6 +364,62 @@ class SQLiteStore:
 
     def _now(self, value: float | None = None) -> float:
         return self._clock() if value is None else value
+
+    # --- instances, leases and notices -----------------------------------------
+    # One process owns a SQLite file (``shared`` is false): at start every
+    # running row is interrupted, whoever wrote it, and notices never leave
+    # the process. The lease is kept anyway, so both backends share a schema.
+
+    shared = False
+
+    def _register(self) -> None:
+        now = self._clock()
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET lease_until = excluded.lease_until",
+                (self.instance_id, now, now + self.lease_s),
+            )
+
+    def heartbeat(self) -> list[str]:
+        now = self._clock()
+        with self._write() as conn:
+            renewed = conn.execute(
+                "UPDATE instances SET lease_until = ? WHERE id = ?",
+                (now + self.lease_s, self.instance_id),
+            ).rowcount
+            if not renewed:
+                conn.execute(
+                    "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?)",
+                    (self.instance_id, now, now + self.lease_s),
+                )
+            rows = conn.execute(
+                f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
+                f"AND status IN {_ACTIVE_SQL}",
+                (self.instance_id,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def request_cancel(self, owner: str, task_id: str) -> bool:
+        with self._write() as conn:
+            changed = conn.execute(
+                f"UPDATE tasks SET cancel_requested_at = ? WHERE id = ? AND owner = ? "
+                f"AND status IN {_ACTIVE_SQL}",
+                (self._clock(), task_id, owner),
+            ).rowcount
+        if changed:
+            self._notices.send("cancel", task_id)
+        return changed == 1
+
+    def release_task(self, task_id: str) -> bool:
+        with self._write() as conn:
+            return conn.execute(
+                f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {_ACTIVE_SQL}",
+                (task_id,),
+            ).rowcount == 1
+
+    def listen(self, callback: NoticeCallback) -> Callable[[], None]:
+        return self._notices.add(callback)
 
     # --- responses -------------------------------------------------------------
 
@@ -374,10 +465,10 @@ class SQLiteStore:
             try:
                 conn.execute(
                     "INSERT INTO responses (id, owner, status, previous_response_id, "
-                    "conversation_id, created_at, updated_at, body, bytes) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                    "conversation_id, created_at, updated_at, body, bytes, instance_id) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                     (response_id, owner, response.get("status"), previous_response_id,
-                     conversation_id, created, now, body),
+                     conversation_id, created, now, body, self.instance_id),
                 )
             except sqlite3.IntegrityError:
                 raise Duplicate(f"response {response_id!r} already exists") from None
@@ -761,9 +852,9 @@ class SQLiteStore:
             try:
                 conn.execute(
                     "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
-                    "updated_at, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "updated_at, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (task_id, owner, status, response_id, body, created, self._clock(),
-                     _size(body)),
+                     _size(body), self.instance_id),
                 )
             except sqlite3.IntegrityError:
                 raise Duplicate(f"task {task_id!r} already exists") from None
@@ -837,7 +928,9 @@ class SQLiteStore:
                 (status, new_result, new_error, now, now if terminal else None,
                  _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
             )
-            return True
+        if final_event is not None or terminal:
+            self._notices.send("events", task_id)
+        return True
 
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])
@@ -854,6 +947,7 @@ class SQLiteStore:
             if row["status"] in TERMINAL_STATUSES:
                 raise TaskFinished(f"task {task_id!r} is already {row['status']}")
             self._insert_events(conn, task_id, row["last_seq"], events)
+        self._notices.send("events", task_id)
 
     def events_after(
         self, owner: str, task_id: str, after_seq: int = 0, limit: int = 1000
@@ -943,6 +1037,8 @@ class SQLiteStore:
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 failed.append(self._task(row))
+        for task in failed:
+            self._notices.send("events", task.id)
         return failed
 
     # --- idempotency keys -------------------------------------------------------------
@@ -963,9 +1059,9 @@ class SQLiteStore:
             if row is None:
                 conn.execute(
                     "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
-                    "expires_at, bytes) VALUES (?, ?, ?, 'in_progress', ?, ?, ?)",
+                    "expires_at, bytes, instance_id) VALUES (?, ?, ?, 'in_progress', ?, ?, ?, ?)",
                     (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
-                     _size(key) + _size(request_hash)),
+                     _size(key) + _size(request_hash), self.instance_id),
                 )
                 return IdempotencyBegin(BeginOutcome.NEW)
             # A different body wins over "still running": the client reused a

@@ -5,6 +5,16 @@ subscribes to the live run first, then replays the log from the store, then
 takes live events it has not seen yet (by seq): whether it joins at the
 start, late, or after a dropped connection, it gets each event exactly once
 and in order. No reader, and no reader leaving, changes what the run does.
+
+Writes leave the event loop: a task's events wait in a bounded queue (a run
+that outpaces the store waits for it) and one writer per task stores what
+has piled up in one transaction, on a small thread pool of its own.
+
+Across instances (a shared store): a task running elsewhere is followed
+through the store's notices (``Store.listen``) and read from the store by
+seq, so the same exactly-once, in-order promise holds; a cancel is passed on
+with ``Store.request_cancel`` and reaches the running instance by notice (or
+by its next heartbeat, if the notice was lost).
 """
 
 from __future__ import annotations
@@ -12,19 +22,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import Run
-from lmspd.store.base import JSON, Store, TaskEvent
+from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
 from lmspd.streaming.session import ResponseState, StreamSession
 
 log = logging.getLogger("lmspd.tasks")
 
+T = TypeVar("T")
+
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 # Events read from the store per query while replaying a log.
 _BATCH = 512
+# Events of one task waiting for the store before its run waits too.
+MAX_PENDING_EVENTS = 256
+# Events stored per transaction at most.
+MAX_WRITE_BATCH = 128
+# Threads that run store calls for tasks (writes, and reads of remote tasks).
+STORE_THREADS = 4
+# A reader of a task running elsewhere re-reads the log this often even
+# without a notice: a lost notice costs latency, never the end of a stream.
+REMOTE_POLL_S = 1.0
+
+# Marks, in a task's write queue, that the model took the task.
+_STARTED = object()
+# Marks the end of a task's write queue.
+_END = object()
+
+
+class StoreRefused(RuntimeError):
+    """A task's run stopped because its events could not be stored."""
 
 
 def task_request(dialect: Dialect, model: str, body: JSON) -> JSON:
@@ -46,7 +78,12 @@ class LiveTask:
         self.record = record
         self.done = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
+        self.supervisor: asyncio.Task[None] | None = None
+        self.writer: asyncio.Task[None] | None = None
+        self.sent = 0  # events handed to the writer so far
         self.recorded = 0  # events written so far
+        self.write_error: BaseException | None = None
+        self.pending: asyncio.Queue[Any] = asyncio.Queue(MAX_PENDING_EVENTS)
         self._readers: set[asyncio.Queue[TaskEvent | None]] = set()
 
     @property
@@ -82,10 +119,52 @@ class TaskManager:
         self.store = store
         self._live: dict[str, LiveTask] = {}
         self._closing = False
+        # Bounded: at most this many store calls for tasks at once; the rest
+        # queue here, and their runs wait on their full write queues.
+        self._io = ThreadPoolExecutor(max_workers=STORE_THREADS, thread_name_prefix="lmspd-store")
+        # Readers of tasks that run elsewhere, woken by the store's notices.
+        self._watchers: dict[str, set[asyncio.Event]] = {}
+        self._unlisten: Callable[[], None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
 
     def live(self, task_id: str, owner: str) -> LiveTask | None:
         task = self._live.get(task_id)
         return task if task is not None and task.owner == owner else None
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    # -- notices -------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Hear the store's notices (call once, on the serving event loop)."""
+        loop = asyncio.get_running_loop()
+
+        def heard(kind: NoticeKind, task_id: str) -> None:
+            # A store thread: hand over to the loop (gone at shutdown: drop).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._heard, kind, task_id)
+
+        self._unlisten = self.store.listen(heard)
+
+    def _heard(self, kind: NoticeKind, task_id: str) -> None:
+        if kind == "cancel":
+            self.cancel_requested([task_id])
+            return
+        targets = self._watchers.values() if kind == "resync" else [self._watchers.get(task_id, set())]
+        for wakes in targets:
+            for wake in wakes:
+                wake.set()
+
+    def cancel_requested(self, task_ids: list[str]) -> None:
+        """Cancel those of ``task_ids`` that run here (another instance asked)."""
+        for task_id in task_ids:
+            live = self._live.get(task_id)
+            if live is not None and not live.run.cancel.cancelled:
+                log.info("task %s: cancel requested through another instance", task_id)
+                job = asyncio.ensure_future(self.cancel(live))
+                self._background.add(job)
+                job.add_done_callback(self._background.discard)
 
     # -- running -----------------------------------------------------------------
 
@@ -105,42 +184,44 @@ class TaskManager:
             raise
         live = LiveTask(task_id, owner, dialect, run, session, record)
         self._live[task_id] = live
+        live.writer = asyncio.create_task(self._write_loop(live), name=f"lmspd-task-{task_id}-writer")
         live.runner = asyncio.create_task(self._drive(live), name=f"lmspd-task-{task_id}")
-        live.runner.add_done_callback(lambda runner: self._finished(live, runner))
+        # The supervisor, not the runner, closes the log: a runner cancelled
+        # before its first step never runs a line of its own.
+        live.supervisor = asyncio.create_task(self._supervise(live), name=f"lmspd-task-{task_id}-end")
         return live
 
     async def _drive(self, live: LiveTask) -> None:
         async for seq, name, data in live.run.events(live.session, on_start=lambda: self._started(live)):
-            self._record(live, seq, name, data)
+            await self._record(live, seq, name, data)
 
     def _started(self, live: LiveTask) -> None:
-        self.store.set_task_status(live.owner, live.id, "in_progress")
-        live.record.started(live.state)
-
-    def _record(self, live: LiveTask, seq: int, name: str, data: dict[str, Any]) -> None:
-        event = TaskEvent(live.dialect.store_seq(seq), name, data)
-        if name in TERMINAL_EVENTS:
-            state = live.state
-            try:
-                # Before the terminal event: a reader that sees it and then
-                # reads the response or the conversation finds them final.
-                live.record.ended(state)
-            except Exception:
-                log.exception("task %s: could not store its response", live.id)
-            self.store.set_task_status(live.owner, live.id, state.status, result=live.dialect.response_json(state),
-                                       error=state.error, final_event=event)
-        else:
-            self.store.append_event(live.id, event.seq, event.event, event.data)
-        live.recorded += 1
-        live.publish(event)
-
-    def _finished(self, live: LiveTask, runner: asyncio.Task[None]) -> None:
-        """Whatever stopped the runner, the log ends with a terminal event."""
+        # Queued behind the events before it, so the status never runs ahead.
+        with contextlib.suppress(asyncio.QueueFull):
+            live.pending.put_nowait(_STARTED)
         try:
+            live.record.started(live.state)
+        except Exception:
+            log.exception("task %s: could not store its response as started", live.id)
+
+    async def _record(self, live: LiveTask, seq: int, name: str, data: dict[str, Any]) -> None:
+        if live.write_error is not None:
+            # The store refused this task's events (a survivor closed it, or
+            # the store is down): stop generating what cannot be kept.
+            raise StoreRefused(f"task {live.id}: the store refused its events") from live.write_error
+        live.sent += 1
+        await live.pending.put(TaskEvent(live.dialect.store_seq(seq), name, data))
+
+    async def _supervise(self, live: LiveTask) -> None:
+        """Whatever stopped the runner, the log ends with a terminal event."""
+        assert live.runner is not None and live.writer is not None
+        runner = live.runner
+        try:
+            await asyncio.wait([runner])
             session = live.session
-            if not session.terminated:
+            if not session.terminated and live.write_error is None:
                 # Stopped before its first step: the log still starts with created.
-                wires = session.start() if live.recorded == 0 else []
+                wires = session.start() if live.sent == 0 else []
                 if self._closing:
                     wires += session.fail("server_shutting_down", "The server is shutting down.")
                 elif runner.cancelled():
@@ -150,18 +231,89 @@ class TaskManager:
                     log.error("task %s failed", live.id, exc_info=exc)
                     wires += session.fail("server_error", f"Internal error: {type(exc).__name__}")
                 for seq, name, data in wires:
-                    self._record(live, seq, name, data)
+                    await self._record(live, seq, name, data)
             elif not runner.cancelled() and runner.exception() is not None:
                 log.error("task %s: storing its events failed", live.id, exc_info=runner.exception())
+            if not live.writer.done():
+                await live.pending.put(_END)
+            await live.writer
+            if live.write_error is not None and not isinstance(live.write_error, TaskFinished):
+                # Its log is cut short: hand it to recovery (on a shared
+                # store, the next sweep of any instance closes it).
+                await self._off_loop(self.store.release_task, live.id)
         except Exception:
-            # The store itself is failing; the next start closes this task.
+            # The store itself is failing; recovery (here at the next start,
+            # or a survivor on a shared store) closes this task.
             log.exception("task %s: could not close its event log", live.id)
         finally:
+            if not live.writer.done():
+                live.writer.cancel()
             # A runner cancelled before its first step never entered the run,
             # so nothing else gives back its place in the model queue.
             live.run.ticket.release()
             self._live.pop(live.id, None)
             live.close()
+
+    async def _write_loop(self, live: LiveTask) -> None:
+        """Store what the run produced, in order, in batches, then publish it."""
+        while True:
+            item = await live.pending.get()
+            if item is _END:
+                return
+            batch = [item]
+            ended = False
+            while len(batch) < MAX_WRITE_BATCH:
+                try:
+                    item = live.pending.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                if item is _END:
+                    ended = True
+                    break
+                batch.append(item)
+            if live.write_error is None:
+                try:
+                    await self._off_loop(self._store_batch, live, batch)
+                except Exception as exc:
+                    live.write_error = exc
+                    log.error("task %s: the store refused its events (%s); stopping it", live.id, exc)
+                    live.run.cancel.cancel()
+                else:
+                    events = [e for e in batch if isinstance(e, TaskEvent)]
+                    live.recorded += len(events)
+                    for event in events:
+                        live.publish(event)
+            if ended:
+                return
+
+    def _store_batch(self, live: LiveTask, batch: list[Any]) -> None:
+        """On a store thread: one batch, in order. A terminal event is always
+        last (the session ends with it) and is stored with the final status."""
+        run: list[tuple[int, str, JSON]] = []
+        for item in batch:
+            if item is _STARTED:
+                if run:
+                    self.store.append_events(live.id, run)
+                    run = []
+                self.store.set_task_status(live.owner, live.id, "in_progress")
+            elif item.event in TERMINAL_EVENTS:
+                if run:
+                    self.store.append_events(live.id, run)
+                    run = []
+                state = live.state  # final: nothing changes it after the terminal event
+                try:
+                    # Before the terminal event: a reader that sees it and then
+                    # reads the response or the conversation finds them final.
+                    live.record.ended(state)
+                except Exception:
+                    log.exception("task %s: could not store its response", live.id)
+                self.store.set_task_status(live.owner, live.id, state.status,
+                                           result=live.dialect.response_json(state), error=state.error,
+                                           final_event=(item.seq, item.event, item.data))
+            else:
+                run.append((item.seq, item.event, item.data))
+        if run:
+            self.store.append_events(live.id, run)
 
     # -- control -----------------------------------------------------------------
 
@@ -174,20 +326,64 @@ class TaskManager:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(live.done.wait()), wait_s)
 
+    async def cancel_task(self, owner: str, task_id: str, wait_s: float = 30.0) -> None:
+        """Cancel a task wherever it runs and wait (up to ``wait_s``) for it
+        to end. A finished or unknown task is left as it is."""
+        live = self.live(task_id, owner)
+        if live is not None:
+            await self.cancel(live, wait_s)
+            return
+        if not self.store.shared:
+            return  # one process per store: not running here is not running at all
+        if not await self._off_loop(self.store.request_cancel, owner, task_id):
+            return
+        deadline = time.monotonic() + wait_s
+        wake = self._watch(task_id)
+        try:
+            while True:
+                wake.clear()
+                task = await self._off_loop(self.store.get_task, owner, task_id)
+                left = deadline - time.monotonic()
+                if task is None or task.terminal or left <= 0:
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), min(left, REMOTE_POLL_S))
+        finally:
+            self._unwatch(task_id, wake)
+
     async def drain(self, timeout_s: float) -> None:
         """At shutdown (``Service.shutdown`` already ended every generation):
         let the runs record their terminal events, then stop what is left."""
         self._closing = True
-        runners = [t.runner for t in self._live.values() if t.runner is not None]
-        if runners:
-            await asyncio.wait(runners, timeout=timeout_s)
-        left = [t.runner for t in self._live.values() if t.runner is not None and not t.runner.done()]
-        for runner in left:
-            runner.cancel()
+        ends = [t.supervisor for t in self._live.values() if t.supervisor is not None]
+        if ends:
+            await asyncio.wait(ends, timeout=timeout_s)
+        left = [t for t in self._live.values() if t.supervisor is not None and not t.supervisor.done()]
+        for live in left:
+            if live.runner is not None:
+                live.runner.cancel()
         if left:
-            await asyncio.wait(left, timeout=2.0)
+            await asyncio.wait([t.supervisor for t in left if t.supervisor is not None], timeout=2.0)
+
+    def close(self) -> None:
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+        self._io.shutdown(wait=True)
 
     # -- reading -----------------------------------------------------------------
+
+    def _watch(self, task_id: str) -> asyncio.Event:
+        wake = asyncio.Event()
+        self._watchers.setdefault(task_id, set()).add(wake)
+        return wake
+
+    def _unwatch(self, task_id: str, wake: asyncio.Event) -> None:
+        wakes = self._watchers.get(task_id)
+        if wakes is not None:
+            wakes.discard(wake)
+            if not wakes:
+                del self._watchers[task_id]
 
     def follow(self, owner: str, task_id: str, after: int) -> AsyncIterator[TaskEvent] | None:
         """The task's events after store seq ``after``, then its live ones
@@ -217,14 +413,18 @@ class TaskManager:
                     last = event.seq
                     if event.event in TERMINAL_EVENTS:
                         return
-                batch = self.store.events_after(owner, task_id, last, limit=_BATCH) or []
+                batch = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []
             if queue is None:
-                return  # not running here: the stored log is all there is
+                # Not running here: it runs on another instance (or ran, and
+                # a survivor is about to close it). Its log is all there is.
+                async for event in self._tail_stored(owner, task_id, last):
+                    yield event
+                return
             while True:
                 event = await queue.get()
                 if event is None:
                     # The run ended; anything we have not seen is stored.
-                    for event in self.store.events_after(owner, task_id, last, limit=_BATCH) or []:
+                    for event in await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []:
                         yield event
                     return
                 if event.seq <= last:
@@ -236,3 +436,32 @@ class TaskManager:
         finally:
             if live is not None and queue is not None:
                 live.unsubscribe(queue)
+
+    async def _tail_stored(self, owner: str, task_id: str, last: int) -> AsyncIterator[TaskEvent]:
+        """Events of a task this instance does not run, from the store, woken
+        by its notices, until the terminal event. Read by seq, so a notice
+        lost or repeated changes nothing but latency."""
+        wake = self._watch(task_id)
+        try:
+            while True:
+                wake.clear()
+                batch = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
+                if batch is None:
+                    return  # deleted meanwhile
+                for event in batch:
+                    yield event
+                    last = event.seq
+                    if event.event in TERMINAL_EVENTS:
+                        return
+                if len(batch) == _BATCH:
+                    continue
+                try:
+                    await asyncio.wait_for(wake.wait(), REMOTE_POLL_S)
+                except asyncio.TimeoutError:
+                    # No notice for a while: if it ended without a terminal
+                    # event (it could not start), stop following.
+                    task = await self._off_loop(self.store.get_task, owner, task_id)
+                    if task is None or (task.terminal and task.last_seq <= last):
+                        return
+        finally:
+            self._unwatch(task_id, wake)

@@ -4,13 +4,17 @@ At start, before the first request: tasks and background responses that a
 crash (or ``kill -9``) left running end as ``failed``, each log closed the
 way its own stream session would have closed it (open items done as
 incomplete, then one ``response.failed``), and idempotency keys whose
-attempt died are released. While serving, the store is pruned on a timer.
+attempt died are released. While serving, the store is pruned on a timer,
+and this instance renews its lease; on a shared store (PostgreSQL) it also
+does the above for instances whose lease ran out (they died), so their tasks
+end as ``failed`` within one lease instead of looking alive forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from lmspd.dialects.registry import DIALECTS
 from lmspd.store.base import ClosedLog, Store, TaskEvent, TaskRecord, default_terminal_event
@@ -42,7 +46,8 @@ def close_interrupted(task: TaskRecord, seq: int, events: list[TaskEvent]) -> Cl
     return ClosedLog([(name, data) for _, name, data in wires], dialect.response_json(state))
 
 
-def recover(store: Store) -> None:
+def reap(store: Store) -> int:
+    """Fail what interrupted instances left running; returns how many rows changed."""
     failed = store.fail_interrupted_tasks(RESTART_MESSAGE, close_log=close_interrupted)
     for task in failed:
         # A background response is the task's result: store the closed one,
@@ -54,7 +59,31 @@ def recover(store: Store) -> None:
     if failed or responses or keys:
         log.warning("recovered from an unclean stop: %d task(s) and %d response(s) marked failed, "
                     "%d idempotency key(s) released", len(failed), len(responses), keys)
+    return len(failed) + len(responses) + keys
+
+
+def recover(store: Store) -> None:
+    reap(store)
     store.prune()
+
+
+async def keep_alive(store: Store, on_cancel: Callable[[list[str]], None]) -> None:
+    """Renew this instance's lease a few times per lease; pass on the cancel
+    requests the heartbeat reports (``on_cancel``); on a shared store, fail
+    what dead instances left running. A heartbeat every quarter lease: a
+    dead instance's lease runs out at most 3/4 of a lease after its death,
+    and the next sweep takes its tasks, so they fail within one lease."""
+    interval = max(store.lease_s / 4, 0.05)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            cancels = await asyncio.to_thread(store.heartbeat)
+            if cancels:
+                on_cancel(cancels)
+            if store.shared:
+                await asyncio.to_thread(reap, store)
+        except Exception:
+            log.exception("store heartbeat failed")
 
 
 async def prune_forever(store: Store, interval_s: float) -> None:

@@ -62,9 +62,8 @@ async def cancel_task(request: Request) -> Response:
     owner = lmsp_request(request, "responses:write").owner
     task_id = request.path_params["task_id"]
     _task(app, owner, task_id)
-    live = app.tasks.live(task_id, owner)
-    if live is not None:
-        await app.tasks.cancel(live)
+    # Wherever it runs: another instance on a shared store gets the request.
+    await app.tasks.cancel_task(owner, task_id)
     # A finished task is returned as it is: cancelling twice is harmless.
     return json_reply(task_json(_task(app, owner, task_id), app.tasks.live(task_id, owner)), headers=LMSP.headers)
 

@@ -1,5 +1,7 @@
-"""SQLiteStore: the durable state behind stored responses, conversations,
-tasks with resumable event logs, and idempotency keys."""
+"""The store behind stored responses, conversations, tasks with resumable
+event logs, and idempotency keys: one suite, run against both backends
+(SQLite, and PostgreSQL on a throwaway cluster), plus what only one of them
+has (SQLite's file and pragmas)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmspd.store.sqlite as sqlite_module
+from lmspd.store import open_store
 from lmspd.store.base import (
     BeginOutcome,
     ChainError,
@@ -48,6 +53,70 @@ class FakeClock:
         self.now += seconds
 
 
+class Backend:
+    """One test's database on one backend: ``open`` gives a new store object
+    (a new instance) on the same data each time; ``sql`` runs raw SQL with
+    ``?`` placeholders, to forge what the API cannot produce."""
+
+    def __init__(self, name: str, target: str, module: Any) -> None:
+        self.name = name
+        self.target = target
+        self.module = module  # the backend's module: its MIGRATIONS
+        self._opened: list[Store] = []
+
+    def open(self, **options: Any) -> Store:
+        store = open_store(self.target, **options)
+        self._opened.append(store)
+        return store
+
+    def sql(self, statement: str, params: tuple = ()) -> list[tuple]:
+        if self.name == "sqlite":
+            conn = sqlite3.connect(self.target)
+            try:
+                rows = conn.execute(statement, params).fetchall()
+                conn.commit()
+                return rows
+            finally:
+                conn.close()
+        import psycopg
+
+        with psycopg.connect(self.target, autocommit=True) as conn:
+            cur = conn.execute(statement.replace("?", "%s"), params)
+            return cur.fetchall() if cur.description else []
+
+    def schema_version(self) -> int:
+        if self.name == "sqlite":
+            return self.sql("PRAGMA user_version")[0][0]
+        return self.sql("SELECT version FROM lmspd_schema")[0][0]
+
+    def set_schema_version(self, version: int) -> None:
+        if self.name == "sqlite":
+            self.sql(f"PRAGMA user_version = {version}")
+        else:
+            self.sql("UPDATE lmspd_schema SET version = ?", (version,))
+
+    def columns(self, table: str) -> list[str]:
+        if self.name == "sqlite":
+            return [r[1] for r in self.sql(f"PRAGMA table_info({table})")]
+        return [r[0] for r in self.sql(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+            "AND table_schema = current_schema()", (table,))]
+
+    def table_exists(self, table: str) -> bool:
+        if self.name == "sqlite":
+            return bool(self.sql("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)))
+        return bool(self.sql("SELECT 1 FROM information_schema.tables WHERE table_name = ? "
+                             "AND table_schema = current_schema()", (table,)))
+
+    def integrity(self) -> str:
+        """SQLite's own check of its file; PostgreSQL has no file of ours to check."""
+        return integrity(Path(self.target)) if self.name == "sqlite" else "ok"
+
+    def close_all(self) -> None:
+        for store in self._opened:
+            store.close()
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -58,11 +127,24 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "data" / "lmspd.db"
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, db_path: Path):
+    if request.param == "sqlite":
+        b = Backend("sqlite", str(db_path), sqlite_module)
+    else:
+        import lmspd.store.postgres as postgres_module
+
+        b = Backend("postgresql", request.getfixturevalue("pg_database"), postgres_module)
+    yield b
+    b.close_all()
+
+
+sqlite_only = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+
+
 @pytest.fixture
-def store(db_path: Path, clock: FakeClock):
-    s = SQLiteStore(db_path, clock=clock)
-    yield s
-    s.close()
+def store(backend: Backend, clock: FakeClock):
+    return backend.open(clock=clock)
 
 
 def user_msg(text: str, item_id: str | None = None) -> dict:
@@ -100,8 +182,34 @@ def integrity(path: Path) -> str:
 # --- basics -----------------------------------------------------------------
 
 
-def test_implements_store_protocol_and_sets_pragmas(store: SQLiteStore, db_path: Path) -> None:
+def test_implements_store_protocol(store: Store, backend: Backend) -> None:
     assert isinstance(store, Store)
+    assert store.stats()["schema_version"] == len(backend.module.MIGRATIONS)
+    assert backend.schema_version() == len(backend.module.MIGRATIONS)
+    # Same schema in both backends: the same tables with the same columns.
+    for table in ("responses", "response_items", "conversations", "conversation_items", "tasks",
+                  "task_events", "idempotency_keys", "instances"):
+        assert sorted(backend.columns(table)) == sorted(SCHEMA_COLUMNS[table]), table
+
+
+SCHEMA_COLUMNS = {
+    "responses": ["id", "owner", "status", "previous_response_id", "conversation_id", "created_at",
+                  "updated_at", "body", "bytes", "instance_id"],
+    "response_items": ["response_id", "kind", "position", "item_id", "body"],
+    "conversations": ["id", "owner", "created_at", "updated_at", "metadata", "bytes", "next_position"],
+    "conversation_items": ["conversation_id", "position", "item_id", "body", "bytes"],
+    "tasks": ["id", "owner", "status", "response_id", "request", "result", "error", "created_at",
+              "updated_at", "finished_at", "last_seq", "first_retained_seq", "bytes", "events_bytes",
+              "instance_id", "cancel_requested_at"],
+    "task_events": ["task_id", "seq", "event", "data"],
+    "idempotency_keys": ["owner", "key", "request_hash", "state", "status_code", "headers", "body",
+                         "created_at", "expires_at", "bytes", "instance_id"],
+    "instances": ["id", "started_at", "lease_until"],
+}
+
+
+@sqlite_only
+def test_sqlite_pragmas(store: SQLiteStore, db_path: Path) -> None:
     conn = sqlite3.connect(db_path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA user_version").fetchone()[0] == len(sqlite_module.MIGRATIONS)
@@ -112,8 +220,8 @@ def test_implements_store_protocol_and_sets_pragmas(store: SQLiteStore, db_path:
     assert w.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
 
 
-def test_closed_store_refuses_calls(db_path: Path) -> None:
-    s = SQLiteStore(db_path)
+def test_closed_store_refuses_calls(backend: Backend) -> None:
+    s = backend.open()
     s.close()
     s.close()  # twice is fine
     with pytest.raises(StoreError):
@@ -122,7 +230,8 @@ def test_closed_store_refuses_calls(db_path: Path) -> None:
         s.put_response("a", "resp_1", {}, [])
 
 
-def test_memory_store_works() -> None:
+@sqlite_only
+def test_memory_store_works(backend: Backend) -> None:
     with SQLiteStore(":memory:") as s:
         s.put_response("a", "resp_1", response_obj("resp_1"), [user_msg("hi")])
         assert s.get_response("a", "resp_1")["id"] == "resp_1"
@@ -132,7 +241,7 @@ def test_memory_store_works() -> None:
 # --- responses ---------------------------------------------------------------
 
 
-def test_response_round_trip_and_item_ids(store: SQLiteStore) -> None:
+def test_response_round_trip_and_item_ids(store: Store) -> None:
     resp = response_obj("resp_1", text="héllo ✓")
     stored = store.put_response(
         "alice", "resp_1", resp, [user_msg("a", "msg_given"), user_msg("b")], created_at=123
@@ -148,7 +257,7 @@ def test_response_round_trip_and_item_ids(store: SQLiteStore) -> None:
     assert "id" not in original[0]
 
 
-def test_put_response_duplicate_id(store: SQLiteStore) -> None:
+def test_put_response_duplicate_id(store: Store) -> None:
     store.put_response("alice", "resp_1", response_obj("resp_1"), [])
     with pytest.raises(Duplicate):
         store.put_response("alice", "resp_1", response_obj("resp_1"), [])
@@ -157,7 +266,7 @@ def test_put_response_duplicate_id(store: SQLiteStore) -> None:
     assert store.get_response("bob", "resp_1") is None
 
 
-def test_update_and_delete_response(store: SQLiteStore) -> None:
+def test_update_and_delete_response(store: Store) -> None:
     store.put_response("alice", "resp_1", {"id": "resp_1", "status": "queued"}, [user_msg("x")])
     assert store.get_response("alice", "resp_1")["status"] == "queued"
     assert store.response_chain("alice", "resp_1")[0].output_items == []
@@ -175,7 +284,7 @@ def test_update_and_delete_response(store: SQLiteStore) -> None:
     assert after["responses"] == 0 and after["response_items"] == 0 and after["response_bytes"] == 0
 
 
-def test_response_owner_isolation(store: SQLiteStore) -> None:
+def test_response_owner_isolation(store: Store) -> None:
     store.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("secret", "msg_in")])
     assert store.get_response("mallory", "resp_1") is None
     assert store.list_input_items("mallory", "resp_1") is None
@@ -190,7 +299,7 @@ def test_response_owner_isolation(store: SQLiteStore) -> None:
 
 
 @pytest.mark.parametrize("order", ["asc", "desc"])
-def test_input_items_pagination(store: SQLiteStore, order: str) -> None:
+def test_input_items_pagination(store: Store, order: str) -> None:
     items = [user_msg(str(i), f"msg_{i}") for i in range(7)]
     store.put_response("alice", "resp_1", response_obj("resp_1"), items)
     expected = [it["id"] for it in (items if order == "asc" else items[::-1])]
@@ -215,7 +324,7 @@ def test_input_items_pagination(store: SQLiteStore, order: str) -> None:
     assert [it["id"] for it in tail.items] == expected[4:] and tail.has_more is False
 
 
-def test_input_items_bad_arguments(store: SQLiteStore) -> None:
+def test_input_items_bad_arguments(store: Store) -> None:
     store.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("x", "msg_x")])
     with pytest.raises(InvalidCursor) as err:
         store.list_input_items("alice", "resp_1", after="msg_nope")
@@ -226,7 +335,7 @@ def test_input_items_bad_arguments(store: SQLiteStore) -> None:
         store.list_input_items("alice", "resp_1", order="sideways")  # type: ignore[arg-type]
 
 
-def test_input_items_duplicate_ids_still_page_forward(store: SQLiteStore) -> None:
+def test_input_items_duplicate_ids_still_page_forward(store: Store) -> None:
     items = [user_msg("a", "m1"), user_msg("b", "dup"), user_msg("c", "dup"), user_msg("d", "m4")]
     store.put_response("alice", "resp_1", response_obj("resp_1"), items)
     # Resuming after "dup" continues past its furthest occurrence: the twin is
@@ -254,7 +363,7 @@ _page_counter = iter(range(10**9))
     limit=st.integers(min_value=1, max_value=30),
     order=st.sampled_from(["asc", "desc"]),
 )
-def test_pagination_property(store: SQLiteStore, n: int, limit: int, order: str) -> None:
+def test_pagination_property(store: Store, n: int, limit: int, order: str) -> None:
     rid = f"resp_p{next(_page_counter)}"
     items = [user_msg(str(i), f"msg_{rid}_{i}") for i in range(n)]
     store.put_response("alice", rid, response_obj(rid), items)
@@ -273,7 +382,7 @@ def test_pagination_property(store: SQLiteStore, n: int, limit: int, order: str)
 # --- previous_response_id chains --------------------------------------------------
 
 
-def _chain(store: SQLiteStore, owner: str, n: int, prefix: str = "resp") -> list[str]:
+def _chain(store: Store, owner: str, n: int, prefix: str = "resp") -> list[str]:
     ids, prev = [], None
     for i in range(n):
         rid = f"{prefix}_{i}"
@@ -286,7 +395,7 @@ def _chain(store: SQLiteStore, owner: str, n: int, prefix: str = "resp") -> list
     return ids
 
 
-def test_response_chain_root_first(store: SQLiteStore) -> None:
+def test_response_chain_root_first(store: Store) -> None:
     ids = _chain(store, "alice", 3)
     chain = store.response_chain("alice", ids[-1])
     assert [link.input_items[0]["id"] for link in chain] == [f"in_{r}" for r in ids]
@@ -299,7 +408,7 @@ def test_response_chain_root_first(store: SQLiteStore) -> None:
     assert store.response_chain("alice", "resp_missing") is None
 
 
-def test_response_chain_missing_ancestor(store: SQLiteStore) -> None:
+def test_response_chain_missing_ancestor(store: Store) -> None:
     ids = _chain(store, "alice", 3)
     store.delete_response("alice", ids[0])
     with pytest.raises(ChainError) as err:
@@ -307,7 +416,7 @@ def test_response_chain_missing_ancestor(store: SQLiteStore) -> None:
     assert err.value.problem == "missing" and err.value.response_id == ids[0]
 
 
-def test_response_chain_does_not_cross_owners(store: SQLiteStore) -> None:
+def test_response_chain_does_not_cross_owners(store: Store) -> None:
     store.put_response("bob", "resp_b", response_obj("resp_b"), [user_msg("bob's secret")])
     store.put_response(
         "alice", "resp_a", response_obj("resp_a"), [user_msg("x")], previous_response_id="resp_b"
@@ -317,8 +426,8 @@ def test_response_chain_does_not_cross_owners(store: SQLiteStore) -> None:
     assert err.value.problem == "missing" and err.value.response_id == "resp_b"
 
 
-def test_response_chain_too_deep(db_path: Path) -> None:
-    with SQLiteStore(db_path, max_chain_depth=3) as s:
+def test_response_chain_too_deep(backend: Backend) -> None:
+    with backend.open(max_chain_depth=3) as s:
         ids = _chain(s, "alice", 5)
         assert len(s.response_chain("alice", ids[2])) == 3
         with pytest.raises(ChainError) as err:
@@ -326,22 +435,21 @@ def test_response_chain_too_deep(db_path: Path) -> None:
         assert err.value.problem == "too_deep"
 
 
-def test_response_chain_cycle(store: SQLiteStore, db_path: Path) -> None:
+def test_response_chain_cycle(store: Store, backend: Backend) -> None:
     ids = _chain(store, "alice", 3)
     # Cannot happen through the API (a parent exists before its child); forge it.
-    conn = sqlite3.connect(db_path)
-    conn.execute("UPDATE responses SET previous_response_id = ? WHERE id = ?", (ids[2], ids[0]))
-    conn.commit()
-    conn.close()
+    backend.sql("UPDATE responses SET previous_response_id = ? WHERE id = ?", (ids[2], ids[0]))
     with pytest.raises(ChainError) as err:
         store.response_chain("alice", ids[2])
     assert err.value.problem == "cycle"
 
 
-def test_fail_interrupted_responses(store: SQLiteStore) -> None:
-    store.put_response("alice", "resp_q", {"id": "resp_q", "status": "queued"}, [])
-    store.put_response("alice", "resp_r", {"id": "resp_r", "status": "in_progress"}, [])
-    store.put_response("alice", "resp_done", response_obj("resp_done"), [])
+def test_fail_interrupted_responses(backend: Backend) -> None:
+    with backend.open() as stopped:
+        stopped.put_response("alice", "resp_q", {"id": "resp_q", "status": "queued"}, [])
+        stopped.put_response("alice", "resp_r", {"id": "resp_r", "status": "in_progress"}, [])
+        stopped.put_response("alice", "resp_done", response_obj("resp_done"), [])
+    store = backend.open()
     error = {"code": "server_restarted", "message": "lmspd restarted"}
     assert sorted(store.fail_interrupted_responses(error)) == ["resp_q", "resp_r"]
     failed = store.get_response("alice", "resp_r")
@@ -353,7 +461,7 @@ def test_fail_interrupted_responses(store: SQLiteStore) -> None:
 # --- conversations -----------------------------------------------------------------
 
 
-def test_conversation_lifecycle(store: SQLiteStore, clock: FakeClock) -> None:
+def test_conversation_lifecycle(store: Store, clock: FakeClock) -> None:
     conv = store.create_conversation(
         "alice", "conv_1", metadata={"topic": "demo"}, items=[user_msg("hello", "msg_a")]
     )
@@ -391,7 +499,7 @@ def test_conversation_lifecycle(store: SQLiteStore, clock: FakeClock) -> None:
     assert store.delete_conversation("alice", "conv_1") is False
 
 
-def test_conversation_owner_isolation(store: SQLiteStore) -> None:
+def test_conversation_owner_isolation(store: Store) -> None:
     store.create_conversation("alice", "conv_1", items=[user_msg("secret", "msg_s")])
     assert store.get_conversation("mallory", "conv_1") is None
     assert store.list_conversation_items("mallory", "conv_1") is None
@@ -409,7 +517,7 @@ def test_conversation_owner_isolation(store: SQLiteStore) -> None:
 # --- tasks and event logs ---------------------------------------------------------------
 
 
-def test_task_round_trip_and_events(store: SQLiteStore) -> None:
+def test_task_round_trip_and_events(store: Store) -> None:
     task = store.create_task("alice", "task_1", {"model": "m", "input": "hi"}, response_id="resp_t")
     assert isinstance(task, TaskRecord)
     assert (task.status, task.last_seq, task.first_retained_seq) == ("queued", 0, 1)
@@ -445,7 +553,7 @@ def test_task_round_trip_and_events(store: SQLiteStore) -> None:
         store.append_event("task_1", 5, "response.output_text.delta", {})
 
 
-def test_task_duplicate_and_invalid_status(store: SQLiteStore) -> None:
+def test_task_duplicate_and_invalid_status(store: Store) -> None:
     store.create_task("alice", "task_1", {})
     with pytest.raises(Duplicate):
         store.create_task("alice", "task_1", {})
@@ -455,7 +563,7 @@ def test_task_duplicate_and_invalid_status(store: SQLiteStore) -> None:
         store.set_task_status("alice", "task_1", "exploded")
 
 
-def test_event_seq_strictly_increasing(store: SQLiteStore) -> None:
+def test_event_seq_strictly_increasing(store: Store) -> None:
     store.create_task("alice", "task_1", {}, status="in_progress")
     with pytest.raises(SequenceError):
         store.append_event("task_1", 0, "x", {})
@@ -481,7 +589,7 @@ def test_event_seq_strictly_increasing(store: SQLiteStore) -> None:
         store.events_after("alice", "task_1", -1)
 
 
-def test_task_owner_isolation(store: SQLiteStore) -> None:
+def test_task_owner_isolation(store: Store) -> None:
     store.create_task("alice", "task_1", {"secret": True}, status="in_progress")
     store.append_event("task_1", 1, "response.created", {})
     assert store.get_task("mallory", "task_1") is None
@@ -493,9 +601,9 @@ def test_task_owner_isolation(store: SQLiteStore) -> None:
     assert task.status == "in_progress" and task.last_seq == 1
 
 
-def test_event_log_retention_gives_410_but_keeps_result(db_path: Path, clock: FakeClock) -> None:
+def test_event_log_retention_gives_410_but_keeps_result(backend: Backend, clock: FakeClock) -> None:
     retention = Retention(event_ttl_s=60, task_ttl_s=3600)
-    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+    with backend.open(clock=clock, retention=retention) as s:
         s.create_task("alice", "task_1", {}, status="in_progress")
         s.append_events("task_1", [(i, "delta", {"i": i}) for i in range(1, 6)])
         s.set_task_status("alice", "task_1", "completed", result={"ok": True},
@@ -522,10 +630,10 @@ def test_event_log_retention_gives_410_but_keeps_result(db_path: Path, clock: Fa
         assert s.get_task("alice", "task_1") is None
 
 
-def test_running_tasks_and_responses_are_never_pruned(db_path: Path, clock: FakeClock) -> None:
+def test_running_tasks_and_responses_are_never_pruned(backend: Backend, clock: FakeClock) -> None:
     tiny = Retention(response_ttl_s=1, task_ttl_s=1, event_ttl_s=1, max_response_bytes=0,
                      max_task_bytes=0, max_event_bytes=0)
-    with SQLiteStore(db_path, clock=clock, retention=tiny) as s:
+    with backend.open(clock=clock, retention=tiny) as s:
         s.create_task("alice", "task_run", {"big": "x" * 1000}, status="in_progress")
         s.append_events("task_run", [(i, "delta", {"d": "y" * 100}) for i in range(1, 20)])
         s.create_task("alice", "task_q", {})
@@ -543,9 +651,9 @@ def test_running_tasks_and_responses_are_never_pruned(db_path: Path, clock: Fake
         assert s.get_response("alice", "resp_done") is None
 
 
-def test_prune_by_age(db_path: Path, clock: FakeClock) -> None:
+def test_prune_by_age(backend: Backend, clock: FakeClock) -> None:
     retention = Retention(response_ttl_s=100, conversation_ttl_s=100)
-    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+    with backend.open(clock=clock, retention=retention) as s:
         s.put_response("alice", "resp_old", response_obj("resp_old"), [user_msg("x")])
         s.create_conversation("alice", "conv_old")
         s.create_conversation("alice", "conv_used")
@@ -563,13 +671,13 @@ def test_prune_by_age(db_path: Path, clock: FakeClock) -> None:
         assert s.prune(now=clock.now + 1000)["responses"] == 1
 
 
-def test_prune_by_bytes_oldest_first(db_path: Path, clock: FakeClock) -> None:
-    with SQLiteStore(db_path, clock=clock) as probe:
+def test_prune_by_bytes_oldest_first(backend: Backend, clock: FakeClock) -> None:
+    with backend.open(clock=clock) as probe:
         probe.put_response("a", "resp_probe", response_obj("resp_probe"), [user_msg("z" * 1000)])
         one = probe.stats()["response_bytes"]
         probe.delete_response("a", "resp_probe")
     budget = int(one * 3.5)
-    with SQLiteStore(db_path, clock=clock, retention=Retention(max_response_bytes=budget)) as s:
+    with backend.open(clock=clock, retention=Retention(max_response_bytes=budget)) as s:
         for i in range(10):
             rid = f"resp_{i:03d}"
             s.put_response("a", rid, response_obj(rid), [user_msg("z" * 1000)])
@@ -581,9 +689,9 @@ def test_prune_by_bytes_oldest_first(db_path: Path, clock: FakeClock) -> None:
         assert kept == [7, 8, 9]
 
 
-def test_prune_event_and_task_budgets(db_path: Path, clock: FakeClock) -> None:
+def test_prune_event_and_task_budgets(backend: Backend, clock: FakeClock) -> None:
     retention = Retention(max_event_bytes=3000, max_task_bytes=2500)
-    with SQLiteStore(db_path, clock=clock, retention=retention) as s:
+    with backend.open(clock=clock, retention=retention) as s:
         for i in range(4):
             tid = f"task_{i}"
             s.create_task("a", tid, {"pad": "r" * 500}, status="in_progress")
@@ -610,8 +718,8 @@ def test_prune_event_and_task_budgets(db_path: Path, clock: FakeClock) -> None:
                     s.events_after("a", t.id, 0)
 
 
-def test_prune_conversation_budget(db_path: Path, clock: FakeClock) -> None:
-    with SQLiteStore(db_path, clock=clock, retention=Retention(max_conversation_bytes=2500)) as s:
+def test_prune_conversation_budget(backend: Backend, clock: FakeClock) -> None:
+    with backend.open(clock=clock, retention=Retention(max_conversation_bytes=2500)) as s:
         for i in range(5):
             s.create_conversation("a", f"conv_{i}", items=[user_msg("c" * 900)])
             clock.advance(1)
@@ -620,8 +728,9 @@ def test_prune_conversation_budget(db_path: Path, clock: FakeClock) -> None:
         assert [i for i in range(5) if s.get_conversation("a", f"conv_{i}")] == [3, 4]
 
 
-def test_prune_returns_space_to_the_file(db_path: Path, clock: FakeClock) -> None:
-    with SQLiteStore(db_path, clock=clock, retention=Retention(response_ttl_s=10)) as s:
+@sqlite_only
+def test_prune_returns_space_to_the_file(backend: Backend, clock: FakeClock) -> None:
+    with backend.open(clock=clock, retention=Retention(response_ttl_s=10)) as s:
         for i in range(50):
             s.put_response("a", f"resp_{i}", response_obj(f"resp_{i}"), [user_msg("q" * 4000)])
         clock.advance(11)
@@ -632,7 +741,7 @@ def test_prune_returns_space_to_the_file(db_path: Path, clock: FakeClock) -> Non
 # --- idempotency -------------------------------------------------------------------------
 
 
-def test_idempotency_states(store: SQLiteStore) -> None:
+def test_idempotency_states(store: Store) -> None:
     assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.NEW
     assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.IN_PROGRESS
     assert store.idempotency_begin("alice", "key1", "h2").outcome is BeginOutcome.CONFLICT
@@ -655,7 +764,7 @@ def test_idempotency_states(store: SQLiteStore) -> None:
     assert store.idempotency_begin("alice", "key1", "h1").outcome is BeginOutcome.REPLAY
 
 
-def test_idempotency_abandon_allows_retry(store: SQLiteStore) -> None:
+def test_idempotency_abandon_allows_retry(store: Store) -> None:
     assert store.idempotency_begin("alice", "k", "h").outcome is BeginOutcome.NEW
     assert store.idempotency_abandon("mallory", "k") is False
     assert store.idempotency_abandon("alice", "k") is True
@@ -663,8 +772,8 @@ def test_idempotency_abandon_allows_retry(store: SQLiteStore) -> None:
     assert store.idempotency_begin("alice", "k", "other").outcome is BeginOutcome.NEW
 
 
-def test_idempotency_expiry(db_path: Path, clock: FakeClock) -> None:
-    with SQLiteStore(db_path, clock=clock, retention=Retention(idempotency_ttl_s=100)) as s:
+def test_idempotency_expiry(backend: Backend, clock: FakeClock) -> None:
+    with backend.open(clock=clock, retention=Retention(idempotency_ttl_s=100)) as s:
         s.idempotency_begin("a", "done", "h")
         s.idempotency_finish("a", "done", 201, b"body", {})
         s.idempotency_begin("a", "stuck", "h")
@@ -683,7 +792,7 @@ def test_idempotency_expiry(db_path: Path, clock: FakeClock) -> None:
         assert s.stats()["idempotency_keys"] == 0
 
 
-def test_idempotency_begin_race_single_store(store: SQLiteStore) -> None:
+def test_idempotency_begin_race_single_store(store: Store) -> None:
     n = 16
     barrier = threading.Barrier(n)
     outcomes: list[BeginOutcome] = []
@@ -704,10 +813,10 @@ def test_idempotency_begin_race_single_store(store: SQLiteStore) -> None:
     assert outcomes.count(BeginOutcome.IN_PROGRESS) == n - 1
 
 
-def test_idempotency_begin_race_two_connections(db_path: Path) -> None:
+def test_idempotency_begin_race_two_connections(backend: Backend) -> None:
     # Two store objects = two writer connections (as two processes would have):
     # SQLite's own write lock must still let exactly one insert win.
-    stores = [SQLiteStore(db_path), SQLiteStore(db_path)]
+    stores = [backend.open(), backend.open()]
     try:
         n = 16
         barrier = threading.Barrier(n)
@@ -732,7 +841,7 @@ def test_idempotency_begin_race_two_connections(db_path: Path) -> None:
             s.close()
 
 
-def test_concurrent_writers_and_readers(store: SQLiteStore) -> None:
+def test_concurrent_writers_and_readers(store: Store) -> None:
     tasks = [f"task_{i}" for i in range(4)]
     for tid in tasks:
         store.create_task("a", tid, {}, status="in_progress")
@@ -770,9 +879,10 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, sys.argv[2])
-    from lmspd.store.sqlite import SQLiteStore
+    from lmspd.store import open_store
 
-    s = SQLiteStore(sys.argv[1])
+    # A short lease: on a shared store, the survivor may take over soon.
+    s = open_store(sys.argv[1], lease_s=0.3)
     s.create_task("alice", "task_done", {"n": 1}, status="in_progress", response_id="resp_done")
     s.append_events("task_done", [(1, "response.created", {}), (2, "delta", {"d": "x"})])
     s.set_task_status("alice", "task_done", "completed", result={"id": "resp_done"},
@@ -792,18 +902,20 @@ _CRASHING_CHILD = textwrap.dedent(
 )
 
 
-def test_crash_recovery_after_kill_9(db_path: Path) -> None:
-    db_path.parent.mkdir(parents=True, exist_ok=True)
+def test_crash_recovery_after_kill_9(backend: Backend) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", _CRASHING_CHILD, str(db_path), str(REPO_ROOT)],
+        [sys.executable, "-c", _CRASHING_CHILD, backend.target, str(REPO_ROOT)],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert proc.stdout.strip() == "ready"
-    assert Path(str(db_path) + "-wal").exists()  # the committed data lives in the WAL
+    if backend.name == "sqlite":
+        assert Path(backend.target + "-wal").exists()  # the committed data lives in the WAL
+    else:
+        time.sleep(0.5)  # the dead instance's lease runs out
 
-    with SQLiteStore(db_path) as s:
-        assert integrity(db_path) == "ok"
+    with backend.open() as s:
+        assert backend.integrity() == "ok"
         failed = s.fail_interrupted_tasks("lmspd restarted while the task ran")
         assert sorted(t.id for t in failed) == ["task_queued", "task_run"]
         run = s.get_task("alice", "task_run")
@@ -833,11 +945,11 @@ def test_crash_recovery_after_kill_9(db_path: Path) -> None:
         assert s.idempotency_begin("alice", "key_done", "h").outcome is BeginOutcome.REPLAY
         # Recovery is idempotent.
         assert s.fail_interrupted_tasks("again") == []
-    assert integrity(db_path) == "ok"
+    assert backend.integrity() == "ok"
 
 
-def test_recovery_after_close_without_finishing_custom_event(db_path: Path) -> None:
-    s = SQLiteStore(db_path)
+def test_recovery_after_close_without_finishing_custom_event(backend: Backend) -> None:
+    s = backend.open()
     s.create_task("alice", "task_1", {}, status="in_progress")
     s.append_events("task_1", [(1, "response.created", {}), (2, "delta", {})])
     s.create_task("alice", "task_2", {}, status="in_progress")
@@ -854,18 +966,18 @@ def test_recovery_after_close_without_finishing_custom_event(db_path: Path) -> N
             "response": {"id": task.id, "status": "failed", "error": task.error},
         }
 
-    with SQLiteStore(db_path) as s:
+    with backend.open() as s:
         failed = s.fail_interrupted_tasks("restarted", terminal_event=openai_failed)
         assert [t.id for t in failed] == ["task_1"] and failed[0].last_seq == 3
         assert seen == [("failed", 3)]
         last = s.events_after("alice", "task_1", 2)
         assert last[0].data["sequence_number"] == 2
         assert s.get_task("alice", "task_2").status == "cancelled"
-    assert integrity(db_path) == "ok"
+    assert backend.integrity() == "ok"
 
 
-def test_recovery_close_log_sees_the_log_and_sets_the_result(db_path: Path) -> None:
-    s = SQLiteStore(db_path)
+def test_recovery_close_log_sees_the_log_and_sets_the_result(backend: Backend) -> None:
+    s = backend.open()
     s.create_task("alice", "task_1", {"dialect": "x"}, status="in_progress", response_id="resp_1")
     s.append_events("task_1", [(1, "response.created", {"n": 1}), (2, "delta", {"n": 2})])
     s.close()
@@ -876,7 +988,7 @@ def test_recovery_close_log_sees_the_log_and_sets_the_result(db_path: Path) -> N
         seen.append((task.status, seq, [e.seq for e in log]))
         return ClosedLog([("item.done", {"n": seq}), ("response.failed", {"n": seq + 1})], {"id": "resp_1"})
 
-    with SQLiteStore(db_path) as s:
+    with backend.open() as s:
         (failed,) = s.fail_interrupted_tasks("restarted", close_log=close)
         assert seen == [("failed", 3, [1, 2])]
         assert failed.last_seq == 4 and failed.result == {"id": "resp_1"}
@@ -884,14 +996,14 @@ def test_recovery_close_log_sees_the_log_and_sets_the_result(db_path: Path) -> N
         assert [(e.seq, e.event) for e in events] == [(3, "item.done"), (4, "response.failed")]
         assert s.get_task("alice", "task_1").result == {"id": "resp_1"}
         assert s.fail_interrupted_tasks("again", close_log=close) == []
-    assert integrity(db_path) == "ok"
+    assert backend.integrity() == "ok"
 
 
 # --- migrations and reopening --------------------------------------------------------------
 
 
-def test_data_survives_reopen_and_migrations_are_idempotent(db_path: Path) -> None:
-    with SQLiteStore(db_path) as s:
+def test_data_survives_reopen_and_migrations_are_idempotent(backend: Backend) -> None:
+    with backend.open() as s:
         s.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("x", "msg_x")])
         s.create_conversation("alice", "conv_1", items=[user_msg("y", "msg_y")])
         s.create_task("alice", "task_1", {"q": 1})
@@ -899,62 +1011,188 @@ def test_data_survives_reopen_and_migrations_are_idempotent(db_path: Path) -> No
         s.idempotency_finish("alice", "k", 200, b"ok", {"x-a": "b"})
         stats = s.stats()
     for _ in range(2):
-        with SQLiteStore(db_path) as s:
+        with backend.open() as s:
             assert s.stats() == stats
             assert s.get_response("alice", "resp_1") == response_obj("resp_1")
             assert s.list_input_items("alice", "resp_1").items == [user_msg("x", "msg_x")]
             assert s.conversation_items("alice", "conv_1") == [user_msg("y", "msg_y")]
             assert s.get_task("alice", "task_1").request == {"q": 1}
             assert s.idempotency_begin("alice", "k", "h").body == b"ok"
-    assert integrity(db_path) == "ok"
+    assert backend.integrity() == "ok"
 
 
-def test_new_migration_applies_once(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    SQLiteStore(db_path).close()
+def test_new_migration_applies_once(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend.open().close()
     calls: list[int] = []
+    shipped = len(backend.module.MIGRATIONS)
 
-    def m2(conn: sqlite3.Connection) -> None:
+    def m_next(conn: Any) -> None:
         calls.append(1)
         conn.execute("ALTER TABLE responses ADD COLUMN note TEXT")
 
-    monkeypatch.setattr(sqlite_module, "MIGRATIONS", [*sqlite_module.MIGRATIONS, m2])
+    monkeypatch.setattr(backend.module, "MIGRATIONS", [*backend.module.MIGRATIONS, m_next])
     for _ in range(2):
-        with SQLiteStore(db_path) as s:
-            assert s.stats()["schema_version"] == 2
+        with backend.open() as s:
+            assert s.stats()["schema_version"] == shipped + 1
     assert calls == [1]
-    conn = sqlite3.connect(db_path)
-    assert "note" in [r[1] for r in conn.execute("PRAGMA table_info(responses)")]
-    conn.close()
+    assert "note" in backend.columns("responses")
 
 
-def test_failed_migration_rolls_back(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    SQLiteStore(db_path).close()
+def test_failed_migration_rolls_back(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend.open().close()
+    shipped = len(backend.module.MIGRATIONS)
 
-    def broken(conn: sqlite3.Connection) -> None:
-        conn.execute("CREATE TABLE half_done (x)")
+    def broken(conn: Any) -> None:
+        conn.execute("CREATE TABLE half_done (x TEXT)")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(sqlite_module, "MIGRATIONS", [*sqlite_module.MIGRATIONS, broken])
+    monkeypatch.setattr(backend.module, "MIGRATIONS", [*backend.module.MIGRATIONS, broken])
     with pytest.raises(RuntimeError):
-        SQLiteStore(db_path)
-    conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
-    leftover = conn.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'")
-    assert leftover.fetchone() is None
-    conn.close()
+        backend.open()
+    assert backend.schema_version() == shipped
+    assert not backend.table_exists("half_done")
 
 
-def test_refuses_newer_schema(db_path: Path) -> None:
-    SQLiteStore(db_path).close()
-    conn = sqlite3.connect(db_path)
-    conn.execute("PRAGMA user_version = 99")
-    conn.close()
+def test_refuses_newer_schema(backend: Backend) -> None:
+    backend.open().close()
+    backend.set_schema_version(99)
     with pytest.raises(SchemaTooNew):
-        SQLiteStore(db_path)
+        backend.open()
 
 
-def test_fresh_database_in_new_directory(tmp_path: Path) -> None:
+@sqlite_only
+def test_fresh_database_in_new_directory(backend: Backend, tmp_path: Path) -> None:
     path = tmp_path / "a" / "b" / "state.db"
     with SQLiteStore(path) as s:
         assert s.stats()["schema_version"] == len(sqlite_module.MIGRATIONS)
     assert path.exists()
+
+
+# --- instances: leases, cancel requests, notices ----------------------------------------------
+
+
+def test_cancel_request_reaches_the_running_instance(backend: Backend, clock: FakeClock) -> None:
+    runner = backend.open(clock=clock)
+    other = backend.open(clock=clock)
+    runner.create_task("alice", "task_1", {}, status="in_progress")
+    runner.create_task("alice", "task_2", {}, status="queued")
+    assert runner.heartbeat() == []
+    assert other.request_cancel("mallory", "task_1") is False  # not hers: not found
+    assert other.request_cancel("alice", "task_nope") is False
+    assert other.request_cancel("alice", "task_1") is True
+    assert runner.heartbeat() == ["task_1"]
+    assert other.heartbeat() == []  # it does not run task_1
+    runner.set_task_status("alice", "task_1", "cancelled", final_event=(1, "response.cancelled", {}))
+    assert runner.heartbeat() == []
+    assert other.request_cancel("alice", "task_1") is False  # already finished
+
+
+def test_notices_follow_commits(backend: Backend) -> None:
+    writer = backend.open()
+    # Shared: another instance hears it; unshared: the store's own process.
+    reader = backend.open() if writer.shared else writer
+    got: list[tuple[str, str]] = []
+    cond = threading.Condition()
+
+    def heard(kind: str, task_id: str) -> None:
+        with cond:
+            got.append((kind, task_id))
+            cond.notify_all()
+
+    def wait_for(n: int) -> list[tuple[str, str]]:
+        with cond:
+            cond.wait_for(lambda: len(got) >= n, timeout=10)
+            return list(got)
+
+    remove = reader.listen(heard)
+    writer.create_task("alice", "task_1", {}, status="in_progress")  # no events: no notice
+    writer.append_events("task_1", [(1, "response.created", {}), (2, "delta", {})])
+    assert writer.request_cancel("alice", "task_1")
+    writer.set_task_status("alice", "task_1", "cancelled", final_event=(3, "response.cancelled", {}))
+    assert wait_for(3) == [("events", "task_1"), ("cancel", "task_1"), ("events", "task_1")]
+    # A write that fails sends nothing; a removed callback hears nothing.
+    with pytest.raises(TaskFinished):
+        writer.append_event("task_1", 4, "delta", {})
+    remove()
+    writer.create_task("alice", "task_2", {}, status="in_progress")
+    writer.append_event("task_2", 1, "delta", {})
+    probe: list[str] = []
+    reader.listen(lambda kind, task_id: probe.append(task_id))
+    writer.append_event("task_2", 2, "delta", {})
+    deadline = time.monotonic() + 10
+    while "task_2" not in probe and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "task_2" in probe
+    assert len(got) == 3
+
+
+def test_interrupted_means_written_by_a_gone_instance(backend: Backend, clock: FakeClock) -> None:
+    a = backend.open(clock=clock, lease_s=10)
+    b = backend.open(clock=clock, lease_s=10)
+    a.create_task("alice", "task_a", {}, status="in_progress")
+    a.append_event("task_a", 1, "response.created", {})
+    a.put_response("alice", "resp_a", {"id": "resp_a", "status": "in_progress"}, [])
+    assert a.idempotency_begin("alice", "key_a", "h").outcome is BeginOutcome.NEW
+    if b.shared:
+        # A live instance's running rows are left alone, however old.
+        assert b.fail_interrupted_tasks("gone") == []
+        assert b.fail_interrupted_responses({"code": "server_restarted"}) == []
+        assert b.abandon_interrupted_idempotency() == 0
+        clock.advance(8)
+        a.heartbeat()
+        clock.advance(8)  # 16 s after start, 8 s after the renewal
+        assert b.fail_interrupted_tasks("gone") == []
+        clock.advance(3)  # a's lease ran out
+    # (Unshared: one process per file, so whatever another instance left
+    # running was interrupted.)
+    (failed,) = b.fail_interrupted_tasks("gone")
+    assert failed.id == "task_a" and failed.status == "failed" and failed.last_seq == 2
+    assert b.fail_interrupted_responses({"code": "server_restarted"}) == ["resp_a"]
+    assert b.abandon_interrupted_idempotency() == 1
+    assert b.idempotency_begin("alice", "key_a", "h").outcome is BeginOutcome.NEW
+    # The dead instance, were it only slow, finds its task closed.
+    with pytest.raises(TaskFinished):
+        a.append_event("task_a", 2, "delta", {})
+    if b.shared:
+        b.create_task("alice", "task_b", {}, status="in_progress")
+        clock.advance(1000)  # b's own lease lapsed too, but b is alive: it is asking
+        assert b.fail_interrupted_tasks("gone") == []
+
+
+def test_two_survivors_close_each_log_once(backend: Backend, clock: FakeClock) -> None:
+    dead = backend.open(clock=clock, lease_s=5)
+    for i in range(20):
+        dead.create_task("alice", f"task_{i}", {}, status="in_progress")
+        dead.append_event(f"task_{i}", 1, "response.created", {})
+    clock.advance(6)
+    survivors = [backend.open(clock=clock, lease_s=5) for _ in range(2)]
+    results: list[list[str]] = [[], []]
+    barrier = threading.Barrier(2)
+
+    def reap(i: int) -> None:
+        barrier.wait()
+        results[i] = [t.id for t in survivors[i].fail_interrupted_tasks("gone")]
+
+    threads = [threading.Thread(target=reap, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results[0] + results[1]) == sorted(f"task_{i}" for i in range(20))
+    for i in range(20):
+        events = survivors[0].events_after("alice", f"task_{i}", 0)
+        assert [(e.seq, e.event) for e in events] == [(1, "response.created"), (2, "response.failed")]
+
+
+def test_a_released_task_is_interrupted_even_for_its_own_instance(backend: Backend, clock: FakeClock) -> None:
+    # Its writes failed: whoever sweeps next (itself included) closes it.
+    me = backend.open(clock=clock)
+    me.create_task("alice", "task_1", {}, status="in_progress")
+    me.create_task("alice", "task_2", {}, status="in_progress")
+    me.append_event("task_1", 1, "response.created", {})
+    assert me.release_task("task_1") is True
+    failed = me.fail_interrupted_tasks("its writes failed")
+    expected = ["task_1"] if me.shared else ["task_1", "task_2"]  # unshared: all, at start
+    assert [t.id for t in failed] == expected
+    assert me.events_after("alice", "task_1", 0)[-1].event == "response.failed"
+    assert me.release_task("task_1") is False  # finished: nothing to release

@@ -1,0 +1,1381 @@
+"""The shared store: one PostgreSQL database that several lmspd instances use
+at once (``--store postgresql://...``).
+
+Same tables, columns and migrations as the SQLite store
+(``lmspd.store.sqlite``), in PostgreSQL types; payloads stay JSON text, so a
+stored dict comes back equal, key order included.
+
+Concurrency: a small connection pool (psycopg 3, synchronous: the ``Store``
+interface is synchronous and is called from worker threads). Read-then-write
+sequences lock the row they depend on (``SELECT ... FOR UPDATE``), so two
+instances appending to one task, ending it, or taking one idempotency key
+serialize in the database, not in a process.
+
+Across instances: every commit that appends a task's events or ends it also
+sends ``NOTIFY lmspd, 'events:<task id>'`` (delivered at commit, in commit
+order); a cancel request sends ``'cancel:<task id>'``. One listener thread per
+store turns them into ``listen`` callbacks. A notice only says that something
+changed: readers read the events by seq, so a lost or duplicated notice costs
+latency, never a gap or a repeat.
+
+Durability, as in the SQLite store: per-token event appends commit with
+``synchronous_commit = off`` (a database crash may lose the last few
+hundred milliseconds of them, never corrupt anything, and a restarted log
+is closed by recovery anyway); everything else, a task's terminal status and
+a finished idempotency key included, waits for the WAL flush as the server
+is configured to.
+
+Liveness: each instance holds a lease in ``instances`` and renews it with
+``heartbeat``; running rows carry the instance that wrote them. A survivor's
+``fail_interrupted_*`` calls take only the rows of instances whose lease ran
+out (``FOR UPDATE SKIP LOCKED``: two survivors never close one log twice).
+Leases use the instances' clocks, which must agree to well within a lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg.rows import dict_row
+    from psycopg_pool import ConnectionPool
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
+    ) from exc
+
+from lmspd.store.base import (
+    ACTIVE_STATUSES,
+    DEFAULT_LEASE_S,
+    JSON,
+    TASK_STATUSES,
+    TERMINAL_STATUSES,
+    BeginOutcome,
+    ChainError,
+    ChainLink,
+    ConversationRecord,
+    Duplicate,
+    EventsExpired,
+    IdempotencyBegin,
+    InvalidCursor,
+    LogCloser,
+    NoticeCallback,
+    Notices,
+    NotFound,
+    Order,
+    Page,
+    Retention,
+    SchemaTooNew,
+    SequenceError,
+    StoreError,
+    TaskEvent,
+    TaskFinished,
+    TaskRecord,
+    TerminalEventBuilder,
+    default_terminal_event,
+    ensure_item_ids,
+    new_instance_id,
+)
+
+log = logging.getLogger("lmspd.store")
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+CHANNEL = "lmspd"
+
+# --- schema (the SQLite store's, in PostgreSQL types) --------------------------
+
+_SCHEMA_V1 = (
+    """CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        status TEXT,
+        previous_response_id TEXT,
+        conversation_id TEXT,
+        created_at DOUBLE PRECISION NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL,
+        body TEXT NOT NULL,
+        bytes BIGINT NOT NULL
+    )""",
+    "CREATE INDEX responses_by_age ON responses(created_at)",
+    "CREATE INDEX responses_by_status ON responses(status)",
+    """CREATE TABLE response_items (
+        response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+        kind TEXT NOT NULL CHECK (kind IN ('input', 'output')),
+        position INTEGER NOT NULL,
+        item_id TEXT,
+        body TEXT NOT NULL,
+        PRIMARY KEY (response_id, kind, position)
+    )""",
+    "CREATE INDEX response_items_by_item ON response_items(item_id)",
+    """CREATE TABLE conversations (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL,
+        metadata TEXT NOT NULL,
+        bytes BIGINT NOT NULL,
+        next_position INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX conversations_by_age ON conversations(updated_at)",
+    """CREATE TABLE conversation_items (
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        item_id TEXT NOT NULL,
+        body TEXT NOT NULL,
+        bytes BIGINT NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    )""",
+    "CREATE INDEX conversation_items_by_item ON conversation_items(item_id)",
+    """CREATE TABLE tasks (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN
+            ('queued', 'in_progress', 'completed', 'failed', 'cancelled', 'incomplete')),
+        response_id TEXT,
+        request TEXT NOT NULL,
+        result TEXT,
+        error TEXT,
+        created_at DOUBLE PRECISION NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL,
+        finished_at DOUBLE PRECISION,
+        last_seq BIGINT NOT NULL DEFAULT 0,
+        first_retained_seq BIGINT NOT NULL DEFAULT 1,
+        bytes BIGINT NOT NULL,
+        events_bytes BIGINT NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX tasks_by_status ON tasks(status)",
+    "CREATE INDEX tasks_by_finish ON tasks(finished_at)",
+    """CREATE TABLE task_events (
+        task_id TEXT NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+        seq BIGINT NOT NULL,
+        event TEXT NOT NULL,
+        data TEXT NOT NULL,
+        PRIMARY KEY (task_id, seq)
+    )""",
+    """CREATE TABLE idempotency_keys (
+        owner TEXT NOT NULL,
+        key TEXT NOT NULL,
+        request_hash TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('in_progress', 'done')),
+        status_code INTEGER,
+        headers TEXT,
+        body BYTEA,
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL,
+        bytes BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (owner, key)
+    )""",
+    "CREATE INDEX idempotency_by_expiry ON idempotency_keys(expires_at)",
+)
+
+_SCHEMA_V2 = (
+    """CREATE TABLE instances (
+        id TEXT PRIMARY KEY,
+        started_at DOUBLE PRECISION NOT NULL,
+        lease_until DOUBLE PRECISION NOT NULL
+    )""",
+    "ALTER TABLE tasks ADD COLUMN instance_id TEXT",
+    "ALTER TABLE tasks ADD COLUMN cancel_requested_at DOUBLE PRECISION",
+    "ALTER TABLE responses ADD COLUMN instance_id TEXT",
+    "ALTER TABLE idempotency_keys ADD COLUMN instance_id TEXT",
+)
+
+
+def _m1_initial(conn: Conn) -> None:
+    for statement in _SCHEMA_V1:
+        conn.execute(statement)
+
+
+def _m2_instances(conn: Conn) -> None:
+    for statement in _SCHEMA_V2:
+        conn.execute(statement)
+
+
+# Append-only, one for one with lmspd.store.sqlite.MIGRATIONS.
+MIGRATIONS: list[Callable[[Conn], None]] = [_m1_initial, _m2_instances]
+
+_ACTIVE_SQL = "('queued', 'in_progress')"
+_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
+_PRUNE_BATCH = 256
+# Any constant: it only has to be the same in every instance.
+_MIGRATION_LOCK = 0x6C6D7370
+
+
+# A task's events appended in one round trip (the hot path: every token of
+# every running task): lock the task, check it, insert, bump last_seq,
+# notify. Errors carry their own SQLSTATEs (class "LM"), mapped back to
+# NotFound / TaskFinished / SequenceError.
+_APPEND_FUNCTION = """
+CREATE OR REPLACE FUNCTION lmspd_append_events(
+    p_task TEXT, p_seqs BIGINT[], p_events TEXT[], p_datas TEXT[], p_bytes BIGINT
+) RETURNS VOID LANGUAGE plpgsql AS $fn$
+DECLARE
+    t_status TEXT;
+    t_last BIGINT;
+BEGIN
+    -- Per-token appends need not wait for the WAL flush (see the module doc).
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT status, last_seq INTO t_status, t_last FROM tasks WHERE id = p_task FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'task % not found', quote_literal(p_task) USING ERRCODE = 'LM404';
+    END IF;
+    IF t_status IN ('completed', 'failed', 'cancelled', 'incomplete') THEN
+        RAISE EXCEPTION 'task % is already %', quote_literal(p_task), t_status USING ERRCODE = 'LM409';
+    END IF;
+    IF p_seqs[1] <= t_last THEN
+        RAISE EXCEPTION 'event seq % for task % must be an integer above %', p_seqs[1],
+            quote_literal(p_task), t_last USING ERRCODE = 'LM400';
+    END IF;
+    INSERT INTO task_events (task_id, seq, event, data)
+        SELECT p_task, u.s, u.e, u.d FROM unnest(p_seqs, p_events, p_datas) AS u(s, e, d);
+    UPDATE tasks SET last_seq = p_seqs[array_length(p_seqs, 1)], events_bytes = events_bytes + p_bytes
+        WHERE id = p_task;
+    PERFORM pg_notify('lmspd', 'events:' || p_task);
+END
+$fn$
+"""
+
+_APPEND_ERRORS: dict[str, type[StoreError]] = {
+    "LM404": NotFound,
+    "LM409": TaskFinished,
+    "LM400": SequenceError,
+}
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _size(text: str | bytes | None) -> int:
+    if text is None:
+        return 0
+    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
+
+
+def _loads_opt(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _check_page_args(limit: int, order: str) -> None:
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+
+
+def _notify(conn: Conn, kind: str, task_id: str) -> None:
+    # Sent at commit, and only if the transaction commits.
+    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{kind}:{task_id}"))
+
+
+class PostgresStore:
+    """``Store`` on a PostgreSQL database, shared by every instance that opens it."""
+
+    shared = True
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        retention: Retention = Retention(),
+        max_chain_depth: int = 4096,
+        instance_id: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        pool_size: int = 8,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self._dsn = dsn
+        self._clock = clock
+        self.retention = retention
+        self.max_chain_depth = max_chain_depth
+        self.instance_id = instance_id or new_instance_id()
+        self.lease_s = lease_s
+        self._notices = Notices()
+        self._closed = False
+        self._listener: threading.Thread | None = None
+        self._listen_lock = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self._pool = ConnectionPool(
+                dsn,
+                min_size=1,
+                max_size=pool_size,
+                # Autocommit: a lone statement is its own transaction (one round
+                # trip); several run inside ``conn.transaction()``.
+                kwargs={"row_factory": dict_row, "connect_timeout": int(connect_timeout_s),
+                        "autocommit": True},
+                timeout=connect_timeout_s,
+                open=False,
+                name="lmspd",
+            )
+            self._pool.open(wait=True, timeout=connect_timeout_s)
+        except Exception as exc:
+            raise StoreError(f"cannot connect to PostgreSQL: {exc}") from exc
+        try:
+            self._migrate()
+            self._register()
+        except BaseException:
+            self._pool.close()
+            raise
+
+    # --- connections and transactions ---------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("store is closed")
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Conn]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        self._check_open()
+        with self._pool.connection() as conn, conn.transaction():
+            yield conn
+
+    @contextlib.contextmanager
+    def _single(self) -> Iterator[Conn]:
+        """A connection for one statement (autocommit: no BEGIN/COMMIT round trips)."""
+        self._check_open()
+        with self._pool.connection() as conn:
+            yield conn
+
+    _write = _tx
+    _read = _tx
+
+    def _migrate(self) -> None:
+        with self._tx() as conn:
+            # Two instances starting at once: one migrates, the other waits.
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            conn.execute("CREATE TABLE IF NOT EXISTS lmspd_schema (version INTEGER NOT NULL)")
+            row = conn.execute("SELECT version FROM lmspd_schema").fetchone()
+            version = 0 if row is None else row["version"]
+            if version > len(MIGRATIONS):
+                raise SchemaTooNew(
+                    f"the database has schema version {version}; this lmspd knows "
+                    f"versions up to {len(MIGRATIONS)}"
+                )
+            for migration in MIGRATIONS[version:]:
+                migration(conn)
+            if row is None:
+                conn.execute("INSERT INTO lmspd_schema (version) VALUES (%s)", (len(MIGRATIONS),))
+            elif version != len(MIGRATIONS):
+                conn.execute("UPDATE lmspd_schema SET version = %s", (len(MIGRATIONS),))
+            # Code, not data: replaced by every start, so it always matches
+            # this lmspd (under the lock, so two starts never race on it).
+            conn.execute(_APPEND_FUNCTION)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            with self._tx() as conn:
+                # A clean stop ends this instance's lease at once.
+                conn.execute("DELETE FROM instances WHERE id = %s", (self.instance_id,))
+        self._closed = True
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(timeout=5)
+        self._pool.close()
+
+    def __enter__(self) -> PostgresStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _now(self, value: float | None = None) -> float:
+        return self._clock() if value is None else value
+
+    # --- instances, leases and notices -----------------------------------------
+
+    def _register(self) -> None:
+        now = self._clock()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
+                (self.instance_id, now, now + self.lease_s),
+            )
+
+    def heartbeat(self) -> list[str]:
+        now = self._clock()
+        with self._tx() as conn:
+            conn.execute(
+                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
+                (self.instance_id, now, now + self.lease_s),
+            )
+            rows = conn.execute(
+                f"SELECT id FROM tasks WHERE instance_id = %s AND cancel_requested_at IS NOT NULL "
+                f"AND status IN {_ACTIVE_SQL}",
+                (self.instance_id,),
+            ).fetchall()
+        return [r["id"] for r in rows]
+
+    def request_cancel(self, owner: str, task_id: str) -> bool:
+        with self._tx() as conn:
+            changed = conn.execute(
+                f"UPDATE tasks SET cancel_requested_at = %s WHERE id = %s AND owner = %s "
+                f"AND status IN {_ACTIVE_SQL}",
+                (self._clock(), task_id, owner),
+            ).rowcount
+            if changed:
+                _notify(conn, "cancel", task_id)
+        return changed == 1
+
+    def release_task(self, task_id: str) -> bool:
+        with self._single() as conn:
+            return conn.execute(
+                f"UPDATE tasks SET instance_id = NULL WHERE id = %s AND status IN {_ACTIVE_SQL}",
+                (task_id,),
+            ).rowcount == 1
+
+    def listen(self, callback: NoticeCallback) -> Callable[[], None]:
+        remove = self._notices.add(callback)
+        with self._listen_lock:
+            if self._listener is None and not self._closed:
+                ready = threading.Event()
+                self._listener = threading.Thread(
+                    target=self._listen_loop, args=(ready,), name="lmspd-pg-listen", daemon=True
+                )
+                self._listener.start()
+                # Notices sent after listen() returns are not missed.
+                ready.wait(10)
+        return remove
+
+    def _listen_loop(self, ready: threading.Event) -> None:
+        backoff = 0.1
+        first = True
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._dsn, autocommit=True, connect_timeout=10) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    ready.set()
+                    if not first:
+                        # Notices sent while we were away are gone: re-check all.
+                        self._notices.send("resync", "")
+                    first = False
+                    backoff = 0.1
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=0.5):
+                            kind, _, task_id = note.payload.partition(":")
+                            if kind in ("events", "cancel"):
+                                self._notices.send(kind, task_id)  # type: ignore[arg-type]
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("PostgreSQL notice listener lost its connection (%s); reconnecting", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        ready.set()
+
+    def _gone_sql(self, column: str) -> str:
+        """Rows whose writer is not this instance and holds no live lease."""
+        return (
+            f"({column} IS NULL OR ({column} <> %(me)s AND NOT EXISTS ("
+            f"SELECT 1 FROM instances i WHERE i.id = {column} AND i.lease_until > %(now)s)))"
+        )
+
+    # --- responses -------------------------------------------------------------
+
+    @staticmethod
+    def _insert_output_items(conn: Conn, response_id: str, response: JSON) -> int:
+        output = response.get("output")
+        if not isinstance(output, list):
+            return 0
+        rows = []
+        total = 0
+        for position, item in enumerate(output):
+            body = _dumps(item)
+            total += _size(body)
+            item_id = item.get("id") if isinstance(item, dict) else None
+            if not isinstance(item_id, str):
+                item_id = None
+            rows.append((response_id, position, item_id, body))
+        if rows:
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO response_items (response_id, kind, position, item_id, body) "
+                    "VALUES (%s, 'output', %s, %s, %s)",
+                    rows,
+                )
+        return total
+
+    def put_response(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON,
+        input_items: Sequence[JSON],
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+    ) -> list[JSON]:
+        items = ensure_item_ids(input_items)
+        body = _dumps(response)
+        item_rows = [(response_id, pos, item["id"], _dumps(item)) for pos, item in enumerate(items)]
+        input_bytes = sum(_size(row[3]) for row in item_rows)
+        now = self._clock()
+        created = self._now(created_at)
+        with self._write() as conn:
+            inserted = conn.execute(
+                "INSERT INTO responses (id, owner, status, previous_response_id, "
+                "conversation_id, created_at, updated_at, body, bytes, instance_id) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 0, %s) ON CONFLICT (id) DO NOTHING",
+                (response_id, owner, response.get("status"), previous_response_id,
+                 conversation_id, created, now, body, self.instance_id),
+            ).rowcount
+            if not inserted:
+                raise Duplicate(f"response {response_id!r} already exists")
+            if item_rows:
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        "INSERT INTO response_items (response_id, kind, position, item_id, body) "
+                        "VALUES (%s, 'input', %s, %s, %s)",
+                        item_rows,
+                    )
+            output_bytes = self._insert_output_items(conn, response_id, response)
+            conn.execute(
+                "UPDATE responses SET bytes = %s WHERE id = %s",
+                (_size(body) + input_bytes + output_bytes, response_id),
+            )
+        return items
+
+    def get_response(self, owner: str, response_id: str) -> JSON | None:
+        with self._single() as conn:
+            row = conn.execute(
+                "SELECT body FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
+        body = _dumps(response)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT bytes FROM responses WHERE id = %s AND owner = %s FOR UPDATE",
+                (response_id, owner),
+            ).fetchone()
+            if row is None:
+                return False
+            input_bytes = conn.execute(
+                "SELECT COALESCE(SUM(octet_length(body)), 0) AS n FROM response_items "
+                "WHERE response_id = %s AND kind = 'input'",
+                (response_id,),
+            ).fetchone()["n"]
+            conn.execute(
+                "DELETE FROM response_items WHERE response_id = %s AND kind = 'output'",
+                (response_id,),
+            )
+            output_bytes = self._insert_output_items(conn, response_id, response)
+            conn.execute(
+                "UPDATE responses SET body = %s, status = %s, updated_at = %s, bytes = %s "
+                "WHERE id = %s",
+                (body, response.get("status"), self._clock(),
+                 _size(body) + int(input_bytes) + output_bytes, response_id),
+            )
+        return True
+
+    def delete_response(self, owner: str, response_id: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
+            )
+            return cur.rowcount == 1
+
+    def list_input_items(
+        self,
+        owner: str,
+        response_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        _check_page_args(limit, order)
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
+            ).fetchone() is None:
+                return None
+            return _page(
+                conn,
+                "response_items WHERE response_id = %s AND kind = 'input'",
+                (response_id,),
+                after=after,
+                limit=limit,
+                order=order,
+            )
+
+    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
+        depth_bound = self.max_chain_depth
+        with self._read() as conn:
+            rows = conn.execute(
+                """WITH RECURSIVE chain(id, prev, depth) AS (
+                       SELECT id, previous_response_id, 1 FROM responses
+                        WHERE id = %s AND owner = %s
+                       UNION ALL
+                       SELECT r.id, r.previous_response_id, chain.depth + 1
+                         FROM responses r JOIN chain ON r.id = chain.prev
+                        WHERE r.owner = %s AND chain.depth < %s
+                   )
+                   SELECT id, prev, depth FROM chain ORDER BY depth""",
+                (response_id, owner, owner, depth_bound),
+            ).fetchall()
+            if not rows:
+                return None
+            seen: set[str] = set()
+            for row in rows:
+                if row["id"] in seen:
+                    raise ChainError(
+                        row["id"], "cycle",
+                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
+                    )
+                seen.add(row["id"])
+            last = rows[-1]
+            if last["prev"] is not None:
+                if last["depth"] >= depth_bound:
+                    raise ChainError(
+                        last["id"], "too_deep",
+                        f"previous_response_id chain of {response_id!r} is longer than "
+                        f"{depth_bound} responses",
+                    )
+                raise ChainError(
+                    last["prev"], "missing",
+                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
+                    "was not found (deleted or expired)",
+                )
+            ids = [row["id"] for row in rows]
+            by_id: dict[str, tuple[list[JSON], list[JSON]]] = {i: ([], []) for i in ids}
+            # One query for the whole chain's items, not one per link.
+            for item in conn.execute(
+                "SELECT response_id, kind, body FROM response_items WHERE response_id = ANY(%s) "
+                "ORDER BY response_id, kind, position",
+                (ids,),
+            ):
+                inputs, outputs = by_id[item["response_id"]]
+                (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
+        return [ChainLink(*by_id[i]) for i in reversed(ids)]
+
+    def find_item(self, owner: str, item_id: str) -> JSON | None:
+        with self._read() as conn:
+            row = conn.execute(
+                """SELECT body FROM (
+                       SELECT i.body, r.updated_at AS t FROM response_items i
+                         JOIN responses r ON r.id = i.response_id
+                        WHERE i.item_id = %s AND r.owner = %s
+                       UNION ALL
+                       SELECT i.body, c.updated_at AS t FROM conversation_items i
+                         JOIN conversations c ON c.id = i.conversation_id
+                        WHERE i.item_id = %s AND c.owner = %s
+                   ) AS found ORDER BY t DESC LIMIT 1""",
+                (item_id, owner, item_id, owner),
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def fail_interrupted_responses(self, error: JSON) -> list[str]:
+        failed: list[str] = []
+        now = self._clock()
+        with self._write() as conn:
+            rows = conn.execute(
+                f"SELECT id, body FROM responses WHERE status IN {_ACTIVE_SQL} AND "
+                f"{self._gone_sql('instance_id')} FOR UPDATE SKIP LOCKED",
+                {"me": self.instance_id, "now": now},
+            ).fetchall()
+            for row in rows:
+                response = json.loads(row["body"])
+                response["status"] = "failed"
+                response["error"] = error
+                body = _dumps(response)
+                conn.execute(
+                    "UPDATE responses SET body = %s, status = 'failed', updated_at = %s, "
+                    "bytes = bytes - %s + %s WHERE id = %s",
+                    (body, self._clock(), _size(row["body"]), _size(body), row["id"]),
+                )
+                failed.append(row["id"])
+        return failed
+
+    # --- conversations -----------------------------------------------------------
+
+    @staticmethod
+    def _conversation(row: Mapping[str, Any]) -> ConversationRecord:
+        return ConversationRecord(
+            id=row["id"],
+            owner=row["owner"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            metadata=json.loads(row["metadata"]),
+        )
+
+    def _append_items(
+        self, conn: Conn, conversation_id: str, items: Sequence[JSON], now: float
+    ) -> list[JSON]:
+        stored = ensure_item_ids(items)
+        bodies = [_dumps(item) for item in stored]
+        added = sum(_size(b) for b in bodies)
+        # Reserve the positions in one statement: two instances appending to
+        # one conversation get disjoint ranges.
+        end = conn.execute(
+            "UPDATE conversations SET next_position = next_position + %s, bytes = bytes + %s, "
+            "updated_at = %s WHERE id = %s RETURNING next_position",
+            (len(stored), added, now, conversation_id),
+        ).fetchone()["next_position"]
+        start = end - len(stored)
+        rows = [
+            (conversation_id, start + offset, item["id"], body, _size(body))
+            for offset, (item, body) in enumerate(zip(stored, bodies))
+        ]
+        if rows:
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO conversation_items (conversation_id, position, item_id, body, "
+                    "bytes) VALUES (%s, %s, %s, %s, %s)",
+                    rows,
+                )
+        return stored
+
+    def create_conversation(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        metadata: JSON | None = None,
+        items: Sequence[JSON] = (),
+        created_at: float | None = None,
+    ) -> ConversationRecord:
+        meta = _dumps(metadata or {})
+        created = self._now(created_at)
+        now = self._clock()
+        with self._write() as conn:
+            inserted = conn.execute(
+                "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+                (conversation_id, owner, created, now, meta, _size(meta)),
+            ).rowcount
+            if not inserted:
+                raise Duplicate(f"conversation {conversation_id!r} already exists")
+            self._append_items(conn, conversation_id, items, now)
+            row = conn.execute(
+                "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
+            ).fetchone()
+        return self._conversation(row)
+
+    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT * FROM conversations WHERE id = %s AND owner = %s",
+                (conversation_id, owner),
+            ).fetchone()
+        return None if row is None else self._conversation(row)
+
+    def update_conversation(
+        self, owner: str, conversation_id: str, metadata: JSON
+    ) -> ConversationRecord | None:
+        meta = _dumps(metadata)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT metadata FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
+                (conversation_id, owner),
+            ).fetchone()
+            if row is None:
+                return None
+            row = conn.execute(
+                "UPDATE conversations SET metadata = %s, updated_at = %s, bytes = bytes - %s + %s "
+                "WHERE id = %s RETURNING *",
+                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
+            ).fetchone()
+        return self._conversation(row)
+
+    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM conversations WHERE id = %s AND owner = %s", (conversation_id, owner)
+            )
+            return cur.rowcount == 1
+
+    def append_conversation_items(
+        self, owner: str, conversation_id: str, items: Sequence[JSON]
+    ) -> list[JSON] | None:
+        with self._write() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
+                (conversation_id, owner),
+            ).fetchone() is None:
+                return None
+            return self._append_items(conn, conversation_id, items, self._clock())
+
+    def list_conversation_items(
+        self,
+        owner: str,
+        conversation_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        _check_page_args(limit, order)
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
+                (conversation_id, owner),
+            ).fetchone() is None:
+                return None
+            return _page(
+                conn,
+                "conversation_items WHERE conversation_id = %s",
+                (conversation_id,),
+                after=after,
+                limit=limit,
+                order=order,
+            )
+
+    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
+        with self._read() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
+                (conversation_id, owner),
+            ).fetchone() is None:
+                return None
+            rows = conn.execute(
+                "SELECT body FROM conversation_items WHERE conversation_id = %s ORDER BY position",
+                (conversation_id,),
+            ).fetchall()
+        return [json.loads(r["body"]) for r in rows]
+
+    def get_conversation_item(
+        self, owner: str, conversation_id: str, item_id: str
+    ) -> JSON | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT i.body FROM conversation_items i "
+                "JOIN conversations c ON c.id = i.conversation_id "
+                "WHERE i.conversation_id = %s AND c.owner = %s AND i.item_id = %s "
+                "ORDER BY i.position DESC LIMIT 1",
+                (conversation_id, owner, item_id),
+            ).fetchone()
+        return None if row is None else json.loads(row["body"])
+
+    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        with self._write() as conn:
+            if conn.execute(
+                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
+                (conversation_id, owner),
+            ).fetchone() is None:
+                return False
+            freed = conn.execute(
+                "DELETE FROM conversation_items WHERE conversation_id = %s AND item_id = %s "
+                "RETURNING bytes",
+                (conversation_id, item_id),
+            ).fetchall()
+            if not freed:
+                return False
+            conn.execute(
+                "UPDATE conversations SET bytes = bytes - %s, updated_at = %s WHERE id = %s",
+                (sum(r["bytes"] for r in freed), self._clock(), conversation_id),
+            )
+            return True
+
+    # --- tasks -------------------------------------------------------------------
+
+    @staticmethod
+    def _task(row: Mapping[str, Any]) -> TaskRecord:
+        return TaskRecord(
+            id=row["id"],
+            owner=row["owner"],
+            status=row["status"],
+            request=json.loads(row["request"]),
+            result=_loads_opt(row["result"]),
+            error=_loads_opt(row["error"]),
+            response_id=row["response_id"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            finished_at=row["finished_at"],
+            last_seq=row["last_seq"],
+            first_retained_seq=row["first_retained_seq"],
+        )
+
+    def create_task(
+        self,
+        owner: str,
+        task_id: str,
+        request: JSON,
+        *,
+        status: str = "queued",
+        response_id: str | None = None,
+        created_at: float | None = None,
+    ) -> TaskRecord:
+        if status not in ACTIVE_STATUSES:
+            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
+        body = _dumps(request)
+        created = self._now(created_at)
+        with self._write() as conn:
+            row = conn.execute(
+                "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
+                "updated_at, bytes, instance_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO NOTHING RETURNING *",
+                (task_id, owner, status, response_id, body, created, self._clock(),
+                 _size(body), self.instance_id),
+            ).fetchone()
+            if row is None:
+                raise Duplicate(f"task {task_id!r} already exists")
+        return self._task(row)
+
+    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
+        with self._single() as conn:
+            row = conn.execute(
+                "SELECT * FROM tasks WHERE id = %s AND owner = %s", (task_id, owner)
+            ).fetchone()
+        return None if row is None else self._task(row)
+
+    @staticmethod
+    def _insert_events(
+        conn: Conn,
+        task_id: str,
+        last_seq: int,
+        events: Sequence[tuple[int, str, JSON]],
+    ) -> None:
+        rows = []
+        added = 0
+        for seq, name, data in events:
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
+                raise SequenceError(
+                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
+                )
+            body = _dumps(data)
+            added += _size(name) + _size(body)
+            rows.append((task_id, seq, name, body))
+            last_seq = seq
+        with conn.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO task_events (task_id, seq, event, data) VALUES (%s, %s, %s, %s)", rows
+            )
+        conn.execute(
+            "UPDATE tasks SET last_seq = %s, events_bytes = events_bytes + %s WHERE id = %s",
+            (last_seq, added, task_id),
+        )
+        _notify(conn, "events", task_id)
+
+    def set_task_status(
+        self,
+        owner: str,
+        task_id: str,
+        status: str,
+        *,
+        result: JSON | None = None,
+        error: JSON | None = None,
+        final_event: tuple[int, str, JSON] | None = None,
+    ) -> bool:
+        if status not in TASK_STATUSES:
+            raise ValueError(f"unknown task status {status!r}")
+        terminal = status in TERMINAL_STATUSES
+        result_text = None if result is None else _dumps(result)
+        error_text = None if error is None else _dumps(error)
+        with self._write() as conn:
+            row = conn.execute(
+                "SELECT status, last_seq, request, result, error FROM tasks "
+                "WHERE id = %s AND owner = %s FOR UPDATE",
+                (task_id, owner),
+            ).fetchone()
+            if row is None or row["status"] in TERMINAL_STATUSES:
+                return False
+            if final_event is not None:
+                self._insert_events(conn, task_id, row["last_seq"], [final_event])
+            elif terminal:
+                _notify(conn, "events", task_id)
+            new_result = result_text if result_text is not None else row["result"]
+            new_error = error_text if error_text is not None else row["error"]
+            now = self._clock()
+            conn.execute(
+                "UPDATE tasks SET status = %s, result = %s, error = %s, updated_at = %s, "
+                "finished_at = %s, bytes = %s WHERE id = %s",
+                (status, new_result, new_error, now, now if terminal else None,
+                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
+            )
+            return True
+
+    def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
+        self.append_events(task_id, [(seq, event, data)])
+
+    def append_events(self, task_id: str, events: Sequence[tuple[int, str, JSON]]) -> None:
+        if not events:
+            return
+        seqs: list[int] = []
+        names: list[str] = []
+        bodies: list[str] = []
+        added = 0
+        for seq, name, data in events:
+            # Within the batch here; against the stored log in the function.
+            if not isinstance(seq, int) or isinstance(seq, bool) or (seqs and seq <= seqs[-1]):
+                above = seqs[-1] if seqs else "the task's last seq"
+                raise SequenceError(
+                    f"event seq {seq!r} for task {task_id!r} must be an integer above {above}"
+                )
+            body = _dumps(data)
+            added += _size(name) + _size(body)
+            seqs.append(seq)
+            names.append(name)
+            bodies.append(body)
+        try:
+            with self._single() as conn:
+                conn.execute(
+                    "SELECT lmspd_append_events(%s, %s::bigint[], %s::text[], %s::text[], %s)",
+                    (task_id, seqs, names, bodies, added),
+                )
+        except psycopg.Error as exc:
+            mapped = _APPEND_ERRORS.get(exc.sqlstate or "")
+            if mapped is None:
+                raise
+            raise mapped(exc.diag.message_primary or str(exc)) from None
+
+    def events_after(
+        self, owner: str, task_id: str, after_seq: int = 0, limit: int = 1000
+    ) -> list[TaskEvent] | None:
+        if after_seq < 0:
+            raise ValueError(f"after_seq must be at least 0, got {after_seq}")
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        # One statement (one round trip, one snapshot): every reader of every
+        # task runs this once per notice.
+        with self._single() as conn:
+            rows = conn.execute(
+                "SELECT t.first_retained_seq, e.seq, e.event, e.data FROM tasks t "
+                "LEFT JOIN LATERAL (SELECT seq, event, data FROM task_events "
+                "WHERE task_id = t.id AND seq > %s ORDER BY seq LIMIT %s) e ON true "
+                "WHERE t.id = %s AND t.owner = %s ORDER BY e.seq",
+                (after_seq, limit, task_id, owner),
+            ).fetchall()
+        if not rows:
+            return None
+        first_retained = rows[0]["first_retained_seq"]
+        if after_seq + 1 < first_retained:
+            raise EventsExpired(task_id, after_seq, first_retained)
+        return [
+            TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
+            for r in rows
+            if r["seq"] is not None  # the task row alone: no events after after_seq
+        ]
+
+    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT first_retained_seq FROM tasks WHERE id = %s AND owner = %s",
+                (task_id, owner),
+            ).fetchone()
+        return None if row is None else row["first_retained_seq"]
+
+    def fail_interrupted_tasks(
+        self,
+        message: str,
+        *,
+        terminal_event: TerminalEventBuilder | None = None,
+        close_log: LogCloser | None = None,
+    ) -> list[TaskRecord]:
+        build = terminal_event or default_terminal_event
+        error = _dumps({"code": "server_restarted", "message": message})
+        failed: list[TaskRecord] = []
+        with self._read() as conn:
+            ids = [
+                r["id"]
+                for r in conn.execute(
+                    f"SELECT id FROM tasks WHERE status IN {_ACTIVE_SQL} AND "
+                    f"{self._gone_sql('instance_id')} ORDER BY created_at, id",
+                    {"me": self.instance_id, "now": self._clock()},
+                )
+            ]
+        # One transaction per task: a long backlog never holds many locks.
+        for task_id in ids:
+            with self._write() as conn:
+                row = conn.execute(
+                    f"SELECT * FROM tasks WHERE id = %(id)s AND status IN {_ACTIVE_SQL} AND "
+                    f"{self._gone_sql('instance_id')} FOR UPDATE SKIP LOCKED",
+                    {"id": task_id, "me": self.instance_id, "now": self._clock()},
+                ).fetchone()
+                if row is None:
+                    continue  # finished meanwhile, or another survivor has it
+                now = self._clock()
+                row = conn.execute(
+                    "UPDATE tasks SET status = 'failed', error = %s, updated_at = %s, "
+                    "finished_at = %s, bytes = octet_length(request) "
+                    "+ COALESCE(octet_length(result), 0) + %s WHERE id = %s RETURNING *",
+                    (error, now, now, _size(error), task_id),
+                ).fetchone()
+                task = self._task(row)
+                seq = task.last_seq + 1
+                if close_log is None:
+                    name, data = build(task, seq)
+                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
+                else:
+                    log_rows = conn.execute(
+                        "SELECT seq, event, data FROM task_events WHERE task_id = %s ORDER BY seq",
+                        (task_id,),
+                    ).fetchall()
+                    events = [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in log_rows]
+                    closed = close_log(task, seq, events)
+                    if not closed.events:
+                        raise ValueError(f"close_log returned no events for task {task_id!r}")
+                    self._insert_events(
+                        conn, task_id, task.last_seq,
+                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
+                    )
+                    if closed.result is not None:
+                        result = _dumps(closed.result)
+                        conn.execute(
+                            "UPDATE tasks SET result = %s, bytes = octet_length(request) + %s "
+                            "+ COALESCE(octet_length(error), 0) WHERE id = %s",
+                            (result, _size(result), task_id),
+                        )
+                row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
+                failed.append(self._task(row))
+        return failed
+
+    # --- idempotency keys -------------------------------------------------------------
+
+    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
+        now = self._clock()
+        with self._write() as conn:
+            conn.execute(
+                "DELETE FROM idempotency_keys WHERE owner = %s AND key = %s AND expires_at <= %s",
+                (owner, key, now),
+            )
+            # The primary key decides between two instances: the loser's insert
+            # waits for the winner's commit, then does nothing.
+            inserted = conn.execute(
+                "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
+                "expires_at, bytes, instance_id) VALUES (%s, %s, %s, 'in_progress', %s, %s, %s, %s) "
+                "ON CONFLICT (owner, key) DO NOTHING",
+                (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
+                 _size(key) + _size(request_hash), self.instance_id),
+            ).rowcount
+            if inserted:
+                return IdempotencyBegin(BeginOutcome.NEW)
+            row = conn.execute(
+                "SELECT request_hash, state, status_code, headers, body FROM idempotency_keys "
+                "WHERE owner = %s AND key = %s",
+                (owner, key),
+            ).fetchone()
+        if row is None:
+            # Abandoned between our insert and our read: it is free again.
+            return self.idempotency_begin(owner, key, request_hash)
+        if row["request_hash"] != request_hash:
+            return IdempotencyBegin(BeginOutcome.CONFLICT)
+        if row["state"] == "in_progress":
+            return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
+        return IdempotencyBegin(
+            BeginOutcome.REPLAY,
+            status_code=row["status_code"],
+            body=bytes(row["body"]) if row["body"] is not None else b"",
+            headers=json.loads(row["headers"]) if row["headers"] else {},
+        )
+
+    def idempotency_finish(
+        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
+    ) -> bool:
+        headers_text = _dumps(dict(headers))
+        with self._write() as conn:
+            cur = conn.execute(
+                "UPDATE idempotency_keys SET state = 'done', status_code = %s, headers = %s, "
+                "body = %s, bytes = octet_length(key) + octet_length(request_hash) + %s "
+                "WHERE owner = %s AND key = %s AND state = 'in_progress' AND expires_at > %s",
+                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
+                 owner, key, self._clock()),
+            )
+            return cur.rowcount == 1
+
+    def idempotency_abandon(self, owner: str, key: str) -> bool:
+        with self._write() as conn:
+            cur = conn.execute(
+                "DELETE FROM idempotency_keys "
+                "WHERE owner = %s AND key = %s AND state = 'in_progress'",
+                (owner, key),
+            )
+            return cur.rowcount == 1
+
+    def abandon_interrupted_idempotency(self) -> int:
+        with self._write() as conn:
+            return conn.execute(
+                f"DELETE FROM idempotency_keys WHERE state = 'in_progress' AND "
+                f"{self._gone_sql('instance_id')}",
+                {"me": self.instance_id, "now": self._clock()},
+            ).rowcount
+
+    # --- bounds ------------------------------------------------------------------------
+
+    def _prune_loop(self, step: Callable[[Conn], int]) -> int:
+        total = 0
+        while True:
+            with self._write() as conn:
+                n = step(conn)
+            total += n
+            if n == 0:
+                return total
+
+    @staticmethod
+    def _over_budget(conn: Conn, sum_sql: str, candidates_sql: str, budget: int) -> list[str]:
+        total = conn.execute(sum_sql).fetchone()["n"]
+        if total <= budget:
+            return []
+        victims: list[str] = []
+        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
+            if total <= budget:
+                break
+            victims.append(row["id"])
+            total -= row["bytes"]
+        return victims
+
+    def prune(self, now: float | None = None) -> dict[str, int]:
+        now = self._now(now)
+        r = self.retention
+        removed: dict[str, int] = {}
+
+        def delete_ids(table: str, ids: list[str], conn: Conn) -> int:
+            if ids:
+                conn.execute(f"DELETE FROM {table} WHERE id = ANY(%s)", (ids,))
+            return len(ids)
+
+        def drop_logs(ids: list[str], conn: Conn) -> int:
+            if ids:
+                conn.execute("DELETE FROM task_events WHERE task_id = ANY(%s)", (ids,))
+                conn.execute(
+                    "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 "
+                    "WHERE id = ANY(%s)",
+                    (ids,),
+                )
+            return len(ids)
+
+        def ids(conn: Conn, sql: str, *args: Any) -> list[str]:
+            return [row["id"] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
+
+        old_responses = (
+            f"SELECT id FROM responses WHERE created_at < %s AND "
+            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
+        )
+        removed["responses"] = self._prune_loop(
+            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
+        )
+        removed["responses"] += self._prune_loop(
+            lambda c: delete_ids("responses", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) AS n FROM responses",
+                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
+                f"{_ACTIVE_SQL} ORDER BY created_at, id",
+                r.max_response_bytes,
+            ), c)
+        )
+
+        removed["conversations"] = self._prune_loop(
+            lambda c: delete_ids("conversations", ids(
+                c, "SELECT id FROM conversations WHERE updated_at < %s", now - r.conversation_ttl_s
+            ), c)
+        )
+        removed["conversations"] += self._prune_loop(
+            lambda c: delete_ids("conversations", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations",
+                "SELECT id, bytes FROM conversations ORDER BY updated_at, id",
+                r.max_conversation_bytes,
+            ), c)
+        )
+
+        live_logs = (
+            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
+        )
+        removed["event_logs"] = self._prune_loop(
+            lambda c: drop_logs(ids(
+                c, f"SELECT id {live_logs} AND finished_at < %s", now - r.event_ttl_s
+            ), c)
+        )
+        removed["event_logs"] += self._prune_loop(
+            lambda c: drop_logs(self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks",
+                f"SELECT id, events_bytes AS bytes {live_logs} ORDER BY finished_at, id",
+                r.max_event_bytes,
+            ), c)
+        )
+
+        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
+        removed["tasks"] = self._prune_loop(
+            lambda c: delete_ids("tasks", ids(
+                c, f"SELECT id {finished} AND finished_at < %s", now - r.task_ttl_s
+            ), c)
+        )
+        removed["tasks"] += self._prune_loop(
+            lambda c: delete_ids("tasks", self._over_budget(
+                c,
+                "SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks",
+                f"SELECT id, bytes {finished} ORDER BY finished_at, id",
+                r.max_task_bytes,
+            ), c)
+        )
+
+        with self._write() as conn:
+            removed["idempotency_keys"] = conn.execute(
+                "DELETE FROM idempotency_keys WHERE expires_at <= %s", (now,)
+            ).rowcount
+            # Instances that stopped long ago: their rows are failed by now.
+            conn.execute(
+                "DELETE FROM instances WHERE lease_until < %s", (now - 10 * self.lease_s,)
+            )
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        with self._read() as conn:
+            def one(sql: str) -> int:
+                return int(conn.execute(sql).fetchone()["n"])
+
+            return {
+                "schema_version": one("SELECT version AS n FROM lmspd_schema"),
+                "responses": one("SELECT COUNT(*) AS n FROM responses"),
+                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM responses"),
+                "response_items": one("SELECT COUNT(*) AS n FROM response_items"),
+                "conversations": one("SELECT COUNT(*) AS n FROM conversations"),
+                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations"),
+                "conversation_items": one("SELECT COUNT(*) AS n FROM conversation_items"),
+                "tasks": one("SELECT COUNT(*) AS n FROM tasks"),
+                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks"),
+                "events": one("SELECT COUNT(*) AS n FROM task_events"),
+                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks"),
+                "idempotency_keys": one("SELECT COUNT(*) AS n FROM idempotency_keys"),
+                "idempotency_bytes": one(
+                    "SELECT COALESCE(SUM(bytes), 0) AS n FROM idempotency_keys"
+                ),
+            }
+
+
+def _page(
+    conn: Conn,
+    source: str,
+    args: tuple[Any, ...],
+    *,
+    after: str | None,
+    limit: int,
+    order: str,
+) -> Page:
+    """One page of an item list (the SQLite store's ``_page``, in PostgreSQL)."""
+    desc = order == "desc"
+    where = ""
+    params: tuple[Any, ...] = args
+    if after is not None:
+        found = conn.execute(
+            f"SELECT position FROM {source} AND item_id = %s "
+            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
+            (*args, after),
+        ).fetchone()
+        if found is None:
+            raise InvalidCursor(after)
+        where = f" AND position {'<' if desc else '>'} %s"
+        params = (*args, found["position"])
+    rows = conn.execute(
+        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} "
+        f"LIMIT %s",
+        (*params, limit + 1),
+    ).fetchall()
+    return Page([json.loads(r["body"]) for r in rows[:limit]], len(rows) > limit)

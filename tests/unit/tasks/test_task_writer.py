@@ -1,0 +1,176 @@
+"""How a background task's events reach the store: never written on the event
+loop's thread, batched when the store is slower than the run, bounded (a run
+that outpaces the store waits), and still seen by readers exactly once, in
+order. A scripted engine stands in for the model; the store is a real
+SQLite store, wrapped to observe its calls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lmspd.core.conversation import Conversation, Message
+from lmspd.core.events import Finished, TextDelta
+from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.dialects.registry import LMSP
+from lmspd.engines.base import CancelToken, ModelInfo
+from lmspd.history import ResponseRecord
+from lmspd.service import Service
+from lmspd.store.sqlite import SQLiteStore
+from lmspd.streaming.session import ResponseState, StreamSession
+from lmspd.tasks import manager as manager_module
+from lmspd.tasks.manager import TaskManager, task_request
+
+
+class CountingEngine:
+    """Emits ``n`` text deltas as fast as the consumer takes them."""
+
+    def __init__(self, n: int) -> None:
+        self.info = ModelInfo(id="m", context_window=100, capabilities={"streaming": True}, max_concurrency=4)
+        self.n = n
+
+    def prepare(self, conversation):
+        class P:
+            input_tokens = 1
+            response_id = None
+
+        return P()
+
+    async def generate(self, prepared, cancel: CancelToken):
+        for i in range(self.n):
+            if cancel.cancelled:
+                return
+            yield TextDelta(f"t{i} ")
+            await asyncio.sleep(0)
+        yield Finished("stop")
+
+    async def aclose(self):
+        pass
+
+
+class WatchedStore:
+    """A real store; notes the thread and size of every event write, and can
+    be made slow."""
+
+    def __init__(self, inner: SQLiteStore, delay_s: float = 0.0) -> None:
+        self._inner = inner
+        self.delay_s = delay_s
+        self.write_threads: set[int] = set()
+        self.batches: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def append_events(self, task_id, events):
+        self.write_threads.add(threading.get_ident())
+        self.batches.append(len(events))
+        time.sleep(self.delay_s)
+        return self._inner.append_events(task_id, events)
+
+    def append_event(self, task_id, seq, event, data):
+        return self.append_events(task_id, [(seq, event, data)])
+
+    def set_task_status(self, *args, **kwargs):
+        if kwargs.get("final_event") is not None:
+            self.write_threads.add(threading.get_ident())
+        return self._inner.set_task_status(*args, **kwargs)
+
+
+async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) -> dict[str, Any]:
+    service = Service(DEFAULT_LIMITS)
+    service.add_engine(CountingEngine(n))
+    tasks = TaskManager(store)  # type: ignore[arg-type]
+    tasks.attach()
+    run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+    session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
+    record = ResponseRecord(store, "alice", [], keep=False)  # type: ignore[arg-type]
+    live = tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+                       run=run, session=session, record=record)
+    most_pending = 0
+    followed: list[int] = []
+
+    async def reader() -> None:
+        stream = tasks.follow("alice", "task_1", 0)
+        assert stream is not None
+        async for event in stream:
+            followed.append(event.seq)
+
+    follower = asyncio.create_task(reader())
+    while not live.done.is_set():
+        most_pending = max(most_pending, live.pending.qsize())
+        await asyncio.sleep(0.001)
+    await follower
+    tasks.close()
+    await service.aclose()
+    return {"loop_thread": threading.get_ident(), "most_pending": most_pending, "followed": followed}
+
+
+def test_events_are_written_off_the_loop_and_read_exactly_once(tmp_path: Path) -> None:
+    store = WatchedStore(SQLiteStore(tmp_path / "s.db"))
+    out = asyncio.run(run_task(store, 40))
+    assert out["loop_thread"] not in store.write_threads, "a store write ran on the event loop"
+    stored = store.events_after("alice", "task_1", 0)
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    assert stored[-1].event == "response.completed"
+    assert out["followed"] == [e.seq for e in stored], "the reader saw every event once, in order"
+    assert store.get_task("alice", "task_1").status == "completed"
+    store.close()
+
+
+def test_a_slow_store_gets_batches_and_the_run_waits_for_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(manager_module, "MAX_PENDING_EVENTS", 16)
+    store = WatchedStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.02)
+    n = 300
+    out = asyncio.run(run_task(store, n))
+    # Far fewer transactions than events: what piled up went in together ...
+    assert sum(store.batches) >= n and len(store.batches) < n / 4, store.batches
+    assert max(store.batches) <= manager_module.MAX_WRITE_BATCH
+    # ... and no more than the bound ever waited (the run waited instead).
+    assert out["most_pending"] <= 16
+    stored = store.events_after("alice", "task_1", 0)
+    assert out["followed"] == [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    store.close()
+
+
+def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_path: Path, monkeypatch) -> None:
+    # Two store objects on one SQLite file: B never hears A's notices (they
+    # stay in A's store), so B's reader lives on its re-reads alone, the
+    # fallback for a lost notice on a shared store.
+    monkeypatch.setattr(manager_module, "REMOTE_POLL_S", 0.05)
+
+    async def go() -> tuple[list[int], list[int], str, bool]:
+        store_a = WatchedStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.005)
+        store_b = SQLiteStore(tmp_path / "s.db")
+        service = Service(DEFAULT_LIMITS)
+        service.add_engine(CountingEngine(60))
+        on_a, on_b = TaskManager(store_a), TaskManager(store_b)  # type: ignore[arg-type]
+        on_a.attach()
+        on_b.attach()
+        run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+        session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
+        live = on_a.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+                          run=run, session=session, record=ResponseRecord(store_a, "alice", [], keep=False))
+        while live.recorded < 2:
+            await asyncio.sleep(0.005)
+        assert on_b.live("task_1", "alice") is None, "B does not run it"
+        running_when_followed = not live.done.is_set()
+        stream = on_b.follow("alice", "task_1", 1)
+        assert stream is not None
+        seen = [event.seq async for event in stream]
+        await live.done.wait()
+        stored = [e.seq for e in store_b.events_after("alice", "task_1", 0)]
+        last = store_b.events_after("alice", "task_1", stored[-1] - 1)[0].event
+        on_a.close()
+        on_b.close()
+        await service.aclose()
+        store_a.close()
+        store_b.close()
+        return seen, stored, last, running_when_followed
+
+    seen, stored, last, running_when_followed = asyncio.run(go())
+    assert running_when_followed, "B followed a task still running on A"
+    assert last == "response.completed"
+    assert seen == stored[1:], "from after seq 1 to the terminal event, once each, in order"
