@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -21,7 +22,9 @@ from lmspd import __version__
 from lmspd.config import Settings
 from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
+from lmspd.metrics import RequestMetrics
 from lmspd.routes import conversations, responses, stored
+from lmspd.routes import metrics as metrics_routes
 from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
 from lmspd.store.base import Store
@@ -171,8 +174,10 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", openai_models, methods=["GET"]),
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
+        Route("/metrics", metrics_routes.metrics, methods=["GET"]),
         *state_routes(),
     ]
+    store = service.metrics.timed_store(store)
     state = LmspdApp(settings, service, store)
 
     @contextlib.asynccontextmanager
@@ -195,6 +200,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         routes=routes,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
+        middleware=[Middleware(RequestMetrics, metrics=service.metrics, routes=routes)],
     )
     app.state.lmspd = state
     return app

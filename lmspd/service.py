@@ -14,6 +14,7 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import Limits
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
+from lmspd.metrics import Metrics
 from lmspd.streaming.session import StreamSession, WireEvent
 
 log = logging.getLogger("lmspd.service")
@@ -31,6 +32,8 @@ class Service:
         self.models: dict[str, ServedModel] = {}
         self.shutting_down = False
         self._active: set[CancelToken] = set()
+        self.metrics = Metrics()
+        self.metrics.bind(self)
 
     def add_engine(self, engine: Engine) -> None:
         queue = ModelQueue(self.limits.queue, concurrency=getattr(engine.info, "max_concurrency", 1))
@@ -148,7 +151,8 @@ class Run:
                 # (previous_response_id continues from it).
                 self.prepared.response_id = session.state.id
                 await self.open()
-                async for event in self.engine.generate(self.prepared, self.cancel):
+                generation = self.engine.generate(self.prepared, self.cancel)
+                async for event in service.metrics.observe(self.engine, lambda: session.state.id, generation):
                     for wire in session.handle(event):
                         yield wire
         except asyncio.CancelledError:
