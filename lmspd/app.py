@@ -25,6 +25,7 @@ from lmspd.dialects import lmsp
 from lmspd.metrics import RequestMetrics
 from lmspd.routes import conversations, responses, stored
 from lmspd.routes import metrics as metrics_routes
+from lmspd.routes import openapi as openapi_routes
 from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
 from lmspd.store.base import Store
@@ -175,6 +176,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         Route("/v1/models", openai_models, methods=["GET"]),
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
         Route("/metrics", metrics_routes.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_routes.openapi_json, methods=["GET"]),
         *state_routes(),
     ]
     store = service.metrics.timed_store(store)
