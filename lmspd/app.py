@@ -25,6 +25,7 @@ from lmspd.dialects import lmsp
 from lmspd.metrics import RequestMetrics
 from lmspd.routes import conversations, responses, stored
 from lmspd.routes import metrics as metrics_routes
+from lmspd.routes import models as model_routes
 from lmspd.routes import openapi as openapi_routes
 from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
@@ -112,15 +113,6 @@ async def health(request: Request) -> Response:
                         status_code=503 if app.service.shutting_down else 200)
 
 
-async def openai_models(request: Request) -> Response:
-    _principal(request, "responses:read")
-    data = [
-        {"id": m.engine.info.id, "object": "model", "created": m.engine.info.created, "owned_by": m.engine.info.owned_by}
-        for m in _state(request).service.models.values()
-    ]
-    return JSONResponse({"object": "list", "data": data})
-
-
 async def lmsp_models(request: Request) -> Response:
     lmsp.check_version(request.headers.get("lmsp-version"))
     _principal(request, "responses:read")
@@ -173,7 +165,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
     routes = [
         *compat_routes(),  # /v1/chat/completions, /v1/messages (issue 7)
         Route("/health", health, methods=["GET"]),
-        Route("/v1/models", openai_models, methods=["GET"]),
+        Route("/v1/models", model_routes.openai_models, methods=["GET"]),
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
         Route("/metrics", metrics_routes.metrics, methods=["GET"]),
         Route("/openapi.json", openapi_routes.openapi_json, methods=["GET"]),

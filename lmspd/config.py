@@ -16,6 +16,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None
+    # Searched for GGUFs besides the Hugging Face, Ollama and LM Studio stores.
+    models_dir: Path | None = None
     ctx: int = 8192
     threads: int | None = None
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())

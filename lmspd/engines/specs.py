@@ -150,9 +150,10 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
             raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
 
     from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
+    from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.models import resolve_model
 
-    model_id, path = resolve_model(spec.model)
+    model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))
     served = spec.served_model or model_id
     disk_dir = settings.kv_disk_dir or Path(settings.data_dir) / "kv"
     cache = CacheSettings(
