@@ -24,6 +24,8 @@ from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
 from lmspd.metrics import RequestMetrics
 from lmspd.routes import conversations, responses, stored
+from lmspd.routes import console as console_routes
+from lmspd.routes import engine_view
 from lmspd.routes import metrics as metrics_routes
 from lmspd.routes import models as model_routes
 from lmspd.routes import openapi as openapi_routes
@@ -169,6 +171,8 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
         Route("/metrics", metrics_routes.metrics, methods=["GET"]),
         Route("/openapi.json", openapi_routes.openapi_json, methods=["GET"]),
+        Route("/lmsp/v1/engine", engine_view.engine_view, methods=["GET"]),
+        *console_routes.routes(),  # the web console at /
         *state_routes(),
     ]
     store = service.metrics.timed_store(store)

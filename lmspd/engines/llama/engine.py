@@ -536,9 +536,9 @@ class LlamaEngine:
             "last_output_tokens": s.last_output_tokens,
             "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
                       "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,
-                      "disk_bytes": self.cache.disk.total_bytes if self.cache.disk else 0,
+                      "disk_bytes": self.cache.disk.total_bytes if self.cache.disk is not None else 0,
                       "ram_budget_bytes": self.cache.ram_budget_bytes,
-                      "disk_budget_bytes": self.cache.disk.budget_bytes if self.cache.disk else 0,
+                      "disk_budget_bytes": self.cache.disk.budget_bytes if self.cache.disk is not None else 0,
                       "disk_restores": c.disk_restores, "ram_restores": c.ram_restores},
         }
 
