@@ -124,7 +124,10 @@ async def lmsp_models(request: Request) -> Response:
         # Stored responses, previous_response_id and tasks live in the store,
         # not in an engine: every model has them.
         caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
-        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps})
+        # loaded, or (a model that loads on first use) unloaded / loading / unloading.
+        status = getattr(m.engine, "status", "loaded")
+        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
+                     "status": status})
     return JSONResponse({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})
 
 

@@ -19,11 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve a model over HTTP")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    serve.add_argument("--model", default=None,
-                       help="a bundled model id, a path to a .gguf file, or a name `lmspd models` lists "
+    serve.add_argument("--model", action="append", default=[], dest="models",
+                       help="repeatable (several models load on first use); a bundled model id, a path to a .gguf file, or a name `lmspd models` lists "
                             "(Hugging Face cache, Ollama, LM Studio, --models-dir)")
     serve.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
                        help="also look for .gguf files below DIR")
+    serve.add_argument("--models-max-mem", type=int, default=None, metavar="MB", dest="models_max_mem_mb",
+                       help="memory for loaded models (file + KV); the least recently used idle one is "
+                            "unloaded to make room (models then load on first use)")
+    serve.add_argument("--models-idle-s", type=float, default=None, metavar="SECONDS",
+                       help="unload a model unused this long (models then load on first use)")
     serve.add_argument("--ctx", type=int, default=8192, help="context window in tokens (0 = the model's own)")
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--data-dir", type=Path, default=None)
@@ -60,13 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return _config(args)
     settings = Settings(
-        host=args.host, port=args.port, model=args.model, ctx=args.ctx, threads=args.threads,
+        host=args.host, port=args.port, model=args.models[0] if args.models else None, ctx=args.ctx, threads=args.threads,
         api_keys=args.api_keys, log_level=args.log_level,
     )
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
     if args.models_dir is not None:
         settings.models_dir = args.models_dir.expanduser()
+    settings.extra_models = list(args.models[1:])
+    for flag in ("models_max_mem_mb", "models_idle_s"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.removesuffix('_mb').replace('_', '-')} must be > 0")
+    settings.models_max_mem_mb = args.models_max_mem_mb
+    settings.models_idle_s = args.models_idle_s
     if args.max_queue is not None:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
@@ -155,7 +167,7 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
     if args.config_file is not None:
-        if args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model:
+        if args.models or args.engine != "llama" or args.upstream_urls or args.upstream_model:
             parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
         settings.config_file = args.config_file.expanduser()
     elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):

@@ -18,6 +18,10 @@ class Settings:
     model: str | None = None
     # Searched for GGUFs besides the Hugging Face, Ollama and LM Studio stores.
     models_dir: Path | None = None
+    # More local models (--model repeated): all load on first use (lmspd.engines.registry).
+    extra_models: list[str] = field(default_factory=list)
+    models_max_mem_mb: int | None = None
+    models_idle_s: float | None = None
     ctx: int = 8192
     threads: int | None = None
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())

@@ -37,6 +37,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "rate_limited": (429, "Too many requests", "rate_limit_error"),
     "server_overloaded": (503, "Server overloaded", "server_error"),
     "server_shutting_down": (503, "Server shutting down", "server_error"),
+    # A model configured to load on first use is loading (or waiting for room).
+    "model_loading": (503, "Model loading", "server_error"),
     "upstream_error": (502, "Upstream error", "server_error"),
     "upstream_timeout": (504, "Upstream timeout", "server_error"),
     # The provider refused this request (4xx): not worth retrying as is.

@@ -125,8 +125,11 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
             )]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    return [LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
-                      threads=settings.threads, chat_template=settings.chat_template)]
+    first = LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
+                      threads=settings.threads, chat_template=settings.chat_template)
+    more = [LlamaSpec(model=m, ctx=settings.ctx, threads=settings.threads, chat_template=settings.chat_template)
+            for m in getattr(settings, "extra_models", [])]
+    return [first, *more]
 
 
 def build_engine(spec: EngineSpec, settings: Any) -> Any:

@@ -29,7 +29,8 @@ async def openai_models(request: Request) -> Response:
     for m in app.service.models.values():
         info = m.engine.info
         data.append({"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by,
-                     "served": True, "context_window": info.context_window})
+                     "served": True, "context_window": info.context_window,
+                     "status": getattr(m.engine, "status", "loaded")})
     served = {d["id"].lower() for d in data}
     # Directory walks and header reads: off the event loop.
     for found in await asyncio.to_thread(_found, app.settings):
