@@ -98,7 +98,7 @@ class LazyEngine:
         elif self.status == LOADING:
             what = f"is loading ({time.monotonic() - self.load_started:.0f} s so far)"
         else:
-            what = "is waiting for memory (other models are busy)"
+            what = "is waiting for memory (other models are busy or still closing)"
             if self.error:
                 what = f"failed to load ({self.error}); retrying"
         return ApiError("model_loading", f"Model {self.info.id!r} {what}; retry shortly.",
@@ -188,12 +188,15 @@ class ModelRegistry:
         """Start loading ``model`` if the budget allows, unloading idle ones first (event loop only)."""
         self._loop = asyncio.get_running_loop()
         if self.max_bytes is not None:
+            # A model being unloaded still holds its memory until it is closed.
+            need = self.held_bytes() + model.cost_bytes - self.max_bytes
             for victim in self._eviction_order(exclude=model):
-                if self.held_bytes() + model.cost_bytes <= self.max_bytes:
+                if need <= 0:
                     break
                 self.unload(victim, reason="to make room for " + model.info.id)
+                need -= victim.cost_bytes
             if self.held_bytes() + model.cost_bytes > self.max_bytes:
-                return  # busy models hold the room: the caller answers 503
+                return  # still closing, or busy models hold the room: the caller answers 503
         loop = self._loop
         model._load_in_thread(lambda: loop.call_soon_threadsafe(self._schedule_idle_check))
 
