@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_metrics import ScriptedEngine, make_client
+from support.inprocess import ScriptedEngine, make_client
 
 from lmspd.core.events import Usage
 
