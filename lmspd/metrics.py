@@ -209,8 +209,8 @@ class _EngineCollector:
 
 
 class _TimedStore:
-    """The store, with the latency of each write observed. Reads pass
-    straight through (``__getattr__`` is only consulted for them once)."""
+    """The store, with the latency of each write observed; every other
+    method passes straight through."""
 
     def __init__(self, store: Any, histogram: Histogram) -> None:
         self._store = store
@@ -218,18 +218,23 @@ class _TimedStore:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
-        if name not in STORE_WRITES or not callable(attr):
-            return attr
-        child = self._histogram.labels(name)
+        if not callable(attr):
+            return attr  # a plain attribute: always read through
+        if name in STORE_WRITES:
+            child = self._histogram.labels(name)
+            method = attr
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                child.observe(time.perf_counter() - start)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    child.observe(time.perf_counter() - start)
 
-        return timed
+            attr = timed
+        # Methods are found once: later lookups skip __getattr__.
+        self.__dict__[name] = attr
+        return attr
 
 
 class RequestMetrics:

@@ -12,6 +12,7 @@ Anthropic's ``{"type": "error", ...}``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
@@ -232,8 +233,6 @@ def _reply_content(reply: Reply) -> dict[str, Any]:
 
 
 def _path_params(path: str) -> list[str]:
-    import re
-
     return re.findall(r"{([^}:]+)(?::[^}]*)?}", path)
 
 
