@@ -222,7 +222,8 @@ def _models(models_dir: Path | None, *, as_json: bool = False) -> int:
 
     table = Table(title="Models lmspd can serve (lmspd serve --model NAME)")
     table.add_column("name", no_wrap=True)
-    for column in ("source", "size", "context", "quant", "tools", "reasoning"):
+    # What the chat template renders natively (lmspd adds tool calls to any model by grammar).
+    for column in ("source", "size", "context", "quant", "native tools", "reasoning"):
         table.add_column(column, no_wrap=True)
     table.add_column("path", overflow="fold")
     for r in rows:
