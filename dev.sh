@@ -35,6 +35,15 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   rm -f "$log"
 fi
 
+# The web console's browser test drives Debian's chromium (Playwright's own
+# browser download cannot reach its host here). Installed only when missing.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  say "installing chromium (for the web console's browser test)"
+  SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo "sudo")
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
 stamp="$VENV/.lmspd-deps"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

@@ -13,9 +13,9 @@ from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from lmspd import __version__
@@ -23,7 +23,13 @@ from lmspd.config import Settings
 from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
 from lmspd.edge import EdgeMiddleware, error_reply
+from lmspd.metrics import RequestMetrics
 from lmspd.routes import conversations, responses, stored
+from lmspd.routes import console as console_routes
+from lmspd.routes import engine_view
+from lmspd.routes import metrics as metrics_routes
+from lmspd.routes import models as model_routes
+from lmspd.routes import openapi as openapi_routes
 from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
 from lmspd.service import Service
 from lmspd.store.base import Store
@@ -103,15 +109,6 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)
 
 
-async def openai_models(request: Request) -> Response:
-    _principal(request, "responses:read")
-    data = [
-        {"id": m.engine.info.id, "object": "model", "created": m.engine.info.created, "owned_by": m.engine.info.owned_by}
-        for m in _state(request).service.models.values()
-    ]
-    return JSONResponse({"object": "list", "data": data})
-
-
 async def lmsp_models(request: Request) -> Response:
     lmsp.check_version(request.headers.get("lmsp-version"))
     _principal(request, "responses:read")
@@ -121,7 +118,10 @@ async def lmsp_models(request: Request) -> Response:
         # Stored responses, previous_response_id and tasks live in the store,
         # not in an engine: every model has them.
         caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
-        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps})
+        # loaded, or (a model that loads on first use) unloaded / loading / unloading.
+        status = getattr(m.engine, "status", "loaded")
+        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
+                     "status": status})
     return JSONResponse({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})
 
 
@@ -164,10 +164,15 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
     routes = [
         *compat_routes(),  # /v1/chat/completions, /v1/messages (issue 7)
         Route("/health", health, methods=["GET"]),
-        Route("/v1/models", openai_models, methods=["GET"]),
+        Route("/v1/models", model_routes.openai_models, methods=["GET"]),
         Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
+        Route("/metrics", metrics_routes.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_routes.openapi_json, methods=["GET"]),
+        Route("/lmsp/v1/engine", engine_view.engine_view, methods=["GET"]),
+        *console_routes.routes(),  # the web console at /
         *state_routes(),
     ]
+    store = service.metrics.timed_store(store)
     state = LmspdApp(settings, service, store)
 
     @contextlib.asynccontextmanager
@@ -192,7 +197,10 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
 
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(EdgeMiddleware, limits=settings.limits.request)],
+        # The edge sees every request first (header limits, keep-alive after
+        # errors); metrics count what reaches the routes.
+        middleware=[Middleware(EdgeMiddleware, limits=settings.limits.request),
+                    Middleware(RequestMetrics, metrics=service.metrics, routes=routes)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

@@ -19,7 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="serve a model over HTTP")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    serve.add_argument("--model", default=None, help="a served model id or a path to a .gguf file")
+    serve.add_argument("--model", action="append", default=[], dest="models",
+                       help="repeatable (several models load on first use); a bundled model id, a path to a .gguf file, or a name `lmspd models` lists "
+                            "(Hugging Face cache, Ollama, LM Studio, --models-dir)")
+    serve.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                       help="also look for .gguf files below DIR")
+    serve.add_argument("--models-max-mem", type=int, default=None, metavar="MB", dest="models_max_mem_mb",
+                       help="memory for loaded models (file + KV); the least recently used idle one is "
+                            "unloaded to make room (models then load on first use)")
+    serve.add_argument("--models-idle-s", type=float, default=None, metavar="SECONDS",
+                       help="unload a model unused this long (models then load on first use)")
     serve.add_argument("--ctx", type=int, default=8192, help="context window in tokens (0 = the model's own)")
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--parallel", type=int, default=4, metavar="N",
@@ -55,23 +64,35 @@ def main(argv: list[str] | None = None) -> int:
                        help="a shared store fails the running tasks of an instance silent this long "
                             "(default 15)")
 
-    sub.add_parser("models", help="list the models lmspd can serve")
+    models = sub.add_parser("models", help="list the models lmspd can serve (found on this machine)")
+    models.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                        help="also look for .gguf files below DIR")
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _config_parser(sub)
 
     args = parser.parse_args(argv)
     if args.command == "models":
-        return _models()
+        return _models(args.models_dir, as_json=args.json)
     if args.command == "config":
         return _config(args)
     settings = Settings(
-        host=args.host, port=args.port, model=args.model, ctx=args.ctx, threads=args.threads,
-        parallel=args.parallel, api_keys=args.api_keys, log_level=args.log_level,
+        host=args.host, port=args.port, model=args.models[0] if args.models else None, ctx=args.ctx,
+        threads=args.threads, parallel=args.parallel, api_keys=args.api_keys, log_level=args.log_level,
     )
     if not 1 <= args.parallel <= 64:
         parser.error("--parallel must be between 1 and 64")
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
     _apply_keys(parser, args, settings)
+    if args.models_dir is not None:
+        settings.models_dir = args.models_dir.expanduser()
+    settings.extra_models = list(args.models[1:])
+    for flag in ("models_max_mem_mb", "models_idle_s"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.removesuffix('_mb').replace('_', '-')} must be > 0")
+    settings.models_max_mem_mb = args.models_max_mem_mb
+    settings.models_idle_s = args.models_idle_s
     if args.max_queue is not None:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
@@ -183,7 +204,7 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
     if args.config_file is not None:
-        if (args.model or args.engine != "llama" or args.upstream_urls or args.upstream_model
+        if (args.models or args.engine != "llama" or args.upstream_urls or args.upstream_model
                 or args.upstream_routing != "affinity"):
             parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
         settings.config_file = args.config_file.expanduser()
@@ -225,17 +246,41 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _models() -> int:
-    from lmspd.engines.llama.models import BUNDLED, ModelNotFound, resolve_model
+def _models(models_dir: Path | None, *, as_json: bool = False) -> int:
+    import json
 
-    for model_id in sorted(BUNDLED):
-        try:
-            _, path = resolve_model(model_id)
-            print(f"{model_id}\t{path}")
-        except ModelNotFound as exc:
-            print(f"{model_id}\tnot installed ({exc})")
+    from lmspd.engines.llama.models import catalog
+
+    rows = catalog(models_dir.expanduser() if models_dir else None)
+    if as_json:
+        print(json.dumps([{**r.public(), "path": str(r.path), "error": r.error} for r in rows], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Models lmspd can serve (lmspd serve --model NAME)")
+    table.add_column("name", no_wrap=True)
+    # What the chat template renders natively (lmspd adds tool calls to any model by grammar).
+    for column in ("source", "size", "context", "quant", "native tools", "reasoning"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("path", overflow="fold")
+    for r in rows:
+        yes = {True: "yes", False: "-"}
+        table.add_row(r.name, r.source, _size(r.size_bytes), str(r.context_length or "?"), r.quantization or "?",
+                      yes[r.capabilities.get("tools", False)], yes[r.capabilities.get("reasoning", False)],
+                      str(r.path) if r.error is None else f"{r.path} ({r.error})")
+    # Piped output is not cut to 80 columns: names and paths stay whole.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     print("Any other GGUF file can be served with: lmspd serve --model /path/to/model.gguf")
     return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
 
 
 if __name__ == "__main__":

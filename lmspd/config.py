@@ -17,6 +17,12 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     model: str | None = None
+    # Searched for GGUFs besides the Hugging Face, Ollama and LM Studio stores.
+    models_dir: Path | None = None
+    # More local models (--model repeated): all load on first use (lmspd.engines.registry).
+    extra_models: list[str] = field(default_factory=list)
+    models_max_mem_mb: int | None = None
+    models_idle_s: float | None = None
     ctx: int = 8192
     threads: int | None = None
     # Sequences of the llama context decoded together (--parallel).

@@ -93,9 +93,23 @@ def build_service(settings: Settings) -> Service:
     # The models and their engines: --config FILE, or the one the flags name.
     from lmspd.engines.specs import build_engine, specs_from_settings
 
+    from lmspd.engines.registry import ModelRegistry, lazy_llama_engine
+    from lmspd.engines.specs import LlamaSpec
+
     service = Service(settings.limits)
-    for spec in specs_from_settings(settings):
-        engine = build_engine(spec, settings)
+    specs = specs_from_settings(settings)
+    # Several local models, or a memory or idle limit: each loads on first use.
+    lazy = (sum(isinstance(s, LlamaSpec) for s in specs) > 1 or settings.models_max_mem_mb is not None
+            or settings.models_idle_s is not None)
+    registry = ModelRegistry(None if settings.models_max_mem_mb is None else settings.models_max_mem_mb << 20,
+                             settings.models_idle_s) if lazy else None
+    for spec in specs:
+        if registry is not None and isinstance(spec, LlamaSpec):
+            engine = lazy_llama_engine(spec, settings, registry)
+        else:
+            engine = build_engine(spec, settings)
         log.info("serving %s from %s", engine.info.id, engine.info.source)
         service.add_engine(engine)
+    if registry is not None:
+        registry.bind(service)
     return service

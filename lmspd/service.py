@@ -17,6 +17,7 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import Limits
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
+from lmspd.metrics import Metrics
 from lmspd.streaming.session import StreamSession, WireEvent
 
 log = logging.getLogger("lmspd.service")
@@ -39,6 +40,8 @@ class Service:
         # Where requests are prepared: off the event loop, a few at a time.
         self._preparing = ThreadPoolExecutor(max_workers=limits.prepare_workers,
                                              thread_name_prefix="lmspd-prepare", initializer=_yield_cpu)
+        self.metrics = Metrics()
+        self.metrics.bind(self)
 
     def add_engine(self, engine: Engine) -> None:
         queue = ModelQueue(self.limits.queue, concurrency=getattr(engine.info, "max_concurrency", 1))
@@ -197,7 +200,8 @@ class Run:
                 await self.open()
                 # The engine remembers which response its KV state belongs to
                 # (previous_response_id continues from it).
-                async for event in self.engine.generate(self.prepared, self.cancel, response_id=session.state.id):
+                generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
+                async for event in service.metrics.observe(self.engine, lambda: session.state.id, generation):
                     for wire in session.handle(event):
                         yield wire
         except asyncio.CancelledError:

@@ -40,6 +40,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "server_shutting_down": (503, "Server shutting down", "server_error"),
     "prepare_timeout": (503, "Preparing the request took too long", "server_error"),
     "store_unavailable": (503, "Could not store the response", "server_error"),
+    # A model configured to load on first use is loading (or waiting for room).
+    "model_loading": (503, "Model loading", "server_error"),
     "upstream_error": (502, "Upstream error", "server_error"),
     "upstream_timeout": (504, "Upstream timeout", "server_error"),
     # The provider refused this request (4xx): not worth retrying as is.

@@ -79,6 +79,9 @@ class Usage:
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     reasoning_tokens: int = 0
+    # Where the reused prefix came from (the llama engine's cache plan);
+    # None for engines that do not say.
+    cache_source: str | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -133,8 +133,12 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
             )]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    return [LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
-                      threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template)]
+    first = LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
+                      threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template)
+    more = [LlamaSpec(model=m, ctx=settings.ctx, threads=settings.threads, parallel=settings.parallel,
+                      chat_template=settings.chat_template)
+            for m in getattr(settings, "extra_models", [])]
+    return [first, *more]
 
 
 def build_engine(spec: EngineSpec, settings: Any) -> Any:
@@ -158,9 +162,10 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
             raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
 
     from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
+    from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.models import resolve_model
 
-    model_id, path = resolve_model(spec.model)
+    model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))
     served = spec.served_model or model_id
     disk_dir = settings.kv_disk_dir or Path(settings.data_dir) / "kv"
     cache = CacheSettings(

@@ -45,7 +45,7 @@ class ScriptedEngine:
         self.prepared += 1
         return ScriptedPrepared(conversation)
 
-    async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken):
+    async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken, response_id: str | None = None):
         self.generations += 1
         for word in self.words:
             if self.delay_s:

@@ -266,6 +266,9 @@ class LlamaEngine:
             "sequences": self.cache.sequences(),
             "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
                       "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,
+                      "disk_bytes": self.cache.disk.total_bytes if self.cache.disk is not None else 0,
+                      "ram_budget_bytes": self.cache.ram_budget_bytes,
+                      "disk_budget_bytes": self.cache.disk.budget_bytes if self.cache.disk is not None else 0,
                       "disk_restores": c.disk_restores, "ram_restores": c.ram_restores,
                       "evictions": c.evictions, "copies": c.copies, "copied_tokens": c.copied_tokens},
         }

@@ -160,7 +160,7 @@ class Scheduler:
     def _start(self, job: Job, plan: CachePlan) -> None:
         plan = self.cache.apply(plan, job.request)
         resident = self.cache.residents[plan.seq]
-        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep)
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep, cache_source=plan.source)
         seq = plan.seq
         try:
             gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,

@@ -39,7 +39,7 @@ class CountingEngine:
 
         return P()
 
-    async def generate(self, prepared, cancel: CancelToken):
+    async def generate(self, prepared, cancel: CancelToken, response_id=None):
         for i in range(self.n):
             if cancel.cancelled:
                 return
