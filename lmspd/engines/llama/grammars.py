@@ -67,7 +67,7 @@ format                     enforced: date-time,   a fixed list      date, time, 
                            time, date, duration,                    uuid; others ignored
                            email, hostname, ipv4,
                            ipv6, uuid, uri; other
-                           values 400
+                           values annotation
 minimum, maximum,          enforced (integer and  yes               integers only
 exclusiveMin/Max           number)
 multipleOf                 enforced               yes               no (ignored)
@@ -240,6 +240,8 @@ def _schema_error(message: str, schema: Any, param: str) -> ApiError:
 
 
 _MAGNITUDE = 10**16 - 1
+# The string formats llguidance enforces.
+_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 
 
 def _closed(schema: Any, in_all_of: bool = False) -> Any:
@@ -261,6 +263,10 @@ def _closed(schema: Any, in_all_of: bool = False) -> Any:
             out[key] = {k: _closed(v) for k, v in value.items()}
         else:
             out[key] = _closed(value, key == "allOf")
+    if "format" in out and out["format"] not in _FORMATS:
+        # JSON Schema 2020-12: format is an annotation unless asserted;
+        # pydantic and zod write ones no grammar knows ("password", "int64").
+        del out["format"]
     types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     if ("integer" in types or "number" in types) and "enum" not in out and "const" not in out:
         # llguidance's numbers have no digit limit: a small model writes
