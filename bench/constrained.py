@@ -228,6 +228,32 @@ def fmt(v: float | None, spec: str = "{:.1f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+def report_decode(samples: list[dict[str, Any]]) -> None:
+    print(f"{'mode':<6}" + "".join(f"{s + ' tok/s':>13}{s + ' vs free':>13}{'p25-p75':>12}" for s in ("old", "new"))
+          + "   ends (new)")
+    for mode in MODES:
+        row = f"{mode:<6}"
+        for name in ("old", "new"):
+            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
+            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
+            ratios = [s["tps"] / free[s["round"]]["tps"] for s in mine
+                      if s["tps"] and s["round"] in free and free[s["round"]]["tps"]]
+            row += f"{fmt(median([s['tps'] for s in mine])):>13}{fmt(median(ratios), '{:.2f}x'):>13}{quartiles(ratios):>12}"
+        new = [s for s in samples if s["side"] == "new" and s["mode"] == mode]
+        ends = sorted({f"{s['end']}" + (f", {s['calls']} call(s)" if s["calls"] else "") + f", {s['output_tokens']} tok"
+                       for s in new})
+        print(row + "   " + "; ".join(ends), flush=True)
+
+
+def report_compile(compile_ms: dict[tuple[str, str], list[float]]) -> None:
+    print(f"\n{'grammar compile (prepare ms - free prepare ms)':<48}{'old':>10}{'new':>10}")
+    for kind, label in (("compile_patch", "Codex apply_patch custom tool"), ("compile_schema", "50-property schema")):
+        cells = []
+        for name in ("old", "new"):
+            cells.append(fmt((median(compile_ms[(name, kind)]) or 0) - (median(compile_ms[(name, "free")]) or 0)))
+        print(f"{label:<48}{cells[0]:>10}{cells[1]:>10}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -253,48 +279,31 @@ def main() -> int:
     print(f"old = {ref}  new = this checkout  threads {args.threads}  max_output_tokens {args.max_tokens}  "
           f"rounds {args.rounds}  ({platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
     samples: list[dict[str, Any]] = []
+    compile_ms: dict[tuple[str, str], list[float]] = {}
     try:
         for side in sides:  # warm-up: page the model in, build the tokenizer, check the prompt
-            prompts = {m: side.run(m, 8)["prompt"] for m in MODES}
+            prompts = {m: side.run(m, 2)["prompt"] for m in MODES}
             assert len(set(prompts.values())) == 1, "the modes must share one prompt"
+        for i in range(args.compiles):
+            for side in sides:
+                for kind in ("free", "compile_patch", "compile_schema"):
+                    salt = 1000 + i if kind != "free" else 0
+                    compile_ms.setdefault((side.name, kind), []).append(side.run(kind, 1, salt)["prepare_ms"])
+        report_compile(compile_ms)
         for r in range(args.rounds):
             order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
             for mode in order:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     s = side.run(mode, args.max_tokens)
                     samples.append({**s, "side": side.name, "mode": mode, "round": r})
-            print(f"  round {r + 1}/{args.rounds} done", flush=True)
-        compile_ms: dict[tuple[str, str], list[float]] = {}
-        for i in range(args.compiles):
-            for side in sides:
-                for kind in ("free", "compile_patch", "compile_schema"):
-                    ms = side.run(kind, 1, 1000 + i)["prepare_ms"] if kind != "free" else \
-                        side.run("free", 1, 0)["prepare_ms"]
-                    compile_ms.setdefault((side.name, kind), []).append(ms)
+            # A table after every round: a run cut short still has numbers to quote.
+            print(f"\nafter round {r + 1}/{args.rounds}:", flush=True)
+            report_decode(samples)
     finally:
         for side in sides:
             side.close()
         tmp.cleanup()
 
-    print(f"\n{'mode':<6}" + "".join(f"{s + ' tok/s':>13}{s + ' vs free':>13}{'p25-p75':>12}" for s in ("old", "new"))
-          + "   ends (new)")
-    for mode in MODES:
-        row = f"{mode:<6}"
-        for name in ("old", "new"):
-            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
-            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
-            ratios = [s["tps"] / free[s["round"]]["tps"] for s in mine if s["tps"] and free[s["round"]]["tps"]]
-            row += f"{fmt(median([s['tps'] for s in mine])):>13}{fmt(median(ratios), '{:.2f}x'):>13}{quartiles(ratios):>12}"
-        new = [s for s in samples if s["side"] == "new" and s["mode"] == mode]
-        ends = sorted({f"{s['end']}" + (f", {s['calls']} call(s)" if s["calls"] else "") + f", {s['output_tokens']} tok"
-                       for s in new})
-        print(row + "   " + "; ".join(ends))
-    print(f"\n{'grammar compile (prepare ms - free prepare ms)':<48}{'old':>10}{'new':>10}")
-    for kind, label in (("compile_patch", "Codex apply_patch custom tool"), ("compile_schema", "50-property schema")):
-        cells = []
-        for name in ("old", "new"):
-            cells.append(fmt((median(compile_ms[(name, kind)]) or 0) - (median(compile_ms[(name, "free")]) or 0)))
-        print(f"{label:<48}{cells[0]:>10}{cells[1]:>10}")
     if args.json:
         args.json.write_text(json.dumps({"samples": samples, "compile_ms": {f"{k[0]}:{k[1]}": v
                                                                           for k, v in compile_ms.items()}}, indent=1))

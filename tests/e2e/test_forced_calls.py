@@ -68,12 +68,4 @@ def test_messages_any_and_named(http):
         [use] = [b for b in body["content"] if b["type"] == "tool_use"]
         jsonschema.validate(use["input"], SCHEMA)
 
-
-def test_explicit_parallel_still_allows_several(http):
-    tool = {"type": "function", "name": "get_weather", "description": "Weather for a city.", "parameters": SCHEMA}
-    r = http.post("/v1/responses", json={"model": MODEL, "input": "Weather in Paris and in London?", "tools": [tool],
-                                          "tool_choice": "required", "parallel_tool_calls": True, "temperature": 0,
-                                          "max_output_tokens": 200})
-    assert r.status_code == 200, r.text
-    calls = [o for o in r.json()["output"] if o["type"] == "function_call"]
-    assert 2 <= len(calls) <= 4
+# An explicit parallel_tool_calls: true still allows several: test_tools.py::test_parallel_calls_in_one_turn.

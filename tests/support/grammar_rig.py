@@ -35,9 +35,8 @@ class GrammarRig:
         self.compiler = GrammarCompiler(self.vocab)
         self.eos = self.C.llama_vocab_eos(self.vocab)
 
-    @property
-    def specials(self) -> frozenset[str]:
-        return self.compiler.specials
+    def specials(self, fmt) -> frozenset[str]:
+        return self.compiler.special_markers(fmt.markers)
 
     def compiles(self, grammar: str) -> bool:
         from lmspd.core.errors import ApiError

@@ -67,7 +67,7 @@ format                     enforced: date-time,   a fixed list      date, time, 
                            time, date, duration,                    uuid; others ignored
                            email, hostname, ipv4,
                            ipv6, uuid, uri; other
-                           values 400
+                           values annotation
 minimum, maximum,          enforced (integer and  yes               integers only
 exclusiveMin/Max           number)
 multipleOf                 enforced               yes               no (ignored)
@@ -239,12 +239,18 @@ def _schema_error(message: str, schema: Any, param: str) -> ApiError:
                     f"The JSON schema at {param} cannot be enforced by constrained decoding ({short}).", param=param)
 
 
+_MAGNITUDE = 10**16 - 1
+# The string formats llguidance enforces.
+_FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+
+
 def _closed(schema: Any, in_all_of: bool = False) -> Any:
     """``schema`` with ``additionalProperties: false`` where an object lists
     its properties and says nothing of others: the grammar may be stricter
     than the schema (every output still validates), and a small model given
     room for extra keys invents them. ``allOf`` branches stay open (closing
-    each would refuse the keys of the others)."""
+    each would refuse the keys of the others). Numbers without bounds get
+    sixteen digits' worth."""
     if isinstance(schema, list):
         return [_closed(v, in_all_of) for v in schema]
     if not isinstance(schema, dict):
@@ -257,6 +263,18 @@ def _closed(schema: Any, in_all_of: bool = False) -> Any:
             out[key] = {k: _closed(v) for k, v in value.items()}
         else:
             out[key] = _closed(value, key == "allOf")
+    if "format" in out and out["format"] not in _FORMATS:
+        # JSON Schema 2020-12: format is an annotation unless asserted;
+        # pydantic and zod write ones no grammar knows ("password", "int64").
+        del out["format"]
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if ("integer" in types or "number" in types) and "enum" not in out and "const" not in out:
+        # llguidance's numbers have no digit limit: a small model writes
+        # digits until max_output_tokens. Sixteen digits, as before.
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _MAGNITUDE
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -_MAGNITUDE
     required = out.get("required") if isinstance(out.get("required"), list) else []
     declared = out.get("properties") if isinstance(out.get("properties"), dict) else {}
     if ("properties" in out and not in_all_of and "allOf" not in out
@@ -437,13 +455,18 @@ def _function_args(tool: FunctionTool, limits: Limits) -> str:
         return _json_rule({"type": "object"})
 
 
-def _custom_raw(tool: CustomTool, i: int, close: str, calls: _Calls, limits: Limits) -> str:
+def _custom_raw(tool: CustomTool, i: int, close: str, calls: _Calls, limits: Limits,
+                avoid: Sequence[str] = ()) -> str:
     """The rule for a custom tool's raw input, ending with ``close``."""
     grammar = tool.grammar or {}
     definition = grammar.get("definition") or ""
     if not definition:
-        # Free text up to the first closing marker (which it includes).
-        calls.rules.append(f"free_{i}[lazy]: /(?s:.*){regex_escape(close)}/")
+        # Free text up to the first closing marker (which it includes),
+        # never a tool result's markup (the model inventing the next turn).
+        terminal = f"/(?s:.*){regex_escape(close)}/"
+        if avoid:
+            terminal += " & ~/(?s:.*)(" + "|".join(regex_escape(m) for m in avoid) + ")(?s:.*)/"
+        calls.rules += [f"free_{i}[lazy]: FREE_{i}", f"FREE_{i}: {terminal}"]
         return f"free_{i}"
     _check_custom_grammar(tool, definition, limits)
     if grammar.get("syntax") == "regex":
@@ -520,7 +543,7 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
             before, after = fmt.call_parts(name, raw=True)
             # The newline before the closing tag belongs to the input when it is free text.
             body = _custom_raw(tool, i, after.lstrip("\n") if not (tool.grammar or {}).get("definition") else after,
-                               calls, limits)
+                               calls, limits, fmt.result_markers)
             rule = f"{literal(before, specials)} {body}"
         elif isinstance(tool, CustomTool):
             before, after = fmt.call_parts(name, raw=False)

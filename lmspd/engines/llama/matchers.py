@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import llguidance
@@ -50,17 +51,21 @@ class GrammarCompiler:
             self.tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog or None)
         self.n_vocab = n_vocab
         self.eog = eog
-        #: Texts of the model's special tokens (a marker among them is
-        #: written as that token in a grammar).
-        self.specials = frozenset(
-            self.tokenizer.decode_bytes([t]).decode("utf-8", "replace")
-            for t in range(n_vocab) if self.tokenizer.is_special_token(t)
-        )
         self._limits = limits
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0
         self.last_compile_ms = 0.0
+
+    def special_markers(self, markers: Iterable[str]) -> frozenset[str]:
+        """The ``markers`` that are one special token of this model (a
+        grammar writes them as that token, ``<|python_tag|>``)."""
+        out = set()
+        for marker in markers:
+            tokens = self.tokenizer.tokenize_str(marker, parse_special=True)
+            if len(tokens) == 1 and self.tokenizer.is_special_token(tokens[0]):
+                out.add(marker)
+        return frozenset(out)
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for ``grammar``; ``ApiError`` if it does not compile."""

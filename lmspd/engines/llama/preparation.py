@@ -203,7 +203,7 @@ class Preparation:
         fmt = conv.output_format
         choice = conv.tool_choice
         limits = Limits(request=self.limits)
-        specials = self._grammars().specials
+        specials = self._grammars().special_markers(self.tool_format.markers)
         if conv.tools and choice.mode != "none":
             names = choice.allowed if choice.allowed is not None else [t.name for t in conv.tools]
             prepared.tools = [t for t in conv.tools if t.name in names]

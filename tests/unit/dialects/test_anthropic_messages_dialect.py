@@ -85,10 +85,11 @@ def test_blocks_become_neutral_items():
     assert c.max_output_tokens == 16
 
 
+# None: the request did not say (a forced call then ends the turn, issue 14).
 @pytest.mark.parametrize("choice,expected,parallel", [
-    ({"type": "auto"}, ToolChoice(), True),
-    ({"type": "any"}, ToolChoice(mode="required"), True),
-    ({"type": "none"}, ToolChoice(mode="none"), True),
+    ({"type": "auto"}, ToolChoice(), None),
+    ({"type": "any"}, ToolChoice(mode="required"), None),
+    ({"type": "none"}, ToolChoice(mode="none"), None),
     ({"type": "tool", "name": "get_time", "disable_parallel_tool_use": True},
      ToolChoice(mode="required", allowed=["get_time"]), False),
 ])

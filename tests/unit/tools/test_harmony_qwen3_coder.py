@@ -139,11 +139,11 @@ def test_qwen3_coder_render_parse_round_trip(city, days) -> None:
 def test_grammar_accepts_rendered_calls(rig, fmt) -> None:
     calls = [ToolCall("c", "get_weather", '{"city": "Paris", "days": 2}'),
              ToolCall("c", "apply_patch", "*** Begin Patch\n*** End Patch", kind="custom")]
-    grammar = tool_call_grammar(fmt, TOOLS, specials=rig.specials)
+    grammar = tool_call_grammar(fmt, TOOLS, specials=rig.specials(fmt))
     for call in calls:
         rendered = fmt.render_calls([call])
         assert rig.accepts(grammar, rendered), rendered
-    lazy, triggers = lazy_tool_call_grammar(fmt, TOOLS, specials=rig.specials)
+    lazy, triggers = lazy_tool_call_grammar(fmt, TOOLS, specials=rig.specials(fmt))
     assert rig.accepts(lazy, "Some text first. " + fmt.render_calls(calls[:1]), patterns=triggers)
 
 

@@ -165,8 +165,6 @@ UNSUPPORTED = [
     ({"$ref": "https://example.com/s.json"}, "$ref", "text.format.schema.$ref"),
     ({"type": "string", "pattern": "^(?=a)b$"}, "pattern", "text.format.schema.pattern"),
     ({"const": 5, "maximum": 3}, "maximum", "text.format.schema.maximum"),
-    ({"type": "object", "properties": {"d": {"type": "string", "format": "no-such-format"}}}, "format",
-     "text.format.schema.properties.d.format"),
     (False, "false", "text.format.schema"),
 ]
 
@@ -214,7 +212,8 @@ def test_annotations_and_unknown_keywords_are_fine() -> None:
             "$comment": "c",
             "x-vendor": 1,
             "type": "object",
-            "properties": {"u": {"type": "string", "format": "uri", "default": "x", "deprecated": True}},
+            "properties": {"u": {"type": "string", "format": "uri", "default": "x", "deprecated": True},
+                           "p": {"type": "string", "format": "password"}, "i": {"type": "integer", "format": "int64"}},
         }
     )
 
