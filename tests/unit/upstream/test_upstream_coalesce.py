@@ -123,7 +123,7 @@ class OpeningEngine:
         if self.refuse:
             raise self.refuse
 
-    async def generate(self, prepared, cancel):
+    async def generate(self, prepared, cancel, response_id=None):
         self.log.append("generate")
         yield TextDelta("hi")
         yield Finished("stop")
