@@ -301,6 +301,8 @@ def main() -> int:
                         r[scen] = decode(srv.url, name, system, args)
                     elif scen == "short":
                         r[scen] = short(srv.url, name, system, args)
+                    # As it comes: a long run cut short still reports what it measured.
+                    print(f"[{system}] {scen}: {json.dumps(r[scen])}", file=sys.stderr, flush=True)
                 results[system] = r
             finally:
                 srv.stop()
