@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -280,6 +281,8 @@ def main() -> int:
     if args.quick:
         args.turns, args.dev_tokens, args.tool_tokens, args.decode_tokens = 3, 600, 120, 128
     model = args.model or bundled_model_path()
+    # SIGTERM unwinds like Ctrl-C, so that the servers started here are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     scenarios = args.scenarios.split(",")
     results: dict[str, dict[str, Any]] = {}
     load = os.getloadavg()
@@ -298,6 +301,8 @@ def main() -> int:
                         r[scen] = decode(srv.url, name, system, args)
                     elif scen == "short":
                         r[scen] = short(srv.url, name, system, args)
+                    # As it comes: a long run cut short still reports what it measured.
+                    print(f"[{system}] {scen}: {json.dumps(r[scen])}", file=sys.stderr, flush=True)
                 results[system] = r
             finally:
                 srv.stop()

@@ -170,6 +170,7 @@ class ContinuationCache:
         # Sequences a stream copy reads or writes before the next decode
         # performs it: nothing may overwrite them until then.
         self._copying: set[int] = set()
+        self._copied_into: set[int] = set()
         self._snapshot: tuple[SessionState, ...] = ()
         self._writes: queue.Queue[SessionState | None] = queue.Queue(maxsize=4)
         self._writer: threading.Thread | None = None
@@ -413,6 +414,7 @@ class ContinuationCache:
             self._evict(r)
             self.ops.copy(src.seq, r.seq, plan.keep)
             self._copying.update((src.seq, r.seq))
+            self._copied_into.add(r.seq)
             r.tokens = src.tokens[: plan.keep]
             self.stats.copies += 1
             self.stats.copied_tokens += plan.keep
@@ -454,6 +456,11 @@ class ContinuationCache:
     def decoded(self) -> None:
         """The step's ``llama_decode`` ran: pending stream copies are done."""
         self._copying.clear()
+        self._copied_into.clear()
+
+    def unsettled_copies(self) -> list[Resident]:
+        """Sequences a copy went into that no decode has performed yet."""
+        return [self.residents[seq] for seq in sorted(self._copied_into)]
 
     def finished(self, seq: int, state: SessionState) -> None:
         """The turn on ``seq`` is over; its state is set before the client

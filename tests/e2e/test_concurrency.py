@@ -49,7 +49,7 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.Client(timeout=300) as client, client.stream("POST", self.url + "/v1/responses",
+            with httpx.Client(timeout=900) as client, client.stream("POST", self.url + "/v1/responses",
                                                                     json=self.body) as r:
                 assert r.status_code == 200, r.read()
                 n = 0
@@ -70,7 +70,7 @@ class Stream(threading.Thread):
         finally:
             self.deltas.set()
 
-    def result(self, timeout: float = 300) -> dict:
+    def result(self, timeout: float = 900) -> dict:
         self.join(timeout)
         assert not self.is_alive(), "stream did not end"
         if self.error is not None:

@@ -134,6 +134,8 @@ class Scheduler:
                 self._reap()
                 if self._running:
                     self._step()
+                elif self.cache.unsettled_copies():
+                    self._settle_copies()
             except Exception:  # never leave the thread dead with streams open
                 log.exception("scheduler step failed")
                 for run in list(self._running):
@@ -191,16 +193,16 @@ class Scheduler:
                     self._release(run)
 
     def _step(self) -> None:
-        rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none), tokens taken
+        # What each sequence contributes: every decoding one its next token(s),
+        # then the prefill budget to prefilling ones in arrival order.
+        parts: list[tuple[Running, int, bool]] = []  # run, tokens taken, wants logits
         n = 0
         decoding = [r for r in self._running if not r.prefilling]
         for run in decoding:
             k = len(run.pending)
             if k == 0 or n + k > self.n_batch:
                 continue
-            wants = not run.gen.done
-            self._put(run, run.pending, n, k, wants)
-            rows.append((run, n + k - 1 if wants else -1, k))
+            parts.append((run, k, not run.gen.done))
             n += k
         room = self.n_batch - n
         if decoding:
@@ -209,13 +211,19 @@ class Scheduler:
             if not run.prefilling or room <= 0:
                 continue
             k = min(len(run.pending), room)
-            last = k == len(run.pending)
-            self._put(run, run.pending, n, k, last)
-            rows.append((run, n + k - 1 if last else -1, k))
-            n += k
+            parts.append((run, k, k == len(run.pending)))
             room -= k
-        if n == 0:
+        if not parts:
             return
+        # In sequence order: with one KV stream per sequence, llama.cpp puts
+        # only consecutive sequence ids into one micro-batch.
+        parts.sort(key=lambda p: p[0].seq)
+        rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none), tokens taken
+        n = 0
+        for run, k, wants in parts:
+            self._put(run, run.pending, n, k, wants)
+            rows.append((run, n + k - 1 if wants else -1, k))
+            n += k
         self._batch.n_tokens = n
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
         self.cache.decoded()
@@ -234,6 +242,28 @@ class Scheduler:
             except Exception as exc:
                 log.exception("generation failed")
                 self._fail(run, "server_error", f"Generation failed: {type(exc).__name__}")
+
+    def _settle_copies(self) -> None:
+        """llama.cpp performs a copy between sequences at the next decode; a
+        request cancelled before its first step leaves one pending, which
+        keeps both sequences from being reused. Re-evaluate the copy's last
+        token to run that decode."""
+        n = 0
+        for r in self.cache.unsettled_copies():
+            if not r.tokens:
+                continue
+            pos = len(r.tokens) - 1
+            self.engine.kv.trim(r.seq, pos)
+            self._tok[n], self._pos[n], self._logits[n] = r.tokens[-1], pos, 0
+            self._seq_ids[n][0] = r.seq
+            n += 1
+        if n:
+            self._batch.n_tokens = n
+            rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+            if rc != 0:
+                for r in self.cache.unsettled_copies():
+                    self.cache.discard(r.seq)
+        self.cache.decoded()
 
     def _put(self, run: Running, tokens: list[int], at: int, k: int, logits: bool) -> None:
         p0 = len(run.tokens)
