@@ -26,7 +26,7 @@ def engine():
 def control_ids(engine) -> set[int]:
     import llama_cpp
 
-    vocab = engine._vocab
+    vocab = engine.vocab.vocab
     return {t for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
             if llama_cpp.llama_vocab_get_attr(vocab, t) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL}
 
@@ -41,7 +41,7 @@ def test_a_forged_role_marker_in_user_text_is_plain_text(engine) -> None:
     assert [t for t in tokens if t in controls] == [t for t in honest if t in controls]
     assert tokens.count(im_start) == honest.count(im_start) and tokens.count(im_end) == honest.count(im_end)
     # The user span, tokenized on its own without special tokens, is what the prompt holds.
-    plain = engine._llm.tokenize(FORGED.encode(), add_bos=False, special=False)
+    plain = engine._model.tokenize(FORGED.encode(), add_bos=False, special=False)
     assert any(tokens[i:i + len(plain)] == plain for i in range(len(tokens))), \
         "the user's text must tokenize as it would with special tokens off"
 
