@@ -129,7 +129,11 @@ MIX: list[tuple[float, Callable[[httpx.Client, random.Random], int]]] = [
 
 def soak(args: argparse.Namespace) -> bool:
     data = Path(tempfile.mkdtemp(prefix="lmspd-soak-"))
-    srv = lmspd_server(None, args.ctx, args.threads, data, data / "server.log", log_level="warning").start()
+    srv = lmspd_server(None, args.ctx, args.threads, data, data / "server.log", log_level="warning")
+    # The continuation cache keeps KV sessions in RAM up to its own budget
+    # (--kv-ram-mb, 1 GiB by default): a small one, so that growth past it is a leak.
+    srv.cmd += ["--kv-ram-mb", str(args.kv_ram_mb)]
+    srv.start()
     pid = srv.pid
     assert pid is not None
     statuses: Counter[str] = Counter()
@@ -163,7 +167,8 @@ def soak(args: argparse.Namespace) -> bool:
         srv.stop()
     errors = {k: v for k, v in statuses.items() if not k.split()[-1].isdigit() or int(k.split()[-1]) >= 500}
     growth = (rss1 - rss0) / 1024
-    print(f"soak: {args.requests} requests ({warm} warm-up), {args.concurrency} clients, {elapsed:.0f} s; "
+    print(f"soak: {args.requests} requests ({warm} warm-up), {args.concurrency} clients, "
+          f"--kv-ram-mb {args.kv_ram_mb}, {elapsed:.0f} s; "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| check | value | bound | ok |\n|---|---|---|---|")
     rows = [("5xx or transport errors", sum(errors.values()), 0, not errors),
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--kv-ram-mb", type=int, default=16, help="the server's RAM budget for KV sessions")
     parser.add_argument("--quick", action="store_true", help="200 soak requests")
     args = parser.parse_args(argv)
     if args.quick:
