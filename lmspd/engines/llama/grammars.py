@@ -311,8 +311,11 @@ def json_schema_grammar(
 
 
 def json_object_grammar() -> str:
-    """A grammar for any JSON object (``text.format`` json_object)."""
-    return json_schema_grammar({"type": "object"})
+    """A grammar for any JSON object (``text.format`` json_object), written
+    compactly: with no schema to end it, a small model given room for
+    newlines and indentation pretty-prints until its token budget runs out."""
+    return llguidance.LLMatcher.grammar_from_json_schema(_closed({"type": "object"}),
+                                                         defaults={"whitespace_flexible": False})
 
 
 def validate(grammar: str) -> str:
