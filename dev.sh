@@ -36,8 +36,8 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
 fi
 
 # The web console's browser test drives Debian's chromium (Playwright's own
-# browser download cannot reach its host here). Installed only when missing.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+# browser download cannot reach its host here). Installed for tests, only when missing.
+if [ "${1:-}" = test ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   say "installing chromium (for the web console's browser test)"
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo "sudo")
   $SUDO apt-get update -qq
