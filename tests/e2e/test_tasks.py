@@ -84,23 +84,28 @@ def test_task_created_with_stream_true_survives_its_client(http):
 def test_task_cancel_running_and_queued(server, http):
     server.wait_idle()
     before = server.generations()
-    running = http.post("/lmsp/v1/tasks", json=task_body(LONG, max_output_tokens=400)).json()
+    # Fill every sequence (--parallel), so that one more task really waits.
+    parallel = server.health()["models"][MODEL]["parallel"]
+    running = [http.post("/lmsp/v1/tasks", json=task_body(LONG, max_output_tokens=400)).json()
+               for _ in range(parallel)]
     queued = http.post("/lmsp/v1/tasks", json=task_body(LONG, max_output_tokens=400)).json()
-    _, head, _ = follow(http, f"/lmsp/v1/tasks/{running['id']}/events", stop_after=3)
+    for task in running:
+        follow(http, f"/lmsp/v1/tasks/{task['id']}/events", stop_after=3)
 
     r = http.post(f"/lmsp/v1/tasks/{queued['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    r = http.post(f"/lmsp/v1/tasks/{running['id']}/cancel")
-    assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    assert r.json()["result"]["status"] == "cancelled"
+    for task in running:
+        r = http.post(f"/lmsp/v1/tasks/{task['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        assert r.json()["result"]["status"] == "cancelled"
 
-    for task in (running, queued):
+    for task in (*running, queued):
         _, frames, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
         summary = validate_lmsp_stream(frames)
         assert summary["terminal"] == "response.cancelled"
-    assert http.post(f"/lmsp/v1/tasks/{running['id']}/cancel").json()["status"] == "cancelled"
+    assert http.post(f"/lmsp/v1/tasks/{running[0]['id']}/cancel").json()["status"] == "cancelled"
     server.wait_idle()
-    assert server.generations() == before + 1, "a task cancelled while queued never reaches the model"
+    assert server.generations() == before + parallel, "a task cancelled while queued never reaches the model"
 
 
 def test_openai_background_poll_resume_and_cancel(server, openai_client, http):
