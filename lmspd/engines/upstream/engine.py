@@ -202,6 +202,8 @@ class UpstreamEngine:
             await self.open(prepared, cancel)
         stream, prepared.stream = prepared.stream, None
         assert stream is not None
+        if response_id is not None:
+            prepared.response_id = response_id
         if prepared.response_id is not None:
             # A request that continues this response goes where its prefix is.
             self.router.remember(prepared.response_id, stream.endpoint)
