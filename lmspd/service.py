@@ -91,6 +91,9 @@ class Service:
         be stopped: one that overruns finishes in the pool, whose size bounds
         how many such overruns run at once, while its client is answered."""
         loop = asyncio.get_running_loop()
+        # Engines whose prepare must reach back to the loop (the model
+        # registry starts loads there) find it here.
+        self.loop = loop
         bound = self.limits.prepare_timeout_s
         future = loop.run_in_executor(self._preparing, work, conversation)
         try:

@@ -56,10 +56,11 @@ class LazyEngine:
         self.last_used = time.monotonic()
         engine = self._engine
         if self.status == LOADED and engine is not None:
-            self._registry.touch(self)
+            self._registry.on_loop(self._registry.touch, self)
             return engine.prepare(conversation)
-        if self.status == UNLOADED:
-            self._registry.request_load(self)
+        if self.status == UNLOADED and not self._registry.on_loop(self._registry.request_load, self):
+            # The load starts on the loop in a moment (the budget may still refuse it then).
+            return self._refuse("is loading (or waiting for memory)")
         raise self._busy()
 
     def generate(self, prepared: Any, cancel: Any, response_id: str | None = None) -> Any:
@@ -91,6 +92,10 @@ class LazyEngine:
             await engine.aclose()
 
     # -- loading -----------------------------------------------------------------------
+
+    def _refuse(self, what: str) -> Any:
+        raise ApiError("model_loading", f"Model {self.info.id!r} {what}; retry shortly.",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _busy(self) -> ApiError:
         if self.status == UNLOADING:
@@ -177,6 +182,21 @@ class ModelRegistry:
             return served is not None and (served.queue.running > 0 or served.queue.pending > 0)
 
         self._busy = busy
+        self._service = service
+
+    def on_loop(self, call: Callable[[LazyEngine], None], model: LazyEngine) -> bool:
+        """Run ``call(model)`` on the event loop: ``prepare`` runs in the
+        service's preparing threads, but loads and idle timers belong to the loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            loop = self._loop or getattr(getattr(self, "_service", None), "loop", None)
+            if loop is None:
+                raise
+            loop.call_soon_threadsafe(call, model)
+            return False
+        call(model)
+        return True
 
     def held_bytes(self) -> int:
         return sum(m.cost_bytes for m in self.models.values() if m.status != UNLOADED)

@@ -68,7 +68,7 @@ def setup(budget_models: int, names=("a", "b", "c"), gate: threading.Event | Non
 async def until_loaded(service, name, registry):
     for _ in range(500):
         try:
-            return service.begin(conv(name))
+            return await service.begin(conv(name))
         except ApiError as exc:
             assert exc.code == "model_loading" and exc.status == 503 and exc.headers["Retry-After"]
             assert registry.held_bytes() <= registry.max_bytes
@@ -107,7 +107,7 @@ def test_a_busy_model_is_never_evicted():
         registry, service = setup(budget_models=1, names=("a", "b"))
         held = await until_loaded(service, "a", registry)  # admitted, not yet run: it holds "a"
         with pytest.raises(ApiError) as refused:
-            service.begin(conv("b"))
+            await service.begin(conv("b"))
         assert refused.value.code == "model_loading" and "waiting for memory" in refused.value.message
         assert registry.models["a"].status == LOADED and registry.models["b"].status == UNLOADED
         await drain(held, "a")
@@ -124,7 +124,7 @@ def test_while_loading_every_request_is_refused_with_retry_after():
         registry, service = setup(budget_models=1, names=("a",), gate=gate)
         for _ in range(3):
             with pytest.raises(ApiError) as exc:
-                service.begin(conv("a"))
+                await service.begin(conv("a"))
             assert exc.value.status == 503 and "loading" in exc.value.message
         assert registry.models["a"].stats()["state"] == "loading"
         gate.set()
