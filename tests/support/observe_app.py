@@ -3,6 +3,8 @@ tests of routes that read engine state (metrics, the engine view)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
@@ -16,7 +18,8 @@ from lmspd.store.sqlite import SQLiteStore
 
 
 class ScriptedEngine:
-    """Reports fixed usage and a fixed cache source, like the llama engine's stats()."""
+    """Reports fixed usage and a fixed cache source, as the llama engine does
+    (on the generation's usage; its stats() name the last one too)."""
 
     def __init__(self, usage: Usage, source: str) -> None:
         self.info = ModelInfo(id="m", context_window=1000, capabilities={"streaming": True})
@@ -33,7 +36,7 @@ class ScriptedEngine:
     async def generate(self, prepared, cancel, response_id=None):
         yield TextDelta("hello")
         yield TextDelta(" there")
-        yield Finished("stop", self.usage)
+        yield Finished("stop", dataclasses.replace(self.usage, cache_source=self.source))
 
     def count_tokens(self, conversation) -> int:
         return 1
