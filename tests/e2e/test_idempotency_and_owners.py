@@ -173,7 +173,11 @@ def test_one_credential_never_continues_anothers_kv_state(two_keys):
         assert r.status_code == 200, r.text
         return r.json()["usage"]
 
-    secret = "Alice's secret plan for the weekend: buy seven blue kites and fly them over the harbour."
+    # Long enough (> 64 tokens) that a repeated prompt may reuse a trimmed
+    # sequence at all (shorter shared prefixes are prefilled, not trimmed).
+    secret = ("Alice's secret plan for the weekend: buy seven blue kites and fly them over the harbour, "
+              "then row to the island, count the lighthouses, and write every number in a green notebook "
+              "that nobody else may read.")
     prompt_tokens = usage(alice, secret)["input_tokens"]
     usage(bob, "Hello there.")  # Bob's own state: it shares only the template's opening with the secret
     bob_cached = usage(bob, secret)["input_tokens_details"]["cached_tokens"]
