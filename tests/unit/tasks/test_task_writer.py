@@ -84,7 +84,7 @@ async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) ->
     service.add_engine(CountingEngine(n))
     tasks = TaskManager(store)  # type: ignore[arg-type]
     tasks.attach()
-    run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+    run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
     session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
     record = ResponseRecord(store, "alice", [], keep=False)  # type: ignore[arg-type]
     live = tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
@@ -149,7 +149,7 @@ def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_
         on_a, on_b = TaskManager(store_a), TaskManager(store_b)  # type: ignore[arg-type]
         on_a.attach()
         on_b.attach()
-        run = service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+        run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
         session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
         live = on_a.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
                           run=run, session=session, record=ResponseRecord(store_a, "alice", [], keep=False))
