@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from lmspd import __version__
 from lmspd.config import Settings
@@ -24,7 +24,7 @@ from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
 from lmspd.edge import EdgeMiddleware, error_reply
 from lmspd.metrics import RequestMetrics
-from lmspd.routes import conversations, responses, stored
+from lmspd.routes import conversations, responses, stored, websocket
 from lmspd.routes import console as console_routes
 from lmspd.routes import engine_view
 from lmspd.routes import metrics as metrics_routes
@@ -135,6 +135,10 @@ def state_routes() -> list[Route]:
     tid = "/lmsp/v1/tasks/{task_id}"
     return [
         Route("/v1/responses", responses.openai_create_response, methods=["POST"]),
+        # The same path, WebSocket mode (Codex tries it first).
+        WebSocketRoute("/v1/responses", websocket.openai_responses_websocket),
+        Route("/v1/responses/compact", responses.openai_compact, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.openai_input_tokens, methods=["POST"]),
         Route("/v1/responses" + rid, stored.openai_get_response, methods=["GET"]),
         Route("/v1/responses" + rid, stored.openai_delete_response, methods=["DELETE"]),
         Route("/v1/responses" + rid + "/cancel", stored.openai_cancel_response, methods=["POST"]),

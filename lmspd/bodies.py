@@ -264,3 +264,16 @@ def json_path(path: tuple[str | int, ...]) -> str:
         else:
             out += f"[{json.dumps(part, ensure_ascii=True)}]"
     return out
+
+
+def parse_json_object(raw: str | bytes, limits: RequestLimits) -> dict[str, Any]:
+    """A JSON object that arrived other than as an HTTP body (a WebSocket
+    text frame): the same size bound and the same strict decoder (duplicate
+    keys, non-finite numbers, lone surrogates, depth) as a body, the same
+    errors."""
+    if len(raw) > limits.max_body_bytes:
+        raise ApiError("request_too_large", f"The message exceeds {limits.max_body_bytes} bytes.")
+    data = decode_json(raw, max_depth=limits.max_json_depth)
+    if not isinstance(data, dict):
+        raise ApiError("invalid_json", "The message must be a JSON object.")
+    return data

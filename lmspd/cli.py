@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from lmspd import __version__
-from lmspd.config import Settings
+from lmspd.config import DEFAULT_CTX, Settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                             "unloaded to make room (models then load on first use)")
     serve.add_argument("--models-idle-s", type=float, default=None, metavar="SECONDS",
                        help="unload a model unused this long (models then load on first use)")
-    serve.add_argument("--ctx", type=int, default=8192, help="context window in tokens (0 = the model's own)")
+    serve.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                       help=f"context window in tokens (default {DEFAULT_CTX}: room for Codex's ~9k-token first "
+                            "request and its turns; 0 = the model's trained length)")
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--parallel", type=int, default=4, metavar="N",
                        help="sequences of a local model decoded together, each with the full --ctx (default 4)")
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
+    serve.add_argument("--websocket-max-age-s", type=float, default=None, metavar="SECONDS",
+                       help="close Responses WebSocket connections after this long (default 3600, as OpenAI)")
     _engine_flags(serve)
     _cache_flags(serve)
     store = serve.add_argument_group("stored state (responses, conversations, tasks and their events)")
@@ -97,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
         settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
+    if args.websocket_max_age_s is not None:
+        if args.websocket_max_age_s <= 0:
+            parser.error("--websocket-max-age-s must be > 0")
+        settings.limits = replace(settings.limits, websocket_max_age_s=args.websocket_max_age_s)
     _apply_retention(parser, args, settings)
     if args.store is not None:
         settings.store = args.store

@@ -12,6 +12,16 @@ from lmspd.core.limits import DEFAULT_LIMITS, Limits
 from lmspd.store.base import DEFAULT_LEASE_S, Retention
 
 
+# The default context window. Codex's first request is ~9k tokens in the
+# bundled model's tokens (its developer prompt and tool schemas) and grows
+# with every turn; 8192 refused it. The KV costs 2 (K, V) x layers x KV heads
+# x head dim x 2 bytes per token and per sequence: 22.5 KiB for SmolLM2-135M
+# (30 x 3 x 64), so 720 MiB per sequence at 32768 (llama.cpp allocates it
+# up front). The bundled model was trained on 8192; past that it still runs
+# (RoPE extrapolates), answers get worse long before the window is full.
+DEFAULT_CTX = 32768
+
+
 @dataclass
 class Settings:
     host: str = "127.0.0.1"
@@ -23,7 +33,7 @@ class Settings:
     extra_models: list[str] = field(default_factory=list)
     models_max_mem_mb: int | None = None
     models_idle_s: float | None = None
-    ctx: int = 8192
+    ctx: int = DEFAULT_CTX
     threads: int | None = None
     # Sequences of the llama context decoded together (--parallel).
     parallel: int = 4

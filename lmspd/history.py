@@ -15,7 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmspd.core import compaction
 from lmspd.core.conversation import Item
+from lmspd.core.sealing import Sealer
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.dialects import openai_responses
@@ -34,8 +36,17 @@ _STORED = RequestLimits(max_input_items=2**31, max_content_parts=2**31, max_text
 _CONVERSATION_STATUSES = frozenset({"completed", "incomplete"})
 
 
-def stored_items(items: list[JSON]) -> list[Item]:
-    return decode_items(items, _STORED, path="stored items")
+def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "local") -> list[Item]:
+    """Stored item JSON back as neutral items; compaction items expand with
+    ``sealer`` (without one, as the summary-less item they were stored as
+    cannot be read: the caller lists, never renders)."""
+
+    def open_compaction(blob: str, item_id: str | None, where: str) -> Item:
+        if sealer is None:
+            return compaction.summary_message("", blob, item_id)
+        return compaction.expand(sealer, blob, where, item_id, owner)
+
+    return decode_items(items, _STORED, path="stored items", open_compaction=open_compaction)
 
 
 @dataclass
@@ -44,6 +55,11 @@ class StoredContext:
 
     store: Store
     owner: str
+    # The server key, to expand compaction items (``lmspd.core.compaction``).
+    sealer: Sealer | None = None
+
+    def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item:
+        return compaction.expand(self.sealer, blob, where, item_id, self.owner)
 
     def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]:
         if previous_response_id is not None:
@@ -53,7 +69,7 @@ class StoredContext:
             if items is None:
                 raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
                                param="conversation")
-            return stored_items(items)
+            return stored_items(items, self.sealer, self.owner)
         return []
 
     def _chain(self, response_id: str) -> list[Item]:
@@ -76,8 +92,8 @@ class StoredContext:
         # The model sees prev.input + prev.output + input, oldest link first.
         items: list[Item] = []
         for link in links:
-            items += stored_items(link.input_items)
-            items += stored_items(link.output_items)
+            items += stored_items(link.input_items, self.sealer, self.owner)
+            items += stored_items(link.output_items, self.sealer, self.owner)
         return items
 
     def resolve_reference(self, item_id: str, where: str) -> Item:
@@ -85,7 +101,7 @@ class StoredContext:
         if found is None:
             raise invalid(f"'{where}' references item {item_id!r}, which is not stored (or was deleted); "
                           "send the item itself.", where)
-        return stored_items([found])[0]
+        return stored_items([found], self.sealer, self.owner)[0]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, WebSocketRoute
 
 from lmspd import __version__
 from lmspd.dialects.anthropic_messages import CountTokens, CreateMessage
@@ -100,6 +100,11 @@ OPERATIONS: dict[tuple[str, str], Op] = {
                                    params=(_LMSP_VERSION,), tag="models"),
     ("POST", "/v1/responses"): Op("Create a response (OpenAI Responses).", body=CreateResponse,
                                   reply="json_or_sse"),
+    ("POST", "/v1/responses/compact"): Op(
+        "Compact a conversation (the create body's input, instructions, previous_response_id) into a "
+        "window that ends with a sealed compaction item."),
+    ("POST", "/v1/responses/input_tokens"): Op("Count a create body's input in the model's tokens.",
+                                               body=CreateResponse),
     ("GET", _RID): Op("A stored response; ?stream=true follows a background one.", reply="json_or_sse", params=(
         Param("stream", {"enum": ["true", "false", "1", "0"]}),
         Param("starting_after", {"type": "integer", "minimum": 0}))),
@@ -136,6 +141,12 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("GET", "/"): Op("The web console.", reply="html", tag="console"),
     ("GET", "/console/{path}"): Op("The console's static files.", reply="asset", tag="console"),
 }
+# WebSocket routes: OpenAPI has no operation for them, so they are listed
+# under the document's ``x-websockets`` (and must be described all the same).
+WEBSOCKETS: dict[str, str] = {
+    "/v1/responses": "Responses WebSocket mode: response.create frames in, the same events as SSE out "
+                     "(responses:write scope; one connection lives at most websocket_max_age_s).",
+}
 # Anthropic's routes answer every other method in Anthropic's error shape.
 for _path in ("/v1/messages", "/v1/messages/count_tokens"):
     for _method in ("GET", "PUT", "PATCH", "DELETE"):
@@ -160,8 +171,11 @@ def routed_operations(routes: Iterable[Any]) -> list[tuple[str, str]]:
 
 
 def build_spec(routes: Iterable[Any]) -> dict[str, Any]:
+    routes = list(routes)
     ops = routed_operations(routes)
+    sockets = [r.path for r in routes if isinstance(r, WebSocketRoute)]
     missing = [f"{m} {p}" for m, p in ops if (m, p) not in OPERATIONS]
+    missing += [f"WEBSOCKET {p}" for p in sockets if p not in WEBSOCKETS]
     if missing:
         raise UndescribedRoute("routes without an OpenAPI description: " + ", ".join(missing))
     models = sorted({op.body for key, op in OPERATIONS.items() if key in ops and op.body is not None},
@@ -179,6 +193,7 @@ def build_spec(routes: Iterable[Any]) -> dict[str, Any]:
                  "description": "A local model service: LMSP 1.0 and OpenAI Responses, Chat Completions and "
                                 "Anthropic Messages over llama.cpp or an upstream provider."},
         "paths": paths,
+        "x-websockets": {p: {"summary": WEBSOCKETS[p]} for p in sockets},
         "components": {"schemas": schemas,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},

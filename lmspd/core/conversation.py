@@ -21,6 +21,11 @@ class Message:
     # OpenAI's assistant ``phase`` (commentary / final_answer), kept for replay.
     phase: str | None = None
     status: str = "completed"
+    # Set on the message a ``compaction`` item expands to (``lmspd.compaction``):
+    # the sealed blob the client carries; ``text`` is the summary it holds.
+    # Dialects write such a message back as the compaction item, engines
+    # render it as the user message it is.
+    compaction: str | None = None
 
 
 @dataclass(slots=True)
@@ -157,6 +162,14 @@ class Conversation:
     # reply and tool-output-only requests would otherwise reveal another
     # key's conversation).
     owner: str = "local"
+    # Evaluate the prompt into the KV and keep it, generate nothing (a
+    # WebSocket ``generate: false`` warm-up, the window a compaction leaves).
+    # An engine that cannot do this answers with an empty completed turn.
+    prefill_only: bool = False
+    # ``previous_response_id`` is the latest response of the WebSocket
+    # connection this request came on: an engine that continues it may
+    # report ``cache_source=connection``.
+    continues_connection: bool = False
 
 
 def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:

@@ -35,6 +35,9 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "forbidden": (403, "Forbidden", "permission_error"),
     "idempotency_conflict": (422, "Idempotency conflict", "invalid_request_error"),
     "idempotency_in_progress": (409, "Request still in progress", "conflict_error"),
+    # A second response.create while one runs on the same WebSocket.
+    "concurrent_request": (409, "A response is already in progress", "invalid_request_error"),
+    "websocket_connection_limit_reached": (400, "Connection limit reached", "invalid_request_error"),
     "rate_limited": (429, "Too many requests", "rate_limit_error"),
     "server_overloaded": (503, "Server overloaded", "server_error"),
     "server_shutting_down": (503, "Server shutting down", "server_error"),
@@ -115,6 +118,11 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    def websocket_event(self) -> dict:
+        """A Responses WebSocket ``error`` frame: ends the turn, not the
+        connection; ``status`` is what the same failure gets over HTTP."""
+        return {"type": "error", "status": self.status, **self.openai()}
 
     @property
     def anthropic_type(self) -> str:

@@ -66,6 +66,8 @@ class Limits:
     upstream: UpstreamStreamLimits = UpstreamStreamLimits()
     # Seconds to let in-flight streams end with a terminal event on shutdown.
     shutdown_grace_s: float = 10.0
+    # A Responses WebSocket connection lives at most this long (OpenAI: 60 min).
+    websocket_max_age_s: float = 3600.0
     # Preparing a request (render, tokenize, schemas, grammars) runs in this
     # many worker threads, each bounded to this long (lmspd.service).
     prepare_workers: int = 2

@@ -53,6 +53,32 @@ class Sealer:
         sealed = self._aead.encrypt(nonce, plain, _bound_to(model, owner))
         return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
 
+    def seal_value(self, purpose: str, value: dict, owner: str = "local") -> str:
+        """Any other server-made blob a client carries (a compaction's
+        summary): bound to its ``purpose``, so that one kind of blob never
+        opens as another; and to its owner, as ``seal``."""
+        nonce = os.urandom(12)
+        plain = json.dumps(value, ensure_ascii=False).encode()
+        sealed = self._aead.encrypt(nonce, plain, _purpose_bound(purpose, owner))
+        return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
+
+    def open_value(self, purpose: str, blob: str, param: str, owner: str = "local") -> dict:
+        try:
+            raw = base64.urlsafe_b64decode(blob.encode())
+            if not raw.startswith(_VERSION):
+                raise ValueError("unknown version")
+            nonce, sealed = raw[2:14], raw[14:]
+            value = json.loads(self._aead.decrypt(nonce, sealed, _purpose_bound(purpose, owner)))
+            if not isinstance(value, dict):
+                raise ValueError("not an object")
+            return value
+        except (ValueError, InvalidTag, TypeError):
+            raise ApiError(
+                "invalid_request",
+                f"'{param}' is not valid: it was altered, or was issued by another server key or API key.",
+                param=param,
+            ) from None
+
     def open(self, model: str, blob: str, param: str, owner: str = "local") -> str:
         try:
             raw = base64.urlsafe_b64decode(blob.encode())
@@ -74,3 +100,9 @@ def _bound_to(model: str, owner: str) -> bytes:
     # Length-prefixed, so that no (model, owner) pair can spell another's.
     m, o = model.encode(), owner.encode()
     return _VERSION + len(m).to_bytes(4, "big") + m + o
+
+
+def _purpose_bound(purpose: str, owner: str) -> bytes:
+    # "purpose:" keeps these apart from (model, owner) reasoning blobs.
+    p, o = purpose.encode(), owner.encode()
+    return _VERSION + b"purpose:" + len(p).to_bytes(4, "big") + p + o

@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError
 
+from lmspd.core import compaction
 from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Sampling, ToolCall, ToolOutput
 from lmspd.core.errors import invalid, unsupported
 from lmspd.core.events import Usage
@@ -20,6 +21,7 @@ from lmspd.streaming.session import ResponseState
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
+    COMPACTION_TRIGGER,
     Lenient,
     StoredContext,
     Strict,
@@ -56,6 +58,14 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None
 
 
+class CompactionSetting(Strict):
+    """``context_management`` entry: compact inside the stream once the
+    rendered input crosses ``compact_threshold`` tokens."""
+
+    type: Literal["compaction"]
+    compact_threshold: int | None = Field(default=None, ge=1)
+
+
 class CreateResponse(Strict):
     model: str = Field(min_length=1, max_length=256)
     input: Union[str, list[Any]] = Field(default_factory=list)
@@ -86,9 +96,9 @@ class CreateResponse(Strict):
     safety_identifier: str | None = Field(default=None, max_length=512)
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     extensions: dict[str, Any] | None = None
+    context_management: list[CompactionSetting] | None = Field(default=None, max_length=4)
     # Accepted by OpenAI but not something lmspd can honour.
     prompt: Any = None
-    context_management: Any = None
 
 
 class DecodedRequest:
@@ -98,11 +108,19 @@ class DecodedRequest:
     the stored history (previous response chain, conversation) before it."""
 
     def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions,
-                 input_items: list[Item]) -> None:
+                 input_items: list[Item], *, compaction_trigger: bool = False) -> None:
         self.body = body
         self.conversation = conversation
         self.extensions = extensions
         self.input_items = input_items
+        # The input ended with a compaction_trigger: this turn compacts.
+        self.compaction_trigger = compaction_trigger
+
+    @property
+    def compact_threshold(self) -> int | None:
+        """``context_management``'s threshold (the lowest one given)."""
+        found = [c.compact_threshold for c in self.body.context_management or [] if c.compact_threshold]
+        return min(found) if found else None
 
     @property
     def stream(self) -> bool:
@@ -142,8 +160,10 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         raise validation_error(exc) from None
     _refuse_unhonourable(body)
     check_metadata(body.metadata, limits)
-    items = decode_items(body.input, limits,
-                         resolve_reference=context.resolve_reference if context is not None else None)
+    raw_input, trigger = _take_compaction_trigger(body.input)
+    items = decode_items(raw_input, limits,
+                         resolve_reference=context.resolve_reference if context is not None else None,
+                         open_compaction=context.open_compaction if context is not None else None)
     history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
     tools = decode_tools(body.tools, limits)
     choice = decode_tool_choice(body.tool_choice, tools)
@@ -151,7 +171,8 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     extensions = decode_extensions(body.extensions)
     conversation = Conversation(
         model=body.model,
-        items=history + items,
+        # Before a compaction item, only the client's own messages remain.
+        items=compaction.effective_items(history + items),
         instructions=body.instructions,
         tools=tools,
         tool_choice=choice,
@@ -168,14 +189,20 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         cache_reuse=extensions.cache_reuse,
         require_reasoning_state=True,
     )
-    return DecodedRequest(body, conversation, extensions, items)
+    return DecodedRequest(body, conversation, extensions, items, compaction_trigger=trigger)
+
+
+def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:
+    """Codex's remote compaction: ``{"type": "compaction_trigger"}`` as the
+    last input item asks this turn to compact (it is never stored as an item)."""
+    if isinstance(raw, list) and raw and isinstance(raw[-1], dict) and raw[-1].get("type") == COMPACTION_TRIGGER:
+        return raw[:-1], True
+    return raw, False
 
 
 def _refuse_unhonourable(body: CreateResponse) -> None:
     if body.prompt is not None:
         raise unsupported("prompt", "Reusable prompts ('prompt') are an OpenAI-hosted feature; send 'input' instead.")
-    if body.context_management is not None:
-        raise unsupported("context_management", "Server-side compaction ('context_management') is not supported.")
     if body.top_logprobs:
         raise unsupported("top_logprobs", "Log probabilities are not supported yet; omit 'top_logprobs'.")
     for i, name in enumerate(body.include or []):
@@ -211,7 +238,7 @@ def echo_fields(req: DecodedRequest) -> dict[str, Any]:
         "temperature": 1.0 if b.temperature is None else b.temperature,
         "text": text,
         "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-        "tools": [t for t in (b.tools or [])],
+        "tools": [_echo_tool(t) for t in (b.tools or [])],
         "top_logprobs": b.top_logprobs or 0,
         "top_p": 1.0 if b.top_p is None else b.top_p,
         "truncation": b.truncation or "disabled",
@@ -222,6 +249,16 @@ def echo_fields(req: DecodedRequest) -> dict[str, Any]:
     if req.conversation_id is not None:
         echo["conversation"] = {"id": req.conversation_id}
     return echo
+
+
+def _echo_tool(tool: Any) -> Any:
+    """Function tools carry every field of the Open Responses FunctionTool
+    (``description``, ``parameters``, ``strict``: null where not given)."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                "parameters": tool.get("parameters"), "strict": tool.get("strict"),
+                **{k: v for k, v in tool.items() if k not in ("type", "name", "description", "parameters", "strict")}}
+    return tool
 
 
 # What a Response reports for a request that did not come through this
@@ -239,6 +276,8 @@ DEFAULT_ECHO: dict[str, Any] = {
 
 
 def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message) and item.compaction is not None:
+        return compaction_json(item)
     if isinstance(item, Message):
         content = [] if item.status == "in_progress" and not item.text else [_text_part(item.text)]
         out = {"id": item.id, "type": "message", "status": item.status, "role": "assistant", "content": content}
@@ -268,9 +307,15 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
     return out
 
 
+def compaction_json(item: Message) -> dict[str, Any]:
+    return {"id": item.id, "type": "compaction", "encrypted_content": item.compaction}
+
+
 def input_item_json(item: Item) -> dict[str, Any]:
     """A request's input item as stored and listed (``input_items``,
     conversation items): the shapes the ``openai`` SDK's ``ResponseItem`` reads."""
+    if isinstance(item, Message) and item.compaction is not None:
+        return compaction_json(item)
     if isinstance(item, Message) and item.role != "assistant":
         return {"id": item.id, "type": "message", "role": item.role, "status": "completed",
                 "content": [{"type": "input_text", "text": item.text}]}
@@ -332,7 +377,8 @@ _RESPONSE_KEYS = {"id", "object", "created_at", "status", "completed_at", "error
 
 def output_item(data: dict[str, Any]) -> Message | ToolCall | Reasoning:
     """A stored output item (``item_json``) as a neutral item, status kept."""
-    (item,) = decode_items([data], RequestLimits(max_text_chars=2**62), path="output")
+    (item,) = decode_items([data], RequestLimits(max_text_chars=2**62), path="output",
+                           open_compaction=lambda blob, item_id, where: compaction.summary_message("", blob, item_id))
     assert isinstance(item, (Message, ToolCall, Reasoning)), item
     item.status = data.get("status") or "completed"
     return item

@@ -38,6 +38,8 @@ class StoredContext(Protocol):
 
     def resolve_reference(self, item_id: str, where: str) -> Item: ...
 
+    def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item: ...
+
 
 def stored_history(
     context: StoredContext | None, previous_response_id: str | None, conversation_id: str | None
@@ -162,6 +164,14 @@ class ItemReferenceIn(Lenient):
     id: str = Field(min_length=1, max_length=512)
 
 
+class CompactionIn(Lenient):
+    """A compaction item replayed (``lmspd.core.compaction``)."""
+
+    type: Literal["compaction", "compaction_summary"]
+    id: str | None = Field(default=None, max_length=512)
+    encrypted_content: str = Field(min_length=1)
+
+
 _ITEM_MODELS: dict[str, type[Lenient]] = {
     "message": MessageIn,
     "function_call": FunctionCallIn,
@@ -170,7 +180,13 @@ _ITEM_MODELS: dict[str, type[Lenient]] = {
     "custom_tool_call_output": ToolOutputIn,
     "reasoning": ReasoningIn,
     "item_reference": ItemReferenceIn,
+    "compaction": CompactionIn,
+    "compaction_summary": CompactionIn,
 }
+
+# A control signal, not an item: only as the last input item of a create
+# request (``openai_responses.decode_request`` takes it off first).
+COMPACTION_TRIGGER = "compaction_trigger"
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
@@ -195,9 +211,12 @@ def decode_items(
     *,
     path: str = "input",
     resolve_reference: Any = None,
+    open_compaction: Any = None,
 ) -> list[Item]:
     """Input items -> neutral items. ``resolve_reference(id)`` turns an
-    ``item_reference`` into an item (stored items); without one it is a 400."""
+    ``item_reference`` into an item (stored items); without one it is a 400.
+    ``open_compaction(blob, id, where)`` expands a ``compaction`` item
+    (the server key); without one it is a 400 too."""
     if isinstance(raw, str):
         _check_text(raw, path, limits)
         return [Message(role="user", text=raw)]
@@ -210,6 +229,9 @@ def decode_items(
             raise invalid(f"Invalid item at '{where}': expected an object.", where)
         kind = tag(entry.get("type", "message"), f"{where}.type")
         model = _ITEM_MODELS.get(kind)
+        if kind == COMPACTION_TRIGGER:
+            raise invalid(f"'{where}': a compaction_trigger must be the last input item of a /v1/responses "
+                          "request.", f"{where}.type")
         if model is None:
             raise invalid(f"Unsupported input item type {kind!r} at '{where}'.", f"{where}.type")
         try:
@@ -224,6 +246,14 @@ def decode_items(
                     where,
                 )
             items.append(resolve_reference(parsed.id, where))
+            continue
+        if isinstance(parsed, CompactionIn):
+            if len(parsed.encrypted_content) > limits.max_text_chars:
+                raise invalid(f"'{where}.encrypted_content' is too long.", f"{where}.encrypted_content")
+            if open_compaction is None:
+                raise invalid(f"'{where}' is a compaction item, which only a /v1/responses request can expand.",
+                              where)
+            items.append(open_compaction(parsed.encrypted_content, parsed.id, where))
             continue
         items.append(_to_item(parsed, where, limits))
     return items

@@ -74,6 +74,10 @@ class LazyEngine:
             raise self._busy()
         return self._engine.count_tokens(conversation)
 
+    @property
+    def supports_prefill(self) -> bool:
+        return bool(getattr(self._engine, "supports_prefill", False))
+
     def stats(self) -> dict[str, Any]:
         if self._engine is not None and self.status == LOADED:
             return {**self._engine.stats(), "state": self.status}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from lmspd.config import DEFAULT_CTX
 from lmspd.engines.upstream.engine import UpstreamSpec
 
 __all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "load_config_file", "specs_from_settings"]
@@ -44,7 +45,7 @@ class LlamaSpec:
     # None: the id the model resolves to (the bundled model's own id).
     served_model: str | None = None
     model: str | None = None
-    ctx: int = 8192
+    ctx: int = DEFAULT_CTX
     threads: int | None = None
     # Sequences decoded together (continuous batching), each with the full ctx.
     parallel: int = 4
@@ -100,7 +101,7 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         model = entry.get("model")
         if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
             model = str((path.parent / model).resolve())
-        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", 8192), threads=entry.get("threads"),
+        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", DEFAULT_CTX), threads=entry.get("threads"),
                          parallel=entry.get("parallel", 4), chat_template=entry.get("chat_template"))
     urls = entry.pop("urls", None) or []
     if "url" in entry:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Iterable
 
 from starlette.requests import Request
@@ -13,6 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from lmspd.auth import Authenticator, Principal
 from lmspd.config import Settings
 from lmspd.core.errors import invalid
+from lmspd.core.sealing import Sealer
 from lmspd.core.limits import RequestLimits
 from lmspd.dialects import lmsp
 from lmspd.service import Service
@@ -30,6 +32,9 @@ class LmspdApp:
         self.store = store
         self.tasks = TaskManager(store)
         self.auth = Authenticator(settings.api_keys)
+        # The server key (the engine seals reasoning with the same one):
+        # compaction items are sealed and opened here.
+        self.sealer = Sealer.from_data_dir(Path(settings.data_dir))
 
     @property
     def limits(self) -> RequestLimits:

@@ -1,5 +1,6 @@
 """``GET /v1/models``: the served models, then the GGUF models found on this
-machine (lmspd.engines.llama.discovery) that are not served.
+machine (lmspd.engines.llama.discovery) that are not served; and
+``models``, the served ones as the catalog Codex reads.
 
 A found model is listed with ``"served": false``: ``lmspd serve --model
 NAME`` serves it. Found models never show a filesystem path over HTTP.
@@ -26,7 +27,8 @@ async def openai_models(request: Request) -> Response:
     principal(request, "responses:read")
     app = app_state(request)
     data: list[dict[str, Any]] = []
-    for m in app.service.models.values():
+    served_models = list(app.service.models.values())
+    for m in served_models:
         info = m.engine.info
         data.append({"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by,
                      "served": True, "context_window": info.context_window,
@@ -38,4 +40,35 @@ async def openai_models(request: Request) -> Response:
             continue
         data.append({"id": found["name"], "object": "model", "created": 0, "owned_by": found["source"],
                      "served": False, "context_window": found["context_length"], "gguf": found})
-    return json_reply({"object": "list", "data": data})
+    # Codex reads a model catalog from the same endpoint (``models``): without
+    # the true context window it would overfill the prompt (or compact too
+    # late). Only served models: Codex may pick any entry.
+    return json_reply({"object": "list", "data": data,
+                       "models": [codex_model_entry(m.engine.info) for m in served_models]})
+
+
+def codex_model_entry(info: Any) -> dict[str, Any]:
+    """One entry of Codex's ``models`` catalog (its ``ModelInfo``), truthful
+    where lmspd knows the answer; ``base_instructions`` is left to the client."""
+    return {
+        "slug": info.id,
+        "display_name": info.id,
+        "description": f"Served by lmspd ({info.owned_by}).",
+        "context_window": info.context_window,
+        "max_context_window": info.context_window,
+        "supported_reasoning_levels": [],
+        "default_reasoning_level": None,
+        "shell_type": "default",
+        "visibility": "list",
+        "supported_in_api": True,
+        "priority": 0,
+        "upgrade": None,
+        "supports_reasoning_summaries": bool(info.capabilities.get("reasoning")),
+        "support_verbosity": False,
+        "default_verbosity": None,
+        "apply_patch_tool_type": None,
+        "truncation_policy": {"mode": "tokens", "limit": max(1, info.context_window // 4)},
+        "supports_parallel_tool_calls": True,
+        "experimental_supported_tools": [],
+        "input_modalities": ["text"],
+    }

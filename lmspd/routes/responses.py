@@ -10,15 +10,18 @@ stream owned by this connection, or a background task that outlives it.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd import idempotency
+from lmspd import compaction, idempotency
 from lmspd.idempotency import Reply
 from lmspd.bodies import read_json_object
+from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
@@ -35,7 +38,7 @@ from lmspd.routes.common import (
     unless_disconnected,
 )
 from lmspd.service import Run
-from lmspd.streaming.session import ResponseState, StreamSession
+from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.tasks.manager import TERMINAL_EVENTS, task_request
 from lmspd.tasks.wire import follow_reply, task_json
 
@@ -67,32 +70,22 @@ async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) 
 
 async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, raw: dict,
                *, as_task: bool) -> Reply:
-    req = dialect.decode(raw, app.limits, context=StoredContext(app.store, owner))
-    req.conversation.session_key = session_key(request.headers)
-    background = as_task or req.background
-    if req.background and not req.store:
-        raise invalid("Background responses are stored: 'background: true' needs 'store: true' (the default).",
-                      "background")
-    model = req.conversation.model
-    # An OpenAI background response says it is queued until the model takes
-    # it; LMSP has no such status (its task object does).
-    status = "queued" if background and dialect is OPENAI else "in_progress"
-    state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
-    run = await app.service.begin(req.conversation, owner)
-    session = StreamSession(state, dialect.encoder())
-    record = ResponseRecord(app.store, owner, req.input_items, keep=req.store,
-                            previous_response_id=req.previous_response_id, conversation_id=req.conversation_id)
-    if background:
+    turn = await begin_turn(app, owner, dialect, raw, context=StoredContext(app.store, owner, app.sealer),
+                            queued=as_task or bool(raw.get("background")),
+                            session_header=session_key(request.headers))
+    req, run, session, record = turn.req, turn.run, turn.session, turn.record
+    if turn.background:
         return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
     # An engine that must reach its provider first does it now, so that a
     # refusal is still an HTTP error (a no-op for the embedded engine).
     if run.opens_first and not await unless_disconnected(request, run.open()):
         return Reply(Response(status_code=499))
     if req.stream:
-        return Reply(sse_reply(_stream(dialect, run, session, record), headers=dialect.headers))
-    if not await run_to_end(request, run.events(session)):
+        return Reply(sse_reply(_stream(dialect, turn), headers=dialect.headers))
+    if not await run_to_end(request, turn_events(turn)):
         return Reply(Response(status_code=499))
-    stored = _ended(record, state)
+    state = session.state
+    stored = turn.stored
     if state.status == "failed":
         raise ApiError(state.error["code"], state.error["message"])
     if not stored:
@@ -101,6 +94,82 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
                        "so it cannot be retrieved or continued from; retry once the server's storage recovers, "
                        "or send store: false.", headers={"Retry-After": "5"})
     return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+
+
+@dataclass
+class Turn:
+    """One response on its way: the decoded request, its admitted run, the
+    stream session that numbers its events and what it leaves in the store.
+    Transport-neutral: SSE, JSON, a task and a WebSocket all deliver one."""
+
+    dialect: Dialect
+    req: Any
+    run: Run
+    session: StreamSession
+    record: ResponseRecord
+    background: bool
+    # The window the model continues from (history + input), before the
+    # engine prepared it: a WebSocket connection keeps it as its latest state.
+    window: list[Item] = field(default_factory=list)
+    # False once storing the final state failed (``turn_events``).
+    stored: bool = True
+
+
+async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, context: Any,
+                     queued: bool = False, prefill_only: bool = False, session_header: str | None = None) -> Turn:
+    """Decode and admit (every refusal before any byte is sent).
+
+    ``context`` resolves ``previous_response_id``; a WebSocket connection's
+    context sets ``continued`` when it continued its own latest response
+    (``routes.websocket.Latest``). Such a response may exist only in that
+    connection (``store: false``): this one then stores that history with
+    its own input, so that it stands on its own in the store."""
+    req = dialect.decode(raw, app.limits, context=context)
+    continued = getattr(context, "continued", None)
+    background = queued or req.background
+    if req.background and not req.store:
+        raise invalid("Background responses are stored: 'background: true' needs 'store: true' (the default).",
+                      "background")
+    conversation = req.conversation
+    # The client's session header (``lmspd.dialects.session``): cache affinity.
+    conversation.session_key = session_header
+    conversation.prefill_only = prefill_only
+    conversation.continues_connection = continued is not None
+    model = conversation.model
+    # An OpenAI background response says it is queued until the model takes
+    # it; LMSP has no such status (its task object does).
+    status = "queued" if background and dialect is OPENAI else "in_progress"
+    state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
+    lead = await compaction.before_turn(app, owner, req, dialect) if dialect is OPENAI else None
+    if lead is not None:
+        conversation = lead.conversation
+    window = list(conversation.items)
+    run = await _begun(app.service.begin(conversation, owner)) if lead is None or lead.run is None else lead.run
+    session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else ())
+    previous = req.previous_response_id
+    input_items = req.input_items
+    if continued is not None and not continued.stored:
+        input_items, previous = list(continued.items) + input_items, None
+    record = ResponseRecord(app.store, owner, input_items, keep=req.store,
+                            previous_response_id=previous, conversation_id=req.conversation_id)
+    return Turn(dialect, req, run, session, record, background, window)
+
+
+async def _begun(begun: Any) -> Run:
+    # Service.begin may be (or become) a coroutine.
+    return await begun if inspect.isawaitable(begun) else begun
+
+
+async def turn_events(turn: Turn) -> AsyncIterator[WireEvent]:
+    """The turn's wire events, the same on every transport; the response is
+    stored before its terminal event leaves (a GET right after finds it);
+    if that fails the terminal event says ``store: false``."""
+    async for wire in turn.run.events(turn.session):
+        if wire[1] in TERMINAL_EVENTS and not _ended(turn.record, turn.session.state):
+            # The output is already whole: the end says it is not stored.
+            turn.stored = False
+            _mark_unstored(wire[2])
+        yield wire
 
 
 def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,
@@ -129,14 +198,10 @@ def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> Respon
     return follow_reply(app, owner, dialect, task_id, 0, ApiError(code, f"{task_id!r} not found."))
 
 
-async def _stream(dialect: Dialect, run: Run, session: StreamSession, record: ResponseRecord) -> AsyncIterator[bytes]:
+async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
     """A stream owned by this connection: if the client leaves, generation
     stops (LMSP §6.3) and nothing is stored."""
-    async for seq, name, data in run.events(session):
-        if name in TERMINAL_EVENTS:
-            # Stored before the client reads the end: a GET right after finds it.
-            if not _ended(record, session.state):
-                _mark_unstored(data)
+    async for seq, name, data in turn_events(turn):
         yield dialect.frame(seq, name, data)
     if dialect.trailer is not None:
         yield dialect.trailer
@@ -158,3 +223,31 @@ def _mark_unstored(data: dict) -> None:
     the event itself on LMSP) rather than failing an answer that is whole."""
     response = data.get("response")
     (response if isinstance(response, dict) else data)["store"] = False
+
+
+# -- the neighbours: compaction and token counting ------------------------------------
+
+
+async def openai_compact(request: Request) -> Response:
+    """``POST /v1/responses/compact`` (``lmspd.compaction``)."""
+    app = app_state(request)
+    who = principal(request, "responses:write")
+    raw = await read_json_object(request, app.limits)
+    body = await compaction.compact(app, who.owner, OPENAI, raw, StoredContext(app.store, who.owner, app.sealer))
+    return json_reply(body)
+
+
+async def openai_input_tokens(request: Request) -> Response:
+    """``POST /v1/responses/input_tokens``: what a create body's input
+    renders to, in the model's own tokens (tools and instructions included)."""
+    app = app_state(request)
+    who = principal(request, "responses:read")
+    raw = await read_json_object(request, app.limits)
+    if "model" not in raw and len(app.service.models) == 1:
+        raw = {**raw, "model": next(iter(app.service.models))}
+    body = {k: v for k, v in raw.items() if k not in ("stream", "stream_options", "background")}
+    req = OPENAI.decode({**body, "store": False}, app.limits,
+                        context=StoredContext(app.store, who.owner, app.sealer))
+    # Rendering and tokenizing are proportional to the input: off the event loop.
+    return json_reply({"object": "response.input_tokens",
+                       "input_tokens": await app.service.count_tokens(req.conversation)})

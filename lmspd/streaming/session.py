@@ -4,6 +4,11 @@ It turns an engine's neutral events into output items with stable ids and
 indexes, numbers the wire events, and guarantees exactly one terminal event.
 Dialect encoders (``lmspd.dialects``) only decide how each lifecycle step
 looks on their wire, or that it is not sent at all.
+
+It knows nothing of transports: its wire events are ``(sequence number,
+event name, data object)``, which SSE frames as ``event:``/``data:`` lines
+(``lmspd.streaming.sse``) and a WebSocket sends as one JSON text frame each
+(``lmspd.streaming.websocket``) — the same objects, the same numbers.
 """
 
 from __future__ import annotations
@@ -71,9 +76,12 @@ WireEvent = tuple[int, str, dict]
 class StreamSession:
     """Feeds engine events in, gets numbered wire events out."""
 
-    def __init__(self, state: ResponseState, encoder: Encoder) -> None:
+    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple = ()) -> None:
         self.state = state
         self._encoder = encoder
+        # Complete items the response starts with, emitted (added, done)
+        # right after it is in progress: a compaction item.
+        self._lead = list(lead)
         self._seq = encoder.first_sequence_number
         self._open_index: int | None = None  # index of the item receiving deltas
         self._calls: dict[int, int] = {}  # engine tool index -> output index
@@ -100,6 +108,7 @@ class StreamSession:
         if self.state.status == "queued":
             return out
         self._emit(out, "response.in_progress")
+        self._emit_lead(out)
         return out
 
     def begin_progress(self) -> list[WireEvent]:
@@ -107,7 +116,15 @@ class StreamSession:
         self.state.status = "in_progress"
         out: list[WireEvent] = []
         self._emit(out, "response.in_progress")
+        self._emit_lead(out)
         return out
+
+    def _emit_lead(self, out: list[WireEvent]) -> None:
+        for item in self._lead:
+            item.status = "completed"
+            index = self._add_item(out, item)
+            self._emit(out, "response.output_item.done", index=index, item=item)
+        self._lead = []
 
     def handle(self, event: EngineEvent) -> list[WireEvent]:
         if self.terminated:

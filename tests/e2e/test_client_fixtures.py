@@ -29,7 +29,8 @@ Codex's requests carry a ~20k-character developer prompt and ~8k characters
 of tool schemas: 8.2k-9.1k tokens in this model's fallback tool format, more
 than the shared server's 4096-token window and more than the model's 8192
 (llama.cpp runs past the trained length; only acceptance is checked). They
-run on their own server with a 10240-token window, paired so that the
+run on their own server with the default context window (no ``--ctx``: what
+``./dev.sh serve`` gives Codex out of the box), paired so that the
 second request of each pair reuses the first one's prefix from the KV cache,
 and that server keeps its disk checkpoints between runs (``CODEX_KV_DIR``).
 """
@@ -222,7 +223,7 @@ def codex_http():
         kv_dir.mkdir(parents=True, exist_ok=True)
     # No periodic checkpoints while prefilling (each would be up to ~200 MB):
     # the states saved when one is replaced and at shutdown are enough.
-    srv = ServerProcess("--ctx", "10240", "--kv-disk-dir", str(kv_dir), "--kv-disk-space-mb", "2048",
+    srv = ServerProcess("--kv-disk-dir", str(kv_dir), "--kv-disk-space-mb", "2048",
                         "--kv-checkpoint-every", "0").start()
     try:
         with httpx.Client(base_url=srv.url, timeout=1800) as client:

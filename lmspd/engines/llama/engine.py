@@ -79,6 +79,9 @@ class GenerationStats:
 
 
 class LlamaEngine:
+    # ``Conversation.prefill_only``: the prompt is evaluated and kept, nothing sampled.
+    supports_prefill = True
+
     def __init__(
         self,
         model_id: str,

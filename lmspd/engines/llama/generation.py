@@ -140,6 +140,24 @@ class Generation:
 
     # -- the end of a turn ----------------------------------------------------------
 
+    def keep_prefilled(self) -> None:
+        """``prefill_only`` (a ``generate: false`` turn): nothing is sampled;
+        the evaluated prompt becomes this sequence's remembered state under the
+        response id, so that the next turn continues it by
+        ``previous_response_id`` (or by its visible prefix)."""
+        self._finish_tokens()
+        conversation = self.prepared.conversation
+        self._remember_state(SessionState(
+            tokens=list(self.kv_tokens),
+            kv_text=self.plan.base_text,
+            visible=self.prepared.text,
+            items=list(conversation.items),
+            response_id=self.response_id,
+            owner=conversation.owner,
+        ))
+        self.emit(Finished("stop", self.usage))
+        self.done = True
+
     def _complete(self, last_token: int) -> list[int]:
         if self.stopped_by is None:
             tail = self.decoder.decode(b"", final=True) + self.stops.flush()

@@ -90,7 +90,9 @@ class Preparation:
         self._open_sealed_reasoning(conversation)
         requires_state = self._attach_live_history(conversation)
         n_ctx = self.n_ctx
-        text = self.render(conversation)
+        # A prefill-only prompt stops before the assistant's header: it is
+        # the prefix of the next turn's prompt, whatever that turn adds.
+        text = self.render(conversation, add_generation_prompt=not conversation.prefill_only)
         tokens = self.vocab.tokenize(text)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
@@ -133,7 +135,7 @@ class Preparation:
         def attempt(k: int) -> tuple[str, list[int]]:
             gone = set(droppable[:k])
             conversation.items = [item for i, item in enumerate(items) if i not in gone]
-            text = self.render(conversation)
+            text = self.render(conversation, add_generation_prompt=not conversation.prefill_only)
             return text, self.vocab.tokenize(text)
 
         lo, hi = 1, len(droppable)

@@ -162,7 +162,8 @@ class Scheduler:
     def _start(self, job: Job, plan: CachePlan) -> None:
         plan = self.cache.apply(plan, job.request)
         resident = self.cache.residents[plan.seq]
-        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep, cache_source=plan.source)
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
+                      cache_source=_reported_source(job, plan))
         seq = plan.seq
         try:
             gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,
@@ -294,6 +295,8 @@ class Scheduler:
                 return
             run.prefilling = False
             self._prefilled(run)
+            if run.job.prepared.conversation.prefill_only:
+                gen.keep_prefilled()
         if gen.done:
             if not run.pending:
                 self._release(run)
@@ -314,15 +317,17 @@ class Scheduler:
         stats = self.engine.stats_
         stats.generations += 1
         stats.prefilled_tokens += len(plan.suffix)
-        stats.last_cache_source = plan.source
+        source = _reported_source(run.job, plan)
+        stats.last_cache_source = source
         stats.last_cache_detail = plan.detail
         stats.last_reused_tokens = plan.keep
         stats.last_prefilled_tokens = len(plan.suffix)
         stats.last_prefill_ms = prefill_ms
         log.info(
-            "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f",
-            run.job.response_id, run.seq, plan.source, f" {plan.detail}" if plan.detail else "",
+            "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s",
+            run.job.response_id, run.seq, source, f" {plan.detail}" if plan.detail else "",
             plan.keep, len(plan.suffix), prefill_ms,
+            " prefill_only" if run.job.prepared.conversation.prefill_only else "",
         )
 
     def _release(self, run: Running) -> None:
@@ -355,6 +360,15 @@ class Scheduler:
             if self._running:
                 self._step()
         self.cache.save_all()
+
+
+def _reported_source(job: Job, plan: CachePlan) -> str:
+    """``connection``: the response-id rule continued the latest response of
+    the WebSocket connection the request came on (what a connection's KV
+    session is, until connections are pinned to sequences)."""
+    if plan.source == "response-id" and job.prepared.conversation.continues_connection:
+        return "connection"
+    return plan.source
 
 
 def _cancelled_event(cancel: CancelToken, usage: Usage) -> EngineEvent:

@@ -1,0 +1,174 @@
+"""A 12-turn agent loop over Responses WebSocket mode (only the new input
+each turn, ``previous_response_id`` = the connection's latest response)
+against the same loop over HTTP with full replay (the whole history every
+turn, as Codex does over SSE), on the same lmspd server in one run.
+
+Per turn: TTFT (request sent -> first ``response.output_text.delta``), the
+bytes the client sent, and where the engine's prefix came from
+(``cache_source`` from ``/health``). Both loops use ``store: false``,
+temperature 0 and the same instructions; each turn's new input is a user
+message carrying a simulated tool result (~130 tokens), so that the
+history grows as an agent's does. The loops run one after the other
+(HTTP first unless ``--ws-first``), each on its own conversation, so that
+neither evicts the other's KV state mid-loop.
+
+    .venv/bin/python bench/websocket.py            # 12 turns
+    .venv/bin/python bench/websocket.py --turns 6 --max-output 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import iter_sse, lmspd_server  # noqa: E402
+
+# Lines of simulated tool output per turn (~30 tokens each).
+LINES = 4
+INSTRUCTIONS = "You are a coding agent. Read the tool results and say in one short sentence what you will do next."
+
+
+def tool_result(loop: str, turn: int) -> str:
+    lines = [f"{loop}/src/module_{turn}.py line {i}: value_{turn}_{i} = compute({i}, {turn * i})"
+             for i in range(LINES)]
+    return f"Tool result of turn {turn} (cat {loop}/src/module_{turn}.py):\n" + "\n".join(lines)
+
+
+def request(model: str, items: Any, max_output: int, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "instructions": INSTRUCTIONS, "input": items, "temperature": 0,
+            "max_output_tokens": max_output, "store": False, **extra}
+
+
+def health(client: httpx.Client, model: str) -> dict[str, Any]:
+    return client.get("/health").json()["models"][model]
+
+
+def http_loop(client: httpx.Client, model: str, turns: int, max_output: int) -> list[dict[str, Any]]:
+    history: list[dict[str, Any]] = []
+    rows = []
+    for turn in range(1, turns + 1):
+        history.append({"role": "user", "content": tool_result("http", turn)})
+        body = json.dumps({**request(model, history, max_output), "stream": True}).encode()
+        started = time.perf_counter()
+        ttft = None
+        final = None
+        with client.stream("POST", "/v1/responses", content=body,
+                           headers={"Content-Type": "application/json"}) as r:
+            r.raise_for_status()
+            for event, data in iter_sse(r.iter_lines()):
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if ttft is None and ev["type"] == "response.output_text.delta":
+                    ttft = time.perf_counter() - started
+                if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                    final = ev["response"]
+        assert final is not None and final["status"] != "failed", final
+        history += final["output"]
+        rows.append(_row(turn, ttft, len(body), final, health(client, model)))
+        print("http", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def ws_loop(url: str, client: httpx.Client, model: str, turns: int, max_output: int) -> list[dict[str, Any]]:
+    rows = []
+    previous = None
+    with connect(url.replace("http://", "ws://", 1) + "/v1/responses", max_size=2**24) as ws:
+        for turn in range(1, turns + 1):
+            new = [{"role": "user", "content": tool_result("ws", turn)}]
+            extra = {"previous_response_id": previous} if previous else {}
+            frame = json.dumps({"type": "response.create", **request(model, new, max_output, **extra)})
+            started = time.perf_counter()
+            ws.send(frame)
+            ttft = None
+            while True:
+                ev = json.loads(ws.recv(timeout=600))
+                if ev["type"] == "error":
+                    raise RuntimeError(ev)
+                if ttft is None and ev["type"] == "response.output_text.delta":
+                    ttft = time.perf_counter() - started
+                if ev["type"] in ("response.completed", "response.incomplete", "response.failed"):
+                    final = ev["response"]
+                    break
+            assert final["status"] != "failed", final
+            previous = final["id"]
+            rows.append(_row(turn, ttft, len(frame.encode()), final, health(client, model)))
+            print("ws", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _row(turn: int, ttft: float | None, sent: int, final: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    usage = final["usage"]
+    return {"turn": turn, "ttft_ms": None if ttft is None else ttft * 1000, "sent_bytes": sent,
+            "input_tokens": usage["input_tokens"], "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+            "cache_source": stats["last_cache_source"], "prefilled": stats["last_prefilled_tokens"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--max-output", type=int, default=8)
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ws-first", action="store_true", help="run the WebSocket loop first")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row here")
+    args = parser.parse_args()
+
+    data_dir = Path(tempfile.mkdtemp(prefix="lmspd-bench-ws-"))
+    server = lmspd_server(None, args.ctx, args.threads, data_dir, data_dir / "server.log").start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            # Warm-up: load pages, compile graphs; not measured.
+            client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
+            order = ["ws", "http"] if args.ws_first else ["http", "ws"]
+            results: dict[str, list[dict[str, Any]]] = {}
+            for name in order:
+                results[name] = (ws_loop(server.url, client, model, args.turns, args.max_output) if name == "ws"
+                                 else http_loop(client, model, args.turns, args.max_output))
+    finally:
+        server.stop()
+    _print(results["http"], results["ws"])
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]]) -> None:
+    print("turn | HTTP TTFT ms | WS TTFT ms | WS/HTTP | HTTP sent B | WS sent B | HTTP cache (cached/input) | "
+          "WS cache (cached/input)")
+    print("---|---|---|---|---|---|---|---")
+    ratios = []
+    for h, w in zip(http, ws):
+        ratio = w["ttft_ms"] / h["ttft_ms"] if h["ttft_ms"] and w["ttft_ms"] else None
+        if ratio is not None:
+            ratios.append(ratio)
+        print(f"{h['turn']} | {_fmt(h['ttft_ms'])} | {_fmt(w['ttft_ms'])} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} | {h['sent_bytes']} | {w['sent_bytes']} | "
+              f"{h['cache_source']} {h['cached_tokens']}/{h['input_tokens']} | "
+              f"{w['cache_source']} {w['cached_tokens']}/{w['input_tokens']}")
+    if ratios:
+        print(f"\nWS/HTTP TTFT: median {statistics.median(ratios):.2f}x, "
+              f"turns where WS <= HTTP: {sum(r <= 1 for r in ratios)}/{len(ratios)}")
+    print(f"client bytes: HTTP {sum(h['sent_bytes'] for h in http)} total "
+          f"(turn 1 {http[0]['sent_bytes']}, turn {http[-1]['turn']} {http[-1]['sent_bytes']}); "
+          f"WS {sum(w['sent_bytes'] for w in ws)} total "
+          f"(turn 1 {ws[0]['sent_bytes']}, turn {ws[-1]['turn']} {ws[-1]['sent_bytes']})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The WebSocket framing of a stream session's wire events.
+
+Responses WebSocket mode sends each event as one text frame holding the
+exact JSON object an SSE ``data:`` line carries (same ``type``, same
+``sequence_number``), with no ``event:`` framing and no ``[DONE]``: a
+client would read ``[DONE]`` as the end of its *next* turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmspd.core.errors import ApiError
+from lmspd.streaming.sse import dumps
+
+
+def event_frame(data: dict[str, Any]) -> str:
+    return dumps(data)
+
+
+def error_frame(exc: ApiError) -> str:
+    return dumps(exc.websocket_event())
