@@ -83,7 +83,7 @@ async def summarize(app: "LmspdApp", owner: str, conversation: Conversation) -> 
         truncate=True,
         include_encrypted_reasoning=False,
         prefill_only=False,
-        continues_connection=False,
+        pin=None,  # a side request: it must not displace the connection's session
     )
     run = await _begun(app.service.begin(conv, owner))
     state = ResponseState(id=new_id("cmp"), model=conv.model)
@@ -122,7 +122,7 @@ async def before_turn(app: "LmspdApp", owner: str, req: Any, dialect: Any) -> Le
     summary, _ = await summarize(app, owner, conversation)
     made = compaction_message(app, summary, owner)
     reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
-                                  previous_response_id=None, continues_connection=False)
+                                  previous_response_id=None)
     log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
              "trigger" if req.compaction_trigger else f"threshold={threshold}")
     if not req.compaction_trigger:

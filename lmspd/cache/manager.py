@@ -7,6 +7,9 @@ context (their KV stays in place between turns), **sessions in RAM**
 checkpoints**. A request is matched in this order, the first rule that
 applies winning:
 
+0. the request came on an open connection (a WebSocket) and continues that
+   connection's latest response, still resident in the connection's
+   sequence: append only the new input there (``connection``);
 1. ``previous_response_id`` names a resident state, a RAM session or a disk
    checkpoint: continue from it (``response-id``);
 2. the first new item is a tool output for call ids a resident state
@@ -27,7 +30,10 @@ and finally a cold prefill (``cold``). Rules 2-5 run against every idle
 resident sequence of the request's owner; the longest continuation wins.
 
 A request that is no continuation goes to a free sequence, else to the
-least recently used idle one, whose state moves to RAM first. A state that
+least recently used idle one, whose state moves to RAM first; the
+sequences of open connections are taken last (the least recently used
+connection first), so a connection's session stays resident while other
+traffic comes and goes. A state that
 leaves RAM (over budget) is written to disk; so is every remembered state
 at shutdown. A running sequence is never evicted: with none idle, the
 request waits for the next step. So does a request whose shared prefix
@@ -49,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lmspd.core.conversation import Item, ToolOutput
+from lmspd.core.conversation import Item, SessionPin, ToolOutput
 
 from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
@@ -97,6 +103,8 @@ class CacheRequest:
     needs_reasoning_state: bool = False
     # Only states this owner's requests left are candidates.
     owner: str = "local"
+    # The open connection the request came on (rule 0, eviction order).
+    pin: SessionPin | None = None
 
 
 class CacheRefused(Exception):
@@ -135,6 +143,13 @@ class Resident:
     prompt: list[int] = field(default_factory=list)
     # A caller's hint that this sequence belongs to a session (reserved).
     session_key: str | None = None
+    # The connection whose session this sequence holds (see ``pinned``).
+    pin: SessionPin | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Held by a connection that is still open: evicted last."""
+        return self.pin is not None and self.pin.open
 
 
 @dataclass
@@ -235,6 +250,12 @@ class ContinuationCache:
                 return None
             return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
 
+        if req.pin is not None and req.previous_response_id:
+            for r in mine:
+                state = r.state
+                if (r.pin is req.pin and state.response_id == req.previous_response_id  # type: ignore[union-attr]
+                        and state.visible and req.text.startswith(state.visible)):  # type: ignore[union-attr]
+                    return self._fits(req, self._continue(req, state, "connection", r.seq))  # type: ignore[arg-type]
         if req.previous_response_id:
             for r in mine:
                 state = r.state
@@ -262,12 +283,13 @@ class ContinuationCache:
 
     def _target(self, idle: list[Resident]) -> Resident | None:
         """Where a request that continues no resident state goes: an empty
-        sequence, else the least recently used idle one."""
+        sequence, else the least recently used idle one that no open
+        connection holds, else the least recently used connection's."""
         usable = [r for r in idle if r.seq not in self._copying]
         for r in usable:
             if not r.tokens and r.state is None:
                 return r
-        return min(usable, key=lambda r: r.last_used, default=None)
+        return min(usable, key=lambda r: (r.pinned, r.last_used), default=None)
 
     def _match_resident(self, req: CacheRequest, r: Resident) -> CachePlan | None:
         state = r.state
@@ -448,6 +470,7 @@ class ContinuationCache:
         r.saved = False
         r.busy = True
         r.owner = req.owner
+        r.pin = req.pin
         r.prompt = r.tokens + plan.suffix
         r.last_used = time.monotonic()
         self._publish()
@@ -482,7 +505,7 @@ class ContinuationCache:
         """Forget what ``seq`` holds (its generation failed)."""
         r = self.residents[seq]
         self.ops.trim(seq, 0)
-        r.tokens, r.state, r.busy, r.saved, r.prompt = [], None, False, False, []
+        r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
         self._publish()
 
     def _evict(self, r: Resident) -> None:

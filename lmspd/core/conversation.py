@@ -121,6 +121,25 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
 
 
+class SessionPin:
+    """A client connection that is one KV session (a WebSocket on
+    ``/v1/responses``). While it is open an engine keeps the connection's
+    latest state where it is; once closed, that state is like any other.
+    Closed from the event loop, read by an engine's thread: a single flag."""
+
+    __slots__ = ("name", "open")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.open = True
+
+    def close(self) -> None:
+        self.open = False
+
+    def __repr__(self) -> str:
+        return f"SessionPin({self.name!r}, open={self.open})"
+
+
 @dataclass(slots=True)
 class Conversation:
     """Everything an engine needs to run one generation."""
@@ -166,10 +185,11 @@ class Conversation:
     # WebSocket ``generate: false`` warm-up, the window a compaction leaves).
     # An engine that cannot do this answers with an empty completed turn.
     prefill_only: bool = False
-    # ``previous_response_id`` is the latest response of the WebSocket
-    # connection this request came on: an engine that continues it may
-    # report ``cache_source=connection``.
-    continues_connection: bool = False
+    # The connection this request came on (a WebSocket): an engine keeps its
+    # session resident in preference to others while it is open, and
+    # continues the connection's latest response in place
+    # (``cache_source=connection``).
+    pin: SessionPin | None = None
 
 
 def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from lmspd import compaction, idempotency
 from lmspd.idempotency import Reply
 from lmspd.bodies import read_json_object
-from lmspd.core.conversation import Item
+from lmspd.core.conversation import Item, SessionPin
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
@@ -116,7 +116,8 @@ class Turn:
 
 
 async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, context: Any,
-                     queued: bool = False, prefill_only: bool = False, session_header: str | None = None) -> Turn:
+                     queued: bool = False, prefill_only: bool = False, session_header: str | None = None,
+                     pin: SessionPin | None = None) -> Turn:
     """Decode and admit (every refusal before any byte is sent).
 
     ``context`` resolves ``previous_response_id``; a WebSocket connection's
@@ -134,7 +135,7 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     # The client's session header (``lmspd.dialects.session``): cache affinity.
     conversation.session_key = session_header
     conversation.prefill_only = prefill_only
-    conversation.continues_connection = continued is not None
+    conversation.pin = pin
     model = conversation.model
     # An OpenAI background response says it is queued until the model takes
     # it; LMSP has no such status (its task object does).

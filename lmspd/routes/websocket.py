@@ -10,7 +10,10 @@ frame, never the connection.
 The connection remembers its latest response — the whole chain of input
 and output items, ``store: false`` included — in its own memory:
 ``previous_response_id`` naming it continues from it with only the new
-input, and the engine continues the KV it left (``cache_source=connection``).
+input, and the engine continues the KV it left in place
+(``cache_source=connection``): while the connection is open its session
+keeps its sequence (``lmspd.core.conversation.SessionPin``), and when
+sequences run out the least recently used connection's is the first to go.
 Another connection never sees that state: a ``store: false`` id from
 elsewhere is ``previous_response_not_found`` (stored responses are found in
 the store as over HTTP). A continuation that fails evicts the response it
@@ -34,8 +37,9 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from lmspd.bodies import parse_json_object
-from lmspd.core.conversation import Item
+from lmspd.core.conversation import Item, SessionPin
 from lmspd.core.errors import ApiError, invalid
+from lmspd.core.ids import new_id
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.session import session_key
 from lmspd.history import StoredContext
@@ -119,6 +123,7 @@ class Connection:
         self.owner = owner
         self.ws = ws
         self.latest: Latest | None = None
+        self.pin = SessionPin(new_id("ws"))
         self._turn: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
         self._deadline = time.monotonic() + app.settings.limits.websocket_max_age_s
@@ -145,6 +150,7 @@ class Connection:
         except WebSocketDisconnect:
             return
         finally:
+            self.pin.close()
             # The client left: a running turn stops generating.
             if self._turn is not None and not self._turn.done():
                 self._turn.cancel()
@@ -207,7 +213,8 @@ class Connection:
             if not isinstance(generate, bool):
                 raise invalid("'generate' must be a boolean.", "generate")
             turn = await begin_turn(self.app, self.owner, OPENAI, body, context=context,
-                                    prefill_only=not generate, session_header=session_key(self.ws.headers))
+                                    prefill_only=not generate, session_header=session_key(self.ws.headers),
+                                    pin=self.pin)
         except ApiError as exc:
             self._evict(previous)
             await self._error(exc)
@@ -224,8 +231,8 @@ class Connection:
             self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store)
         else:
             self._evict(previous)
-        log.info("websocket response=%s status=%s continued=%s", state.id, state.status,
-                 context.continued is not None)
+        log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,
+                 state.status, context.continued is not None)
 
     def _evict(self, previous: Any) -> None:
         if self.latest is not None and previous == self.latest.response_id:

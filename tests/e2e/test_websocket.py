@@ -203,3 +203,35 @@ def test_client_leaving_mid_turn_stops_generation(server):
     ws.close()
     server.wait_idle(timeout=30)
     assert stats(server)["last_output_tokens"] < 1000
+
+
+@pytest.fixture(scope="module")
+def two_sequences():
+    srv = ServerProcess("--ctx", "4096", "--parallel", "2").start()
+    yield srv
+    srv.stop()
+
+
+def test_an_open_connection_keeps_its_sequence_while_other_sessions_come_and_go(two_sequences):
+    """Two sequences, one held by an open connection, and three unrelated
+    HTTP sessions after it: least-recently-used eviction alone would move
+    the connection's session to RAM at the second of them; pinned, the
+    HTTP sessions share the other sequence and the connection's next turn
+    appends only its new input in place."""
+    server = two_sequences
+    with open_ws(server.url) as ws:
+        first = validate_openai_stream(create(ws, body(input="Name a colour.", store=False)))
+        for i in range(3):
+            r = httpx.post(f"{server.url}/v1/responses", timeout=120, json=body(
+                input=f"Unrelated session {i}: what is {i} plus {i}?", store=False))
+            assert r.status_code == 200, r.text
+        restores = stats(server)["cache"]["ram_restores"]
+        second = validate_openai_stream(create(ws, body(input="Name another one.", previous_response_id=first["id"],
+                                                        store=False)))
+        s = stats(server)
+        assert s["last_cache_source"] == "connection", s
+        assert s["cache"]["ram_restores"] == restores, "the connection's session never left its sequence"
+        assert second["usage"]["input_tokens_details"]["cached_tokens"] >= (
+            first["usage"]["input_tokens"] + first["usage"]["output_tokens"])
+    assert re.search(rf"generation response={second['id']} seq=\d+ cache_source=connection", server.log()), \
+        server.log()[-2000:]

