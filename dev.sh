@@ -44,6 +44,17 @@ if [ "${1:-}" = test ] && ! command -v chromium >/dev/null 2>&1 && command -v ap
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
+# The Codex CLI's end-to-end test drives the real client from npm; installed
+# for tests only, when npm is there (without it that test skips, saying so).
+CODEX_CLI=@openai/codex@0.171.0
+if [ "${1:-}" = test ] && command -v npm >/dev/null 2>&1 \
+   && ! grep -qs '"version": "0.171.0"' .tools/codex/node_modules/@openai/codex/package.json; then
+  say "installing the Codex CLI ($CODEX_CLI, for its end-to-end test)"
+  mkdir -p .tools/codex
+  npm install --silent --no-audit --no-fund --prefix .tools/codex "$CODEX_CLI" >/dev/null 2>&1 \
+    || say "could not install $CODEX_CLI: its end-to-end test will skip"
+fi
+
 stamp="$VENV/.lmspd-deps"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

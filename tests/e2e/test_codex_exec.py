@@ -1,0 +1,86 @@
+"""The Codex CLI itself (``codex exec``, the version ../shared/clients
+captured) against a server started with no flags but its port and data
+dir, as ``./dev.sh serve`` runs: one turn over HTTP, then one with the
+provider's WebSocket transport on, asserting from the server log which
+transport carried it.
+
+The CLI comes from npm (``./dev.sh test`` installs it into ``.tools/codex``
+when npm is there; ``LMSPD_CODEX`` names another binary). The model is the
+bundled 135M one, so what it says is not checked: only that Codex's turn
+completes with a reply. Its shell runs read-only in a scratch directory,
+in case the model calls a tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.server import MODEL, ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+CODEX = Path(os.environ.get("LMSPD_CODEX", ROOT / ".tools/codex/node_modules/.bin/codex"))
+# Codex's first request is ~9k tokens, prefilled on two CPU cores.
+TURN_TIMEOUT_S = 900
+
+pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"the Codex CLI is not installed at {CODEX} "
+                                                           "(./dev.sh test installs it when npm is available)")
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    srv = ServerProcess().start()
+    yield srv
+    srv.stop()
+
+
+def codex_exec(server: ServerProcess, tmp_path: Path, *, websockets: bool) -> list[dict]:
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(f"""
+model = "{MODEL}"
+model_provider = "lmspd"
+approval_policy = "never"
+sandbox_mode = "read-only"
+
+[model_providers.lmspd]
+name = "lmspd"
+base_url = "{server.url}/v1"
+env_key = "LMSPD_API_KEY"
+wire_api = "responses"
+supports_websockets = {str(websockets).lower()}
+request_max_retries = 0
+stream_max_retries = 0
+stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
+""")
+    env = {**os.environ, "CODEX_HOME": str(home), "LMSPD_API_KEY": "unused-on-loopback"}
+    done = subprocess.run(
+        [str(CODEX), "exec", "--skip-git-repo-check", "--json", "--ephemeral", "Say hello in one short sentence."],
+        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    kinds = [e["type"] for e in events]
+    assert "turn.completed" in kinds and "turn.failed" not in kinds, events
+    replies = [e["item"] for e in events if e["type"] == "item.completed" and e["item"].get("type") == "agent_message"]
+    assert replies and any(r.get("text", "").strip() for r in replies), events
+    return events
+
+
+def test_codex_exec_over_http(default_server, tmp_path):
+    before = default_server.log()
+    codex_exec(default_server, tmp_path, websockets=False)
+    new = default_server.log()[len(before):]
+    assert re.search(r"generation response=resp_\w+ seq=\d+ cache_source=", new), new[-3000:]
+    assert "websocket connection=" not in new
+
+
+def test_codex_exec_over_websocket(default_server, tmp_path):
+    before = default_server.log()
+    codex_exec(default_server, tmp_path, websockets=True)
+    new = default_server.log()[len(before):]
+    assert re.search(r"websocket connection=ws_\w+ response=resp_\w+ status=(completed|incomplete)", new), new[-3000:]
