@@ -163,3 +163,28 @@ def test_structured_output(client):
     final = streamed(client, input="Name a city and its population as JSON.", text={"format": CITY_SCHEMA},
                      max_output_tokens=48, temperature=0)
     assert final["output"][0]["content"][0]["text"] == resp.output_text
+
+
+def test_compaction_through_the_provider(lmspd):
+    """The upstream engine compacts as the local one does: the summary is a
+    request to the provider, sealed into the compaction item, and the
+    compact output is the base input of a new chain on the same model."""
+    window = [{"role": "user", "content": "My name is Ada and I am writing a parser in Rust."},
+              {"role": "assistant", "content": "Nice to meet you, Ada. Which grammar?"},
+              {"role": "user", "content": "A JSON subset."}]
+    with httpx.Client(base_url=lmspd.url, timeout=600) as http:
+        r = http.post("/v1/responses/compact", json={"model": UPSTREAM, "input": window})
+        assert r.status_code == 200, r.text
+        output = r.json()["output"]
+        (item,) = [i for i in output if i["type"] == "compaction"]
+        assert output[-1] is item and len(item["encrypted_content"]) > 40 and "Ada" not in item["encrypted_content"]
+        assert [i["content"][0]["text"] for i in output[:-1]] == [window[0]["content"], window[2]["content"]]
+        nxt = http.post("/v1/responses", json={"model": UPSTREAM, "max_output_tokens": 12, "temperature": 0,
+                                               "input": output + [{"role": "user", "content": "What is my name?"}]})
+        assert nxt.status_code == 200, nxt.text
+        assert nxt.json()["status"] in ("completed", "incomplete")
+        # A tampered item is refused by name, as for the local engine.
+        blob = item["encrypted_content"]
+        bad = dict(item, encrypted_content=blob[:20] + ("A" if blob[20] != "A" else "B") + blob[21:])
+        r = http.post("/v1/responses", json={"model": UPSTREAM, "input": [bad]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].encrypted_content", r.text
