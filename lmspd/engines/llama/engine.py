@@ -272,6 +272,7 @@ class LlamaEngine:
             "last_output_tokens": s.last_output_tokens,
             "parallel": self.parallel,
             "active_sequences": self.scheduler.active,
+            "prefilling": self.scheduler.prefills(),
             "sequences": self.cache.sequences(),
             "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
                       "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,
