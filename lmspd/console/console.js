@@ -312,6 +312,16 @@ async function refreshEngine() {
       ["disk tier", `${c.disk_checkpoints ?? 0} checkpoints · ${mib(c.disk_bytes)} of ${mib(c.disk_budget_bytes)}`],
       ["last", m.last.last_cache_source ? `${m.last.last_cache_source} · reused ${m.last.last_reused_tokens} · prefilled ${m.last.last_prefilled_tokens}` : "-"],
     ]);
+    for (const p of m.prefilling || []) {
+      // A long prompt being evaluated: tokens done of its total, live.
+      const row = part(card, "prefill", "");
+      const pct = p.total ? Math.floor((100 * p.done) / p.total) : 100;
+      part(row, "prefill-text", `prefilling seq ${p.seq} (${p.owner}): ${p.done} / ${p.total} tokens (${pct}%)` +
+        (p.reused ? ` · ${p.reused} reused` : ""));
+      const bar = document.createElement("progress");
+      bar.max = p.total || 1; bar.value = p.done;
+      row.appendChild(bar);
+    }
     if (m.sessions.length) {
       const table = document.createElement("table");
       table.className = "small";

@@ -271,7 +271,9 @@ class ModelRegistry:
 
 def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> LazyEngine:
     """A local GGUF as a lazy engine: its info from the header, its cost
-    the file plus a KV estimate for ``spec.ctx`` tokens."""
+    the file plus a KV estimate for ``spec.ctx`` tokens in each of its
+    ``spec.parallel`` sequences (the engine gives every sequence the full
+    window: ``LlamaEngine`` allocates ``ctx * parallel`` KV cells)."""
     from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.gguf import GGUFError, read_gguf
     from lmspd.engines.llama.models import resolve_model
@@ -288,12 +290,13 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
         "reasoning": header.capabilities["reasoning"]})
-    cost = path.stat().st_size + kv_bytes_estimate(header.metadata, ctx)
+    cost = path.stat().st_size + kv_bytes_estimate(header.metadata, ctx, sequences=max(1, spec.parallel))
     return registry.add(info, lambda: build_engine(spec, settings), cost)
 
 
-def kv_bytes_estimate(meta: dict[str, Any], ctx: int) -> int:
-    """f16 K and V for every layer and position (0 when the header lacks the shape)."""
+def kv_bytes_estimate(meta: dict[str, Any], ctx: int, sequences: int = 1) -> int:
+    """f16 K and V for every layer and position of ``sequences`` windows of
+    ``ctx`` tokens (0 when the header lacks the shape)."""
     arch = meta.get("general.architecture")
     layers = meta.get(f"{arch}.block_count")
     width = meta.get(f"{arch}.embedding_length")
@@ -301,4 +304,4 @@ def kv_bytes_estimate(meta: dict[str, Any], ctx: int) -> int:
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     if not all(isinstance(v, int) and v > 0 for v in (layers, width, heads, kv_heads)):
         return 0
-    return 2 * 2 * layers * ctx * kv_heads * (width // heads)
+    return 2 * 2 * layers * ctx * sequences * kv_heads * (width // heads)

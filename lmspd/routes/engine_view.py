@@ -2,7 +2,8 @@
 doing, for the web console's engine view (scope ``admin`` when keys are set).
 
 Per model: queue, cache tiers with their budgets, resident sequences or
-sessions (when the engine's ``stats()`` lists them), and the last
+sessions (when the engine's ``stats()`` lists them), the prefills under way
+(tokens done of the prompt each one evaluates), and the last
 generations the service observed (lmspd.metrics). Owners never appear in
 the clear: each is a short tag, stable for the process, that tells two
 agents apart without naming a credential.
@@ -45,6 +46,9 @@ def model_view(model_id: str, served: Any, limits: Any) -> dict[str, Any]:
     sessions = stats.get("sequences") or stats.get("sessions") or []
     if not isinstance(sessions, list):
         sessions = []
+    prefilling = stats.get("prefilling") or []
+    if not isinstance(prefilling, list):
+        prefilling = []
     info = served.engine.info
     view = {
         "id": model_id,
@@ -55,6 +59,8 @@ def model_view(model_id: str, served: Any, limits: Any) -> dict[str, Any]:
         "generations": stats.get("generations", 0),
         "cache": stats.get("cache"),
         "sessions": [_redacted(s) for s in sessions[:MAX_SESSIONS]],
+        # Prefills under way: {seq, owner tag, done, total, reused, elapsed_ms}.
+        "prefilling": [_redacted(p) for p in prefilling[:MAX_SESSIONS]],
         "last": {k: stats[k] for k in ("last_cache_source", "last_cache_detail", "last_reused_tokens",
                                        "last_prefilled_tokens", "last_prefill_ms", "last_output_tokens")
                  if k in stats},

@@ -136,3 +136,33 @@ def test_with_a_key_the_page_asks_and_keeps_it_in_the_tab(keyed_server, browser,
     finally:
         context.close()
     assert blocked == [] and errors == []
+
+
+def test_engine_view_shows_a_long_prefill_live(server, browser, tmp_path):
+    """While a ~3,000-token prompt is evaluated, the engine view shows its
+    progress (tokens done of the total) and a progress bar; it is gone after."""
+    import threading
+
+    from test_prefill_progress import long_prompt
+
+    context, page, blocked, errors = open_console(browser, server.url)
+    try:
+        page.click("button.tab[data-tab=engine]")
+        page.wait_for_selector("#engine-models .card")
+        body = {"model": "smollm2-135m-instruct", "input": long_prompt(), "max_output_tokens": 1}
+        sender = threading.Thread(target=lambda: httpx.post(server.url + "/v1/responses", json=body, timeout=600))
+        sender.start()
+        try:
+            text = page.locator("#engine-models .prefill-text").first
+            expect(text).to_contain_text(re.compile(r"prefilling seq \d+ \([0-9a-f]{6}\): \d+ / \d+ tokens"))
+            done, total = map(int, re.search(r"(\d+) / (\d+) tokens", text.text_content()).groups())
+            assert 0 <= done <= total and total > 2000
+            assert page.locator("#engine-models .prefill progress").count() >= 1
+            page.screenshot(path=str(tmp_path / "prefill.png"), full_page=True)
+        finally:
+            sender.join()
+        expect(page.locator("#engine-models .prefill")).to_have_count(0)
+    finally:
+        context.close()
+    assert blocked == [], blocked
+    assert errors == [], errors

@@ -16,12 +16,14 @@ from lmspd.engines.llama.models import resolve_model
 from lmspd.engines.registry import kv_bytes_estimate
 
 CTX = 512
+PARALLEL = 2
 OTHER = "second-copy"
 
 
 def cost_mib() -> float:
+    """What the registry counts for one model: the file and the KV of every sequence."""
     path = resolve_model(None)[1]
-    return (path.stat().st_size + kv_bytes_estimate(read_gguf(path).metadata, CTX)) / 2**20
+    return (path.stat().st_size + kv_bytes_estimate(read_gguf(path).metadata, CTX, PARALLEL)) / 2**20
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def ask(srv, model: str, timeout: float = 180.0) -> tuple[httpx.Response, list[h
 def test_two_models_share_a_budget_that_fits_one(other_gguf):
     budget = int(cost_mib() * 1.5)
     srv = ServerProcess("--model", MODEL, "--model", str(other_gguf), "--ctx", str(CTX),
-                        "--models-max-mem", str(budget)).start()
+                        "--parallel", str(PARALLEL), "--models-max-mem", str(budget)).start()
     try:
         # Nothing loads at start.
         assert statuses(srv) == {MODEL: "unloaded", OTHER: "unloaded"}

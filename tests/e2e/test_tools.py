@@ -325,9 +325,11 @@ def custom_events(events: list[dict]) -> tuple[list[str], dict]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "known regression since llguidance (#14): under greedy decoding the model picks another "
-    "tokenization of the call opener and then repeats '<tool_name>Hi!' until max_output_tokens, "
-    "so the call ends incomplete instead of completed"))
+    "the bundled 135M model, not the grammar: offline (support.grammar_rig.ModelRig, the same "
+    "prompt and grammar) greedy decoding writes the opener in its canonical tokens, then "
+    "'<tool_name>Hi!</tool_name>' and a newline again and again; it does so whether or not the grammar also lets "
+    "end-of-turn close the input, and with reworded syntax hints it rambles instead. Forcing "
+    "llguidance's fast-forward tokens changes nothing (they are what it already picks)"))
 def test_custom_tool_free_text(http):
     note = {"type": "custom", "name": "note", "description": "Write a short note."}
     body = {"model": MODEL, "input": "Write a note saying hi.", "tools": [note],

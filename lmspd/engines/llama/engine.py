@@ -134,6 +134,12 @@ class LlamaEngine:
         self.template.client_text = ClientText.from_vocab(self.vocab.vocab)
         self.tool_format: ToolFormat = detect_tool_format(template_source)
         self.reasoning = ReasoningSyntax.detect(self.template)
+        # The markers the parsers read must reach them even where the model
+        # writes them as one special token (vocab.py); a model that does
+        # always gets the parser, so that its markup never becomes text.
+        reasoning_markers = (self.reasoning.open, self.reasoning.close) if self.reasoning else ()
+        self.parse_always = bool(self.vocab.show_markers(self.tool_format.markers))
+        self.vocab.show_markers(reasoning_markers)
         self.info = ModelInfo(
             id=model_id,
             context_window=self.n_ctx,
@@ -266,6 +272,7 @@ class LlamaEngine:
             "last_output_tokens": s.last_output_tokens,
             "parallel": self.parallel,
             "active_sequences": self.scheduler.active,
+            "prefilling": self.scheduler.prefills(),
             "sequences": self.cache.sequences(),
             "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
                       "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,

@@ -54,7 +54,8 @@ class Generation:
         self._remember_state = remember
         self.sampler = engine.preparation.sampler(prepared)
         self.parser: ToolCallParser | None = (
-            engine.tool_format.parser(prepared.tools, lambda: new_id("call")) if prepared.tools else None
+            engine.tool_format.parser(prepared.tools, lambda: new_id("call"))
+            if prepared.tools or engine.parse_always else None
         )
         self.text = ""  # visible text, for the transcript
         self.raw = bytearray()  # everything sampled, for the KV's text

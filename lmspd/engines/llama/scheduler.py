@@ -114,6 +114,21 @@ class Scheduler:
     def active(self) -> int:
         return len(self._running)
 
+    def prefills(self) -> list[dict[str, object]]:
+        """Running prefills, for the console's engine view: tokens done of
+        the prompt suffix this sequence evaluates (read racily from another
+        thread: a snapshot of numbers, never the tokens)."""
+        now = time.perf_counter()
+        out: list[dict[str, object]] = []
+        for run in list(self._running):
+            if not run.prefilling:
+                continue
+            total = len(run.plan.suffix)
+            out.append({"seq": run.seq, "owner": run.job.request.owner, "done": total - len(run.pending),
+                        "total": total, "reused": run.plan.keep,
+                        "elapsed_ms": round((now - run.started) * 1000)})
+        return out
+
     # -- the scheduler thread -------------------------------------------------------
 
     def _loop(self) -> None:

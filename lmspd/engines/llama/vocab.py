@@ -1,8 +1,20 @@
-"""Text <-> tokens for one model, with the per-token byte pieces cached."""
+"""Text <-> tokens for one model, with the per-token byte pieces cached.
+
+A sampled token's piece is rendered with special tokens *off*: a model's
+control tokens (``<|im_end|>``, ``<|eot_id|>``, a stray ``<|fim_prefix|>``)
+are structure, not answer, and must never reach the visible text. The one
+exception is the markers the active syntaxes read (``show_markers``): when a
+model writes Harmony's ``<|channel|>``/``<|message|>``/``<|call|>`` or
+Mistral's ``[TOOL_CALLS]`` as their single special token, the tool-call
+parser and the stop matcher must see that text — rendered empty, the call
+markup would vanish and its JSON body would leak as text. Those tokens
+alone are rendered with their text; the parsers never let markup through.
+"""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import llama_cpp
 from llama_cpp import _internals as internals
@@ -17,6 +29,8 @@ class Vocabulary:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        #: Special tokens whose text the output path keeps (``show_markers``).
+        self.shown: frozenset[int] = frozenset()
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
@@ -27,15 +41,45 @@ class Vocabulary:
     def detokenize(self, tokens: list[int]) -> str:
         return self._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")
 
+    def show_markers(self, markers: Iterable[str]) -> frozenset[int]:
+        """Render these markers' special tokens as their text in ``piece``.
+
+        A marker counts only where it is exactly one token that renders
+        empty with special tokens off (a marker spelled by ordinary tokens
+        already comes out as text). Returns the tokens now shown; call it
+        once, before generating (the piece cache is reset)."""
+        shown = set(self.shown)
+        for marker in markers:
+            if not marker:
+                continue
+            token = self._single_token(marker)
+            if token is None or self._render(token, special=False) != b"":
+                continue
+            if self._render(token, special=True) == marker.encode():
+                shown.add(token)
+        self.shown = frozenset(shown)
+        self._pieces.clear()
+        return self.shown
+
     def piece(self, token: int) -> bytes:
         """The bytes one sampled token adds to the output (cached: the hot loop asks per token)."""
         piece = self._pieces.get(token)
         if piece is None:
-            buf = self._piece_buf
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            piece = bytes(buf.raw[: max(n, 0)])
+            piece = self._render(token, special=token in self.shown)
             self._pieces[token] = piece
         return piece
+
+    def _single_token(self, text: str) -> int | None:
+        tokens = llama_tokenize(self.vocab, text)
+        return tokens[0] if len(tokens) == 1 else None
+
+    def _render(self, token: int, *, special: bool) -> bytes:
+        buf = self._piece_buf
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:  # longer than the buffer (a long user-defined token)
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return bytes(buf.raw[: max(n, 0)])
 
     def is_eog(self, token: int) -> bool:
         return llama_cpp.llama_vocab_is_eog(self.vocab, token)

@@ -4,7 +4,9 @@
     <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
-``analysis`` is reasoning (``ReasoningDelta``), ``final`` and a
+``analysis`` is reasoning (``ReasoningDelta``s, then one ``ReasoningDone``
+when its body ends — the order lmspd.core.events asks of every engine, so
+that the reasoning item is closed before a text or call item opens), ``final`` and a
 ``commentary`` message without a recipient are text, and a message whose
 recipient is ``functions.NAME`` (in the header, before or after the
 channel) is a call whose body is the JSON arguments. The header is markup:
@@ -14,7 +16,8 @@ it (``<|call|>`` and ``<|return|>`` are end-of-generation tokens, so the
 engine stops before the parser sees them).
 
 The markers are special tokens of the gpt-oss vocabulary; the parser
-expects them as text (the engine's detokenizer renders special tokens).
+expects them as text (the engine renders exactly these special tokens as
+text: ``Vocabulary.show_markers``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from lmspd.core.conversation import Tool, ToolCall, ToolOutput
-from lmspd.core.events import ReasoningDelta
+from lmspd.core.events import ReasoningDelta, ReasoningDone
 
 from .base import CallLayout, FormatName, ToolCallParser, ToolFormat, dumps, partial_suffix
 from .json_scan import Sink, ToolCallError
@@ -44,6 +47,7 @@ class HarmonyParser(ToolCallParser):
         self._kind = "text"  # reasoning | text | call
         self._sink: Sink | None = None
         self._fresh = False
+        self._reasoned = False  # this reasoning message has emitted a delta
 
     def _run(self, final: bool) -> None:
         while self._buf:
@@ -107,6 +111,7 @@ class HarmonyParser(ToolCallParser):
                 self._events[-1] = ReasoningDelta(last.text + text)
             else:
                 self._events.append(ReasoningDelta(text))
+            self._reasoned = True
         else:
             self._text(text)
 
@@ -115,6 +120,9 @@ class HarmonyParser(ToolCallParser):
             assert self._sink is not None
             self._done(self._sink.end())
             self._sink = None
+        elif self._kind == "reasoning" and self._reasoned:
+            self._events.append(ReasoningDone())
+            self._reasoned = False
         self._kind = "text"
 
 

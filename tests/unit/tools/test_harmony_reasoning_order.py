@@ -1,0 +1,79 @@
+"""Harmony's analysis channel keeps the engines' ordering contract
+(lmspd.core.events): every run of ``ReasoningDelta`` is closed by exactly one
+``ReasoningDone`` before any text or call item opens, and before the end,
+whatever the chunking of the model's output."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmspd.core.conversation import FunctionTool
+from lmspd.core.events import ReasoningDelta, ReasoningDone, TextDelta, ToolCallStarted
+from lmspd.engines.llama.tool_formats import HarmonyFormat
+
+TOOLS = [FunctionTool("get_weather", "Weather", {"type": "object", "properties": {"city": {"type": "string"}}})]
+A = "<|channel|>analysis<|message|>Think about Paris.<|end|>"
+A2 = "<|start|>assistant<|channel|>analysis<|message|>And again.<|end|>"
+C = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"P\"}"
+F = "<|start|>assistant<|channel|>final<|message|>Sunny."
+# Reasoning cut off by the end of the output (no <|end|>): finish() closes it.
+OUTPUTS = [A + F, A + A2 + F, A + C, A + F.replace("Sunny.", "") , "<|channel|>analysis<|message|>unfinished"]
+
+
+def _events(out: str, cuts: list[int]):
+    parser = HarmonyFormat(True).parser(TOOLS, lambda: "call_1")
+    points = sorted({min(c, len(out)) for c in cuts}) + [len(out)]
+    events, at = [], 0
+    for p in points:
+        events += parser.feed(out[at:p])
+        at = p
+    return events + parser.finish()
+
+
+def _check_order(events) -> int:
+    """The number of reasoning items; fails on a broken order."""
+    open_, items = False, 0
+    for e in events:
+        if isinstance(e, ReasoningDelta):
+            if not open_:
+                items += 1
+            open_ = True
+        elif isinstance(e, ReasoningDone):
+            assert open_, "ReasoningDone without a reasoning item"
+            open_ = False
+        else:
+            assert not open_, f"{type(e).__name__} while a reasoning item is open"
+    assert not open_, "the output ended with the reasoning item open"
+    return items
+
+
+def _shape(events) -> list[str]:
+    """Event kinds in order, a run of deltas counted once (chunking splits deltas)."""
+    kinds: list[str] = []
+    for e in events:
+        kind = type(e).__name__
+        if not (kind.endswith("Delta") and kinds and kinds[-1] == kind):
+            kinds.append(kind)
+    return kinds
+
+
+@settings(max_examples=200, deadline=None)
+@given(which=st.integers(0, len(OUTPUTS) - 1), cuts=st.lists(st.integers(0, 200), max_size=15))
+def test_reasoning_is_closed_before_anything_else(which: int, cuts: list[int]) -> None:
+    out = OUTPUTS[which]
+    events = _events(out, cuts)
+    assert _check_order(events) == out.count("analysis<|message|>")
+    whole = _events(out, [])
+    assert _shape(whole) == _shape(events)
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == \
+        "".join(e.text for e in whole if isinstance(e, ReasoningDelta))
+
+
+def test_done_comes_at_the_end_marker_not_later() -> None:
+    parser = HarmonyFormat(True).parser(TOOLS, lambda: "call_1")
+    events = parser.feed(A)
+    assert isinstance(events[-1], ReasoningDone), "the <|end|> closes the item at once"
+    later = parser.feed(F) + parser.finish()
+    assert [type(e) for e in later] == [TextDelta]
+    assert not any(isinstance(e, ToolCallStarted) for e in later)
