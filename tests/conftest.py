@@ -1,14 +1,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from support.server import ServerProcess  # noqa: E402
+from support.server import ServerProcess
 
 
 @pytest.fixture(scope="session")

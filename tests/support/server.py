@@ -18,6 +18,20 @@ MODEL = "smollm2-135m-instruct"
 URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
 
 
+# Set to a file path to get one line per ``lmspd serve`` launch (its flags
+# and the test that asked for it): how the suite's process count is measured.
+LAUNCH_LOG_ENV = "LMSPD_TEST_SERVER_LOG"
+
+
+def _log_launch(args: list[str]) -> None:
+    path = os.environ.get(LAUNCH_LOG_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{time.time():.3f}\t{test}\t{' '.join(args)}\n")
+
+
 class ServerProcess:
     def __init__(self, *args: str, data_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="lmspd-test-")
@@ -31,6 +45,7 @@ class ServerProcess:
     def start(self, timeout: float = 90.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
                "--log-level", "info", *self.args]
+        _log_launch(self.args)
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, **self.env},
