@@ -4,63 +4,21 @@ Requests go through httpx's ASGITransport, every layer of the app included."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
+from support.engine import MODEL, ScriptedEngine
 
 from lmspd.app import build_app
 from lmspd.config import Settings
-from lmspd.core.conversation import Conversation
-from lmspd.core.events import Finished, TextDelta, Usage
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
-from lmspd.engines.base import CancelToken, ModelInfo
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
 
-MODEL = "scripted"
-
-
-@dataclass
-class ScriptedPrepared:
-    conversation: Conversation
-    input_tokens: int = 3
-    response_id: str | None = None
-
-
-class ScriptedEngine:
-    """Answers every request with ``words``, ``delay_s`` apart."""
-
-    def __init__(self, words: tuple[str, ...] = ("Hello", " there"), delay_s: float = 0.0) -> None:
-        self.info = ModelInfo(id=MODEL, context_window=4096,
-                              capabilities={"streaming": True, "tools": True, "structured_output": True})
-        self.words = words
-        self.delay_s = delay_s
-        self.generations = 0
-        self.prepared = 0
-
-    def prepare(self, conversation: Conversation) -> ScriptedPrepared:
-        self.prepared += 1
-        return ScriptedPrepared(conversation)
-
-    async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken, response_id: str | None = None):
-        self.generations += 1
-        for word in self.words:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            yield TextDelta(word)
-        yield Finished("stop", Usage(input_tokens=3, output_tokens=len(self.words)))
-
-    def count_tokens(self, conversation: Conversation) -> int:
-        return 3
-
-    def stats(self) -> dict[str, Any]:
-        return {"generations": self.generations}
-
-    async def aclose(self) -> None:
-        pass
+# One scripted engine for all in-process tests (re-exported here, where the
+# app helpers are).
+__all__ = ["MODEL", "ScriptedEngine", "ThreadedServer", "client", "make_app", "with_queue"]
 
 
 def make_app(data_dir: Path, *, keys: list[str] | None = None, engine: ScriptedEngine | None = None,
