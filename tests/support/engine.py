@@ -38,7 +38,7 @@ Script = Callable[[Conversation], Iterable[EngineEvent]]
 
 
 class ScriptedEngine:
-    """Answers every request with ``words`` (or, given ``script``, with the
+    """Answers every request with ``words``, one token each (or, given ``script``, with the
     events ``script(conversation)`` returns), ``delay_s`` apart.
 
     ``usage`` and ``cache_source`` are reported on the terminal ``Finished``
@@ -62,18 +62,28 @@ class ScriptedEngine:
         self.generations = 0
         self.prepared = 0
         self.cancelled = 0
+        # Every conversation prepared, in order: what the core handed the
+        # engine (history resolved from previous_response_id, conversations,
+        # item references).
+        self.conversations: list[Conversation] = []
 
     def prepare(self, conversation: Conversation) -> ScriptedPrepared:
         self.prepared += 1
+        self.conversations.append(conversation)
         return ScriptedPrepared(conversation)
 
     def _events(self, conversation: Conversation) -> list[EngineEvent]:
         if self.script is not None:
             return list(self.script(conversation))
-        usage = self.usage or Usage(input_tokens=3, output_tokens=len(self.words))
+        # One word is one token: ``max_output_tokens`` cuts the reply as the
+        # model's token cap does (``length``).
+        cap = conversation.max_output_tokens
+        words = self.words if cap is None else self.words[:cap]
+        reason = "length" if len(words) < len(self.words) else "stop"
+        usage = self.usage or Usage(input_tokens=3, output_tokens=len(words))
         if self.cache_source is not None:
             usage = dataclasses.replace(usage, cache_source=self.cache_source)
-        return [*(TextDelta(w) for w in self.words), Finished("stop", usage)]
+        return [*(TextDelta(w) for w in words), Finished(reason, usage)]
 
     async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken, response_id: str | None = None):
         self.generations += 1

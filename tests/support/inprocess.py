@@ -4,10 +4,14 @@ Requests go through httpx's ASGITransport, every layer of the app included."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
+from starlette.testclient import TestClient
 from support.engine import MODEL, ScriptedEngine
 
 from lmspd.app import build_app
@@ -18,16 +22,51 @@ from lmspd.store.sqlite import SQLiteStore
 
 # One scripted engine for all in-process tests (re-exported here, where the
 # app helpers are).
-__all__ = ["MODEL", "ScriptedEngine", "ThreadedServer", "client", "make_app", "with_queue"]
+__all__ = ["MODEL", "InProcess", "ScriptedEngine", "ThreadedServer", "client", "make_app", "serving", "with_queue"]
 
 
 def make_app(data_dir: Path, *, keys: list[str] | None = None, engine: ScriptedEngine | None = None,
-             store: SQLiteStore | None = None, limits: Limits = DEFAULT_LIMITS):
-    settings = Settings(data_dir=Path(data_dir), api_keys=list(keys or []), limits=limits)
-    service = Service(settings.limits)
+             store: SQLiteStore | None = None, limits: Limits = DEFAULT_LIMITS, **settings: Any):
+    """The whole app over ``engine`` (a fresh ScriptedEngine by default) and
+    a real SQLite store; ``settings`` are more Settings fields (retention,
+    prune_interval_s, ...)."""
+    settings_ = Settings(data_dir=Path(data_dir), api_keys=list(keys or []), limits=limits, **settings)
+    service = Service(settings_.limits)
     service.add_engine(engine or ScriptedEngine())
-    store = store or SQLiteStore(Path(data_dir) / "lmspd.sqlite3")
-    return build_app(settings, service, store), store
+    store = store or SQLiteStore(Path(data_dir) / "lmspd.sqlite3", retention=settings_.retention)
+    return build_app(settings_, service, store), store
+
+
+@dataclass
+class InProcess:
+    """An app being served in this process (its lifespan running: recovery,
+    pruning, task drain at the end), a synchronous client on it, and the
+    scripted engine and store behind it."""
+
+    http: TestClient
+    engine: ScriptedEngine
+    store: SQLiteStore
+    app: Any
+
+    def generations(self) -> int:
+        return self.engine.generations
+
+    def as_(self, key: str | None) -> TestClient:
+        """Another client on the same app, with ``key`` as its bearer token."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return TestClient(self.app, base_url="http://lmspd.test", headers=headers)
+
+
+@contextmanager
+def serving(data_dir: Path, *, engine: ScriptedEngine | None = None, keys: list[str] | None = None,
+            key: str | None = None, **settings: Any) -> Iterator[InProcess]:
+    """``with serving(tmp_path) as app: app.http.post(...)``: the app, started
+    and stopped as ``lmspd serve`` starts and stops it."""
+    engine = engine or ScriptedEngine()
+    app, store = make_app(data_dir, keys=keys, engine=engine, **settings)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with TestClient(app, base_url="http://lmspd.test", headers=headers) as http:
+        yield InProcess(http, engine, store, app)
 
 
 def client(app, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
