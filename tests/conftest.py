@@ -4,7 +4,7 @@ import sys
 
 import httpx
 import pytest
-from support.server import ServerProcess
+from support.server import ALICE, BOB, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +35,17 @@ def small_server():
     one-deep queue, for tests about limits and queueing (cheap to fill,
     cheap to prefill)."""
     srv = ServerProcess("--ctx", "512", "--parallel", "1", "--max-queue", "1").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server():
+    """One real process that requires a key, shared by every test about
+    credentials against the real model (owners of KV state, the console's
+    key prompt, x-api-key, keys kept out of the log). Tests count
+    generations as differences, never from zero."""
+    srv = ServerProcess("--ctx", "1024", "--api-key", ALICE, "--api-key", BOB).start()
     yield srv
     srv.stop()
 

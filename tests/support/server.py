@@ -15,6 +15,8 @@ import httpx
 
 # The id the bundled model is served under.
 MODEL = "smollm2-135m-instruct"
+# The two credentials of the shared keyed process (tests/conftest.py: keyed_server).
+ALICE, BOB = "alice-key", "bob-key"
 URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
 
 
