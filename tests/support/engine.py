@@ -89,10 +89,6 @@ class ScriptedEngine:
         self.generations += 1
         prepared.response_id = response_id
         for event in self._events(prepared.conversation):
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            else:
-                await asyncio.sleep(0)  # a real engine yields to the loop between tokens
             if cancel.cancelled:
                 self.cancelled += 1
                 if cancel.reason == "shutdown":
@@ -101,6 +97,8 @@ class ScriptedEngine:
                     yield Finished("cancelled", Usage(input_tokens=3))
                 return
             yield event
+            # A real engine yields to the loop between tokens.
+            await asyncio.sleep(self.delay_s)
 
     def count_tokens(self, conversation: Conversation) -> int:
         return 3
