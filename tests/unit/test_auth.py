@@ -1,5 +1,5 @@
 """Bearer credentials (lmspd.auth): who is asking. Scopes per route are
-tested through the app in tests/unit/http/test_scopes.py."""
+tested through the app in tests/unit/routes/test_scopes.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 a declared Content-Length past the limit refused before reading, an
 undeclared (chunked) body cut off as soon as it passes the limit, and
 compressed bodies decoded within the same limit. (The JSON decoder itself:
-tests/unit/http/test_strict_json.py.)"""
+tests/unit/test_strict_json.py.)"""
 
 from __future__ import annotations
 
