@@ -21,8 +21,12 @@ def test_one_credential_never_continues_anothers_kv_state(keyed_server):
     cold (a cached-token count would reveal Alice's prompt), and a tool
     output for Alice's call finds no state for Bob to continue."""
     srv = keyed_server
-    alice = httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {ALICE}"})
-    bob = httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {BOB}"})
+    with httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {ALICE}"}) as alice, \
+            httpx.Client(base_url=srv.url, timeout=120, headers={"Authorization": f"Bearer {BOB}"}) as bob:
+        kv_state_stays_per_credential(srv, alice, bob)
+
+
+def kv_state_stays_per_credential(srv, alice: httpx.Client, bob: httpx.Client) -> None:
     srv.wait_idle()
 
     def usage(client, text: str) -> dict:

@@ -43,6 +43,7 @@ class ServerProcess:
         self.url = ""
         self.output: list[str] = []
         self._ready = threading.Event()
+        self._pump_thread: threading.Thread | None = None
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
@@ -52,7 +53,8 @@ class ServerProcess:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, **self.env},
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
         if not self._ready.wait(timeout) or not self.url:
             self.stop()
             raise RuntimeError("lmspd did not start:\n" + "".join(self.output[-50:]))
@@ -100,10 +102,18 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # The process is gone: the pump reads to EOF, then the pipe is
+        # closed here (left to the garbage collector it is a ResourceWarning).
+        if self._pump_thread is not None:
+            self._pump_thread.join(10)
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.stdout.close()
