@@ -78,6 +78,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.proc and self.proc.stdout is not None and not self.proc.stdout.closed and self.proc.poll() is not None:
+            self.proc.stdout.close()  # left to the garbage collector it is a ResourceWarning
         if getattr(self, "_log", None):
             self._log.close()
 
