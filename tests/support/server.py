@@ -115,5 +115,6 @@ class ServerProcess:
         # closed here (left to the garbage collector it is a ResourceWarning).
         if self._pump_thread is not None:
             self._pump_thread.join(10)
-        if self.proc.stdout is not None and not self.proc.stdout.closed:
+        pumping = self._pump_thread is not None and self._pump_thread.is_alive()
+        if self.proc.stdout is not None and not self.proc.stdout.closed and not pumping:
             self.proc.stdout.close()
