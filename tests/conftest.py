@@ -1,14 +1,10 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from support.server import ServerProcess  # noqa: E402
+from support.server import ALICE, BOB, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +35,17 @@ def small_server():
     one-deep queue, for tests about limits and queueing (cheap to fill,
     cheap to prefill)."""
     srv = ServerProcess("--ctx", "512", "--parallel", "1", "--max-queue", "1").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server():
+    """One real process that requires a key, shared by every test about
+    credentials against the real model (owners of KV state, the console's
+    key prompt, x-api-key, keys kept out of the log). Tests count
+    generations as differences, never from zero."""
+    srv = ServerProcess("--ctx", "1024", "--api-key", ALICE, "--api-key", BOB).start()
     yield srv
     srv.stop()
 

@@ -9,7 +9,6 @@ import httpx
 import pytest
 from support.server import MODEL
 from support.compat import check_anthropic_message, validate_anthropic_stream
-from support.server import ServerProcess
 from support.sse import parse_frames
 
 # This SDK version has no ``temperature`` argument; the API still takes it.
@@ -247,25 +246,23 @@ def test_sdk_raises_typed_errors(client):
         client.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
 
 
-def test_x_api_key_auth():
-    srv = ServerProcess("--ctx", "512", "--api-key", "sekrit-a").start()
-    try:
-        good = anthropic.Anthropic(base_url=srv.url, api_key="sekrit-a", max_retries=0, timeout=60)
-        assert good.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
-        message = good.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-        assert message.usage.output_tokens > 0
-        bad = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0, timeout=60)
-        with pytest.raises(anthropic.AuthenticationError) as info:
-            bad.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-        assert info.value.status_code == 401
-        assert info.value.body["error"]["type"] == "authentication_error"
-        # A stale Bearer token next to a valid x-api-key does not lock the client out.
-        both = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
-                          headers={"Authorization": "Bearer stale", "x-api-key": "sekrit-a"},
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-        assert both.status_code == 200, both.text
-        # Unknown /v1/messages routes answer in Anthropic's error shape too.
-        r = httpx.post(srv.url + "/v1/messages/batches", headers={"x-api-key": "sekrit-a"}, json={}, timeout=60)
-        assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
-    finally:
-        srv.stop()
+def test_x_api_key_auth(keyed_server):
+    """x-api-key and Bearer on the shared keyed process (tests/conftest.py)."""
+    srv = keyed_server
+    good = anthropic.Anthropic(base_url=srv.url, api_key="alice-key", max_retries=0, timeout=60)
+    assert good.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+    message = good.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert message.usage.output_tokens > 0
+    bad = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        bad.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 401
+    assert info.value.body["error"]["type"] == "authentication_error"
+    # A stale Bearer token next to a valid x-api-key does not lock the client out.
+    both = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
+                      headers={"Authorization": "Bearer stale", "x-api-key": "alice-key"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert both.status_code == 200, both.text
+    # Unknown /v1/messages routes answer in Anthropic's error shape too.
+    r = httpx.post(srv.url + "/v1/messages/batches", headers={"x-api-key": "alice-key"}, json={}, timeout=60)
+    assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"

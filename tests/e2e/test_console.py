@@ -13,7 +13,6 @@ import shutil
 
 import httpx
 import pytest
-from support.server import ServerProcess
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
@@ -111,13 +110,6 @@ def test_console_streams_continues_and_charts_the_cache(server, browser, tmp_pat
     print("screenshots in", tmp_path)
 
 
-@pytest.fixture(scope="module")
-def keyed_server():
-    srv = ServerProcess("--ctx", "1024", "--api-key", "console-key").start()
-    yield srv
-    srv.stop()
-
-
 def test_with_a_key_the_page_asks_and_keeps_it_in_the_tab(keyed_server, browser, tmp_path):
     assert httpx.get(keyed_server.url + "/lmsp/v1/engine", timeout=30).status_code == 401
     assert httpx.get(keyed_server.url + "/").status_code == 200  # the page itself is open
@@ -127,10 +119,10 @@ def test_with_a_key_the_page_asks_and_keeps_it_in_the_tab(keyed_server, browser,
         page.fill("#key-input", "wrong")
         page.click("#key-form button[type=submit]")
         page.wait_for_selector("#key-error:not([hidden])")
-        page.fill("#key-input", "console-key")
+        page.fill("#key-input", "alice-key")
         page.click("#key-form button[type=submit]")
         page.wait_for_selector("#model option", state="attached")
-        assert page.evaluate("sessionStorage.getItem('lmspd-api-key')") == "console-key"
+        assert page.evaluate("sessionStorage.getItem('lmspd-api-key')") == "alice-key"
         assert page.evaluate("localStorage.length") == 0
         page.screenshot(path=str(tmp_path / "keyed.png"))
     finally:

@@ -132,23 +132,22 @@ def test_sigterm_ends_streams_with_a_terminal_event():
         srv.stop()
 
 
-def test_api_keys_and_refusal_to_listen_openly():
-    srv = ServerProcess("--ctx", "512", "--api-key", "sekrit-1", "--api-key", "sekrit-2").start()
-    try:
-        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
-        r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
-        r = httpx.post(srv.url + "/lmsp/v1/responses", json=body, headers={"Authorization": "Bearer nope"},
+def test_api_keys_and_refusal_to_listen_openly(keyed_server):
+    srv = keyed_server
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+    before = srv.generations()
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    r = httpx.post(srv.url + "/lmsp/v1/responses", json=body, headers={"Authorization": "Bearer nope"},
+                   timeout=60)
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+    assert srv.generations() == before
+    for key in ("alice-key", "bob-key"):
+        r = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"},
                        timeout=60)
-        assert r.status_code == 401 and r.json()["code"] == "unauthorized"
-        assert srv.generations() == 0
-        for key in ("sekrit-1", "sekrit-2"):
-            r = httpx.post(srv.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"},
-                           timeout=60)
-            assert r.status_code == 200
-        assert "sekrit" not in srv.log(), "keys must never be logged"
-    finally:
-        srv.stop()
+        assert r.status_code == 200
+    assert srv.generations() == before + 2
+    assert "alice-key" not in srv.log() and "bob-key" not in srv.log(), "keys must never be logged"
     proc = subprocess.run([sys.executable, "-m", "lmspd", "serve", "--host", "0.0.0.0", "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--api-key" in proc.stderr

@@ -4,72 +4,69 @@ Requests go through httpx's ASGITransport, every layer of the app included."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+from starlette.testclient import TestClient
+from support.engine import MODEL, ScriptedEngine
 
 from lmspd.app import build_app
 from lmspd.config import Settings
-from lmspd.core.conversation import Conversation
-from lmspd.core.events import Finished, TextDelta, Usage
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
-from lmspd.engines.base import CancelToken, ModelInfo
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
 
-MODEL = "scripted"
-
-
-@dataclass
-class ScriptedPrepared:
-    conversation: Conversation
-    input_tokens: int = 3
-    response_id: str | None = None
-
-
-class ScriptedEngine:
-    """Answers every request with ``words``, ``delay_s`` apart."""
-
-    def __init__(self, words: tuple[str, ...] = ("Hello", " there"), delay_s: float = 0.0) -> None:
-        self.info = ModelInfo(id=MODEL, context_window=4096,
-                              capabilities={"streaming": True, "tools": True, "structured_output": True})
-        self.words = words
-        self.delay_s = delay_s
-        self.generations = 0
-        self.prepared = 0
-
-    def prepare(self, conversation: Conversation) -> ScriptedPrepared:
-        self.prepared += 1
-        return ScriptedPrepared(conversation)
-
-    async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken, response_id: str | None = None):
-        self.generations += 1
-        for word in self.words:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            yield TextDelta(word)
-        yield Finished("stop", Usage(input_tokens=3, output_tokens=len(self.words)))
-
-    def count_tokens(self, conversation: Conversation) -> int:
-        return 3
-
-    def stats(self) -> dict[str, Any]:
-        return {"generations": self.generations}
-
-    async def aclose(self) -> None:
-        pass
+# One scripted engine for all in-process tests (re-exported here, where the
+# app helpers are).
+__all__ = ["MODEL", "InProcess", "ScriptedEngine", "ThreadedServer", "client", "make_app", "serving", "with_queue"]
 
 
 def make_app(data_dir: Path, *, keys: list[str] | None = None, engine: ScriptedEngine | None = None,
-             store: SQLiteStore | None = None, limits: Limits = DEFAULT_LIMITS):
-    settings = Settings(data_dir=Path(data_dir), api_keys=list(keys or []), limits=limits)
-    service = Service(settings.limits)
+             store: SQLiteStore | None = None, limits: Limits = DEFAULT_LIMITS, **settings: Any):
+    """The whole app over ``engine`` (a fresh ScriptedEngine by default) and
+    a real SQLite store; ``settings`` are more Settings fields (retention,
+    prune_interval_s, ...)."""
+    settings_ = Settings(data_dir=Path(data_dir), api_keys=list(keys or []), limits=limits, **settings)
+    service = Service(settings_.limits)
     service.add_engine(engine or ScriptedEngine())
-    store = store or SQLiteStore(Path(data_dir) / "lmspd.sqlite3")
-    return build_app(settings, service, store), store
+    store = store or SQLiteStore(Path(data_dir) / "lmspd.sqlite3", retention=settings_.retention)
+    return build_app(settings_, service, store), store
+
+
+@dataclass
+class InProcess:
+    """An app being served in this process (its lifespan running: recovery,
+    pruning, task drain at the end), a synchronous client on it, and the
+    scripted engine and store behind it."""
+
+    http: TestClient
+    engine: ScriptedEngine
+    store: SQLiteStore
+    app: Any
+
+    def generations(self) -> int:
+        return self.engine.generations
+
+    def as_(self, key: str | None) -> TestClient:
+        """Another client on the same app, with ``key`` as its bearer token."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return TestClient(self.app, base_url="http://lmspd.test", headers=headers)
+
+
+@contextmanager
+def serving(data_dir: Path, *, engine: ScriptedEngine | None = None, keys: list[str] | None = None,
+            key: str | None = None, **settings: Any) -> Iterator[InProcess]:
+    """``with serving(tmp_path) as app: app.http.post(...)``: the app, started
+    and stopped as ``lmspd serve`` starts and stops it."""
+    engine = engine or ScriptedEngine()
+    app, store = make_app(data_dir, keys=keys, engine=engine, **settings)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with TestClient(app, base_url="http://lmspd.test", headers=headers) as http:
+        yield InProcess(http, engine, store, app)
 
 
 def client(app, headers: dict[str, str] | None = None) -> httpx.AsyncClient:

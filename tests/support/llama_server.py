@@ -49,7 +49,8 @@ class LlamaServer:
             [sys.executable, __file__, bundled_gguf(), str(self.ctx), str(self.threads)],
             stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
         if not self._ready.wait(timeout) or not self.base:
             self.stop()
             raise RuntimeError("llama-server (xllamacpp) did not start:\n" + self.log_path.read_text()[-3000:])
@@ -78,6 +79,11 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.proc and self.proc.poll() is not None and self.proc.stdout is not None:
+            # The pump reads to EOF first; a pipe left to the garbage collector is a ResourceWarning.
+            self._pump_thread.join(10)
+            if not self._pump_thread.is_alive():
+                self.proc.stdout.close()
         if getattr(self, "_log", None):
             self._log.close()
 

@@ -15,7 +15,23 @@ import httpx
 
 # The id the bundled model is served under.
 MODEL = "smollm2-135m-instruct"
+# The two credentials of the shared keyed process (tests/conftest.py: keyed_server).
+ALICE, BOB = "alice-key", "bob-key"
 URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
+
+
+# Set to a file path to get one line per ``lmspd serve`` launch (its flags
+# and the test that asked for it): how the suite's process count is measured.
+LAUNCH_LOG_ENV = "LMSPD_TEST_SERVER_LOG"
+
+
+def _log_launch(args: list[str]) -> None:
+    path = os.environ.get(LAUNCH_LOG_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{time.time():.3f}\t{test}\t{' '.join(args)}\n")
 
 
 class ServerProcess:
@@ -27,15 +43,18 @@ class ServerProcess:
         self.url = ""
         self.output: list[str] = []
         self._ready = threading.Event()
+        self._pump_thread: threading.Thread | None = None
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
                "--log-level", "info", *self.args]
+        _log_launch(self.args)
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, **self.env},
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
         if not self._ready.wait(timeout) or not self.url:
             self.stop()
             raise RuntimeError("lmspd did not start:\n" + "".join(self.output[-50:]))
@@ -83,10 +102,19 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # The process is gone: the pump reads to EOF, then the pipe is
+        # closed here (left to the garbage collector it is a ResourceWarning).
+        if self._pump_thread is not None:
+            self._pump_thread.join(10)
+        pumping = self._pump_thread is not None and self._pump_thread.is_alive()
+        if self.proc.stdout is not None and not self.proc.stdout.closed and not pumping:
+            self.proc.stdout.close()

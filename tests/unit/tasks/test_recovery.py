@@ -5,8 +5,6 @@ event) and ends the response as failed with the output it had."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +13,8 @@ from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI, Dialect
 from lmspd.store.base import TaskEvent, TaskRecord
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks.recovery import RESTART_MESSAGE, close_interrupted
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from support.sse import Frame  # noqa: E402
-from support.validate import validate_lmsp_stream, validate_openai_stream  # noqa: E402
+from support.sse import Frame
+from support.validate import validate_lmsp_stream, validate_openai_stream
 
 ENGINE_EVENTS = [
     TextDelta("Hello"), TextDelta(", world"),

@@ -13,42 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from lmspd.core.conversation import Conversation, Message
-from lmspd.core.events import Finished, TextDelta
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects.registry import LMSP
-from lmspd.engines.base import CancelToken, ModelInfo
 from lmspd.history import ResponseRecord
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks import manager as manager_module
 from lmspd.tasks.manager import TaskManager, task_request
+from support.engine import ScriptedEngine
 
 
-class CountingEngine:
+def CountingEngine(n: int) -> ScriptedEngine:
     """Emits ``n`` text deltas as fast as the consumer takes them."""
-
-    def __init__(self, n: int) -> None:
-        self.info = ModelInfo(id="m", context_window=100, capabilities={"streaming": True}, max_concurrency=4)
-        self.n = n
-
-    def prepare(self, conversation):
-        class P:
-            input_tokens = 1
-            response_id = None
-
-        return P()
-
-    async def generate(self, prepared, cancel: CancelToken, response_id=None):
-        for i in range(self.n):
-            if cancel.cancelled:
-                return
-            yield TextDelta(f"t{i} ")
-            await asyncio.sleep(0)
-        yield Finished("stop")
-
-    async def aclose(self):
-        pass
+    return ScriptedEngine(tuple(f"t{i} " for i in range(n)), model="m", context_window=100, max_concurrency=4,
+                          capabilities={"streaming": True})
 
 
 class WatchedStore:

@@ -22,7 +22,7 @@ from lmspd.engines.llama.tool_formats import (
     detect_tool_format,
 )
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
+TEMPLATES = Path(__file__).resolve().parents[4] / "fixtures" / "templates"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
            "required": ["city"]}
 TOOLS = [FunctionTool("get_weather", "Weather", WEATHER), CustomTool("apply_patch", "Patch")]

@@ -14,6 +14,16 @@ from lmspd.engines.upstream.client import ProviderClient, Timeouts
 from lmspd.engines.upstream.errors import UpstreamConnectionLost, UpstreamHTTPError, UpstreamTimeout
 from lmspd.engines.upstream.pool import EndpointPool
 
+# Allow-listed (see pyproject's filterwarnings): these raw-socket providers
+# break the connection mid-reply on purpose, and the sockets of a connection
+# aiohttp gave up on are closed by the garbage collector after the test's
+# loop has closed, which Python reports as ResourceWarnings.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning"),
+    pytest.mark.filterwarnings("ignore:loop is closed:ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 EVENT = b'data: {"choices":[]}\n\n'
 GOOD_CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)

@@ -1,0 +1,200 @@
+"""Background work through the whole app: LMSP tasks and OpenAI background
+responses — followed, dropped and resumed, several readers, cancel while
+running and while queued, 410 after the events expire (the task manager and
+its recovery; crashes and a second instance need real processes:
+tests/e2e/test_crash.py, test_multi_instance.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from openai import OpenAI
+from support.engine import MODEL, ScriptedEngine
+from support.follow import follow, openai_events, wait_for
+from support.inprocess import serving
+from support.sse import parse_frames
+from support.validate import validate_lmsp_stream, validate_openai_stream
+
+from lmspd.store.base import Retention
+
+# Long enough to be cancelled while it runs, short enough to wait for.
+LONG = tuple(f" w{i}" for i in range(2000))
+
+
+def task_body(**extra):
+    return {"model": MODEL, "input": "What is 2+2?", "temperature": 0, "max_output_tokens": 24, **extra}
+
+
+def finished(http, task_id):
+    task = http.get(f"/lmsp/v1/tasks/{task_id}").json()
+    return task if task["finished_at"] is not None else None
+
+
+def sdk(app) -> OpenAI:
+    # The openai SDK over the in-process app (TestClient is an httpx.Client).
+    return OpenAI(base_url="http://lmspd.test/v1", api_key="unused", http_client=app.http, max_retries=0)
+
+
+def test_task_followed_dropped_and_resumed(app, http):
+    r = http.post("/lmsp/v1/tasks", json=task_body())
+    assert r.status_code == 202, r.text
+    task = r.json()
+    assert r.headers["location"] == f"/lmsp/v1/tasks/{task['id']}" and r.headers["lmsp-version"] == "1.0"
+    assert task["object"] == "task" and task["status"] in ("queued", "in_progress")
+    events = f"/lmsp/v1/tasks/{task['id']}/events"
+
+    # A second reader follows the whole task while the first one drops.
+    whole: dict = {}
+    other = threading.Thread(target=lambda: whole.update(frames=follow(http, events)[1]))
+    other.start()
+
+    status, head, _ = follow(http, events, stop_after=3)
+    assert status == 200 and [f.id for f in head] == ["1", "2", "3"]
+    # Resumed three ways: the header, the query, and both (after wins).
+    _, by_header, _ = follow(http, events, headers={"Last-Event-ID": "3"})
+    _, by_query, _ = follow(http, events, params={"after": 3})
+    _, by_both, _ = follow(http, events, params={"after": 3}, headers={"Last-Event-ID": "1"})
+    other.join(60)
+
+    full = whole["frames"]
+    validate_lmsp_stream(full)
+    for resumed in (by_header, by_query, by_both):
+        assert resumed[0].id == "4", "exactly the events after 3: no gap, no duplicate"
+        assert [(f.id, f.event, f.data) for f in head + resumed] == [(f.id, f.event, f.data) for f in full]
+        validate_lmsp_stream(head + resumed)
+
+    done = wait_for(lambda: finished(http, task["id"]), timeout=10)
+    assert done["status"] == full[-1].json()["status"] and done["last_event_id"] == len(full)
+    assert done["result"]["output"] == validate_lmsp_stream(full)["output"]
+    assert app.generations() == 1, "readers never start or stop the task"
+    # After the last event there is nothing more, and the stream just ends.
+    status, rest, _ = follow(http, events, params={"after": len(full)})
+    assert status == 200 and rest == []
+    # An id that was never sent is a mistake, not something to wait for.
+    r = http.get(events, params={"after": len(full) + 1})
+    assert r.status_code == 400 and r.json()["param"] == "after"
+    r = http.get(events, headers={"Last-Event-ID": "x"})
+    assert r.status_code == 400 and r.json()["param"] == "Last-Event-ID"
+
+
+def test_task_created_with_stream_true_survives_its_client(http):
+    with http.stream("POST", "/lmsp/v1/tasks", json=task_body(stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        location = r.headers["location"]
+        head = []
+        for frame in parse_frames(r.iter_lines()):
+            head.append(frame)
+            if len(head) == 2:
+                break  # the client goes away; the task does not
+    _, rest, _ = follow(http, location + "/events", headers={"Last-Event-ID": "2"})
+    summary = validate_lmsp_stream(head + rest)
+    task = wait_for(lambda: finished(http, location.rsplit("/", 1)[1]), timeout=10)
+    assert task["result"]["output"] == summary["output"]
+
+
+def test_task_cancel_running_and_queued(tmp_path):
+    parallel = 2
+    engine = ScriptedEngine(LONG, delay_s=0.005, max_concurrency=parallel)
+    with serving(tmp_path, engine=engine) as app:
+        http = app.http
+        running = [http.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=4000)).json()
+                   for _ in range(parallel)]
+        queued = http.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=4000)).json()
+        for task in running:
+            follow(http, f"/lmsp/v1/tasks/{task['id']}/events", stop_after=3)
+        assert http.get(f"/lmsp/v1/tasks/{queued['id']}").json()["status"] == "queued"
+
+        r = http.post(f"/lmsp/v1/tasks/{queued['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+        for task in running:
+            r = http.post(f"/lmsp/v1/tasks/{task['id']}/cancel")
+            assert r.status_code == 200 and r.json()["status"] == "cancelled"
+            assert r.json()["result"]["status"] == "cancelled"
+
+        for task in (*running, queued):
+            _, frames, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
+            summary = validate_lmsp_stream(frames)
+            assert summary["terminal"] == "response.cancelled"
+        assert http.post(f"/lmsp/v1/tasks/{running[0]['id']}/cancel").json()["status"] == "cancelled"
+        assert app.generations() == parallel, "a task cancelled while queued never reaches the model"
+        assert engine.cancelled == parallel
+
+
+def test_openai_background_poll_resume_and_cancel(tmp_path):
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(8)), delay_s=0.002)
+    with serving(tmp_path, engine=engine) as app:
+        http, openai_client = app.http, sdk(app)
+        resp = openai_client.responses.create(**task_body(), background=True)
+        assert resp.status == "queued" and resp.background is True
+        done = wait_for(lambda: (r := openai_client.responses.retrieve(resp.id)).status
+                        not in ("queued", "in_progress") and r, timeout=10)
+        assert done.status in ("completed", "incomplete")
+
+        # The whole stream from the start, then resumed after sequence number 2.
+        _, frames, _ = follow(http, f"/v1/responses/{resp.id}", params={"stream": "true"})
+        events = openai_events(frames)
+        final = validate_openai_stream(events)
+        assert events[0]["response"]["status"] == "queued" and events[1]["type"] == "response.in_progress"
+        assert final == http.get(f"/v1/responses/{resp.id}").json()
+        _, frames, _ = follow(http, f"/v1/responses/{resp.id}", params={"stream": "true", "starting_after": 2})
+        assert openai_events(frames) == events[3:]
+        resumed = list(openai_client.responses.retrieve(resp.id, stream=True, starting_after=2))
+        assert [(e.type, e.sequence_number) for e in resumed] == \
+            [(e["type"], e["sequence_number"]) for e in events[3:]]
+
+        # Cancel a long one; polling then shows it cancelled, its stream ends.
+        engine.words, engine.delay_s = LONG, 0.005
+        long = openai_client.responses.create(**task_body(max_output_tokens=4000), background=True)
+        wait_for(lambda: openai_client.responses.retrieve(long.id).status == "in_progress", timeout=10)
+        cancelled = openai_client.responses.cancel(long.id)
+        assert cancelled.status == "cancelled"
+        assert openai_client.responses.retrieve(long.id).status == "cancelled"
+        _, frames, _ = follow(http, f"/v1/responses/{long.id}", params={"stream": "true"})
+        events = openai_events(frames)
+        assert validate_openai_stream(events)["status"] == "cancelled"
+        assert openai_client.responses.cancel(long.id).status == "cancelled"
+
+
+def test_openai_background_stream_and_rules(app, http):
+    events = [e.model_dump(mode="json") for e in
+              sdk(app).responses.create(**task_body(), background=True, stream=True)]
+    final = validate_openai_stream(events)
+    assert events[0]["response"]["status"] == "queued" and final["background"] is True
+
+    r = http.post("/v1/responses", json=task_body(background=True, store=False))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    plain = http.post("/v1/responses", json=task_body()).json()
+    r = http.get(f"/v1/responses/{plain['id']}", params={"stream": "true"})
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
+    assert http.post(f"/v1/responses/{plain['id']}/cancel").status_code == 400
+    r = http.get("/lmsp/v1/tasks/task_nope/events")
+    assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+    r = http.get(f"/lmsp/v1/tasks/{plain['id']}")
+    assert r.status_code == 404, "an OpenAI background response is not an LMSP task"
+
+
+def test_events_expire_with_410_but_the_result_stays(tmp_path):
+    with serving(tmp_path, retention=Retention(event_ttl_s=0.5), prune_interval_s=0.2) as app:
+        http = app.http
+        task = http.post("/lmsp/v1/tasks", json=task_body()).json()
+        _, full, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
+        validate_lmsp_stream(full)
+        gone = wait_for(lambda: finished(http, task["id"]) and
+                        http.get(f"/lmsp/v1/tasks/{task['id']}").json()["first_retained_event_id"] > len(full)
+                        and True, timeout=10)
+        assert gone
+        for params, headers in (({"after": 0}, {}), ({}, {"Last-Event-ID": "3"})):
+            r = http.get(f"/lmsp/v1/tasks/{task['id']}/events", params=params, headers=headers)
+            assert r.status_code == 410
+            assert r.json()["code"] == "event_history_expired"
+            assert r.headers["content-type"].startswith("application/problem+json")
+        result = http.get(f"/lmsp/v1/tasks/{task['id']}").json()
+        assert result["result"]["output"] == validate_lmsp_stream(full)["output"]
+
+        bg = http.post("/v1/responses", json=task_body(background=True)).json()
+        wait_for(lambda: http.get(f"/v1/responses/{bg['id']}").json()["status"] not in ("queued", "in_progress"),
+                 timeout=10)
+        time.sleep(1.0)
+        r = http.get(f"/v1/responses/{bg['id']}", params={"stream": "true", "starting_after": 0})
+        assert r.status_code == 410 and r.json()["error"]["code"] == "event_history_expired"

@@ -1,0 +1,103 @@
+"""The body reader (lmspd.bodies.read_json_object): the media type first,
+a declared Content-Length past the limit refused before reading, an
+undeclared (chunked) body cut off as soon as it passes the limit, and
+compressed bodies decoded within the same limit. (The JSON decoder itself:
+tests/unit/test_strict_json.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+
+import pytest
+from starlette.requests import Request
+
+from lmspd.bodies import read_json_object
+from lmspd.core.errors import ApiError
+from lmspd.core.limits import RequestLimits
+
+LIMITS = RequestLimits(max_body_bytes=1024)
+
+
+def read(chunks, *, content_type="application/json", length=None, encoding=None, limits=LIMITS, pulled=None):
+    headers = [(b"content-type", content_type.encode())] if content_type else []
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    if encoding:
+        headers.append((b"content-encoding", encoding.encode()))
+    pulled = [] if pulled is None else pulled
+
+    async def receive():
+        if len(pulled) < len(chunks):
+            pulled.append(chunks[len(pulled)])
+            return {"type": "http.request", "body": pulled[-1], "more_body": len(pulled) < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers, "query_string": b""}
+
+    async def go():
+        return await read_json_object(Request(scope, receive), limits)
+
+    return asyncio.run(go()), pulled
+
+
+def refused(*args, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        read(*args, **kwargs)
+    return info.value
+
+
+def test_a_body_in_pieces_is_one_object() -> None:
+    body, _ = read([b'{"a": ', b'[1, 2', b"]}"])
+    assert body == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize("media", ["application/json; charset=utf-8", "application/merge-patch+json",
+                                   "APPLICATION/JSON"])
+def test_json_media_types_are_accepted(media) -> None:
+    assert read([b"{}"], content_type=media)[0] == {}
+
+
+@pytest.mark.parametrize("media", ["text/plain", "", "application/x-www-form-urlencoded", "application/jsonx"])
+def test_other_media_types_are_415_before_reading(media) -> None:
+    with pytest.raises(ApiError) as info:
+        read([b"{}"], content_type=media)
+    assert info.value.code == "unsupported_media_type"
+
+
+def test_a_declared_length_past_the_limit_is_413_without_reading() -> None:
+    err = refused([b"{}"], length=2048)
+    assert err.code == "request_too_large"
+
+
+def test_a_bad_content_length_is_400() -> None:
+    assert refused([b"{}"], length="many").code == "invalid_request"
+
+
+def test_an_undeclared_body_stops_being_read_at_the_limit() -> None:
+    chunks = [b'{"a":"' + b"x" * 500] * 10
+    pulled: list[bytes] = []
+    with pytest.raises(ApiError) as info:
+        read(chunks, pulled=pulled)
+    assert info.value.code == "request_too_large"
+    assert len(pulled) == 3, "nothing is read past the chunk that crossed the limit"
+
+
+def test_a_body_exactly_at_the_limit_is_read() -> None:
+    raw = json.dumps({"a": "x" * (1024 - 9)}).encode()
+    assert len(raw) == 1024
+    assert read([raw])[0]["a"] == "x" * 1015
+
+
+def test_gzip_is_decoded_and_its_output_bounded_by_the_same_limit() -> None:
+    assert read([gzip.compress(b'{"a": 1}')], encoding="gzip")[0] == {"a": 1}
+    bomb = gzip.compress(b'{"a":"' + b"x" * 100_000 + b'"}')
+    assert len(bomb) < 1024
+    with pytest.raises(ApiError) as info:
+        read([bomb], encoding="gzip")
+    assert info.value.status == 413
+
+
+def test_not_an_object_is_400() -> None:
+    assert refused([b"[1]"]).code == "invalid_json"
