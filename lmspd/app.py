@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from lmspd import __version__
 from lmspd.config import Settings
@@ -24,9 +24,8 @@ from lmspd.core.errors import ApiError
 from lmspd.dialects import lmsp
 from lmspd.edge import EdgeMiddleware, error_reply
 from lmspd.metrics import RequestMetrics
-from lmspd.routes import conversations, responses, stored, websocket
 from lmspd.routes import console as console_routes
-from lmspd.routes import engine_view
+from lmspd.routes import conversations, engine_view, responses, stored, websocket
 from lmspd.routes import metrics as metrics_routes
 from lmspd.routes import models as model_routes
 from lmspd.routes import openapi as openapi_routes
@@ -128,7 +127,7 @@ async def lmsp_models(request: Request) -> Response:
 # -- assembly --------------------------------------------------------------------
 
 
-def state_routes() -> list[Route]:
+def state_routes() -> list[BaseRoute]:
     """Responses (both dialects), stored state, conversations and tasks."""
     rid = "/{response_id}"
     cid = "/v1/conversations/{conversation_id}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -82,7 +82,7 @@ class Attempt:
         self.store.idempotency_finish(self.owner, self.key, response.status_code, bytes(response.body), headers)
         return response
 
-    async def _recorded(self, chunks: AsyncIterator[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    async def _recorded(self, chunks: AsyncIterable[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
         sent: list[bytes] = []
         complete = False
         try:

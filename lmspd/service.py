@@ -9,8 +9,8 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation

@@ -411,7 +411,7 @@ class ChatEncoder:
             chunk["usage"] = None
         return chunk
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         if kind == "response.created":
             return "chunk", self._chunk(state, {"role": "assistant", "content": "", "refusal": None})
         if kind == "response.output_text.delta":
@@ -436,7 +436,7 @@ class ChatEncoder:
             return "error", ApiError(error["code"], error["message"]).openai()
         return None
 
-    def trailer(self, state: ResponseState) -> list[tuple[str, dict]]:
+    def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:
         """After the finish chunk: the usage-only chunk ``include_usage`` asks for."""
         if not self._include_usage or state.status not in ("completed", "incomplete"):
             return []

@@ -418,7 +418,7 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
     open_index: int | None = None
     for _, data in events:
         kind = data.get("type", "")
-        index = data.get("output_index")
+        index: Any = data.get("output_index")
         if "response" in data:
             output = state.output if state is not None else []
             state = state_from_json(data["response"])
@@ -437,10 +437,13 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
         elif kind == "response.content_part.added":
             open_index = index
         elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
-            item = state.output[index]
-            item.text = (item.text or "") + data["delta"]
+            text_item = state.output[index]
+            assert not isinstance(text_item, ToolCall)  # text deltas go to messages and reasoning
+            text_item.text = (text_item.text or "") + data["delta"]
         elif kind in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
-            state.output[index].payload += data["delta"]
+            call = state.output[index]
+            assert isinstance(call, ToolCall)
+            call.payload += data["delta"]
     if state is None:
         raise ValueError("the log has no response.created event")
     return state, open_index
@@ -456,17 +459,16 @@ class OpenAIEncoder:
         # when the client asked for summaries.
         self._summaries = summaries
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         if kind == "response.output_text.delta":
-            item = ctx["item"]
-            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": ctx["index"],
+            return kind, {"type": kind, "sequence_number": seq, "item_id": ctx["item"].id, "output_index": ctx["index"],
                           "content_index": 0, "delta": ctx["delta"], "logprobs": []}
         if kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
                     "response.failed", "response.cancelled", "response.queued"):
             name = "response.failed" if kind == "response.cancelled" else kind
             return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
-        index = ctx.get("index")
-        item = ctx.get("item")
+        index: Any = ctx.get("index")
+        item: Any = ctx.get("item")
         if kind in ("response.output_item.added", "response.output_item.done"):
             return kind, {"type": kind, "sequence_number": seq, "output_index": index, "item": item_json(item)}
         if kind == "response.content_part.added":

@@ -13,7 +13,7 @@ from . import lmsp, openai_responses
 
 # Rebuilds a response from its event log: (events, model, created_at) ->
 # (state, index of the item still open).
-Rebuild = Callable[[list[tuple[str, dict]], str, int], tuple[ResponseState, "int | None"]]
+Rebuild = Callable[[list[tuple[str, dict[str, Any]]], str, int], tuple[ResponseState, "int | None"]]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Dialect:
     encoder: Callable[[], Encoder]
     response_json: Callable[[ResponseState], dict[str, Any]]
     # One wire event as SSE: (wire seq, name, data) -> bytes.
-    frame: Callable[[int, str, dict], bytes]
+    frame: Callable[[int, str, dict[str, Any]], bytes]
     # What ends a stream after its terminal event (OpenAI's [DONE]).
     trailer: bytes | None
     headers: dict[str, str]

@@ -42,7 +42,7 @@ class CancelToken:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason: str = "cancelled"
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[], object]] = []
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._event.is_set():
@@ -51,7 +51,7 @@ class CancelToken:
             for callback in list(self._callbacks):
                 callback()
 
-    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call ``callback`` (on the cancelling thread) when cancelled, for an
         engine that waits on I/O rather than polling; returns its remover."""
         self._callbacks.append(callback)

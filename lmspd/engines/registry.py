@@ -113,7 +113,7 @@ class LazyEngine:
         return ApiError("model_loading", f"Model {self.info.id!r} {what}; retry shortly.",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _load_in_thread(self, done: Callable[[], None]) -> None:
+    def _load_in_thread(self, done: Callable[[], object]) -> None:
         self.status = LOADING
         self.error = None
         self.load_started = time.monotonic()
@@ -299,6 +299,7 @@ def kv_bytes_estimate(meta: dict[str, Any], ctx: int) -> int:
     width = meta.get(f"{arch}.embedding_length")
     heads = meta.get(f"{arch}.attention.head_count")
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    if not all(isinstance(v, int) and v > 0 for v in (layers, width, heads, kv_heads)):
+    if not (isinstance(layers, int) and isinstance(width, int) and isinstance(heads, int)
+            and isinstance(kv_heads, int) and min(layers, width, heads, kv_heads) > 0):
         return 0
     return 2 * 2 * layers * ctx * kv_heads * (width // heads)

@@ -14,8 +14,8 @@ from starlette.responses import Response, StreamingResponse
 from lmspd.auth import Authenticator, Principal
 from lmspd.config import Settings
 from lmspd.core.errors import invalid
-from lmspd.core.sealing import Sealer
 from lmspd.core.limits import RequestLimits
+from lmspd.core.sealing import Sealer
 from lmspd.dialects import lmsp
 from lmspd.service import Service
 from lmspd.store.base import Store

@@ -19,7 +19,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd import compaction, idempotency
-from lmspd.idempotency import Reply
 from lmspd.bodies import read_json_object
 from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
@@ -27,6 +26,7 @@ from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
+from lmspd.idempotency import Reply
 from lmspd.routes.common import (
     LmspdApp,
     app_state,
@@ -86,7 +86,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return Reply(Response(status_code=499))
     state = session.state
     stored = turn.stored
-    if state.status == "failed":
+    if state.status == "failed" and state.error is not None:
         raise ApiError(state.error["code"], state.error["message"])
     if not stored:
         # Never a 200 that claims store: true for a response nobody can read back.

@@ -43,7 +43,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 try:
     import psycopg
-    from psycopg import errors as pg_errors
     from psycopg.rows import dict_row
     from psycopg_pool import ConnectionPool
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -66,9 +65,9 @@ from lmspd.store.base import (
     IdempotencyBegin,
     InvalidCursor,
     LogCloser,
+    NotFound,
     NoticeCallback,
     Notices,
-    NotFound,
     Order,
     Page,
     Retention,
@@ -87,6 +86,14 @@ from lmspd.store.base import (
 log = logging.getLogger("lmspd.store")
 
 Conn = psycopg.Connection[dict[str, Any]]
+
+
+def _first(cursor: psycopg.Cursor[dict[str, Any]]) -> dict[str, Any]:
+    """The one row a statement always returns (an aggregate, a RETURNING)."""
+    row = cursor.fetchone()
+    if row is None:  # pragma: no cover - the statement always yields a row
+        raise StoreError("the database returned no row")
+    return row
 
 CHANNEL = "lmspd"
 
@@ -338,14 +345,14 @@ class PostgresStore:
         """One transaction: committed when the block ends, rolled back if it raises."""
         self._check_open()
         with self._pool.connection() as conn, conn.transaction():
-            yield conn
+            yield conn  # type: ignore[misc]  # the pool's row_factory is dict_row
 
     @contextlib.contextmanager
     def _single(self) -> Iterator[Conn]:
         """A connection for one statement (autocommit: no BEGIN/COMMIT round trips)."""
         self._check_open()
         with self._pool.connection() as conn:
-            yield conn
+            yield conn  # type: ignore[misc]  # the pool's row_factory is dict_row
 
     _write = _tx
     _read = _tx
@@ -566,11 +573,11 @@ class PostgresStore:
             ).fetchone()
             if row is None:
                 return False
-            input_bytes = conn.execute(
+            input_bytes = _first(conn.execute(
                 "SELECT COALESCE(SUM(octet_length(body)), 0) AS n FROM response_items "
                 "WHERE response_id = %s AND kind = 'input'",
                 (response_id,),
-            ).fetchone()["n"]
+            ))["n"]
             conn.execute(
                 "DELETE FROM response_items WHERE response_id = %s AND kind = 'output'",
                 (response_id,),
@@ -723,15 +730,15 @@ class PostgresStore:
         added = sum(_size(b) for b in bodies)
         # Reserve the positions in one statement: two instances appending to
         # one conversation get disjoint ranges.
-        end = conn.execute(
+        end = _first(conn.execute(
             "UPDATE conversations SET next_position = next_position + %s, bytes = bytes + %s, "
             "updated_at = %s WHERE id = %s RETURNING next_position",
             (len(stored), added, now, conversation_id),
-        ).fetchone()["next_position"]
+        ))["next_position"]
         start = end - len(stored)
         rows = [
             (conversation_id, start + offset, item["id"], body, _size(body))
-            for offset, (item, body) in enumerate(zip(stored, bodies))
+            for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))
         ]
         if rows:
             with conn.cursor() as cur:
@@ -766,6 +773,7 @@ class PostgresStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
             ).fetchone()
+        assert row is not None  # RETURNING/the row just written
         return self._conversation(row)
 
     def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
@@ -792,6 +800,7 @@ class PostgresStore:
                 "WHERE id = %s RETURNING *",
                 (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
             ).fetchone()
+        assert row is not None  # RETURNING/the row just written
         return self._conversation(row)
 
     def delete_conversation(self, owner: str, conversation_id: str) -> bool:
@@ -1107,6 +1116,7 @@ class PostgresStore:
                     "+ COALESCE(octet_length(result), 0) + %s WHERE id = %s RETURNING *",
                     (error, now, now, _size(error), task_id),
                 ).fetchone()
+                assert row is not None  # RETURNING/the row just written
                 task = self._task(row)
                 seq = task.last_seq + 1
                 if close_log is None:
@@ -1133,6 +1143,7 @@ class PostgresStore:
                             (result, _size(result), task_id),
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
+                assert row is not None  # RETURNING/the row just written
                 failed.append(self._task(row))
         return failed
 
@@ -1219,7 +1230,7 @@ class PostgresStore:
 
     @staticmethod
     def _over_budget(conn: Conn, sum_sql: str, candidates_sql: str, budget: int) -> list[str]:
-        total = conn.execute(sum_sql).fetchone()["n"]
+        total = _first(conn.execute(sum_sql))["n"]
         if total <= budget:
             return []
         victims: list[str] = []
@@ -1329,7 +1340,7 @@ class PostgresStore:
     def stats(self) -> dict[str, int]:
         with self._read() as conn:
             def one(sql: str) -> int:
-                return int(conn.execute(sql).fetchone()["n"])
+                return int(_first(conn.execute(sql))["n"])
 
             return {
                 "schema_version": one("SELECT version AS n FROM lmspd_schema"),

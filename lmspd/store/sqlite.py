@@ -40,6 +40,8 @@ from lmspd.store.base import (
     InvalidCursor,
     LogCloser,
     NotFound,
+    NoticeCallback,
+    Notices,
     Order,
     Page,
     Retention,
@@ -50,8 +52,6 @@ from lmspd.store.base import (
     TaskFinished,
     TaskRecord,
     TerminalEventBuilder,
-    Notices,
-    NoticeCallback,
     default_terminal_event,
     ensure_item_ids,
     new_instance_id,
@@ -1238,7 +1238,9 @@ class SQLiteStore:
 
     def stats(self) -> dict[str, int]:
         with self._read() as conn:
-            one = lambda sql: conn.execute(sql).fetchone()[0]  # noqa: E731
+            def one(sql: str) -> int:
+                return int(conn.execute(sql).fetchone()[0])
+
             return {
                 "schema_version": one("PRAGMA user_version"),
                 "responses": one("SELECT COUNT(*) FROM responses"),

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
@@ -385,7 +385,7 @@ class TaskManager:
             if not wakes:
                 del self._watchers[task_id]
 
-    def follow(self, owner: str, task_id: str, after: int) -> AsyncIterator[TaskEvent] | None:
+    def follow(self, owner: str, task_id: str, after: int) -> AsyncGenerator[TaskEvent, None] | None:
         """The task's events after store seq ``after``, then its live ones
         until the terminal event. ``None`` if the task is not found; raises
         ``EventsExpired`` here, before any byte is sent, if they were pruned."""
@@ -404,7 +404,7 @@ class TaskManager:
         return self._tail(owner, task_id, after, first, live, queue)
 
     async def _tail(self, owner: str, task_id: str, after: int, batch: list[TaskEvent],
-                    live: LiveTask | None, queue: asyncio.Queue[TaskEvent | None] | None) -> AsyncIterator[TaskEvent]:
+                    live: LiveTask | None, queue: asyncio.Queue[TaskEvent | None] | None) -> AsyncGenerator[TaskEvent, None]:
         last = after
         try:
             while batch:
@@ -413,7 +413,8 @@ class TaskManager:
                     last = event.seq
                     if event.event in TERMINAL_EVENTS:
                         return
-                batch = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []
+                more = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
+                batch = more or []
             if queue is None:
                 # Not running here: it runs on another instance (or ran, and
                 # a survivor is about to close it). Its log is all there is.
@@ -421,12 +422,13 @@ class TaskManager:
                     yield event
                 return
             while True:
-                event = await queue.get()
-                if event is None:
+                got = await queue.get()
+                if got is None:
                     # The run ended; anything we have not seen is stored.
                     for event in await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []:
                         yield event
                     return
+                event = got
                 if event.seq <= last:
                     continue  # already replayed from the store
                 yield event

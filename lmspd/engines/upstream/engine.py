@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,7 +234,7 @@ class UpstreamEngine:
                 try:
                     raw = await stream.next_chunk()
                 except StopAsyncIteration:
-                    events = bridge.close()
+                    events: Iterable[EngineEvent] = bridge.close()
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectionLost) and stream.endpoint.healthy:
                         # A dropped connection mid-stream is how a dying
