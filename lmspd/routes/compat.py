@@ -24,7 +24,7 @@ from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.common import rename_param
 from lmspd.dialects.session import session_key
-from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
+from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.sse import SSE_DONE, dumps, sse_event

@@ -20,8 +20,8 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.openai_responses import input_item_json
 from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.http import LmspdApp, app_state, json_reply, principal
 from lmspd.idempotency import Reply
-from lmspd.routes.common import LmspdApp, app_state, json_reply, principal
 from lmspd.routes.stored import list_json, page_params
 from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
 

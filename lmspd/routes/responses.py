@@ -26,8 +26,7 @@ from lmspd.core.ids import new_id
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
-from lmspd.idempotency import Reply
-from lmspd.routes.common import (
+from lmspd.http import (
     LmspdApp,
     app_state,
     json_reply,
@@ -37,10 +36,11 @@ from lmspd.routes.common import (
     sse_reply,
     unless_disconnected,
 )
+from lmspd.idempotency import Reply
+from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.tasks.manager import TERMINAL_EVENTS, task_request
-from lmspd.tasks.wire import follow_reply, task_json
 
 log = logging.getLogger("lmspd.http")
 

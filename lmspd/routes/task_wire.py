@@ -10,7 +10,7 @@ from starlette.responses import StreamingResponse
 
 from lmspd.core.errors import ApiError, invalid
 from lmspd.dialects.registry import LMSP, Dialect
-from lmspd.routes.common import LmspdApp, sse_reply
+from lmspd.http import LmspdApp, sse_reply
 from lmspd.store.base import EventsExpired, TaskRecord
 from lmspd.tasks.manager import TERMINAL_EVENTS, LiveTask
 
