@@ -50,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
+from lmspd.store import pruning
 from lmspd.store.base import (
     ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
@@ -63,7 +64,6 @@ from lmspd.store.base import (
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
-    InvalidCursor,
     LogCloser,
     NotFound,
     NoticeCallback,
@@ -82,6 +82,13 @@ from lmspd.store.base import (
     ensure_item_ids,
     new_instance_id,
 )
+from lmspd.store.paging import check_page_args as _check_page_args
+from lmspd.store.paging import page as _shared_page
+from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
+from lmspd.store.sql import Sql
+from lmspd.store.sql import dumps as _dumps
+from lmspd.store.sql import loads_opt as _loads_opt
+from lmspd.store.sql import size as _size
 
 log = logging.getLogger("lmspd.store")
 
@@ -209,9 +216,6 @@ def _m2_instances(conn: Conn) -> None:
 # Append-only, one for one with lmspd.store.sqlite.MIGRATIONS.
 MIGRATIONS: list[Callable[[Conn], None]] = [_m1_initial, _m2_instances]
 
-_ACTIVE_SQL = "('queued', 'in_progress')"
-_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
-_PRUNE_BATCH = 256
 # Any constant: it only has to be the same in every instance.
 _MIGRATION_LOCK = 0x6C6D7370
 
@@ -255,27 +259,6 @@ _APPEND_ERRORS: dict[str, type[StoreError]] = {
     "LM409": TaskFinished,
     "LM400": SequenceError,
 }
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _size(text: str | bytes | None) -> int:
-    if text is None:
-        return 0
-    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
-
-
-def _loads_opt(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _check_page_args(limit: int, order: str) -> None:
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    if order not in ("asc", "desc"):
-        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
 
 
 def _notify(conn: Conn, kind: str, task_id: str) -> None:
@@ -356,6 +339,16 @@ class PostgresStore:
 
     _write = _tx
     _read = _tx
+
+    # The connection manager the shared aggregate modules use (lmspd.store.sql).
+    insertion_order = "id"
+
+    @contextlib.contextmanager
+    def sql_write(self) -> Iterator[Sql]:
+        with self._tx() as conn:
+            yield Sql(conn, "format")
+
+    sql_read = sql_write
 
     def _migrate(self) -> None:
         with self._tx() as conn:
@@ -613,9 +606,9 @@ class PostgresStore:
                 "SELECT 1 FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
             ).fetchone() is None:
                 return None
-            return _page(
-                conn,
-                "response_items WHERE response_id = %s AND kind = 'input'",
+            return _shared_page(
+                Sql(conn, "format"),
+                "response_items WHERE response_id = ? AND kind = 'input'",
                 (response_id,),
                 after=after,
                 limit=limit,
@@ -837,9 +830,9 @@ class PostgresStore:
                 (conversation_id, owner),
             ).fetchone() is None:
                 return None
-            return _page(
-                conn,
-                "conversation_items WHERE conversation_id = %s",
+            return _shared_page(
+                Sql(conn, "format"),
+                "conversation_items WHERE conversation_id = ?",
                 (conversation_id,),
                 after=after,
                 limit=limit,
@@ -1219,118 +1212,10 @@ class PostgresStore:
 
     # --- bounds ------------------------------------------------------------------------
 
-    def _prune_loop(self, step: Callable[[Conn], int]) -> int:
-        total = 0
-        while True:
-            with self._write() as conn:
-                n = step(conn)
-            total += n
-            if n == 0:
-                return total
-
-    @staticmethod
-    def _over_budget(conn: Conn, sum_sql: str, candidates_sql: str, budget: int) -> list[str]:
-        total = _first(conn.execute(sum_sql))["n"]
-        if total <= budget:
-            return []
-        victims: list[str] = []
-        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
-            if total <= budget:
-                break
-            victims.append(row["id"])
-            total -= row["bytes"]
-        return victims
-
     def prune(self, now: float | None = None) -> dict[str, int]:
         now = self._now(now)
-        r = self.retention
-        removed: dict[str, int] = {}
-
-        def delete_ids(table: str, ids: list[str], conn: Conn) -> int:
-            if ids:
-                conn.execute(f"DELETE FROM {table} WHERE id = ANY(%s)", (ids,))
-            return len(ids)
-
-        def drop_logs(ids: list[str], conn: Conn) -> int:
-            if ids:
-                conn.execute("DELETE FROM task_events WHERE task_id = ANY(%s)", (ids,))
-                conn.execute(
-                    "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 "
-                    "WHERE id = ANY(%s)",
-                    (ids,),
-                )
-            return len(ids)
-
-        def ids(conn: Conn, sql: str, *args: Any) -> list[str]:
-            return [row["id"] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
-
-        old_responses = (
-            f"SELECT id FROM responses WHERE created_at < %s AND "
-            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
-        )
-        removed["responses"] = self._prune_loop(
-            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
-        )
-        removed["responses"] += self._prune_loop(
-            lambda c: delete_ids("responses", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM responses",
-                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
-                f"{_ACTIVE_SQL} ORDER BY created_at, id",
-                r.max_response_bytes,
-            ), c)
-        )
-
-        removed["conversations"] = self._prune_loop(
-            lambda c: delete_ids("conversations", ids(
-                c, "SELECT id FROM conversations WHERE updated_at < %s", now - r.conversation_ttl_s
-            ), c)
-        )
-        removed["conversations"] += self._prune_loop(
-            lambda c: delete_ids("conversations", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations",
-                "SELECT id, bytes FROM conversations ORDER BY updated_at, id",
-                r.max_conversation_bytes,
-            ), c)
-        )
-
-        live_logs = (
-            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
-        )
-        removed["event_logs"] = self._prune_loop(
-            lambda c: drop_logs(ids(
-                c, f"SELECT id {live_logs} AND finished_at < %s", now - r.event_ttl_s
-            ), c)
-        )
-        removed["event_logs"] += self._prune_loop(
-            lambda c: drop_logs(self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks",
-                f"SELECT id, events_bytes AS bytes {live_logs} ORDER BY finished_at, id",
-                r.max_event_bytes,
-            ), c)
-        )
-
-        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
-        removed["tasks"] = self._prune_loop(
-            lambda c: delete_ids("tasks", ids(
-                c, f"SELECT id {finished} AND finished_at < %s", now - r.task_ttl_s
-            ), c)
-        )
-        removed["tasks"] += self._prune_loop(
-            lambda c: delete_ids("tasks", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks",
-                f"SELECT id, bytes {finished} ORDER BY finished_at, id",
-                r.max_task_bytes,
-            ), c)
-        )
-
+        removed = pruning.prune(self, self.retention, now)
         with self._write() as conn:
-            removed["idempotency_keys"] = conn.execute(
-                "DELETE FROM idempotency_keys WHERE expires_at <= %s", (now,)
-            ).rowcount
             # Instances that stopped long ago: their rows are failed by now.
             conn.execute(
                 "DELETE FROM instances WHERE lease_until < %s", (now - 10 * self.lease_s,)
@@ -1360,33 +1245,3 @@ class PostgresStore:
                 ),
             }
 
-
-def _page(
-    conn: Conn,
-    source: str,
-    args: tuple[Any, ...],
-    *,
-    after: str | None,
-    limit: int,
-    order: str,
-) -> Page:
-    """One page of an item list (the SQLite store's ``_page``, in PostgreSQL)."""
-    desc = order == "desc"
-    where = ""
-    params: tuple[Any, ...] = args
-    if after is not None:
-        found = conn.execute(
-            f"SELECT position FROM {source} AND item_id = %s "
-            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
-            (*args, after),
-        ).fetchone()
-        if found is None:
-            raise InvalidCursor(after)
-        where = f" AND position {'<' if desc else '>'} %s"
-        params = (*args, found["position"])
-    rows = conn.execute(
-        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} "
-        f"LIMIT %s",
-        (*params, limit + 1),
-    ).fetchall()
-    return Page([json.loads(r["body"]) for r in rows[:limit]], len(rows) > limit)

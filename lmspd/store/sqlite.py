@@ -22,8 +22,9 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
+from lmspd.store import pruning
 from lmspd.store.base import (
     ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
@@ -37,7 +38,6 @@ from lmspd.store.base import (
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
-    InvalidCursor,
     LogCloser,
     NotFound,
     NoticeCallback,
@@ -56,6 +56,13 @@ from lmspd.store.base import (
     ensure_item_ids,
     new_instance_id,
 )
+from lmspd.store.paging import check_page_args as _check_page_args
+from lmspd.store.paging import page as _shared_page
+from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
+from lmspd.store.sql import Sql
+from lmspd.store.sql import dumps as _dumps
+from lmspd.store.sql import loads_opt as _loads_opt
+from lmspd.store.sql import size as _size
 
 # --- schema -----------------------------------------------------------------
 
@@ -179,32 +186,8 @@ _SCHEMA_V2 = (
 # (no executescript: it would commit half-way).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_instances]
 
-_ACTIVE_SQL = "('queued', 'in_progress')"
-_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
 # Rows deleted per write transaction while pruning, so request handlers never
 # wait long for the writer lock.
-_PRUNE_BATCH = 256
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _size(text: str | bytes | None) -> int:
-    if text is None:
-        return 0
-    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
-
-
-def _loads_opt(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _check_page_args(limit: int, order: str) -> None:
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    if order not in ("asc", "desc"):
-        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
 
 
 class SQLiteStore:
@@ -294,6 +277,19 @@ class SQLiteStore:
             finally:
                 if durable:
                     conn.execute("PRAGMA synchronous=NORMAL")
+
+    # The connection manager the shared aggregate modules use (lmspd.store.sql).
+    insertion_order = "rowid"
+
+    @contextmanager
+    def sql_write(self) -> Iterator[Sql]:
+        with self._write() as conn:
+            yield Sql(conn, "qmark")
+
+    @contextmanager
+    def sql_read(self) -> Iterator[Sql]:
+        with self._read() as conn:
+            yield Sql(conn, "qmark")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -538,8 +534,8 @@ class SQLiteStore:
                 "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
             ).fetchone() is None:
                 return None
-            return _page(
-                conn,
+            return _shared_page(
+                Sql(conn, "qmark"),
                 "response_items WHERE response_id = ? AND kind = 'input'",
                 (response_id,),
                 after=after,
@@ -758,8 +754,8 @@ class SQLiteStore:
                 "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
             ).fetchone() is None:
                 return None
-            return _page(
-                conn,
+            return _shared_page(
+                Sql(conn, "qmark"),
                 "conversation_items WHERE conversation_id = ?",
                 (conversation_id,),
                 after=after,
@@ -1108,124 +1104,8 @@ class SQLiteStore:
 
     # --- bounds ------------------------------------------------------------------------
 
-    def _prune_loop(self, step: Callable[[sqlite3.Connection], int]) -> int:
-        """Run ``step`` in short write transactions until it removes nothing."""
-        total = 0
-        while True:
-            with self._write() as conn:
-                n = step(conn)
-            total += n
-            if n == 0:
-                return total
-
-    @staticmethod
-    def _over_budget(
-        conn: sqlite3.Connection, sum_sql: str, candidates_sql: str, budget: int
-    ) -> list[str]:
-        """Ids to drop, oldest first, until the byte total fits ``budget``."""
-        total = conn.execute(sum_sql).fetchone()[0]
-        if total <= budget:
-            return []
-        victims: list[str] = []
-        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
-            if total <= budget:
-                break
-            victims.append(row[0])
-            total -= row[1]
-        return victims
-
     def prune(self, now: float | None = None) -> dict[str, int]:
-        now = self._now(now)
-        r = self.retention
-        removed: dict[str, int] = {}
-
-        def delete_ids(table: str, ids: list[str], conn: sqlite3.Connection) -> int:
-            conn.executemany(f"DELETE FROM {table} WHERE id = ?", [(i,) for i in ids])
-            return len(ids)
-
-        def drop_logs(ids: list[str], conn: sqlite3.Connection) -> int:
-            for task_id in ids:
-                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
-            conn.executemany(
-                "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 WHERE id = ?",
-                [(i,) for i in ids],
-            )
-            return len(ids)
-
-        def ids(conn: sqlite3.Connection, sql: str, *args: Any) -> list[str]:
-            return [row[0] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
-
-        # Responses still running (background) are pinned.
-        old_responses = (
-            f"SELECT id FROM responses WHERE created_at < ? AND "
-            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
-        )
-        removed["responses"] = self._prune_loop(
-            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
-        )
-        removed["responses"] += self._prune_loop(
-            lambda c: delete_ids("responses", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM responses",
-                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
-                f"{_ACTIVE_SQL} ORDER BY created_at, rowid",
-                r.max_response_bytes,
-            ), c)
-        )
-
-        removed["conversations"] = self._prune_loop(
-            lambda c: delete_ids("conversations", ids(
-                c, "SELECT id FROM conversations WHERE updated_at < ?", now - r.conversation_ttl_s
-            ), c)
-        )
-        removed["conversations"] += self._prune_loop(
-            lambda c: delete_ids("conversations", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM conversations",
-                "SELECT id, bytes FROM conversations ORDER BY updated_at, rowid",
-                r.max_conversation_bytes,
-            ), c)
-        )
-
-        # Event logs go before their tasks: a late reader then gets 410 and
-        # can still fetch the final result. Only terminal tasks ever lose them.
-        live_logs = (
-            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
-        )
-        removed["event_logs"] = self._prune_loop(
-            lambda c: drop_logs(ids(
-                c, f"SELECT id {live_logs} AND finished_at < ?", now - r.event_ttl_s
-            ), c)
-        )
-        removed["event_logs"] += self._prune_loop(
-            lambda c: drop_logs(self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(events_bytes), 0) FROM tasks",
-                f"SELECT id, events_bytes {live_logs} ORDER BY finished_at, rowid",
-                r.max_event_bytes,
-            ), c)
-        )
-
-        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
-        removed["tasks"] = self._prune_loop(
-            lambda c: delete_ids("tasks", ids(
-                c, f"SELECT id {finished} AND finished_at < ?", now - r.task_ttl_s
-            ), c)
-        )
-        removed["tasks"] += self._prune_loop(
-            lambda c: delete_ids("tasks", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM tasks",
-                f"SELECT id, bytes {finished} ORDER BY finished_at, rowid",
-                r.max_task_bytes,
-            ), c)
-        )
-
-        with self._write() as conn:
-            removed["idempotency_keys"] = conn.execute(
-                "DELETE FROM idempotency_keys WHERE expires_at <= ?", (now,)
-            ).rowcount
-
+        removed = pruning.prune(self, self.retention, self._now(now))
         if any(removed.values()) and not self._memory:
             # Return freed pages to the file system so the file shrinks with
             # the budgets instead of staying at its high-water mark.
@@ -1257,36 +1137,3 @@ class SQLiteStore:
                 "idempotency_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM idempotency_keys"),
             }
 
-
-def _page(
-    conn: sqlite3.Connection,
-    source: str,
-    args: tuple[Any, ...],
-    *,
-    after: str | None,
-    limit: int,
-    order: str,
-) -> Page:
-    """One page of an item list; ``source`` is ``<table> WHERE <list filter>``
-    over a table with ``position``, ``item_id`` and ``body`` columns."""
-    desc = order == "desc"
-    where = ""
-    params: tuple[Any, ...] = args
-    if after is not None:
-        # Ids may repeat in a client-sent list; resuming after the occurrence
-        # furthest along the chosen order keeps paging moving forward (it may
-        # skip a twin, never loop).
-        found = conn.execute(
-            f"SELECT position FROM {source} AND item_id = ? "
-            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
-            (*args, after),
-        ).fetchone()
-        if found is None:
-            raise InvalidCursor(after)
-        where = f" AND position {'<' if desc else '>'} ?"
-        params = (*args, found[0])
-    rows = conn.execute(
-        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} LIMIT ?",
-        (*params, limit + 1),
-    ).fetchall()
-    return Page([json.loads(r[0]) for r in rows[:limit]], len(rows) > limit)
