@@ -23,6 +23,7 @@ from lmspd.bodies import read_json_object
 from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
@@ -40,7 +41,7 @@ from lmspd.idempotency import Reply
 from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
-from lmspd.tasks.manager import TERMINAL_EVENTS, task_request
+from lmspd.tasks.manager import task_request
 
 log = logging.getLogger("lmspd.http")
 
@@ -165,7 +166,7 @@ async def turn_events(turn: Turn) -> AsyncIterator[WireEvent]:
     stored before its terminal event leaves (a GET right after finds it);
     if that fails the terminal event says ``store: false``."""
     async for wire in turn.run.events(turn.session):
-        if wire[1] in TERMINAL_EVENTS and not _ended(turn.record, turn.session.state):
+        if wire[1] in TERMINAL_EVENT_NAMES and not _ended(turn.record, turn.session.state):
             # The output is already whole: the end says it is not stored.
             turn.stored = False
             _mark_unstored(wire[2])

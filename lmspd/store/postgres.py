@@ -50,13 +50,12 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 from lmspd.store import pruning
 from lmspd.store.base import (
-    ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    TERMINAL_STATUSES,
     BeginOutcome,
     ChainError,
     ChainLink,

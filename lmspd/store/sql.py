@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
-from lmspd.store.base import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 
 __all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "dumps", "in_list", "loads_opt", "size"]
 

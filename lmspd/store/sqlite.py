@@ -24,13 +24,12 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 from lmspd.store import pruning
 from lmspd.store.base import (
-    ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    TERMINAL_STATUSES,
     BeginOutcome,
     ChainError,
     ChainLink,

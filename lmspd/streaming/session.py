@@ -34,8 +34,6 @@ from lmspd.core.ids import new_id
 
 OutputItem = Message | ToolCall | Reasoning
 
-TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
-
 
 @dataclass
 class ResponseState:

@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import Run
@@ -36,7 +37,6 @@ log = logging.getLogger("lmspd.tasks")
 
 T = TypeVar("T")
 
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 # Events read from the store per query while replaying a log.
 _BATCH = 512
 # Events of one task waiting for the store before its run waits too.
@@ -296,7 +296,7 @@ class TaskManager:
                     self.store.append_events(live.id, run)
                     run = []
                 self.store.set_task_status(live.owner, live.id, "in_progress")
-            elif item.event in TERMINAL_EVENTS:
+            elif item.event in TERMINAL_EVENT_NAMES:
                 if run:
                     self.store.append_events(live.id, run)
                     run = []
@@ -411,7 +411,7 @@ class TaskManager:
                 for event in batch:
                     yield event
                     last = event.seq
-                    if event.event in TERMINAL_EVENTS:
+                    if event.event in TERMINAL_EVENT_NAMES:
                         return
                 more = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
                 batch = more or []
@@ -433,7 +433,7 @@ class TaskManager:
                     continue  # already replayed from the store
                 yield event
                 last = event.seq
-                if event.event in TERMINAL_EVENTS:
+                if event.event in TERMINAL_EVENT_NAMES:
                     return
         finally:
             if live is not None and queue is not None:
@@ -453,7 +453,7 @@ class TaskManager:
                 for event in batch:
                     yield event
                     last = event.seq
-                    if event.event in TERMINAL_EVENTS:
+                    if event.event in TERMINAL_EVENT_NAMES:
                         return
                 if len(batch) == _BATCH:
                     continue
