@@ -99,6 +99,8 @@ class CountTokens(CreateMessage):
 
 
 class MessagesRequest:
+    """A decoded Messages request (a ``CompatRequest``)."""
+
     def __init__(self, body: CreateMessage, conversation: Conversation, item_paths: list[str]) -> None:
         self.body = body
         self.conversation = conversation
@@ -108,6 +110,10 @@ class MessagesRequest:
     @property
     def stream(self) -> bool:
         return bool(self.body.stream)
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        return PARAM_NAMES
 
 
 # Where the core's (Responses-named) parameters live in a Messages request.

@@ -151,7 +151,7 @@ _MESSAGE_MODELS: dict[str, type[Lenient]] = {
 }
 
 
-class ChatRequest:
+class ChatCompletionsRequest:
     """A decoded chat request: the neutral conversation and how to deliver it."""
 
     def __init__(self, body: ChatCompletionRequest, conversation: Conversation, item_paths: list[str]) -> None:
@@ -175,7 +175,7 @@ class ChatRequest:
         return {"max_output_tokens": cap, "input": "messages", "text.format": "response_format"}
 
 
-def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
+def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletionsRequest:
     try:
         body = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
@@ -207,7 +207,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
         prompt_cache_key=body.prompt_cache_key,
         cache_reuse=extensions.cache_reuse,
     )
-    return ChatRequest(body, conversation, paths)
+    return ChatCompletionsRequest(body, conversation, paths)
 
 
 def _refuse_unhonourable(body: ChatCompletionRequest) -> None:

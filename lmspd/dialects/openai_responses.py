@@ -101,7 +101,7 @@ class CreateResponse(Strict):
     prompt: Any = None
 
 
-class DecodedRequest:
+class OpenAIRequest:
     """A decoded /v1/responses request: the neutral conversation plus what
     the dialect echoes back and how the response is to be delivered.
     ``input_items`` is this request's own input; ``conversation.items`` puts
@@ -153,7 +153,7 @@ def conversation_id(raw: str | dict[str, Any] | None) -> str | None:
 
 
 def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
-                   context: StoredContext | None = None) -> DecodedRequest:
+                   context: StoredContext | None = None) -> OpenAIRequest:
     try:
         body = CreateResponse.model_validate(raw)
     except ValidationError as exc:
@@ -189,7 +189,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         cache_reuse=extensions.cache_reuse,
         require_reasoning_state=True,
     )
-    return DecodedRequest(body, conversation, extensions, items, compaction_trigger=trigger)
+    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger)
 
 
 def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:
@@ -212,7 +212,7 @@ def _refuse_unhonourable(body: CreateResponse) -> None:
         raise invalid("'conversation' and 'previous_response_id' cannot be used together.", "previous_response_id")
 
 
-def echo_fields(req: DecodedRequest) -> dict[str, Any]:
+def echo_fields(req: OpenAIRequest) -> dict[str, Any]:
     """The request fields a Response object reports back."""
     b = req.body
     fmt = (b.text.format if b.text and b.text.format else None) or {"type": "text"}

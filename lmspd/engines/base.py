@@ -76,9 +76,18 @@ class Prepared(Protocol):
 
 class Engine(Protocol):
     info: ModelInfo
+    @property
+    def opens_first(self) -> bool:
+        """Whether ``open`` has work to do: reaching the model before the
+        first response byte (the upstream engine's provider request), so that
+        a refusal is still an HTTP error reply, not a broken stream."""
 
     def prepare(self, conversation: Conversation) -> Prepared:
         """Validate and render; raise ``ApiError`` for anything the client got wrong."""
+
+    async def open(self, prepared: Prepared, cancel: CancelToken) -> None:
+        """Reach the model (``opens_first``); a no-op for engines in this
+        process. Called at most once, with the queue slot held."""
 
     def generate(self, prepared: Prepared, cancel: CancelToken,
                  response_id: str | None = None) -> AsyncIterator[EngineEvent]:

@@ -69,6 +69,14 @@ class LazyEngine:
             raise self._busy()
         return engine.generate(prepared, cancel, response_id=response_id)
 
+    @property
+    def opens_first(self) -> bool:
+        return bool(self._engine is not None and self._engine.opens_first)
+
+    async def open(self, prepared: Any, cancel: Any) -> None:
+        if self._engine is not None:
+            await self._engine.open(prepared, cancel)
+
     def count_tokens(self, conversation: Any) -> int:
         if self._engine is None:
             raise self._busy()

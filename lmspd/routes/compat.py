@@ -134,13 +134,13 @@ async def messages_create(request: Request) -> Response:
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
     req.conversation.session_key = session_key(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})
     encoder = anthropic_messages.AnthropicEncoder()
     session = StreamSession(state, encoder)
-    if not await _open(request, run, anthropic_messages.PARAM_NAMES, req.item_paths):
+    if not await _open(request, run, req.param_names, req.item_paths):
         return Response(status_code=499)
     if req.stream:
         return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))

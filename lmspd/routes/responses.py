@@ -24,6 +24,7 @@ from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
+from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
@@ -104,7 +105,7 @@ class Turn:
     Transport-neutral: SSE, JSON, a task and a WebSocket all deliver one."""
 
     dialect: Dialect
-    req: Any
+    req: ResponsesRequest
     run: Run
     session: StreamSession
     record: ResponseRecord

@@ -41,6 +41,11 @@ class ScriptedEngine:
         self.generations = 0
         self.prepared = 0
 
+    opens_first = False  # the Engine protocol: nothing to reach before generating
+
+    async def open(self, prepared, cancel) -> None:
+        return None
+
     def prepare(self, conversation: Conversation) -> ScriptedPrepared:
         self.prepared += 1
         return ScriptedPrepared(conversation)

@@ -26,6 +26,11 @@ class ScriptedEngine:
         self.usage = usage
         self.source = source
 
+    opens_first = False  # the Engine protocol: nothing to reach before generating
+
+    async def open(self, prepared, cancel) -> None:
+        return None
+
     def prepare(self, conversation):
         class P:
             input_tokens = 1

@@ -32,6 +32,11 @@ class CountingEngine:
         self.info = ModelInfo(id="m", context_window=100, capabilities={"streaming": True}, max_concurrency=4)
         self.n = n
 
+    opens_first = False  # the Engine protocol: nothing to reach before generating
+
+    async def open(self, prepared, cancel) -> None:
+        return None
+
     def prepare(self, conversation):
         class P:
             input_tokens = 1
