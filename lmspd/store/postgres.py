@@ -51,12 +51,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store import pruning
+from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    BeginOutcome,
     ChainError,
     ChainLink,
     ConversationRecord,
@@ -343,11 +342,19 @@ class PostgresStore:
     insertion_order = "id"
 
     @contextlib.contextmanager
-    def sql_write(self) -> Iterator[Sql]:
+    def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
+        # Every commit here waits for the WAL flush (only event appends relax it).
         with self._tx() as conn:
             yield Sql(conn, "format")
 
-    sql_read = sql_write
+    @contextlib.contextmanager
+    def sql_read(self) -> Iterator[Sql]:
+        with self._tx() as conn:
+            yield Sql(conn, "format")
+
+    @staticmethod
+    def octets(column: str) -> str:
+        return f"octet_length({column})"
 
     def _migrate(self) -> None:
         with self._tx() as conn:
@@ -1142,64 +1149,16 @@ class PostgresStore:
     # --- idempotency keys -------------------------------------------------------------
 
     def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        now = self._clock()
-        with self._write() as conn:
-            conn.execute(
-                "DELETE FROM idempotency_keys WHERE owner = %s AND key = %s AND expires_at <= %s",
-                (owner, key, now),
-            )
-            # The primary key decides between two instances: the loser's insert
-            # waits for the winner's commit, then does nothing.
-            inserted = conn.execute(
-                "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
-                "expires_at, bytes, instance_id) VALUES (%s, %s, %s, 'in_progress', %s, %s, %s, %s) "
-                "ON CONFLICT (owner, key) DO NOTHING",
-                (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
-                 _size(key) + _size(request_hash), self.instance_id),
-            ).rowcount
-            if inserted:
-                return IdempotencyBegin(BeginOutcome.NEW)
-            row = conn.execute(
-                "SELECT request_hash, state, status_code, headers, body FROM idempotency_keys "
-                "WHERE owner = %s AND key = %s",
-                (owner, key),
-            ).fetchone()
-        if row is None:
-            # Abandoned between our insert and our read: it is free again.
-            return self.idempotency_begin(owner, key, request_hash)
-        if row["request_hash"] != request_hash:
-            return IdempotencyBegin(BeginOutcome.CONFLICT)
-        if row["state"] == "in_progress":
-            return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
-        return IdempotencyBegin(
-            BeginOutcome.REPLAY,
-            status_code=row["status_code"],
-            body=bytes(row["body"]) if row["body"] is not None else b"",
-            headers=json.loads(row["headers"]) if row["headers"] else {},
-        )
+        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
+                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
 
     def idempotency_finish(
         self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
     ) -> bool:
-        headers_text = _dumps(dict(headers))
-        with self._write() as conn:
-            cur = conn.execute(
-                "UPDATE idempotency_keys SET state = 'done', status_code = %s, headers = %s, "
-                "body = %s, bytes = octet_length(key) + octet_length(request_hash) + %s "
-                "WHERE owner = %s AND key = %s AND state = 'in_progress' AND expires_at > %s",
-                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
-                 owner, key, self._clock()),
-            )
-            return cur.rowcount == 1
+        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
 
     def idempotency_abandon(self, owner: str, key: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM idempotency_keys "
-                "WHERE owner = %s AND key = %s AND state = 'in_progress'",
-                (owner, key),
-            )
-            return cur.rowcount == 1
+        return idempotency.abandon(self, owner, key)
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:

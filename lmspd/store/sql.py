@@ -65,8 +65,13 @@ class Connections(Protocol):
     #: (``rowid`` in SQLite; PostgreSQL has none stable, ``id`` is unique).
     insertion_order: str
 
-    def sql_write(self) -> AbstractContextManager[Sql]:
-        """A write transaction: committed when the block ends, rolled back if it raises."""
+    def sql_write(self, *, durable: bool = False) -> AbstractContextManager[Sql]:
+        """A write transaction: committed when the block ends, rolled back if
+        it raises; ``durable`` where the backend would otherwise relax the flush."""
+        ...
+
+    def octets(self, column: str) -> str:
+        """SQL for the byte length of a text column."""
         ...
 
     def sql_read(self) -> AbstractContextManager[Sql]:

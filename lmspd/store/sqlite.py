@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store import pruning
+from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    BeginOutcome,
     ChainError,
     ChainLink,
     ConversationRecord,
@@ -281,9 +280,13 @@ class SQLiteStore:
     insertion_order = "rowid"
 
     @contextmanager
-    def sql_write(self) -> Iterator[Sql]:
-        with self._write() as conn:
+    def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
+        with self._write(durable=durable) as conn:
             yield Sql(conn, "qmark")
+
+    @staticmethod
+    def octets(column: str) -> str:
+        return f"LENGTH(CAST({column} AS BLOB))"
 
     @contextmanager
     def sql_read(self) -> Iterator[Sql]:
@@ -1039,61 +1042,16 @@ class SQLiteStore:
     # --- idempotency keys -------------------------------------------------------------
 
     def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        now = self._clock()
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT request_hash, state, status_code, headers, body, expires_at "
-                "FROM idempotency_keys WHERE owner = ? AND key = ?",
-                (owner, key),
-            ).fetchone()
-            if row is not None and row["expires_at"] <= now:
-                conn.execute(
-                    "DELETE FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
-                )
-                row = None
-            if row is None:
-                conn.execute(
-                    "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
-                    "expires_at, bytes, instance_id) VALUES (?, ?, ?, 'in_progress', ?, ?, ?, ?)",
-                    (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
-                     _size(key) + _size(request_hash), self.instance_id),
-                )
-                return IdempotencyBegin(BeginOutcome.NEW)
-            # A different body wins over "still running": the client reused a
-            # key by mistake, and waiting would not help it.
-            if row["request_hash"] != request_hash:
-                return IdempotencyBegin(BeginOutcome.CONFLICT)
-            if row["state"] == "in_progress":
-                return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
-            return IdempotencyBegin(
-                BeginOutcome.REPLAY,
-                status_code=row["status_code"],
-                body=bytes(row["body"]) if row["body"] is not None else b"",
-                headers=json.loads(row["headers"]) if row["headers"] else {},
-            )
+        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
+                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
 
     def idempotency_finish(
         self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
     ) -> bool:
-        headers_text = _dumps(dict(headers))
-        with self._write(durable=True) as conn:
-            cur = conn.execute(
-                "UPDATE idempotency_keys SET state = 'done', status_code = ?, headers = ?, "
-                "body = ?, bytes = LENGTH(CAST(key AS BLOB)) + LENGTH(CAST(request_hash AS BLOB)) "
-                "+ ? WHERE owner = ? AND key = ? AND state = 'in_progress' AND expires_at > ?",
-                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
-                 owner, key, self._clock()),
-            )
-            return cur.rowcount == 1
+        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
 
     def idempotency_abandon(self, owner: str, key: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM idempotency_keys "
-                "WHERE owner = ? AND key = ? AND state = 'in_progress'",
-                (owner, key),
-            )
-            return cur.rowcount == 1
+        return idempotency.abandon(self, owner, key)
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
