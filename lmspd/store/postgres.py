@@ -66,8 +66,6 @@ from lmspd.store.base import (
     NotFound,
     NoticeCallback,
     Notices,
-    Order,
-    Page,
     Retention,
     SchemaTooNew,
     SequenceError,
@@ -80,13 +78,13 @@ from lmspd.store.base import (
     ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.paging import check_page_args as _check_page_args
-from lmspd.store.paging import page as _shared_page
+from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
-from lmspd.store.sql import loads_opt as _loads_opt
 from lmspd.store.sql import size as _size
+from lmspd.store.tasks import TaskQueries, task_record
 
 log = logging.getLogger("lmspd.store")
 
@@ -264,7 +262,7 @@ def _notify(conn: Conn, kind: str, task_id: str) -> None:
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{kind}:{task_id}"))
 
 
-class PostgresStore:
+class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
     """``Store`` on a PostgreSQL database, shared by every instance that opens it."""
 
     shared = True
@@ -350,6 +348,11 @@ class PostgresStore:
     @contextlib.contextmanager
     def sql_read(self) -> Iterator[Sql]:
         with self._tx() as conn:
+            yield Sql(conn, "format")
+
+    @contextlib.contextmanager
+    def sql_single(self) -> Iterator[Sql]:
+        with self._single() as conn:
             yield Sql(conn, "format")
 
     @staticmethod
@@ -556,13 +559,6 @@ class PostgresStore:
             )
         return items
 
-    def get_response(self, owner: str, response_id: str) -> JSON | None:
-        with self._single() as conn:
-            row = conn.execute(
-                "SELECT body FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
         body = _dumps(response)
         with self._write() as conn:
@@ -589,37 +585,6 @@ class PostgresStore:
                  _size(body) + int(input_bytes) + output_bytes, response_id),
             )
         return True
-
-    def delete_response(self, owner: str, response_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            )
-            return cur.rowcount == 1
-
-    def list_input_items(
-        self,
-        owner: str,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            ).fetchone() is None:
-                return None
-            return _shared_page(
-                Sql(conn, "format"),
-                "response_items WHERE response_id = ? AND kind = 'input'",
-                (response_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
 
     def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
         depth_bound = self.max_chain_depth
@@ -671,22 +636,6 @@ class PostgresStore:
                 (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
         return [ChainLink(*by_id[i]) for i in reversed(ids)]
 
-    def find_item(self, owner: str, item_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                """SELECT body FROM (
-                       SELECT i.body, r.updated_at AS t FROM response_items i
-                         JOIN responses r ON r.id = i.response_id
-                        WHERE i.item_id = %s AND r.owner = %s
-                       UNION ALL
-                       SELECT i.body, c.updated_at AS t FROM conversation_items i
-                         JOIN conversations c ON c.id = i.conversation_id
-                        WHERE i.item_id = %s AND c.owner = %s
-                   ) AS found ORDER BY t DESC LIMIT 1""",
-                (item_id, owner, item_id, owner),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
         now = self._clock()
@@ -710,16 +659,6 @@ class PostgresStore:
         return failed
 
     # --- conversations -----------------------------------------------------------
-
-    @staticmethod
-    def _conversation(row: Mapping[str, Any]) -> ConversationRecord:
-        return ConversationRecord(
-            id=row["id"],
-            owner=row["owner"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            metadata=json.loads(row["metadata"]),
-        )
 
     def _append_items(
         self, conn: Conn, conversation_id: str, items: Sequence[JSON], now: float
@@ -773,15 +712,7 @@ class PostgresStore:
                 "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
             ).fetchone()
         assert row is not None  # RETURNING/the row just written
-        return self._conversation(row)
-
-    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone()
-        return None if row is None else self._conversation(row)
+        return conversation_record(row)
 
     def update_conversation(
         self, owner: str, conversation_id: str, metadata: JSON
@@ -800,14 +731,7 @@ class PostgresStore:
                 (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
             ).fetchone()
         assert row is not None  # RETURNING/the row just written
-        return self._conversation(row)
-
-    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM conversations WHERE id = %s AND owner = %s", (conversation_id, owner)
-            )
-            return cur.rowcount == 1
+        return conversation_record(row)
 
     def append_conversation_items(
         self, owner: str, conversation_id: str, items: Sequence[JSON]
@@ -819,57 +743,6 @@ class PostgresStore:
             ).fetchone() is None:
                 return None
             return self._append_items(conn, conversation_id, items, self._clock())
-
-    def list_conversation_items(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            return _shared_page(
-                Sql(conn, "format"),
-                "conversation_items WHERE conversation_id = ?",
-                (conversation_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            rows = conn.execute(
-                "SELECT body FROM conversation_items WHERE conversation_id = %s ORDER BY position",
-                (conversation_id,),
-            ).fetchall()
-        return [json.loads(r["body"]) for r in rows]
-
-    def get_conversation_item(
-        self, owner: str, conversation_id: str, item_id: str
-    ) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT i.body FROM conversation_items i "
-                "JOIN conversations c ON c.id = i.conversation_id "
-                "WHERE i.conversation_id = %s AND c.owner = %s AND i.item_id = %s "
-                "ORDER BY i.position DESC LIMIT 1",
-                (conversation_id, owner, item_id),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
         with self._write() as conn:
@@ -892,23 +765,6 @@ class PostgresStore:
             return True
 
     # --- tasks -------------------------------------------------------------------
-
-    @staticmethod
-    def _task(row: Mapping[str, Any]) -> TaskRecord:
-        return TaskRecord(
-            id=row["id"],
-            owner=row["owner"],
-            status=row["status"],
-            request=json.loads(row["request"]),
-            result=_loads_opt(row["result"]),
-            error=_loads_opt(row["error"]),
-            response_id=row["response_id"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            finished_at=row["finished_at"],
-            last_seq=row["last_seq"],
-            first_retained_seq=row["first_retained_seq"],
-        )
 
     def create_task(
         self,
@@ -934,14 +790,7 @@ class PostgresStore:
             ).fetchone()
             if row is None:
                 raise Duplicate(f"task {task_id!r} already exists")
-        return self._task(row)
-
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        with self._single() as conn:
-            row = conn.execute(
-                "SELECT * FROM tasks WHERE id = %s AND owner = %s", (task_id, owner)
-            ).fetchone()
-        return None if row is None else self._task(row)
+        return task_record(row)
 
     @staticmethod
     def _insert_events(
@@ -1071,14 +920,6 @@ class PostgresStore:
             if r["seq"] is not None  # the task row alone: no events after after_seq
         ]
 
-    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = %s AND owner = %s",
-                (task_id, owner),
-            ).fetchone()
-        return None if row is None else row["first_retained_seq"]
-
     def fail_interrupted_tasks(
         self,
         message: str,
@@ -1116,7 +957,7 @@ class PostgresStore:
                     (error, now, now, _size(error), task_id),
                 ).fetchone()
                 assert row is not None  # RETURNING/the row just written
-                task = self._task(row)
+                task = task_record(row)
                 seq = task.last_seq + 1
                 if close_log is None:
                     name, data = build(task, seq)
@@ -1143,7 +984,7 @@ class PostgresStore:
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
                 assert row is not None  # RETURNING/the row just written
-                failed.append(self._task(row))
+                failed.append(task_record(row))
         return failed
 
     # --- idempotency keys -------------------------------------------------------------

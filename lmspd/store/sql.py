@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 
-__all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "dumps", "in_list", "loads_opt", "size"]
+__all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "SqlBackend", "dumps", "in_list", "loads_opt", "size"]
 
 Row = Mapping[str, Any]
 
@@ -77,6 +77,27 @@ class Connections(Protocol):
     def sql_read(self) -> AbstractContextManager[Sql]:
         """A consistent read."""
         ...
+
+
+class SqlBackend:
+    """The base of both SQL backends: the aggregate mixins
+    (``ResponseQueries``, ``ConversationQueries``, ``TaskQueries``) are
+    written against these methods, which each backend implements."""
+
+    insertion_order: str
+
+    def sql_write(self, *, durable: bool = False) -> AbstractContextManager[Sql]:
+        raise NotImplementedError
+
+    def sql_read(self) -> AbstractContextManager[Sql]:
+        raise NotImplementedError
+
+    def sql_single(self) -> AbstractContextManager[Sql]:
+        """For a read of one statement (PostgreSQL: autocommit, no BEGIN/COMMIT)."""
+        return self.sql_read()
+
+    def octets(self, column: str) -> str:
+        raise NotImplementedError
 
 
 def in_list(values: Sequence[Any]) -> str:

@@ -40,8 +40,6 @@ from lmspd.store.base import (
     NotFound,
     NoticeCallback,
     Notices,
-    Order,
-    Page,
     Retention,
     SchemaTooNew,
     SequenceError,
@@ -54,13 +52,13 @@ from lmspd.store.base import (
     ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.paging import check_page_args as _check_page_args
-from lmspd.store.paging import page as _shared_page
+from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
-from lmspd.store.sql import loads_opt as _loads_opt
 from lmspd.store.sql import size as _size
+from lmspd.store.tasks import TaskQueries, task_record
 
 # --- schema -----------------------------------------------------------------
 
@@ -188,7 +186,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_insta
 # wait long for the writer lock.
 
 
-class SQLiteStore:
+class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
     """``Store`` on one SQLite file. ``path`` may be ``":memory:"`` (tests):
     then reads share the writer connection."""
 
@@ -482,13 +480,6 @@ class SQLiteStore:
             )
         return items
 
-    def get_response(self, owner: str, response_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT body FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
         body = _dumps(response)
         with self._write() as conn:
@@ -513,37 +504,6 @@ class SQLiteStore:
                  _size(body) + input_bytes + output_bytes, response_id),
             )
         return True
-
-    def delete_response(self, owner: str, response_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            )
-            return cur.rowcount == 1
-
-    def list_input_items(
-        self,
-        owner: str,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone() is None:
-                return None
-            return _shared_page(
-                Sql(conn, "qmark"),
-                "response_items WHERE response_id = ? AND kind = 'input'",
-                (response_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
 
     def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
         depth_bound = self.max_chain_depth
@@ -599,22 +559,6 @@ class SQLiteStore:
                 links.append(ChainLink(inputs, outputs))
         return links
 
-    def find_item(self, owner: str, item_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                """SELECT body FROM (
-                       SELECT i.body, r.updated_at AS t FROM response_items i
-                         JOIN responses r ON r.id = i.response_id
-                        WHERE i.item_id = ? AND r.owner = ?
-                       UNION ALL
-                       SELECT i.body, c.updated_at AS t FROM conversation_items i
-                         JOIN conversations c ON c.id = i.conversation_id
-                        WHERE i.item_id = ? AND c.owner = ?
-                   ) ORDER BY t DESC LIMIT 1""",
-                (item_id, owner, item_id, owner),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
         with self._write(durable=True) as conn:
@@ -635,16 +579,6 @@ class SQLiteStore:
         return failed
 
     # --- conversations -----------------------------------------------------------
-
-    @staticmethod
-    def _conversation(row: sqlite3.Row) -> ConversationRecord:
-        return ConversationRecord(
-            id=row["id"],
-            owner=row["owner"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            metadata=json.loads(row["metadata"]),
-        )
 
     def _append_items(
         self, conn: sqlite3.Connection, conversation_id: str, items: Sequence[JSON], now: float
@@ -694,14 +628,7 @@ class SQLiteStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
             ).fetchone()
-        return self._conversation(row)
-
-    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone()
-        return None if row is None else self._conversation(row)
+        return conversation_record(row)
 
     def update_conversation(
         self, owner: str, conversation_id: str, metadata: JSON
@@ -722,14 +649,7 @@ class SQLiteStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
             ).fetchone()
-        return self._conversation(row)
-
-    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            )
-            return cur.rowcount == 1
+        return conversation_record(row)
 
     def append_conversation_items(
         self, owner: str, conversation_id: str, items: Sequence[JSON]
@@ -740,55 +660,6 @@ class SQLiteStore:
             ).fetchone() is None:
                 return None
             return self._append_items(conn, conversation_id, items, self._clock())
-
-    def list_conversation_items(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            return _shared_page(
-                Sql(conn, "qmark"),
-                "conversation_items WHERE conversation_id = ?",
-                (conversation_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            rows = conn.execute(
-                "SELECT body FROM conversation_items WHERE conversation_id = ? ORDER BY position",
-                (conversation_id,),
-            ).fetchall()
-        return [json.loads(r["body"]) for r in rows]
-
-    def get_conversation_item(
-        self, owner: str, conversation_id: str, item_id: str
-    ) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT i.body FROM conversation_items i "
-                "JOIN conversations c ON c.id = i.conversation_id "
-                "WHERE i.conversation_id = ? AND c.owner = ? AND i.item_id = ? "
-                "ORDER BY i.position DESC LIMIT 1",
-                (conversation_id, owner, item_id),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
         with self._write() as conn:
@@ -815,23 +686,6 @@ class SQLiteStore:
 
     # --- tasks -------------------------------------------------------------------
 
-    @staticmethod
-    def _task(row: sqlite3.Row) -> TaskRecord:
-        return TaskRecord(
-            id=row["id"],
-            owner=row["owner"],
-            status=row["status"],
-            request=json.loads(row["request"]),
-            result=_loads_opt(row["result"]),
-            error=_loads_opt(row["error"]),
-            response_id=row["response_id"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            finished_at=row["finished_at"],
-            last_seq=row["last_seq"],
-            first_retained_seq=row["first_retained_seq"],
-        )
-
     def create_task(
         self,
         owner: str,
@@ -857,14 +711,7 @@ class SQLiteStore:
             except sqlite3.IntegrityError:
                 raise Duplicate(f"task {task_id!r} already exists") from None
             row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        return self._task(row)
-
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
-            ).fetchone()
-        return None if row is None else self._task(row)
+        return task_record(row)
 
     @staticmethod
     def _insert_events(
@@ -969,13 +816,6 @@ class SQLiteStore:
             ).fetchall()
         return [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in rows]
 
-    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
-            ).fetchone()
-        return None if row is None else row["first_retained_seq"]
-
     def fail_interrupted_tasks(
         self,
         message: str,
@@ -1001,7 +841,7 @@ class SQLiteStore:
                     "+ COALESCE(LENGTH(CAST(result AS BLOB)), 0) + ? WHERE id = ?",
                     (error, now, now, _size(error), task_id),
                 )
-                task = self._task(
+                task = task_record(
                     conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 )
                 seq = task.last_seq + 1
@@ -1034,7 +874,7 @@ class SQLiteStore:
                             (result, _size(result), task_id),
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                failed.append(self._task(row))
+                failed.append(task_record(row))
         for task in failed:
             self._notices.send("events", task.id)
         return failed
