@@ -56,8 +56,6 @@ from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    ChainError,
-    ChainLink,
     ConversationRecord,
     Duplicate,
     EventsExpired,
@@ -585,56 +583,6 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
                  _size(body) + int(input_bytes) + output_bytes, response_id),
             )
         return True
-
-    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
-        depth_bound = self.max_chain_depth
-        with self._read() as conn:
-            rows = conn.execute(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                       SELECT id, previous_response_id, 1 FROM responses
-                        WHERE id = %s AND owner = %s
-                       UNION ALL
-                       SELECT r.id, r.previous_response_id, chain.depth + 1
-                         FROM responses r JOIN chain ON r.id = chain.prev
-                        WHERE r.owner = %s AND chain.depth < %s
-                   )
-                   SELECT id, prev, depth FROM chain ORDER BY depth""",
-                (response_id, owner, owner, depth_bound),
-            ).fetchall()
-            if not rows:
-                return None
-            seen: set[str] = set()
-            for row in rows:
-                if row["id"] in seen:
-                    raise ChainError(
-                        row["id"], "cycle",
-                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
-                    )
-                seen.add(row["id"])
-            last = rows[-1]
-            if last["prev"] is not None:
-                if last["depth"] >= depth_bound:
-                    raise ChainError(
-                        last["id"], "too_deep",
-                        f"previous_response_id chain of {response_id!r} is longer than "
-                        f"{depth_bound} responses",
-                    )
-                raise ChainError(
-                    last["prev"], "missing",
-                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
-                    "was not found (deleted or expired)",
-                )
-            ids = [row["id"] for row in rows]
-            by_id: dict[str, tuple[list[JSON], list[JSON]]] = {i: ([], []) for i in ids}
-            # One query for the whole chain's items, not one per link.
-            for item in conn.execute(
-                "SELECT response_id, kind, body FROM response_items WHERE response_id = ANY(%s) "
-                "ORDER BY response_id, kind, position",
-                (ids,),
-            ):
-                inputs, outputs = by_id[item["response_id"]]
-                (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
-        return [ChainLink(*by_id[i]) for i in reversed(ids)]
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []

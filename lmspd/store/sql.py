@@ -85,6 +85,8 @@ class SqlBackend:
     written against these methods, which each backend implements."""
 
     insertion_order: str
+    # The longest previous_response_id chain read back (ResponseQueries.response_chain).
+    max_chain_depth: int
 
     def sql_write(self, *, durable: bool = False) -> AbstractContextManager[Sql]:
         raise NotImplementedError

@@ -30,8 +30,6 @@ from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    ChainError,
-    ChainLink,
     ConversationRecord,
     Duplicate,
     EventsExpired,
@@ -504,60 +502,6 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
                  _size(body) + input_bytes + output_bytes, response_id),
             )
         return True
-
-    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
-        depth_bound = self.max_chain_depth
-        with self._read() as conn:
-            # The depth bound also stops a (theoretical) cycle; it shows up as
-            # a repeated id below.
-            rows = conn.execute(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                       SELECT id, previous_response_id, 1 FROM responses
-                        WHERE id = ? AND owner = ?
-                       UNION ALL
-                       SELECT r.id, r.previous_response_id, chain.depth + 1
-                         FROM responses r JOIN chain ON r.id = chain.prev
-                        WHERE r.owner = ? AND chain.depth < ?
-                   )
-                   SELECT id, prev, depth FROM chain ORDER BY depth""",
-                (response_id, owner, owner, depth_bound),
-            ).fetchall()
-            if not rows:
-                return None
-            seen: set[str] = set()
-            for row in rows:
-                if row["id"] in seen:
-                    raise ChainError(
-                        row["id"], "cycle",
-                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
-                    )
-                seen.add(row["id"])
-            last = rows[-1]
-            if last["prev"] is not None:
-                if last["depth"] >= depth_bound:
-                    raise ChainError(
-                        last["id"], "too_deep",
-                        f"previous_response_id chain of {response_id!r} is longer than "
-                        f"{depth_bound} responses",
-                    )
-                raise ChainError(
-                    last["prev"], "missing",
-                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
-                    "was not found (deleted or expired)",
-                )
-            links: list[ChainLink] = []
-            for row in reversed(rows):
-                inputs: list[JSON] = []
-                outputs: list[JSON] = []
-                for item in conn.execute(
-                    "SELECT kind, body FROM response_items WHERE response_id = ? "
-                    "ORDER BY kind, position",
-                    (row["id"],),
-                ):
-                    bucket = inputs if item["kind"] == "input" else outputs
-                    bucket.append(json.loads(item["body"]))
-                links.append(ChainLink(inputs, outputs))
-        return links
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
