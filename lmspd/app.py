@@ -1,7 +1,8 @@
-"""HTTP assembly: routes, error rendering per dialect, lifespan.
+"""HTTP assembly: the route table, error rendering per dialect, lifespan.
 
-Handlers live in ``lmspd.routes`` (responses, stored state, conversations)
-and ``lmspd.tasks.routes``; this module wires them up with the store.
+Handlers live in ``lmspd.routes``; what they share (the application state,
+credentials, JSON and SSE replies) in ``lmspd.http``. This module wires them
+up with the service and the store.
 """
 
 from __future__ import annotations
@@ -9,32 +10,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from lmspd import __version__
 from lmspd.config import Settings
 from lmspd.core.errors import ApiError
-from lmspd.dialects import lmsp
 from lmspd.edge import EdgeMiddleware, error_reply
+from lmspd.http import LmspdApp
 from lmspd.metrics import RequestMetrics
-from lmspd.routes import conversations, responses, stored, websocket
 from lmspd.routes import console as console_routes
-from lmspd.routes import engine_view
+from lmspd.routes import conversations, engine_view, responses, stored, websocket
+from lmspd.routes import health as health_routes
 from lmspd.routes import metrics as metrics_routes
 from lmspd.routes import models as model_routes
 from lmspd.routes import openapi as openapi_routes
-from lmspd.routes.common import LmspdApp, app_state, principal, run_to_end
+from lmspd.routes import tasks as task_routes
 from lmspd.service import Service
 from lmspd.store.base import Store
-from lmspd.streaming.sse import SSE_HEADERS
-from lmspd.tasks import routes as task_routes
 from lmspd.tasks.recovery import keep_alive, prune_forever, recover
 
 log = logging.getLogger("lmspd.http")
@@ -67,68 +65,10 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return error_response(request, ApiError("server_error", "Internal server error."))
 
 
-# -- handlers --------------------------------------------------------------------
-
-# Shared helpers under the names other route modules import from here.
-_state = app_state
-_principal = principal
-_run_to_end = run_to_end
-
-
-def _sse(
-    events: AsyncIterator[tuple[int, str, dict]],
-    frame: Callable[[int, str, dict], bytes],
-    *,
-    done: bytes | None = None,
-    headers: dict[str, str] | None = None,
-) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        async for seq, name, data in events:
-            yield frame(seq, name, data)
-        if done is not None:
-            yield done
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
-
-
-async def health(request: Request) -> Response:
-    """Liveness for anyone (load balancers send no key); the engines'
-    internals (queue depth, cache statistics) only for ``admin``."""
-    app = _state(request)
-    status = "shutting_down" if app.service.shutting_down else "ok"
-    body: dict = {"status": status, "version": __version__}
-    try:
-        details = app.auth.authenticate(request).allows("admin")
-    except ApiError:
-        details = False
-    if details:
-        body["models"] = {
-            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
-            for mid, m in app.service.models.items()
-        }
-    return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)
-
-
-async def lmsp_models(request: Request) -> Response:
-    lmsp.check_version(request.headers.get("lmsp-version"))
-    _principal(request, "responses:read")
-    data = []
-    for m in _state(request).service.models.values():
-        info = m.engine.info
-        # Stored responses, previous_response_id and tasks live in the store,
-        # not in an engine: every model has them.
-        caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
-        # loaded, or (a model that loads on first use) unloaded / loading / unloading.
-        status = getattr(m.engine, "status", "loaded")
-        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
-                     "status": status})
-    return JSONResponse({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})
-
-
 # -- assembly --------------------------------------------------------------------
 
 
-def state_routes() -> list[Route]:
+def state_routes() -> list[BaseRoute]:
     """Responses (both dialects), stored state, conversations and tasks."""
     rid = "/{response_id}"
     cid = "/v1/conversations/{conversation_id}"
@@ -167,9 +107,9 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
 
     routes = [
         *compat_routes(),  # /v1/chat/completions, /v1/messages (issue 7)
-        Route("/health", health, methods=["GET"]),
+        Route("/health", health_routes.health, methods=["GET"]),
         Route("/v1/models", model_routes.openai_models, methods=["GET"]),
-        Route("/lmsp/v1/models", lmsp_models, methods=["GET"]),
+        Route("/lmsp/v1/models", model_routes.lmsp_models, methods=["GET"]),
         Route("/metrics", metrics_routes.metrics, methods=["GET"]),
         Route("/openapi.json", openapi_routes.openapi_json, methods=["GET"]),
         Route("/lmsp/v1/engine", engine_view.engine_view, methods=["GET"]),

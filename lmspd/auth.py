@@ -8,7 +8,7 @@ A key may carry scopes (``--api-key KEY:responses:read,tasks:read``, or a line
 ``KEY responses:read,tasks:read`` in ``--api-keys-file``); a key given without
 any keeps all of them, as before scopes could be given. ``admin`` implies
 every other scope. Which scope each route needs is the table in README.md
-(Auth); the handlers ask for it through ``routes.common.principal``. The
+(Auth); the handlers ask for it through ``lmspd.http.principal``. The
 owner is derived from the key alone, so changing a key's scopes keeps its data.
 """
 

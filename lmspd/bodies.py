@@ -160,10 +160,11 @@ class _NonFinite:
         self.text = text
 
 
-class _Duplicated(dict):
+class _Duplicated(dict[str, Any]):
     """An object in which ``key`` appeared more than once."""
 
     __slots__ = ("key",)
+    key: str
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from dataclasses import replace
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def _apply_keys(parser: argparse.ArgumentParser, args: argparse.Namespace, setti
 
 
 def _apply_retention(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
-    changes: dict[str, float | int] = {}
+    changes: dict[str, typing.Any] = {}
     for flag, field, scale in (("response_retention_s", "response_ttl_s", 1), ("task_retention_s", "task_ttl_s", 1),
                                ("event_retention_s", "event_ttl_s", 1),
                                ("max_response_mib", "max_response_bytes", 1024 * 1024),

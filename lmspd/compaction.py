@@ -40,7 +40,7 @@ from lmspd.core.ids import new_id
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 
 if TYPE_CHECKING:
-    from lmspd.routes.common import LmspdApp
+    from lmspd.http import LmspdApp
     from lmspd.service import Run
 
 log = logging.getLogger("lmspd.compaction")

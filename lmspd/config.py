@@ -11,7 +11,6 @@ from pathlib import Path
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
 from lmspd.store.base import DEFAULT_LEASE_S, Retention
 
-
 # The default context window. Codex's first request is ~9k tokens in the
 # bundled model's tokens (its developer prompt and tool schemas) and grows
 # with every turn; 8192 refused it. The KV costs 2 (K, V) x layers x KV heads
@@ -87,7 +86,7 @@ class Settings:
         except (OSError, UnicodeError):
             return False
         addresses = {info[4][0] for info in infos}
-        return bool(addresses) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
+        return bool(addresses) and all(ipaddress.ip_address(str(a).split("%", 1)[0]).is_loopback for a in addresses)
 
     @property
     def url(self) -> str:

@@ -17,9 +17,9 @@ from typing import Any
 
 from lmspd.core import compaction
 from lmspd.core.conversation import Item
-from lmspd.core.sealing import Sealer
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
+from lmspd.core.sealing import Sealer
 from lmspd.dialects import openai_responses
 from lmspd.dialects.responses_items import decode_items
 from lmspd.store.base import JSON, ChainError, Store, ensure_item_ids

@@ -17,19 +17,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from lmspd.core.errors import ApiError, invalid
+from lmspd.core.limits import MAX_IDEMPOTENCY_KEY_CHARS
 from lmspd.store.base import BeginOutcome, IdempotencyBegin, Store
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
 # Stored with a reply, never sent: the task whose events a retry follows.
 FOLLOW = "x-lmspd-follow-task"
-MAX_KEY_CHARS = 255
 # Headers of the first reply a replay repeats (the rest are per-connection).
 _KEPT_HEADERS = ("content-type", "lmsp-version", "location")
 RETRY_AFTER_S = 1
@@ -82,7 +82,7 @@ class Attempt:
         self.store.idempotency_finish(self.owner, self.key, response.status_code, bytes(response.body), headers)
         return response
 
-    async def _recorded(self, chunks: AsyncIterator[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    async def _recorded(self, chunks: AsyncIterable[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
         sent: list[bytes] = []
         complete = False
         try:
@@ -136,8 +136,8 @@ def begin(store: Store, owner: str, request: Request, body: dict[str, Any]) -> A
     key = request.headers.get(HEADER)
     if key is None:
         return None
-    if not key or len(key) > MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
-        raise invalid(f"{HEADER} must be 1 to {MAX_KEY_CHARS} printable ASCII characters.", HEADER)
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isascii() or not key.isprintable():
+        raise invalid(f"{HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters.", HEADER)
     outcome = store.idempotency_begin(owner, key, request_hash(request, body))
     if outcome.outcome is BeginOutcome.CONFLICT:
         raise ApiError("idempotency_conflict",

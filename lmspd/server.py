@@ -12,8 +12,8 @@ from lmspd.app import build_app
 from lmspd.config import Settings
 from lmspd.http11 import uvicorn_options
 from lmspd.service import Service
-from lmspd.streaming.coalesce import CoalescingMiddleware
 from lmspd.store.base import Store
+from lmspd.streaming.coalesce import CoalescingMiddleware
 
 log = logging.getLogger("lmspd")
 
@@ -91,10 +91,8 @@ def open_store(settings: Settings) -> Store:
 
 def build_service(settings: Settings) -> Service:
     # The models and their engines: --config FILE, or the one the flags name.
-    from lmspd.engines.specs import build_engine, specs_from_settings
-
     from lmspd.engines.registry import ModelRegistry, lazy_llama_engine
-    from lmspd.engines.specs import LlamaSpec
+    from lmspd.engines.specs import LlamaSpec, build_engine, specs_from_settings
 
     service = Service(settings.limits)
     specs = specs_from_settings(settings)

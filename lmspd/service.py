@@ -9,8 +9,8 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
@@ -145,22 +145,21 @@ class Run:
     @property
     def opens_first(self) -> bool:
         """Whether ``open`` has work to do (the upstream engine's provider request)."""
-        return not self._opened and getattr(self.engine, "open", None) is not None
+        return not self._opened and self.engine.opens_first
 
     async def open(self) -> None:
         """Reach the model before any response byte is sent, for engines that
         must: the upstream engine checks its provider's status and content
         type here, so that a refusal is still an HTTP error reply (an
         ``ApiError``), not a broken stream. Takes the queue slot first. A
-        no-op for engines without ``open``; ``events`` calls it when the
-        handler did not (a refusal then becomes ``response.failed``)."""
-        opener = getattr(self.engine, "open", None)
-        if opener is None or self._opened:
+        no-op for engines that do not open first; ``events`` calls it when
+        the handler did not (a refusal then becomes ``response.failed``)."""
+        if not self.opens_first:
             return
         self._opened = True
         try:
             await self.ticket.wait()
-            await opener(self.prepared, self.cancel)
+            await self.engine.open(self.prepared, self.cancel)
         except BaseException:
             self.ticket.release()
             raise
@@ -176,7 +175,7 @@ class Run:
         service._active.add(self.cancel)
         try:
             refused: ApiError | None = None
-            if self.ticket.ready and getattr(self.engine, "open", None) is not None:
+            if self.ticket.ready and self.opens_first:
                 # The model has room: send the provider its request before
                 # building any event, so the first bytes wait on it, not on us.
                 try:

@@ -327,19 +327,19 @@ class ContinuationCache:
         if hit is not None:
             cp, kind = hit
             if not any(c.keep >= cp.n_tokens for c in candidates):
-                state = self.disk.load(cp)
-                if state is not None:
-                    plan = self._match_saved(req, state, "disk", target.seq)
+                loaded = self.disk.load(cp)
+                if loaded is not None:
+                    plan = self._match_saved(req, loaded, "disk", target.seq)
                     if plan is not None:
                         plan.detail = f"key={kind}"
                         candidates.append(plan)
         best = max((c.keep for c in candidates), default=0)
         shared = self.disk.longest_common(req.tokens, req.owner)
         if shared is not None and min(shared[1], len(req.tokens) - 1) > max(best, MIN_COPY_TOKENS - 1):
-            state = self.disk.load(shared[0])
-            if state is not None:
+            loaded = self.disk.load(shared[0])
+            if loaded is not None:
                 keep = min(shared[1], len(req.tokens) - 1)
-                candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=state,
+                candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=loaded,
                                             detail="partial", seq=target.seq))
         return candidates
 

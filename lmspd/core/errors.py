@@ -9,6 +9,7 @@ wire shape: RFC 9457 ``application/problem+json`` on ``/lmsp/v1``, OpenAI's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # code -> (HTTP status, problem title, OpenAI error type)
 _CODES: dict[str, tuple[int, str, str]] = {
@@ -79,11 +80,12 @@ class ApiError(Exception):
     code: str
     message: str
     param: str | None = None
-    status: int | None = None
+    # 0: the status the code's row in the table gives.
+    status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.status is None:
+        if not self.status:
             self.status = _lookup(self.code)[0]
         super().__init__(self.message)
 
@@ -95,7 +97,7 @@ class ApiError(Exception):
     def openai_type(self) -> str:
         return _lookup(self.code)[2]
 
-    def problem(self) -> dict:
+    def problem(self) -> dict[str, Any]:
         """RFC 9457 problem document (LMSP)."""
         body = {
             "type": f"https://lmspd.dev/problems/{self.code}",
@@ -108,7 +110,7 @@ class ApiError(Exception):
             body["param"] = self.param
         return body
 
-    def openai(self) -> dict:
+    def openai(self) -> dict[str, Any]:
         """OpenAI ``{"error": {...}}`` body."""
         return {
             "error": {
@@ -119,7 +121,7 @@ class ApiError(Exception):
             }
         }
 
-    def websocket_event(self) -> dict:
+    def websocket_event(self) -> dict[str, Any]:
         """A Responses WebSocket ``error`` frame: ends the turn, not the
         connection; ``status`` is what the same failure gets over HTTP."""
         return {"type": "error", "status": self.status, **self.openai()}
@@ -128,11 +130,11 @@ class ApiError(Exception):
     def anthropic_type(self) -> str:
         return _anthropic_type(self.status or 500)
 
-    def anthropic(self) -> dict:
+    def anthropic(self) -> dict[str, Any]:
         """Anthropic ``{"type": "error", "error": {...}}`` body (``/v1/messages``)."""
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
 
-    def short(self) -> dict:
+    def short(self) -> dict[str, Any]:
         """``{code, message}`` as carried inside a failed Response object."""
         return {"code": self.code, "message": self.message}
 

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Bounds the protocols themselves fix (not tunable per deployment).
+# OpenAI's bound on items added to a conversation in one call.
+MAX_CONVERSATION_ITEMS_PER_CALL = 20
+# Idempotency-Key header length.
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+# A client's session header (Claude Code, Codex, opencode...): a longer one is
+# ignored rather than refused (lmspd.dialects.session).
+MAX_SESSION_KEY_CHARS = 256
+
 
 @dataclass(frozen=True)
 class RequestLimits:

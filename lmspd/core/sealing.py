@@ -17,6 +17,7 @@ import base64
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -53,7 +54,7 @@ class Sealer:
         sealed = self._aead.encrypt(nonce, plain, _bound_to(model, owner))
         return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
 
-    def seal_value(self, purpose: str, value: dict, owner: str = "local") -> str:
+    def seal_value(self, purpose: str, value: dict[str, Any], owner: str = "local") -> str:
         """Any other server-made blob a client carries (a compaction's
         summary): bound to its ``purpose``, so that one kind of blob never
         opens as another; and to its owner, as ``seal``."""
@@ -62,7 +63,7 @@ class Sealer:
         sealed = self._aead.encrypt(nonce, plain, _purpose_bound(purpose, owner))
         return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
 
-    def open_value(self, purpose: str, blob: str, param: str, owner: str = "local") -> dict:
+    def open_value(self, purpose: str, blob: str, param: str, owner: str = "local") -> dict[str, Any]:
         try:
             raw = base64.urlsafe_b64decode(blob.encode())
             if not raw.startswith(_VERSION):
@@ -86,7 +87,8 @@ class Sealer:
                 raise ValueError("unknown version")
             nonce, sealed = raw[2:14], raw[14:]
             plain = self._aead.decrypt(nonce, sealed, _bound_to(model, owner))
-            return json.loads(plain)["hidden"]
+            hidden: str = json.loads(plain)["hidden"]
+            return hidden
         except (ValueError, InvalidTag, KeyError, TypeError):
             raise ApiError(
                 "invalid_request",

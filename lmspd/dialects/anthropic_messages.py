@@ -99,6 +99,8 @@ class CountTokens(CreateMessage):
 
 
 class MessagesRequest:
+    """A decoded Messages request (a ``CompatRequest``)."""
+
     def __init__(self, body: CreateMessage, conversation: Conversation, item_paths: list[str]) -> None:
         self.body = body
         self.conversation = conversation
@@ -108,6 +110,10 @@ class MessagesRequest:
     @property
     def stream(self) -> bool:
         return bool(self.body.stream)
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        return PARAM_NAMES
 
 
 # Where the core's (Responses-named) parameters live in a Messages request.
@@ -473,9 +479,9 @@ class AnthropicEncoder:
 
     first_sequence_number = 0
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
-        index = ctx.get("index")
-        item = ctx.get("item")
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
+        index: Any = ctx.get("index")
+        item: Any = ctx.get("item")
         if kind == "response.output_text.delta":
             return _delta(index, {"type": "text_delta", "text": ctx["delta"]})
         if kind == "reasoning.delta":
@@ -506,12 +512,12 @@ class AnthropicEncoder:
             return "error", ApiError(error["code"], error["message"]).anthropic()
         return None
 
-    def trailer(self, state: ResponseState) -> list[tuple[str, dict]]:
+    def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:
         """``message_stop`` ends a stream that finished; a failed one ends at its ``error``."""
         if state.status not in ("completed", "incomplete"):
             return []
         return [("message_stop", {"type": "message_stop"})]
 
 
-def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict]:
+def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}

@@ -151,7 +151,7 @@ _MESSAGE_MODELS: dict[str, type[Lenient]] = {
 }
 
 
-class ChatRequest:
+class ChatCompletionsRequest:
     """A decoded chat request: the neutral conversation and how to deliver it."""
 
     def __init__(self, body: ChatCompletionRequest, conversation: Conversation, item_paths: list[str]) -> None:
@@ -175,7 +175,7 @@ class ChatRequest:
         return {"max_output_tokens": cap, "input": "messages", "text.format": "response_format"}
 
 
-def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
+def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletionsRequest:
     try:
         body = ChatCompletionRequest.model_validate(raw)
     except ValidationError as exc:
@@ -207,7 +207,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatRequest:
         prompt_cache_key=body.prompt_cache_key,
         cache_reuse=extensions.cache_reuse,
     )
-    return ChatRequest(body, conversation, paths)
+    return ChatCompletionsRequest(body, conversation, paths)
 
 
 def _refuse_unhonourable(body: ChatCompletionRequest) -> None:
@@ -411,7 +411,7 @@ class ChatEncoder:
             chunk["usage"] = None
         return chunk
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         if kind == "response.created":
             return "chunk", self._chunk(state, {"role": "assistant", "content": "", "refusal": None})
         if kind == "response.output_text.delta":
@@ -436,7 +436,7 @@ class ChatEncoder:
             return "error", ApiError(error["code"], error["message"]).openai()
         return None
 
-    def trailer(self, state: ResponseState) -> list[tuple[str, dict]]:
+    def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:
         """After the finish chunk: the usage-only chunk ``include_usage`` asks for."""
         if not self._include_usage or state.status not in ("completed", "incomplete"):
             return []

@@ -28,7 +28,7 @@ class Extensions:
     cache_reuse: bool = True
 
 
-_KNOWN = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}
+_KNOWN: dict[str, type[Strict]] = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}
 
 
 def decode_extensions(raw: dict[str, Any] | None) -> Extensions:

@@ -170,7 +170,7 @@ def response_json(state: ResponseState) -> dict[str, Any]:
 class LmspEncoder:
     first_sequence_number = 1
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         rid = state.id
         if kind == "response.output_text.delta":
             return kind, {"response_id": rid, "item_id": ctx["item"].id, "delta": ctx["delta"]}
@@ -226,6 +226,7 @@ def state_from_log(
                 open_index = None
         elif name == "response.output_text.delta":
             item = state.output[by_id[data["item_id"]]]
+            assert isinstance(item, Message)  # only messages get output_text deltas
             item.text += data["delta"]
     if state is None:
         raise ValueError("the log has no response.created event")

@@ -101,7 +101,7 @@ class CreateResponse(Strict):
     prompt: Any = None
 
 
-class DecodedRequest:
+class OpenAIRequest:
     """A decoded /v1/responses request: the neutral conversation plus what
     the dialect echoes back and how the response is to be delivered.
     ``input_items`` is this request's own input; ``conversation.items`` puts
@@ -153,7 +153,7 @@ def conversation_id(raw: str | dict[str, Any] | None) -> str | None:
 
 
 def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
-                   context: StoredContext | None = None) -> DecodedRequest:
+                   context: StoredContext | None = None) -> OpenAIRequest:
     try:
         body = CreateResponse.model_validate(raw)
     except ValidationError as exc:
@@ -189,7 +189,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         cache_reuse=extensions.cache_reuse,
         require_reasoning_state=True,
     )
-    return DecodedRequest(body, conversation, extensions, items, compaction_trigger=trigger)
+    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger)
 
 
 def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:
@@ -212,7 +212,7 @@ def _refuse_unhonourable(body: CreateResponse) -> None:
         raise invalid("'conversation' and 'previous_response_id' cannot be used together.", "previous_response_id")
 
 
-def echo_fields(req: DecodedRequest) -> dict[str, Any]:
+def echo_fields(req: OpenAIRequest) -> dict[str, Any]:
     """The request fields a Response object reports back."""
     b = req.body
     fmt = (b.text.format if b.text and b.text.format else None) or {"type": "text"}
@@ -418,7 +418,7 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
     open_index: int | None = None
     for _, data in events:
         kind = data.get("type", "")
-        index = data.get("output_index")
+        index: Any = data.get("output_index")
         if "response" in data:
             output = state.output if state is not None else []
             state = state_from_json(data["response"])
@@ -437,10 +437,13 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
         elif kind == "response.content_part.added":
             open_index = index
         elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
-            item = state.output[index]
-            item.text = (item.text or "") + data["delta"]
+            text_item = state.output[index]
+            assert not isinstance(text_item, ToolCall)  # text deltas go to messages and reasoning
+            text_item.text = (text_item.text or "") + data["delta"]
         elif kind in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
-            state.output[index].payload += data["delta"]
+            call = state.output[index]
+            assert isinstance(call, ToolCall)
+            call.payload += data["delta"]
     if state is None:
         raise ValueError("the log has no response.created event")
     return state, open_index
@@ -456,17 +459,16 @@ class OpenAIEncoder:
         # when the client asked for summaries.
         self._summaries = summaries
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         if kind == "response.output_text.delta":
-            item = ctx["item"]
-            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": ctx["index"],
+            return kind, {"type": kind, "sequence_number": seq, "item_id": ctx["item"].id, "output_index": ctx["index"],
                           "content_index": 0, "delta": ctx["delta"], "logprobs": []}
         if kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
                     "response.failed", "response.cancelled", "response.queued"):
             name = "response.failed" if kind == "response.cancelled" else kind
             return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
-        index = ctx.get("index")
-        item = ctx.get("item")
+        index: Any = ctx.get("index")
+        item: Any = ctx.get("item")
         if kind in ("response.output_item.added", "response.output_item.done"):
             return kind, {"type": kind, "sequence_number": seq, "output_index": index, "item": item_json(item)}
         if kind == "response.content_part.added":

@@ -10,20 +10,30 @@ from lmspd.streaming.session import Encoder, ResponseState
 from lmspd.streaming.sse import SSE_DONE, sse_event
 
 from . import lmsp, openai_responses
+from .decoded import ResponsesRequest
 
 # Rebuilds a response from its event log: (events, model, created_at) ->
 # (state, index of the item still open).
-Rebuild = Callable[[list[tuple[str, dict]], str, int], tuple[ResponseState, "int | None"]]
+Rebuild = Callable[[list[tuple[str, dict[str, Any]]], str, int], tuple[ResponseState, "int | None"]]
+
+
+def _no_echo(req: ResponsesRequest) -> dict[str, Any]:
+    return {}
+
+
+def _openai_echo(req: ResponsesRequest) -> dict[str, Any]:
+    assert isinstance(req, openai_responses.OpenAIRequest)
+    return openai_responses.echo_fields(req)
 
 
 @dataclass(frozen=True)
 class Dialect:
     name: str
-    decode: Callable[..., Any]
+    decode: Callable[..., ResponsesRequest]
     encoder: Callable[[], Encoder]
     response_json: Callable[[ResponseState], dict[str, Any]]
     # One wire event as SSE: (wire seq, name, data) -> bytes.
-    frame: Callable[[int, str, dict], bytes]
+    frame: Callable[[int, str, dict[str, Any]], bytes]
     # What ends a stream after its terminal event (OpenAI's [DONE]).
     trailer: bytes | None
     headers: dict[str, str]
@@ -31,9 +41,9 @@ class Dialect:
     # Wire seq of the first event; a task's log numbers from 1 whatever the
     # dialect, so store seq = wire seq - first_seq + 1.
     first_seq: int
-
-    def echo(self, req: Any) -> dict[str, Any]:
-        return openai_responses.echo_fields(req) if self is OPENAI else {}
+    # The request fields the response object repeats (OpenAI's echo of
+    # instructions, tools, sampling...; LMSP repeats none).
+    echo: Callable[[ResponsesRequest], dict[str, Any]] = _no_echo
 
     def store_seq(self, wire_seq: int) -> int:
         return wire_seq - self.first_seq + 1
@@ -52,6 +62,7 @@ OPENAI = Dialect(
     headers={},
     rebuild=lambda events, model, created_at: openai_responses.state_from_log(events),
     first_seq=openai_responses.OpenAIEncoder.first_sequence_number,
+    echo=_openai_echo,
 )
 
 LMSP = Dialect(

@@ -95,7 +95,7 @@ def content_text(content: Any, path: str, limits: RequestLimits) -> str:
                 f"Content part type {kind!r} at '{where}' is not supported: lmspd serves text-only models.",
                 param=f"{where}.type",
             )
-        field = TEXT_PART_TYPES.get(kind)
+        field = TEXT_PART_TYPES.get(kind or "")
         if field is None:
             raise invalid(f"Unknown content part type {kind!r} at '{where}'.", f"{where}.type")
         value = part.get(field)
@@ -228,7 +228,7 @@ def decode_items(
         if not isinstance(entry, dict):
             raise invalid(f"Invalid item at '{where}': expected an object.", where)
         kind = tag(entry.get("type", "message"), f"{where}.type")
-        model = _ITEM_MODELS.get(kind)
+        model = _ITEM_MODELS.get(kind or "")
         if kind == COMPACTION_TRIGGER:
             raise invalid(f"'{where}': a compaction_trigger must be the last input item of a /v1/responses "
                           "request.", f"{where}.type")
@@ -273,8 +273,8 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
     if isinstance(parsed, ToolOutputIn):
         output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits)
         _check_text(output, f"{where}.output", limits)
-        kind = "custom" if parsed.type == "custom_tool_call_output" else "function"
-        return ToolOutput(call_id=parsed.call_id, output=output, kind=kind, id=parsed.id)
+        return ToolOutput(call_id=parsed.call_id, output=output, id=parsed.id,
+                          kind="custom" if parsed.type == "custom_tool_call_output" else "function")
     assert isinstance(parsed, ReasoningIn)
     return Reasoning(
         summary=[p.text for p in parsed.summary or []],
@@ -424,8 +424,9 @@ def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> Tool
         return ToolChoice(mode="required", allowed=[name])
     if kind == "allowed_tools":
         mode = tag(raw.get("mode", "auto"), "tool_choice.mode")
-        if mode not in ("auto", "required"):
+        if mode != "auto" and mode != "required":
             raise invalid(f"Invalid 'tool_choice.mode': {mode!r}.", "tool_choice.mode")
+        chosen: Literal["auto", "required"] = "auto" if mode == "auto" else "required"
         listed = raw.get("tools") or []
         if not isinstance(listed, list):
             raise invalid("'tool_choice.tools' must be an array.", "tool_choice.tools")
@@ -442,7 +443,7 @@ def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> Tool
             allowed.append(name)
         if mode == "required" and not allowed:
             raise invalid("'tool_choice' requires a call but allows no callable tool.", "tool_choice.tools")
-        return ToolChoice(mode=mode, allowed=allowed)
+        return ToolChoice(mode=chosen, allowed=allowed)
     if kind in HOSTED_TOOL_TYPES or kind in ("web_search_preview", "mcp", "file_search"):
         raise ApiError(
             "unsupported_capability",

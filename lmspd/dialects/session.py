@@ -16,7 +16,7 @@ over all of them:
     x-codex-turn-state          Codex's sticky-routing token within one turn
 
 The value is only a routing hint: never stored, never echoed, and one
-longer than ``MAX_SESSION_KEY`` is ignored rather than refused (a header
+longer than ``MAX_SESSION_KEY_CHARS`` (lmspd.core.limits) is ignored rather than refused (a header
 a client always sends must not make a request fail).
 """
 
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["MAX_SESSION_KEY", "SESSION_HEADERS", "session_key"]
+from lmspd.core.limits import MAX_SESSION_KEY_CHARS
+
+__all__ = ["SESSION_HEADERS", "session_key"]
 
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id", "x-session-affinity",
                    "x-opencode-session", "x-codex-turn-state")
-MAX_SESSION_KEY = 256
 
 
 def session_key(headers: Mapping[str, str]) -> str | None:
@@ -38,6 +39,6 @@ def session_key(headers: Mapping[str, str]) -> str | None:
         value = headers.get(name)
         if value:
             value = value.strip()
-            if 0 < len(value) <= MAX_SESSION_KEY:
+            if 0 < len(value) <= MAX_SESSION_KEY_CHARS:
                 return value
     return None

@@ -42,7 +42,7 @@ class CancelToken:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.reason: str = "cancelled"
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[], object]] = []
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._event.is_set():
@@ -51,7 +51,7 @@ class CancelToken:
             for callback in list(self._callbacks):
                 callback()
 
-    def on_cancel(self, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
         """Call ``callback`` (on the cancelling thread) when cancelled, for an
         engine that waits on I/O rather than polling; returns its remover."""
         self._callbacks.append(callback)
@@ -76,9 +76,18 @@ class Prepared(Protocol):
 
 class Engine(Protocol):
     info: ModelInfo
+    @property
+    def opens_first(self) -> bool:
+        """Whether ``open`` has work to do: reaching the model before the
+        first response byte (the upstream engine's provider request), so that
+        a refusal is still an HTTP error reply, not a broken stream."""
 
     def prepare(self, conversation: Conversation) -> Prepared:
         """Validate and render; raise ``ApiError`` for anything the client got wrong."""
+
+    async def open(self, prepared: Prepared, cancel: CancelToken) -> None:
+        """Reach the model (``opens_first``); a no-op for engines in this
+        process. Called at most once, with the queue slot held."""
 
     def generate(self, prepared: Prepared, cancel: CancelToken,
                  response_id: str | None = None) -> AsyncIterator[EngineEvent]:

@@ -69,6 +69,14 @@ class LazyEngine:
             raise self._busy()
         return engine.generate(prepared, cancel, response_id=response_id)
 
+    @property
+    def opens_first(self) -> bool:
+        return bool(self._engine is not None and self._engine.opens_first)
+
+    async def open(self, prepared: Any, cancel: Any) -> None:
+        if self._engine is not None:
+            await self._engine.open(prepared, cancel)
+
     def count_tokens(self, conversation: Any) -> int:
         if self._engine is None:
             raise self._busy()
@@ -113,7 +121,7 @@ class LazyEngine:
         return ApiError("model_loading", f"Model {self.info.id!r} {what}; retry shortly.",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _load_in_thread(self, done: Callable[[], None]) -> None:
+    def _load_in_thread(self, done: Callable[[], object]) -> None:
         self.status = LOADING
         self.error = None
         self.load_started = time.monotonic()
@@ -302,6 +310,7 @@ def kv_bytes_estimate(meta: dict[str, Any], ctx: int, sequences: int = 1) -> int
     width = meta.get(f"{arch}.embedding_length")
     heads = meta.get(f"{arch}.attention.head_count")
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    if not all(isinstance(v, int) and v > 0 for v in (layers, width, heads, kv_heads)):
+    if not (isinstance(layers, int) and isinstance(width, int) and isinstance(heads, int)
+            and isinstance(kv_heads, int) and min(layers, width, heads, kv_heads) > 0):
         return 0
     return 2 * 2 * layers * ctx * sequences * kv_heads * (width // heads)

@@ -56,8 +56,8 @@ class LlamaSpec:
 EngineSpec = Union[LlamaSpec, UpstreamSpec]
 
 # Field name -> accepted types, per engine (served_model comes from the table key).
-_LLAMA_FIELDS = {"model": (str,), "ctx": (int,), "threads": (int,), "parallel": (int,), "chat_template": (str,)}
-_UPSTREAM_FIELDS = {
+_LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int,), "threads": (int,), "parallel": (int,), "chat_template": (str,)}
+_UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
     "max_concurrency": (int,), "context_window": (int,), "health_interval_s": (int, float),
@@ -162,8 +162,8 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
         except ValueError as exc:
             raise ConfigError(f"model {spec.served_model!r}: {exc}") from None
 
-    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
     from lmspd.engines.llama.discovery import Roots
+    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
     from lmspd.engines.llama.models import resolve_model
 
     model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))

@@ -24,7 +24,7 @@ from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.common import rename_param
 from lmspd.dialects.session import session_key
-from lmspd.routes.common import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
+from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
@@ -134,13 +134,13 @@ async def messages_create(request: Request) -> Response:
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
     req.conversation.session_key = session_key(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, anthropic_messages.PARAM_NAMES, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})
     encoder = anthropic_messages.AnthropicEncoder()
     session = StreamSession(state, encoder)
-    if not await _open(request, run, anthropic_messages.PARAM_NAMES, req.item_paths):
+    if not await _open(request, run, req.param_names, req.item_paths):
         return Response(status_code=499)
     if req.stream:
         return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
 CONSOLE_DIR = Path(__file__).resolve().parent.parent / "console"
 # Only this server: no CDN, no font service, no framing by other sites.
@@ -28,7 +29,7 @@ async def index(request: Request) -> Response:
 
 
 class _ConsoleFiles(StaticFiles):
-    async def get_response(self, path: str, scope: dict) -> Response:
+    async def get_response(self, path: str, scope: Scope) -> Response:
         response = await super().get_response(path, scope)
         response.headers.update(SECURITY_HEADERS)
         return response

@@ -18,19 +18,17 @@ from lmspd import idempotency
 from lmspd.bodies import read_json_object
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.limits import MAX_CONVERSATION_ITEMS_PER_CALL
 from lmspd.dialects.openai_responses import input_item_json
 from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.http import LmspdApp, app_state, json_reply, principal
 from lmspd.idempotency import Reply
-from lmspd.routes.common import LmspdApp, app_state, json_reply, principal
 from lmspd.routes.stored import list_json, page_params
 from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
 
-# OpenAI's bound on items added in one call.
-MAX_ITEMS_PER_CALL = 20
-
 
 class CreateConversation(Strict):
-    items: list[Any] | None = Field(default=None, max_length=MAX_ITEMS_PER_CALL)
+    items: list[Any] | None = Field(default=None, max_length=MAX_CONVERSATION_ITEMS_PER_CALL)
     metadata: dict[str, str] | None = None
 
 
@@ -39,7 +37,7 @@ class UpdateConversation(Strict):
 
 
 class AddItems(Strict):
-    items: list[Any] = Field(max_length=MAX_ITEMS_PER_CALL)
+    items: list[Any] = Field(max_length=MAX_CONVERSATION_ITEMS_PER_CALL)
 
 
 def not_found(conversation_id: str) -> ApiError:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd.dialects import lmsp
-from lmspd.routes.common import app_state, json_reply, lmsp_request
+from lmspd.http import app_state, json_reply, lmsp_request
 
 # Per-process salt: a tag cannot be matched against another server's.
 _SALT = os.urandom(16)

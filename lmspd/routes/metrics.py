@@ -11,8 +11,8 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from lmspd.http import app_state, principal
 from lmspd.metrics import CONTENT_TYPE
-from lmspd.routes.common import app_state, principal
 
 
 async def metrics(request: Request) -> Response:

@@ -1,6 +1,7 @@
 """``GET /v1/models``: the served models, then the GGUF models found on this
 machine (lmspd.engines.llama.discovery) that are not served; and
-``models``, the served ones as the catalog Codex reads.
+``models``, the served ones as the catalog Codex reads; ``GET
+/lmsp/v1/models``, the served ones with their LMSP capabilities.
 
 A found model is listed with ``"served": false``: ``lmspd serve --model
 NAME`` serves it. Found models never show a filesystem path over HTTP.
@@ -14,7 +15,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.routes.common import app_state, json_reply, principal
+from lmspd.dialects import lmsp
+from lmspd.http import app_state, json_reply, principal
 
 
 def _found(settings: Any) -> list[dict[str, Any]]:
@@ -72,3 +74,20 @@ def codex_model_entry(info: Any) -> dict[str, Any]:
         "experimental_supported_tools": [],
         "input_modalities": ["text"],
     }
+
+
+async def lmsp_models(request: Request) -> Response:
+    """``GET /lmsp/v1/models``: the served models with their capabilities."""
+    lmsp.check_version(request.headers.get("lmsp-version"))
+    principal(request, "responses:read")
+    data = []
+    for m in app_state(request).service.models.values():
+        info = m.engine.info
+        # Stored responses, previous_response_id and tasks live in the store,
+        # not in an engine: every model has them.
+        caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
+        # loaded, or (a model that loads on first use) unloaded / loading / unloading.
+        status = getattr(m.engine, "status", "loaded")
+        data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
+                     "status": status})
+    return json_reply({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})

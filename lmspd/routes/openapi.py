@@ -8,8 +8,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from lmspd.http import json_reply
 from lmspd.openapi import build_spec
-from lmspd.routes.common import json_reply
 
 
 async def openapi_json(request: Request) -> Response:

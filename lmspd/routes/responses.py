@@ -19,15 +19,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd import compaction, idempotency
-from lmspd.idempotency import Reply
 from lmspd.bodies import read_json_object
 from lmspd.core.conversation import Item, SessionPin
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
+from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.session import session_key
 from lmspd.history import ResponseRecord, StoredContext
-from lmspd.routes.common import (
+from lmspd.http import (
     LmspdApp,
     app_state,
     json_reply,
@@ -37,10 +38,11 @@ from lmspd.routes.common import (
     sse_reply,
     unless_disconnected,
 )
+from lmspd.idempotency import Reply
+from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
-from lmspd.tasks.manager import TERMINAL_EVENTS, task_request
-from lmspd.tasks.wire import follow_reply, task_json
+from lmspd.tasks.manager import task_request
 
 log = logging.getLogger("lmspd.http")
 
@@ -86,7 +88,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return Reply(Response(status_code=499))
     state = session.state
     stored = turn.stored
-    if state.status == "failed":
+    if state.status == "failed" and state.error is not None:
         raise ApiError(state.error["code"], state.error["message"])
     if not stored:
         # Never a 200 that claims store: true for a response nobody can read back.
@@ -103,7 +105,7 @@ class Turn:
     Transport-neutral: SSE, JSON, a task and a WebSocket all deliver one."""
 
     dialect: Dialect
-    req: Any
+    req: ResponsesRequest
     run: Run
     session: StreamSession
     record: ResponseRecord
@@ -166,7 +168,7 @@ async def turn_events(turn: Turn) -> AsyncIterator[WireEvent]:
     stored before its terminal event leaves (a GET right after finds it);
     if that fails the terminal event says ``store: false``."""
     async for wire in turn.run.events(turn.session):
-        if wire[1] in TERMINAL_EVENTS and not _ended(turn.record, turn.session.state):
+        if wire[1] in TERMINAL_EVENT_NAMES and not _ended(turn.record, turn.session.state):
             # The output is already whole: the end says it is not stored.
             turn.stored = False
             _mark_unstored(wire[2])

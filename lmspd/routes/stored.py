@@ -16,7 +16,7 @@ from starlette.responses import Response
 from lmspd.core.errors import ApiError, invalid
 from lmspd.dialects import lmsp, openai_responses
 from lmspd.dialects.registry import OPENAI
-from lmspd.routes.common import (
+from lmspd.http import (
     LmspdApp,
     app_state,
     json_reply,
@@ -26,8 +26,8 @@ from lmspd.routes.common import (
     query_choice,
     query_int,
 )
+from lmspd.routes.task_wire import check_after, follow_reply
 from lmspd.store.base import InvalidCursor, Page, TaskRecord
-from lmspd.tasks.wire import check_after, follow_reply
 
 
 def not_found(response_id: str) -> ApiError:

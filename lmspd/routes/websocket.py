@@ -43,7 +43,7 @@ from lmspd.core.ids import new_id
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.session import session_key
 from lmspd.history import StoredContext
-from lmspd.routes.common import LmspdApp
+from lmspd.http import LmspdApp
 from lmspd.routes.responses import begin_turn, turn_events
 from lmspd.streaming.sse import dumps
 from lmspd.streaming.websocket import error_frame, event_frame

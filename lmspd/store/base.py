@@ -30,15 +30,13 @@ from typing import (
     runtime_checkable,
 )
 
+from lmspd.core.lifecycle import STATUSES, TERMINAL_STATUSES
+
 JSON = dict[str, Any]
 Order = Literal["asc", "desc"]
 
-TASK_STATUSES = frozenset(
-    {"queued", "in_progress", "completed", "failed", "cancelled", "incomplete"}
-)
-TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled", "incomplete"})
-# Responses and tasks in these states are pinned: no pruning, ever.
-ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
+# The lifecycle's statuses (lmspd.core.lifecycle); a task has a response's.
+TASK_STATUSES = STATUSES
 
 
 def is_terminal(status: str | None) -> bool:

@@ -43,7 +43,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 try:
     import psycopg
-    from psycopg import errors as pg_errors
     from psycopg.rows import dict_row
     from psycopg_pool import ConnectionPool
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -51,26 +50,20 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
-    ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    TERMINAL_STATUSES,
-    BeginOutcome,
-    ChainError,
-    ChainLink,
     ConversationRecord,
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
-    InvalidCursor,
     LogCloser,
+    NotFound,
     NoticeCallback,
     Notices,
-    NotFound,
-    Order,
-    Page,
     Retention,
     SchemaTooNew,
     SequenceError,
@@ -83,10 +76,25 @@ from lmspd.store.base import (
     ensure_item_ids,
     new_instance_id,
 )
+from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.responses import ResponseQueries
+from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
+from lmspd.store.sql import Sql
+from lmspd.store.sql import dumps as _dumps
+from lmspd.store.sql import size as _size
+from lmspd.store.tasks import TaskQueries, task_record
 
 log = logging.getLogger("lmspd.store")
 
 Conn = psycopg.Connection[dict[str, Any]]
+
+
+def _first(cursor: psycopg.Cursor[dict[str, Any]]) -> dict[str, Any]:
+    """The one row a statement always returns (an aggregate, a RETURNING)."""
+    row = cursor.fetchone()
+    if row is None:  # pragma: no cover - the statement always yields a row
+        raise StoreError("the database returned no row")
+    return row
 
 CHANNEL = "lmspd"
 
@@ -202,9 +210,6 @@ def _m2_instances(conn: Conn) -> None:
 # Append-only, one for one with lmspd.store.sqlite.MIGRATIONS.
 MIGRATIONS: list[Callable[[Conn], None]] = [_m1_initial, _m2_instances]
 
-_ACTIVE_SQL = "('queued', 'in_progress')"
-_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
-_PRUNE_BATCH = 256
 # Any constant: it only has to be the same in every instance.
 _MIGRATION_LOCK = 0x6C6D7370
 
@@ -250,33 +255,12 @@ _APPEND_ERRORS: dict[str, type[StoreError]] = {
 }
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _size(text: str | bytes | None) -> int:
-    if text is None:
-        return 0
-    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
-
-
-def _loads_opt(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _check_page_args(limit: int, order: str) -> None:
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    if order not in ("asc", "desc"):
-        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
-
-
 def _notify(conn: Conn, kind: str, task_id: str) -> None:
     # Sent at commit, and only if the transaction commits.
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{kind}:{task_id}"))
 
 
-class PostgresStore:
+class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
     """``Store`` on a PostgreSQL database, shared by every instance that opens it."""
 
     shared = True
@@ -338,17 +322,40 @@ class PostgresStore:
         """One transaction: committed when the block ends, rolled back if it raises."""
         self._check_open()
         with self._pool.connection() as conn, conn.transaction():
-            yield conn
+            yield conn  # type: ignore[misc]  # the pool's row_factory is dict_row
 
     @contextlib.contextmanager
     def _single(self) -> Iterator[Conn]:
         """A connection for one statement (autocommit: no BEGIN/COMMIT round trips)."""
         self._check_open()
         with self._pool.connection() as conn:
-            yield conn
+            yield conn  # type: ignore[misc]  # the pool's row_factory is dict_row
 
     _write = _tx
     _read = _tx
+
+    # The connection manager the shared aggregate modules use (lmspd.store.sql).
+    insertion_order = "id"
+
+    @contextlib.contextmanager
+    def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
+        # Every commit here waits for the WAL flush (only event appends relax it).
+        with self._tx() as conn:
+            yield Sql(conn, "format")
+
+    @contextlib.contextmanager
+    def sql_read(self) -> Iterator[Sql]:
+        with self._tx() as conn:
+            yield Sql(conn, "format")
+
+    @contextlib.contextmanager
+    def sql_single(self) -> Iterator[Sql]:
+        with self._single() as conn:
+            yield Sql(conn, "format")
+
+    @staticmethod
+    def octets(column: str) -> str:
+        return f"octet_length({column})"
 
     def _migrate(self) -> None:
         with self._tx() as conn:
@@ -550,13 +557,6 @@ class PostgresStore:
             )
         return items
 
-    def get_response(self, owner: str, response_id: str) -> JSON | None:
-        with self._single() as conn:
-            row = conn.execute(
-                "SELECT body FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
         body = _dumps(response)
         with self._write() as conn:
@@ -566,11 +566,11 @@ class PostgresStore:
             ).fetchone()
             if row is None:
                 return False
-            input_bytes = conn.execute(
+            input_bytes = _first(conn.execute(
                 "SELECT COALESCE(SUM(octet_length(body)), 0) AS n FROM response_items "
                 "WHERE response_id = %s AND kind = 'input'",
                 (response_id,),
-            ).fetchone()["n"]
+            ))["n"]
             conn.execute(
                 "DELETE FROM response_items WHERE response_id = %s AND kind = 'output'",
                 (response_id,),
@@ -583,103 +583,6 @@ class PostgresStore:
                  _size(body) + int(input_bytes) + output_bytes, response_id),
             )
         return True
-
-    def delete_response(self, owner: str, response_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            )
-            return cur.rowcount == 1
-
-    def list_input_items(
-        self,
-        owner: str,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM responses WHERE id = %s AND owner = %s", (response_id, owner)
-            ).fetchone() is None:
-                return None
-            return _page(
-                conn,
-                "response_items WHERE response_id = %s AND kind = 'input'",
-                (response_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
-        depth_bound = self.max_chain_depth
-        with self._read() as conn:
-            rows = conn.execute(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                       SELECT id, previous_response_id, 1 FROM responses
-                        WHERE id = %s AND owner = %s
-                       UNION ALL
-                       SELECT r.id, r.previous_response_id, chain.depth + 1
-                         FROM responses r JOIN chain ON r.id = chain.prev
-                        WHERE r.owner = %s AND chain.depth < %s
-                   )
-                   SELECT id, prev, depth FROM chain ORDER BY depth""",
-                (response_id, owner, owner, depth_bound),
-            ).fetchall()
-            if not rows:
-                return None
-            seen: set[str] = set()
-            for row in rows:
-                if row["id"] in seen:
-                    raise ChainError(
-                        row["id"], "cycle",
-                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
-                    )
-                seen.add(row["id"])
-            last = rows[-1]
-            if last["prev"] is not None:
-                if last["depth"] >= depth_bound:
-                    raise ChainError(
-                        last["id"], "too_deep",
-                        f"previous_response_id chain of {response_id!r} is longer than "
-                        f"{depth_bound} responses",
-                    )
-                raise ChainError(
-                    last["prev"], "missing",
-                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
-                    "was not found (deleted or expired)",
-                )
-            ids = [row["id"] for row in rows]
-            by_id: dict[str, tuple[list[JSON], list[JSON]]] = {i: ([], []) for i in ids}
-            # One query for the whole chain's items, not one per link.
-            for item in conn.execute(
-                "SELECT response_id, kind, body FROM response_items WHERE response_id = ANY(%s) "
-                "ORDER BY response_id, kind, position",
-                (ids,),
-            ):
-                inputs, outputs = by_id[item["response_id"]]
-                (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
-        return [ChainLink(*by_id[i]) for i in reversed(ids)]
-
-    def find_item(self, owner: str, item_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                """SELECT body FROM (
-                       SELECT i.body, r.updated_at AS t FROM response_items i
-                         JOIN responses r ON r.id = i.response_id
-                        WHERE i.item_id = %s AND r.owner = %s
-                       UNION ALL
-                       SELECT i.body, c.updated_at AS t FROM conversation_items i
-                         JOIN conversations c ON c.id = i.conversation_id
-                        WHERE i.item_id = %s AND c.owner = %s
-                   ) AS found ORDER BY t DESC LIMIT 1""",
-                (item_id, owner, item_id, owner),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
@@ -705,16 +608,6 @@ class PostgresStore:
 
     # --- conversations -----------------------------------------------------------
 
-    @staticmethod
-    def _conversation(row: Mapping[str, Any]) -> ConversationRecord:
-        return ConversationRecord(
-            id=row["id"],
-            owner=row["owner"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            metadata=json.loads(row["metadata"]),
-        )
-
     def _append_items(
         self, conn: Conn, conversation_id: str, items: Sequence[JSON], now: float
     ) -> list[JSON]:
@@ -723,15 +616,15 @@ class PostgresStore:
         added = sum(_size(b) for b in bodies)
         # Reserve the positions in one statement: two instances appending to
         # one conversation get disjoint ranges.
-        end = conn.execute(
+        end = _first(conn.execute(
             "UPDATE conversations SET next_position = next_position + %s, bytes = bytes + %s, "
             "updated_at = %s WHERE id = %s RETURNING next_position",
             (len(stored), added, now, conversation_id),
-        ).fetchone()["next_position"]
+        ))["next_position"]
         start = end - len(stored)
         rows = [
             (conversation_id, start + offset, item["id"], body, _size(body))
-            for offset, (item, body) in enumerate(zip(stored, bodies))
+            for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))
         ]
         if rows:
             with conn.cursor() as cur:
@@ -766,15 +659,8 @@ class PostgresStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
             ).fetchone()
-        return self._conversation(row)
-
-    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone()
-        return None if row is None else self._conversation(row)
+        assert row is not None  # RETURNING/the row just written
+        return conversation_record(row)
 
     def update_conversation(
         self, owner: str, conversation_id: str, metadata: JSON
@@ -792,14 +678,8 @@ class PostgresStore:
                 "WHERE id = %s RETURNING *",
                 (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
             ).fetchone()
-        return self._conversation(row)
-
-    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM conversations WHERE id = %s AND owner = %s", (conversation_id, owner)
-            )
-            return cur.rowcount == 1
+        assert row is not None  # RETURNING/the row just written
+        return conversation_record(row)
 
     def append_conversation_items(
         self, owner: str, conversation_id: str, items: Sequence[JSON]
@@ -811,57 +691,6 @@ class PostgresStore:
             ).fetchone() is None:
                 return None
             return self._append_items(conn, conversation_id, items, self._clock())
-
-    def list_conversation_items(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            return _page(
-                conn,
-                "conversation_items WHERE conversation_id = %s",
-                (conversation_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            rows = conn.execute(
-                "SELECT body FROM conversation_items WHERE conversation_id = %s ORDER BY position",
-                (conversation_id,),
-            ).fetchall()
-        return [json.loads(r["body"]) for r in rows]
-
-    def get_conversation_item(
-        self, owner: str, conversation_id: str, item_id: str
-    ) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT i.body FROM conversation_items i "
-                "JOIN conversations c ON c.id = i.conversation_id "
-                "WHERE i.conversation_id = %s AND c.owner = %s AND i.item_id = %s "
-                "ORDER BY i.position DESC LIMIT 1",
-                (conversation_id, owner, item_id),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
         with self._write() as conn:
@@ -884,23 +713,6 @@ class PostgresStore:
             return True
 
     # --- tasks -------------------------------------------------------------------
-
-    @staticmethod
-    def _task(row: Mapping[str, Any]) -> TaskRecord:
-        return TaskRecord(
-            id=row["id"],
-            owner=row["owner"],
-            status=row["status"],
-            request=json.loads(row["request"]),
-            result=_loads_opt(row["result"]),
-            error=_loads_opt(row["error"]),
-            response_id=row["response_id"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            finished_at=row["finished_at"],
-            last_seq=row["last_seq"],
-            first_retained_seq=row["first_retained_seq"],
-        )
 
     def create_task(
         self,
@@ -926,14 +738,7 @@ class PostgresStore:
             ).fetchone()
             if row is None:
                 raise Duplicate(f"task {task_id!r} already exists")
-        return self._task(row)
-
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        with self._single() as conn:
-            row = conn.execute(
-                "SELECT * FROM tasks WHERE id = %s AND owner = %s", (task_id, owner)
-            ).fetchone()
-        return None if row is None else self._task(row)
+        return task_record(row)
 
     @staticmethod
     def _insert_events(
@@ -1063,14 +868,6 @@ class PostgresStore:
             if r["seq"] is not None  # the task row alone: no events after after_seq
         ]
 
-    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = %s AND owner = %s",
-                (task_id, owner),
-            ).fetchone()
-        return None if row is None else row["first_retained_seq"]
-
     def fail_interrupted_tasks(
         self,
         message: str,
@@ -1107,7 +904,8 @@ class PostgresStore:
                     "+ COALESCE(octet_length(result), 0) + %s WHERE id = %s RETURNING *",
                     (error, now, now, _size(error), task_id),
                 ).fetchone()
-                task = self._task(row)
+                assert row is not None  # RETURNING/the row just written
+                task = task_record(row)
                 seq = task.last_seq + 1
                 if close_log is None:
                     name, data = build(task, seq)
@@ -1133,70 +931,23 @@ class PostgresStore:
                             (result, _size(result), task_id),
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
-                failed.append(self._task(row))
+                assert row is not None  # RETURNING/the row just written
+                failed.append(task_record(row))
         return failed
 
     # --- idempotency keys -------------------------------------------------------------
 
     def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        now = self._clock()
-        with self._write() as conn:
-            conn.execute(
-                "DELETE FROM idempotency_keys WHERE owner = %s AND key = %s AND expires_at <= %s",
-                (owner, key, now),
-            )
-            # The primary key decides between two instances: the loser's insert
-            # waits for the winner's commit, then does nothing.
-            inserted = conn.execute(
-                "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
-                "expires_at, bytes, instance_id) VALUES (%s, %s, %s, 'in_progress', %s, %s, %s, %s) "
-                "ON CONFLICT (owner, key) DO NOTHING",
-                (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
-                 _size(key) + _size(request_hash), self.instance_id),
-            ).rowcount
-            if inserted:
-                return IdempotencyBegin(BeginOutcome.NEW)
-            row = conn.execute(
-                "SELECT request_hash, state, status_code, headers, body FROM idempotency_keys "
-                "WHERE owner = %s AND key = %s",
-                (owner, key),
-            ).fetchone()
-        if row is None:
-            # Abandoned between our insert and our read: it is free again.
-            return self.idempotency_begin(owner, key, request_hash)
-        if row["request_hash"] != request_hash:
-            return IdempotencyBegin(BeginOutcome.CONFLICT)
-        if row["state"] == "in_progress":
-            return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
-        return IdempotencyBegin(
-            BeginOutcome.REPLAY,
-            status_code=row["status_code"],
-            body=bytes(row["body"]) if row["body"] is not None else b"",
-            headers=json.loads(row["headers"]) if row["headers"] else {},
-        )
+        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
+                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
 
     def idempotency_finish(
         self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
     ) -> bool:
-        headers_text = _dumps(dict(headers))
-        with self._write() as conn:
-            cur = conn.execute(
-                "UPDATE idempotency_keys SET state = 'done', status_code = %s, headers = %s, "
-                "body = %s, bytes = octet_length(key) + octet_length(request_hash) + %s "
-                "WHERE owner = %s AND key = %s AND state = 'in_progress' AND expires_at > %s",
-                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
-                 owner, key, self._clock()),
-            )
-            return cur.rowcount == 1
+        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
 
     def idempotency_abandon(self, owner: str, key: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM idempotency_keys "
-                "WHERE owner = %s AND key = %s AND state = 'in_progress'",
-                (owner, key),
-            )
-            return cur.rowcount == 1
+        return idempotency.abandon(self, owner, key)
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
@@ -1208,118 +959,10 @@ class PostgresStore:
 
     # --- bounds ------------------------------------------------------------------------
 
-    def _prune_loop(self, step: Callable[[Conn], int]) -> int:
-        total = 0
-        while True:
-            with self._write() as conn:
-                n = step(conn)
-            total += n
-            if n == 0:
-                return total
-
-    @staticmethod
-    def _over_budget(conn: Conn, sum_sql: str, candidates_sql: str, budget: int) -> list[str]:
-        total = conn.execute(sum_sql).fetchone()["n"]
-        if total <= budget:
-            return []
-        victims: list[str] = []
-        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
-            if total <= budget:
-                break
-            victims.append(row["id"])
-            total -= row["bytes"]
-        return victims
-
     def prune(self, now: float | None = None) -> dict[str, int]:
         now = self._now(now)
-        r = self.retention
-        removed: dict[str, int] = {}
-
-        def delete_ids(table: str, ids: list[str], conn: Conn) -> int:
-            if ids:
-                conn.execute(f"DELETE FROM {table} WHERE id = ANY(%s)", (ids,))
-            return len(ids)
-
-        def drop_logs(ids: list[str], conn: Conn) -> int:
-            if ids:
-                conn.execute("DELETE FROM task_events WHERE task_id = ANY(%s)", (ids,))
-                conn.execute(
-                    "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 "
-                    "WHERE id = ANY(%s)",
-                    (ids,),
-                )
-            return len(ids)
-
-        def ids(conn: Conn, sql: str, *args: Any) -> list[str]:
-            return [row["id"] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
-
-        old_responses = (
-            f"SELECT id FROM responses WHERE created_at < %s AND "
-            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
-        )
-        removed["responses"] = self._prune_loop(
-            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
-        )
-        removed["responses"] += self._prune_loop(
-            lambda c: delete_ids("responses", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM responses",
-                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
-                f"{_ACTIVE_SQL} ORDER BY created_at, id",
-                r.max_response_bytes,
-            ), c)
-        )
-
-        removed["conversations"] = self._prune_loop(
-            lambda c: delete_ids("conversations", ids(
-                c, "SELECT id FROM conversations WHERE updated_at < %s", now - r.conversation_ttl_s
-            ), c)
-        )
-        removed["conversations"] += self._prune_loop(
-            lambda c: delete_ids("conversations", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations",
-                "SELECT id, bytes FROM conversations ORDER BY updated_at, id",
-                r.max_conversation_bytes,
-            ), c)
-        )
-
-        live_logs = (
-            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
-        )
-        removed["event_logs"] = self._prune_loop(
-            lambda c: drop_logs(ids(
-                c, f"SELECT id {live_logs} AND finished_at < %s", now - r.event_ttl_s
-            ), c)
-        )
-        removed["event_logs"] += self._prune_loop(
-            lambda c: drop_logs(self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks",
-                f"SELECT id, events_bytes AS bytes {live_logs} ORDER BY finished_at, id",
-                r.max_event_bytes,
-            ), c)
-        )
-
-        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
-        removed["tasks"] = self._prune_loop(
-            lambda c: delete_ids("tasks", ids(
-                c, f"SELECT id {finished} AND finished_at < %s", now - r.task_ttl_s
-            ), c)
-        )
-        removed["tasks"] += self._prune_loop(
-            lambda c: delete_ids("tasks", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks",
-                f"SELECT id, bytes {finished} ORDER BY finished_at, id",
-                r.max_task_bytes,
-            ), c)
-        )
-
+        removed = pruning.prune(self, self.retention, now)
         with self._write() as conn:
-            removed["idempotency_keys"] = conn.execute(
-                "DELETE FROM idempotency_keys WHERE expires_at <= %s", (now,)
-            ).rowcount
             # Instances that stopped long ago: their rows are failed by now.
             conn.execute(
                 "DELETE FROM instances WHERE lease_until < %s", (now - 10 * self.lease_s,)
@@ -1329,7 +972,7 @@ class PostgresStore:
     def stats(self) -> dict[str, int]:
         with self._read() as conn:
             def one(sql: str) -> int:
-                return int(conn.execute(sql).fetchone()["n"])
+                return int(_first(conn.execute(sql))["n"])
 
             return {
                 "schema_version": one("SELECT version AS n FROM lmspd_schema"),
@@ -1349,33 +992,3 @@ class PostgresStore:
                 ),
             }
 
-
-def _page(
-    conn: Conn,
-    source: str,
-    args: tuple[Any, ...],
-    *,
-    after: str | None,
-    limit: int,
-    order: str,
-) -> Page:
-    """One page of an item list (the SQLite store's ``_page``, in PostgreSQL)."""
-    desc = order == "desc"
-    where = ""
-    params: tuple[Any, ...] = args
-    if after is not None:
-        found = conn.execute(
-            f"SELECT position FROM {source} AND item_id = %s "
-            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
-            (*args, after),
-        ).fetchone()
-        if found is None:
-            raise InvalidCursor(after)
-        where = f" AND position {'<' if desc else '>'} %s"
-        params = (*args, found["position"])
-    rows = conn.execute(
-        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} "
-        f"LIMIT %s",
-        (*params, limit + 1),
-    ).fetchall()
-    return Page([json.loads(r["body"]) for r in rows[:limit]], len(rows) > limit)

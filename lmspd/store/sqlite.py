@@ -22,26 +22,22 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
-    ACTIVE_STATUSES,
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    TERMINAL_STATUSES,
-    BeginOutcome,
-    ChainError,
-    ChainLink,
     ConversationRecord,
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
-    InvalidCursor,
     LogCloser,
     NotFound,
-    Order,
-    Page,
+    NoticeCallback,
+    Notices,
     Retention,
     SchemaTooNew,
     SequenceError,
@@ -50,12 +46,17 @@ from lmspd.store.base import (
     TaskFinished,
     TaskRecord,
     TerminalEventBuilder,
-    Notices,
-    NoticeCallback,
     default_terminal_event,
     ensure_item_ids,
     new_instance_id,
 )
+from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.responses import ResponseQueries
+from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
+from lmspd.store.sql import Sql
+from lmspd.store.sql import dumps as _dumps
+from lmspd.store.sql import size as _size
+from lmspd.store.tasks import TaskQueries, task_record
 
 # --- schema -----------------------------------------------------------------
 
@@ -179,35 +180,11 @@ _SCHEMA_V2 = (
 # (no executescript: it would commit half-way).
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_instances]
 
-_ACTIVE_SQL = "('queued', 'in_progress')"
-_TERMINAL_SQL = "('completed', 'failed', 'cancelled', 'incomplete')"
 # Rows deleted per write transaction while pruning, so request handlers never
 # wait long for the writer lock.
-_PRUNE_BATCH = 256
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def _size(text: str | bytes | None) -> int:
-    if text is None:
-        return 0
-    return len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
-
-
-def _loads_opt(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _check_page_args(limit: int, order: str) -> None:
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    if order not in ("asc", "desc"):
-        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
-
-
-class SQLiteStore:
+class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
     """``Store`` on one SQLite file. ``path`` may be ``":memory:"`` (tests):
     then reads share the writer connection."""
 
@@ -294,6 +271,23 @@ class SQLiteStore:
             finally:
                 if durable:
                     conn.execute("PRAGMA synchronous=NORMAL")
+
+    # The connection manager the shared aggregate modules use (lmspd.store.sql).
+    insertion_order = "rowid"
+
+    @contextmanager
+    def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
+        with self._write(durable=durable) as conn:
+            yield Sql(conn, "qmark")
+
+    @staticmethod
+    def octets(column: str) -> str:
+        return f"LENGTH(CAST({column} AS BLOB))"
+
+    @contextmanager
+    def sql_read(self) -> Iterator[Sql]:
+        with self._read() as conn:
+            yield Sql(conn, "qmark")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -484,13 +478,6 @@ class SQLiteStore:
             )
         return items
 
-    def get_response(self, owner: str, response_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT body FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
         body = _dumps(response)
         with self._write() as conn:
@@ -516,107 +503,6 @@ class SQLiteStore:
             )
         return True
 
-    def delete_response(self, owner: str, response_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            )
-            return cur.rowcount == 1
-
-    def list_input_items(
-        self,
-        owner: str,
-        response_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone() is None:
-                return None
-            return _page(
-                conn,
-                "response_items WHERE response_id = ? AND kind = 'input'",
-                (response_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
-        depth_bound = self.max_chain_depth
-        with self._read() as conn:
-            # The depth bound also stops a (theoretical) cycle; it shows up as
-            # a repeated id below.
-            rows = conn.execute(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                       SELECT id, previous_response_id, 1 FROM responses
-                        WHERE id = ? AND owner = ?
-                       UNION ALL
-                       SELECT r.id, r.previous_response_id, chain.depth + 1
-                         FROM responses r JOIN chain ON r.id = chain.prev
-                        WHERE r.owner = ? AND chain.depth < ?
-                   )
-                   SELECT id, prev, depth FROM chain ORDER BY depth""",
-                (response_id, owner, owner, depth_bound),
-            ).fetchall()
-            if not rows:
-                return None
-            seen: set[str] = set()
-            for row in rows:
-                if row["id"] in seen:
-                    raise ChainError(
-                        row["id"], "cycle",
-                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
-                    )
-                seen.add(row["id"])
-            last = rows[-1]
-            if last["prev"] is not None:
-                if last["depth"] >= depth_bound:
-                    raise ChainError(
-                        last["id"], "too_deep",
-                        f"previous_response_id chain of {response_id!r} is longer than "
-                        f"{depth_bound} responses",
-                    )
-                raise ChainError(
-                    last["prev"], "missing",
-                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
-                    "was not found (deleted or expired)",
-                )
-            links: list[ChainLink] = []
-            for row in reversed(rows):
-                inputs: list[JSON] = []
-                outputs: list[JSON] = []
-                for item in conn.execute(
-                    "SELECT kind, body FROM response_items WHERE response_id = ? "
-                    "ORDER BY kind, position",
-                    (row["id"],),
-                ):
-                    bucket = inputs if item["kind"] == "input" else outputs
-                    bucket.append(json.loads(item["body"]))
-                links.append(ChainLink(inputs, outputs))
-        return links
-
-    def find_item(self, owner: str, item_id: str) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                """SELECT body FROM (
-                       SELECT i.body, r.updated_at AS t FROM response_items i
-                         JOIN responses r ON r.id = i.response_id
-                        WHERE i.item_id = ? AND r.owner = ?
-                       UNION ALL
-                       SELECT i.body, c.updated_at AS t FROM conversation_items i
-                         JOIN conversations c ON c.id = i.conversation_id
-                        WHERE i.item_id = ? AND c.owner = ?
-                   ) ORDER BY t DESC LIMIT 1""",
-                (item_id, owner, item_id, owner),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
-
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
         with self._write(durable=True) as conn:
@@ -637,16 +523,6 @@ class SQLiteStore:
         return failed
 
     # --- conversations -----------------------------------------------------------
-
-    @staticmethod
-    def _conversation(row: sqlite3.Row) -> ConversationRecord:
-        return ConversationRecord(
-            id=row["id"],
-            owner=row["owner"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            metadata=json.loads(row["metadata"]),
-        )
 
     def _append_items(
         self, conn: sqlite3.Connection, conversation_id: str, items: Sequence[JSON], now: float
@@ -696,14 +572,7 @@ class SQLiteStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
             ).fetchone()
-        return self._conversation(row)
-
-    def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone()
-        return None if row is None else self._conversation(row)
+        return conversation_record(row)
 
     def update_conversation(
         self, owner: str, conversation_id: str, metadata: JSON
@@ -724,14 +593,7 @@ class SQLiteStore:
             row = conn.execute(
                 "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
             ).fetchone()
-        return self._conversation(row)
-
-    def delete_conversation(self, owner: str, conversation_id: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            )
-            return cur.rowcount == 1
+        return conversation_record(row)
 
     def append_conversation_items(
         self, owner: str, conversation_id: str, items: Sequence[JSON]
@@ -742,55 +604,6 @@ class SQLiteStore:
             ).fetchone() is None:
                 return None
             return self._append_items(conn, conversation_id, items, self._clock())
-
-    def list_conversation_items(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        _check_page_args(limit, order)
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            return _page(
-                conn,
-                "conversation_items WHERE conversation_id = ?",
-                (conversation_id,),
-                after=after,
-                limit=limit,
-                order=order,
-            )
-
-    def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
-        with self._read() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            rows = conn.execute(
-                "SELECT body FROM conversation_items WHERE conversation_id = ? ORDER BY position",
-                (conversation_id,),
-            ).fetchall()
-        return [json.loads(r["body"]) for r in rows]
-
-    def get_conversation_item(
-        self, owner: str, conversation_id: str, item_id: str
-    ) -> JSON | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT i.body FROM conversation_items i "
-                "JOIN conversations c ON c.id = i.conversation_id "
-                "WHERE i.conversation_id = ? AND c.owner = ? AND i.item_id = ? "
-                "ORDER BY i.position DESC LIMIT 1",
-                (conversation_id, owner, item_id),
-            ).fetchone()
-        return None if row is None else json.loads(row["body"])
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
         with self._write() as conn:
@@ -817,23 +630,6 @@ class SQLiteStore:
 
     # --- tasks -------------------------------------------------------------------
 
-    @staticmethod
-    def _task(row: sqlite3.Row) -> TaskRecord:
-        return TaskRecord(
-            id=row["id"],
-            owner=row["owner"],
-            status=row["status"],
-            request=json.loads(row["request"]),
-            result=_loads_opt(row["result"]),
-            error=_loads_opt(row["error"]),
-            response_id=row["response_id"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            finished_at=row["finished_at"],
-            last_seq=row["last_seq"],
-            first_retained_seq=row["first_retained_seq"],
-        )
-
     def create_task(
         self,
         owner: str,
@@ -859,14 +655,7 @@ class SQLiteStore:
             except sqlite3.IntegrityError:
                 raise Duplicate(f"task {task_id!r} already exists") from None
             row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        return self._task(row)
-
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT * FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
-            ).fetchone()
-        return None if row is None else self._task(row)
+        return task_record(row)
 
     @staticmethod
     def _insert_events(
@@ -971,13 +760,6 @@ class SQLiteStore:
             ).fetchall()
         return [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in rows]
 
-    def first_retained_seq(self, owner: str, task_id: str) -> int | None:
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
-            ).fetchone()
-        return None if row is None else row["first_retained_seq"]
-
     def fail_interrupted_tasks(
         self,
         message: str,
@@ -1003,7 +785,7 @@ class SQLiteStore:
                     "+ COALESCE(LENGTH(CAST(result AS BLOB)), 0) + ? WHERE id = ?",
                     (error, now, now, _size(error), task_id),
                 )
-                task = self._task(
+                task = task_record(
                     conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
                 )
                 seq = task.last_seq + 1
@@ -1036,7 +818,7 @@ class SQLiteStore:
                             (result, _size(result), task_id),
                         )
                 row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                failed.append(self._task(row))
+                failed.append(task_record(row))
         for task in failed:
             self._notices.send("events", task.id)
         return failed
@@ -1044,61 +826,16 @@ class SQLiteStore:
     # --- idempotency keys -------------------------------------------------------------
 
     def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        now = self._clock()
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT request_hash, state, status_code, headers, body, expires_at "
-                "FROM idempotency_keys WHERE owner = ? AND key = ?",
-                (owner, key),
-            ).fetchone()
-            if row is not None and row["expires_at"] <= now:
-                conn.execute(
-                    "DELETE FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
-                )
-                row = None
-            if row is None:
-                conn.execute(
-                    "INSERT INTO idempotency_keys (owner, key, request_hash, state, created_at, "
-                    "expires_at, bytes, instance_id) VALUES (?, ?, ?, 'in_progress', ?, ?, ?, ?)",
-                    (owner, key, request_hash, now, now + self.retention.idempotency_ttl_s,
-                     _size(key) + _size(request_hash), self.instance_id),
-                )
-                return IdempotencyBegin(BeginOutcome.NEW)
-            # A different body wins over "still running": the client reused a
-            # key by mistake, and waiting would not help it.
-            if row["request_hash"] != request_hash:
-                return IdempotencyBegin(BeginOutcome.CONFLICT)
-            if row["state"] == "in_progress":
-                return IdempotencyBegin(BeginOutcome.IN_PROGRESS)
-            return IdempotencyBegin(
-                BeginOutcome.REPLAY,
-                status_code=row["status_code"],
-                body=bytes(row["body"]) if row["body"] is not None else b"",
-                headers=json.loads(row["headers"]) if row["headers"] else {},
-            )
+        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
+                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
 
     def idempotency_finish(
         self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
     ) -> bool:
-        headers_text = _dumps(dict(headers))
-        with self._write(durable=True) as conn:
-            cur = conn.execute(
-                "UPDATE idempotency_keys SET state = 'done', status_code = ?, headers = ?, "
-                "body = ?, bytes = LENGTH(CAST(key AS BLOB)) + LENGTH(CAST(request_hash AS BLOB)) "
-                "+ ? WHERE owner = ? AND key = ? AND state = 'in_progress' AND expires_at > ?",
-                (status_code, headers_text, bytes(body), _size(headers_text) + len(body),
-                 owner, key, self._clock()),
-            )
-            return cur.rowcount == 1
+        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
 
     def idempotency_abandon(self, owner: str, key: str) -> bool:
-        with self._write() as conn:
-            cur = conn.execute(
-                "DELETE FROM idempotency_keys "
-                "WHERE owner = ? AND key = ? AND state = 'in_progress'",
-                (owner, key),
-            )
-            return cur.rowcount == 1
+        return idempotency.abandon(self, owner, key)
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
@@ -1108,124 +845,8 @@ class SQLiteStore:
 
     # --- bounds ------------------------------------------------------------------------
 
-    def _prune_loop(self, step: Callable[[sqlite3.Connection], int]) -> int:
-        """Run ``step`` in short write transactions until it removes nothing."""
-        total = 0
-        while True:
-            with self._write() as conn:
-                n = step(conn)
-            total += n
-            if n == 0:
-                return total
-
-    @staticmethod
-    def _over_budget(
-        conn: sqlite3.Connection, sum_sql: str, candidates_sql: str, budget: int
-    ) -> list[str]:
-        """Ids to drop, oldest first, until the byte total fits ``budget``."""
-        total = conn.execute(sum_sql).fetchone()[0]
-        if total <= budget:
-            return []
-        victims: list[str] = []
-        for row in conn.execute(candidates_sql + f" LIMIT {_PRUNE_BATCH}"):
-            if total <= budget:
-                break
-            victims.append(row[0])
-            total -= row[1]
-        return victims
-
     def prune(self, now: float | None = None) -> dict[str, int]:
-        now = self._now(now)
-        r = self.retention
-        removed: dict[str, int] = {}
-
-        def delete_ids(table: str, ids: list[str], conn: sqlite3.Connection) -> int:
-            conn.executemany(f"DELETE FROM {table} WHERE id = ?", [(i,) for i in ids])
-            return len(ids)
-
-        def drop_logs(ids: list[str], conn: sqlite3.Connection) -> int:
-            for task_id in ids:
-                conn.execute("DELETE FROM task_events WHERE task_id = ?", (task_id,))
-            conn.executemany(
-                "UPDATE tasks SET events_bytes = 0, first_retained_seq = last_seq + 1 WHERE id = ?",
-                [(i,) for i in ids],
-            )
-            return len(ids)
-
-        def ids(conn: sqlite3.Connection, sql: str, *args: Any) -> list[str]:
-            return [row[0] for row in conn.execute(sql + f" LIMIT {_PRUNE_BATCH}", args)]
-
-        # Responses still running (background) are pinned.
-        old_responses = (
-            f"SELECT id FROM responses WHERE created_at < ? AND "
-            f"(status IS NULL OR status NOT IN {_ACTIVE_SQL})"
-        )
-        removed["responses"] = self._prune_loop(
-            lambda c: delete_ids("responses", ids(c, old_responses, now - r.response_ttl_s), c)
-        )
-        removed["responses"] += self._prune_loop(
-            lambda c: delete_ids("responses", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM responses",
-                f"SELECT id, bytes FROM responses WHERE status IS NULL OR status NOT IN "
-                f"{_ACTIVE_SQL} ORDER BY created_at, rowid",
-                r.max_response_bytes,
-            ), c)
-        )
-
-        removed["conversations"] = self._prune_loop(
-            lambda c: delete_ids("conversations", ids(
-                c, "SELECT id FROM conversations WHERE updated_at < ?", now - r.conversation_ttl_s
-            ), c)
-        )
-        removed["conversations"] += self._prune_loop(
-            lambda c: delete_ids("conversations", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM conversations",
-                "SELECT id, bytes FROM conversations ORDER BY updated_at, rowid",
-                r.max_conversation_bytes,
-            ), c)
-        )
-
-        # Event logs go before their tasks: a late reader then gets 410 and
-        # can still fetch the final result. Only terminal tasks ever lose them.
-        live_logs = (
-            f"FROM tasks WHERE status IN {_TERMINAL_SQL} AND first_retained_seq <= last_seq"
-        )
-        removed["event_logs"] = self._prune_loop(
-            lambda c: drop_logs(ids(
-                c, f"SELECT id {live_logs} AND finished_at < ?", now - r.event_ttl_s
-            ), c)
-        )
-        removed["event_logs"] += self._prune_loop(
-            lambda c: drop_logs(self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(events_bytes), 0) FROM tasks",
-                f"SELECT id, events_bytes {live_logs} ORDER BY finished_at, rowid",
-                r.max_event_bytes,
-            ), c)
-        )
-
-        finished = f"FROM tasks WHERE status IN {_TERMINAL_SQL}"
-        removed["tasks"] = self._prune_loop(
-            lambda c: delete_ids("tasks", ids(
-                c, f"SELECT id {finished} AND finished_at < ?", now - r.task_ttl_s
-            ), c)
-        )
-        removed["tasks"] += self._prune_loop(
-            lambda c: delete_ids("tasks", self._over_budget(
-                c,
-                "SELECT COALESCE(SUM(bytes), 0) FROM tasks",
-                f"SELECT id, bytes {finished} ORDER BY finished_at, rowid",
-                r.max_task_bytes,
-            ), c)
-        )
-
-        with self._write() as conn:
-            removed["idempotency_keys"] = conn.execute(
-                "DELETE FROM idempotency_keys WHERE expires_at <= ?", (now,)
-            ).rowcount
-
+        removed = pruning.prune(self, self.retention, self._now(now))
         if any(removed.values()) and not self._memory:
             # Return freed pages to the file system so the file shrinks with
             # the budgets instead of staying at its high-water mark.
@@ -1238,7 +859,9 @@ class SQLiteStore:
 
     def stats(self) -> dict[str, int]:
         with self._read() as conn:
-            one = lambda sql: conn.execute(sql).fetchone()[0]  # noqa: E731
+            def one(sql: str) -> int:
+                return int(conn.execute(sql).fetchone()[0])
+
             return {
                 "schema_version": one("PRAGMA user_version"),
                 "responses": one("SELECT COUNT(*) FROM responses"),
@@ -1255,36 +878,3 @@ class SQLiteStore:
                 "idempotency_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM idempotency_keys"),
             }
 
-
-def _page(
-    conn: sqlite3.Connection,
-    source: str,
-    args: tuple[Any, ...],
-    *,
-    after: str | None,
-    limit: int,
-    order: str,
-) -> Page:
-    """One page of an item list; ``source`` is ``<table> WHERE <list filter>``
-    over a table with ``position``, ``item_id`` and ``body`` columns."""
-    desc = order == "desc"
-    where = ""
-    params: tuple[Any, ...] = args
-    if after is not None:
-        # Ids may repeat in a client-sent list; resuming after the occurrence
-        # furthest along the chosen order keeps paging moving forward (it may
-        # skip a twin, never loop).
-        found = conn.execute(
-            f"SELECT position FROM {source} AND item_id = ? "
-            f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
-            (*args, after),
-        ).fetchone()
-        if found is None:
-            raise InvalidCursor(after)
-        where = f" AND position {'<' if desc else '>'} ?"
-        params = (*args, found[0])
-    rows = conn.execute(
-        f"SELECT body FROM {source}{where} ORDER BY position {'DESC' if desc else 'ASC'} LIMIT ?",
-        (*params, limit + 1),
-    ).fetchall()
-    return Page([json.loads(r[0]) for r in rows[:limit]], len(rows) > limit)

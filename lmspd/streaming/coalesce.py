@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[dict, Callable, Send], Awaitable[None]]
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["CoalescingMiddleware"]
 
@@ -98,7 +96,7 @@ class CoalescingMiddleware:
         # ``app.state`` and friends stay reachable through the wrapper.
         return getattr(self.app, name)
 
-    async def __call__(self, scope: dict, receive: Callable, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

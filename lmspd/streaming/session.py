@@ -34,8 +34,6 @@ from lmspd.core.ids import new_id
 
 OutputItem = Message | ToolCall | Reasoning
 
-TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
-
 
 @dataclass
 class ResponseState:
@@ -47,7 +45,7 @@ class ResponseState:
     status: str = "in_progress"
     output: list[OutputItem] = field(default_factory=list)
     usage: Usage | None = None
-    error: dict | None = None
+    error: dict[str, Any] | None = None
     incomplete_reason: str | None = None
     # Which of the request's stop sequences ended the output, if one did.
     stop_sequence: str | None = None
@@ -65,18 +63,18 @@ class Encoder(Protocol):
 
     first_sequence_number: int
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict] | None:
+    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
         ...
 
 
 # A wire event: (sequence number, event name, data object).
-WireEvent = tuple[int, str, dict]
+WireEvent = tuple[int, str, dict[str, Any]]
 
 
 class StreamSession:
     """Feeds engine events in, gets numbered wire events out."""
 
-    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple = ()) -> None:
+    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple[Any, ...] = ()) -> None:
         self.state = state
         self._encoder = encoder
         # Complete items the response starts with, emitted (added, done)
@@ -155,11 +153,13 @@ class StreamSession:
         elif isinstance(event, ToolCallDelta):
             index = self._calls[event.index]
             item = self.state.output[index]
+            assert isinstance(item, ToolCall)
             item.payload += event.delta
             self._emit(out, "tool_call.delta", index=index, item=item, delta=event.delta)
         elif isinstance(event, ToolCallDone):
             index = self._calls[event.index]
             item = self.state.output[index]
+            assert isinstance(item, ToolCall)
             item.payload = event.payload
             self._emit(out, "tool_call.done", index=index, item=item)
             item.status = "completed"

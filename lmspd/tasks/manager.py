@@ -24,8 +24,9 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import Run
@@ -36,7 +37,6 @@ log = logging.getLogger("lmspd.tasks")
 
 T = TypeVar("T")
 
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 # Events read from the store per query while replaying a log.
 _BATCH = 512
 # Events of one task waiting for the store before its run waits too.
@@ -296,7 +296,7 @@ class TaskManager:
                     self.store.append_events(live.id, run)
                     run = []
                 self.store.set_task_status(live.owner, live.id, "in_progress")
-            elif item.event in TERMINAL_EVENTS:
+            elif item.event in TERMINAL_EVENT_NAMES:
                 if run:
                     self.store.append_events(live.id, run)
                     run = []
@@ -385,7 +385,7 @@ class TaskManager:
             if not wakes:
                 del self._watchers[task_id]
 
-    def follow(self, owner: str, task_id: str, after: int) -> AsyncIterator[TaskEvent] | None:
+    def follow(self, owner: str, task_id: str, after: int) -> AsyncGenerator[TaskEvent, None] | None:
         """The task's events after store seq ``after``, then its live ones
         until the terminal event. ``None`` if the task is not found; raises
         ``EventsExpired`` here, before any byte is sent, if they were pruned."""
@@ -404,16 +404,17 @@ class TaskManager:
         return self._tail(owner, task_id, after, first, live, queue)
 
     async def _tail(self, owner: str, task_id: str, after: int, batch: list[TaskEvent],
-                    live: LiveTask | None, queue: asyncio.Queue[TaskEvent | None] | None) -> AsyncIterator[TaskEvent]:
+                    live: LiveTask | None, queue: asyncio.Queue[TaskEvent | None] | None) -> AsyncGenerator[TaskEvent, None]:
         last = after
         try:
             while batch:
                 for event in batch:
                     yield event
                     last = event.seq
-                    if event.event in TERMINAL_EVENTS:
+                    if event.event in TERMINAL_EVENT_NAMES:
                         return
-                batch = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []
+                more = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
+                batch = more or []
             if queue is None:
                 # Not running here: it runs on another instance (or ran, and
                 # a survivor is about to close it). Its log is all there is.
@@ -421,17 +422,18 @@ class TaskManager:
                     yield event
                 return
             while True:
-                event = await queue.get()
-                if event is None:
+                got = await queue.get()
+                if got is None:
                     # The run ended; anything we have not seen is stored.
                     for event in await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []:
                         yield event
                     return
+                event = got
                 if event.seq <= last:
                     continue  # already replayed from the store
                 yield event
                 last = event.seq
-                if event.event in TERMINAL_EVENTS:
+                if event.event in TERMINAL_EVENT_NAMES:
                     return
         finally:
             if live is not None and queue is not None:
@@ -451,7 +453,7 @@ class TaskManager:
                 for event in batch:
                     yield event
                     last = event.seq
-                    if event.event in TERMINAL_EVENTS:
+                    if event.event in TERMINAL_EVENT_NAMES:
                         return
                 if len(batch) == _BATCH:
                     continue

@@ -67,6 +67,11 @@ class ScriptedEngine:
         # item references).
         self.conversations: list[Conversation] = []
 
+    opens_first = False  # the Engine protocol: nothing to reach before generating
+
+    async def open(self, prepared: ScriptedPrepared, cancel: CancelToken) -> None:
+        return None
+
     def prepare(self, conversation: Conversation) -> ScriptedPrepared:
         self.prepared += 1
         self.conversations.append(conversation)

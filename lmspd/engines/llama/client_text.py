@@ -113,7 +113,7 @@ def llama_tokenize(vocab: Any, text: str) -> list[int]:
     n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, room, False, True)
     if n < 0:  # cannot happen (room is an upper bound), but never read past the buffer
         raise RuntimeError(f"tokenizing {len(raw)} bytes needs {-n} tokens")
-    ids = np.frombuffer(buf, dtype=np.int32, count=n)
+    ids = np.frombuffer(buf, dtype=np.int32, count=n)  # type: ignore[call-overload]  # ctypes arrays are buffers
     tokens: list[int] = []
     # In slices, so that other threads get the GIL in between.
     for start in range(0, n, 1 << 16):

@@ -190,6 +190,12 @@ class LlamaEngine:
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
         return self.preparation.prepare(conversation)
 
+    # The model is in this process: nothing to reach before generating.
+    opens_first = False
+
+    async def open(self, prepared: LlamaPrepared, cancel: CancelToken) -> None:
+        return None
+
     # -- generating ----------------------------------------------------------
 
     async def generate(self, prepared: LlamaPrepared, cancel: CancelToken,

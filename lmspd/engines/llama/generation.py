@@ -222,8 +222,9 @@ class Generation:
         sealed = None
         engine = self.engine
         if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
+            assert self.splitter is not None  # reasoning_open: a splitter opened it
             sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
-                                        owner=self.prepared.conversation.owner)  # type: ignore[union-attr]
+                                        owner=self.prepared.conversation.owner)
         self.emit(ReasoningDone(sealed))
 
     def _visible(self, text: str) -> None:

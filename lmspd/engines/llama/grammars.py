@@ -141,8 +141,8 @@ __all__ = [
 
 # Whitespace a model may write between JSON tokens: one space, or a newline
 # and some indentation. Unbounded whitespace lets a small model spin.
-JSON_OPTIONS = {"whitespace_pattern": r"(?:\x20|\n[\x20\t]{0,20})"}
-_LENIENT = {**JSON_OPTIONS, "lenient": True}
+JSON_OPTIONS: Any = {"whitespace_pattern": r"(?:\x20|\n[\x20\t]{0,20})"}
+_LENIENT: Any = {**JSON_OPTIONS, "lenient": True}
 
 
 def _summary(message: str) -> str:
@@ -278,7 +278,7 @@ def _closed(schema: Any, in_all_of: bool = False) -> Any:
         # JSON Schema 2020-12: format is an annotation unless asserted;
         # pydantic and zod write ones no grammar knows ("password", "int64").
         del out["format"]
-    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    types: list[Any] = out["type"] if isinstance(out.get("type"), list) else [out.get("type")]
     if ("integer" in types or "number" in types) and "enum" not in out and "const" not in out:
         # llguidance's numbers have no digit limit: a small model writes
         # digits until max_output_tokens. Sixteen digits, as before.
@@ -286,8 +286,8 @@ def _closed(schema: Any, in_all_of: bool = False) -> Any:
             out["maximum"] = _MAGNITUDE
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -_MAGNITUDE
-    required = out.get("required") if isinstance(out.get("required"), list) else []
-    declared = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    required: list[Any] = out["required"] if isinstance(out.get("required"), list) else []
+    declared: dict[str, Any] = out["properties"] if isinstance(out.get("properties"), dict) else {}
     if ("properties" in out and not in_all_of and "allOf" not in out
             and all(r in declared for r in required)
             and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
@@ -595,11 +595,12 @@ def _xml_args(fmt: ToolFormat, tool: Tool, i: int, specials: Collection[str], ca
         props = ["input"]
     else:
         props = list(((tool.parameters or {}).get("properties") or {}).keys())
+    param_parts = fmt.param_parts  # type: ignore[attr-defined]  # only XML-argument formats have it
     alts = []
     for name in props:
-        before, after = fmt.param_parts(name)
+        before, after = param_parts(name)
         alts.append(f"{literal(before, specials)} pvalue_{i}")
-    close = fmt.param_parts("x")[1]
+    close = param_parts("x")[1]
     calls.rules.append(f"pvalue_{i}[lazy]: /(?s:.*){regex_escape(close)}/")
     if not alts:
         return '""'

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-import llguidance
 import llama_cpp
+import llguidance
 from llguidance.llamacpp import lltokenizer_from_vocab
 
 from lmspd.core.errors import ApiError
@@ -38,7 +38,7 @@ __all__ = ["GrammarCompiler"]
 # About 20 ms of lexer construction (llguidance builds ~50k fuel/ms) and a
 # grammar of at most this many symbols; beyond that a request is refused
 # rather than allowed to stall generation.
-_PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
+_PARSER_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
 
 
 class GrammarCompiler:

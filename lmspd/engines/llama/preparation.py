@@ -26,8 +26,8 @@ from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
 from . import grammars
-from .prompt import template_messages
 from .matchers import GrammarCompiler
+from .prompt import template_messages
 from .reasoning import ReasoningSyntax
 from .sampling import GrammarFirstRejection
 from .template import ChatTemplate

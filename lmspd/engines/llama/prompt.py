@@ -18,7 +18,7 @@ from .template import ChatTemplate
 
 
 def template_messages(
-    conversation: Conversation, template: ChatTemplate, tool_format: Any | None
+    conversation: Conversation, template: ChatTemplate, tool_format: Any
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Return ``(messages, tools)`` as a Hugging Face chat template expects them."""
     native_tools = bool(tool_format is not None and tool_format.native)
@@ -40,8 +40,9 @@ def template_messages(
 
     # Leading system/developer messages become the one system message most
     # templates require at the start.
-    while items and isinstance(items[0], Message) and items[0].role in ("system", "developer"):
-        system_parts.append(items.pop(0).text)
+    while items and isinstance(first := items[0], Message) and first.role in ("system", "developer"):
+        items.pop(0)
+        system_parts.append(first.text)
 
     if offered and tool_format is not None and not native_tools:
         system_parts.append(tool_format.system_block(offered))

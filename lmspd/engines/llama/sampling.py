@@ -157,7 +157,7 @@ class GrammarFirstRejection:
     def close(self) -> None:
         if self._chain is not None:
             self._chain.close()
-            self._chain = None
+            self._chain = None  # type: ignore[assignment]  # closed: never used again
 
     def __del__(self) -> None:
         self.close()

@@ -27,7 +27,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from .client import ProviderClient, ProviderStream, Timeouts
 from .credentials import Secret
 from .errors import UpstreamConnectionLost, UpstreamError, UpstreamHTTPError, UpstreamProviderError
 from .pool import Endpoint, EndpointPool
-from .request import PROFILES, ChatRequest, build_chat_request
+from .request import PROFILES, ProviderRequest, build_chat_request
 from .routing import Decision, Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
 
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
@@ -95,7 +95,7 @@ class UpstreamSpec:
 @dataclass
 class UpstreamPrepared:
     conversation: Conversation
-    request: ChatRequest
+    request: ProviderRequest
     body: bytes
     input_tokens: int
     # What the router matches on: the body's messages (all but the closing
@@ -172,6 +172,9 @@ class UpstreamEngine:
 
     # -- running -----------------------------------------------------------------
 
+    # The provider's status and content type are checked before the first byte.
+    opens_first = True
+
     async def open(self, prepared: UpstreamPrepared, cancel: CancelToken) -> None:
         if prepared.stream is not None:
             return
@@ -234,7 +237,7 @@ class UpstreamEngine:
                 try:
                     raw = await stream.next_chunk()
                 except StopAsyncIteration:
-                    events = bridge.close()
+                    events: Iterable[EngineEvent] = bridge.close()
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectionLost) and stream.endpoint.healthy:
                         # A dropped connection mid-stream is how a dying
@@ -288,7 +291,7 @@ class UpstreamEngine:
                     outcome, (time.perf_counter() - prepared.opened_at) * 1000, prepared.response_id,
                     self._provider_said(bridge.error))
 
-    def _public_call(self, event: ToolCallStarted, request: ChatRequest) -> ToolCallStarted:
+    def _public_call(self, event: ToolCallStarted, request: ProviderRequest) -> ToolCallStarted:
         call_id = event.call_id
         if self._key is not None and self._key.reveal() in call_id:
             # A provider holds our key and could echo it as a call id.

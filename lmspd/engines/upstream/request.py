@@ -36,7 +36,7 @@ from lmspd.core.conversation import (
 from lmspd.core.errors import invalid
 from lmspd.core.events import ToolKind
 
-__all__ = ["ChatRequest", "ProviderProfile", "PROFILES", "PublicTool", "build_chat_request", "provider_name"]
+__all__ = ["ProviderRequest", "ProviderProfile", "PROFILES", "PublicTool", "build_chat_request", "provider_name"]
 
 _PROVIDER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -89,7 +89,7 @@ class PublicTool:
 
 
 @dataclass
-class ChatRequest:
+class ProviderRequest:
     body: dict[str, Any]
     # Provider function names the bridge may release (functions only).
     allowed_function_names: frozenset[str] = frozenset()
@@ -118,8 +118,8 @@ def _public_call_name(call: ToolCall) -> str:
 
 def build_chat_request(
     conversation: Conversation, upstream_model: str, profile: ProviderProfile = PROFILES["generic"]
-) -> ChatRequest:
-    request = ChatRequest(body={"model": upstream_model})
+) -> ProviderRequest:
+    request = ProviderRequest(body={"model": upstream_model})
     tools_json = _tools(conversation, request, profile)
     body = request.body
     body["messages"] = _messages(conversation, profile)
@@ -155,7 +155,7 @@ def build_chat_request(
 # -- tools ----------------------------------------------------------------------
 
 
-def _tools(conversation: Conversation, request: ChatRequest, profile: ProviderProfile) -> list[dict[str, Any]]:
+def _tools(conversation: Conversation, request: ProviderRequest, profile: ProviderProfile) -> list[dict[str, Any]]:
     choice = conversation.tool_choice
     allowed = None if choice.allowed is None else set(choice.allowed)
     out: list[dict[str, Any]] = []
@@ -216,7 +216,7 @@ def _custom_wrapper(tool: CustomTool, name: str) -> dict[str, Any]:
     }
 
 
-def _tool_choice(conversation: Conversation, request: ChatRequest, profile: ProviderProfile) -> Any:
+def _tool_choice(conversation: Conversation, request: ProviderRequest, profile: ProviderProfile) -> Any:
     choice = conversation.tool_choice
     callable_names = sorted(request.allowed_function_names | request.custom_wrappers.keys())
     if choice.mode == "none":

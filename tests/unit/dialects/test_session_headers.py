@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from lmspd.dialects.session import MAX_SESSION_KEY, SESSION_HEADERS, session_key
-
+from lmspd.core.limits import MAX_SESSION_KEY_CHARS as MAX_SESSION_KEY
+from lmspd.dialects.session import SESSION_HEADERS, session_key
 
 
 def test_each_documented_header_is_a_session_key():

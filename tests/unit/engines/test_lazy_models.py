@@ -25,6 +25,11 @@ class Real:
     def __init__(self, name: str) -> None:
         self.name = name
 
+    opens_first = False  # the Engine protocol: nothing to reach before generating
+
+    async def open(self, prepared, cancel) -> None:
+        return None
+
     def prepare(self, conversation):
         class P:
             input_tokens = 1

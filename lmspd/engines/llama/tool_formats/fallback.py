@@ -22,6 +22,7 @@ from lmspd.core.conversation import CustomTool, Tool, ToolOutput
 from .base import FormatName, dumps, grammar_note
 from .hermes import TaggedFormat
 
+
 class FallbackFormat(TaggedFormat):
     name: FormatName = "fallback"
     # "<tool_call" covers both "<tool_call>" and '<tool_call name="...">'.

@@ -118,6 +118,8 @@ class OpeningEngine:
 
         return P()
 
+    opens_first = True
+
     async def open(self, prepared, cancel: CancelToken) -> None:
         self.log.append("open")
         if self.refuse:

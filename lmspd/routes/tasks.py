@@ -13,10 +13,10 @@ from starlette.responses import Response
 
 from lmspd.core.errors import ApiError, invalid
 from lmspd.dialects.registry import LMSP
-from lmspd.routes.common import LmspdApp, app_state, json_reply, lmsp_request, query_int
+from lmspd.http import LmspdApp, app_state, json_reply, lmsp_request, query_int
 from lmspd.routes.responses import lmsp_create_task
+from lmspd.routes.task_wire import check_after, follow_reply, task_json
 from lmspd.store.base import TaskRecord
-from lmspd.tasks.wire import check_after, follow_reply, task_json
 
 __all__ = ["lmsp_create_task", "get_task", "task_events", "cancel_task"]
 

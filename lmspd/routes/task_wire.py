@@ -9,10 +9,11 @@ from typing import Any, AsyncIterator
 from starlette.responses import StreamingResponse
 
 from lmspd.core.errors import ApiError, invalid
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import LMSP, Dialect
-from lmspd.routes.common import LmspdApp, sse_reply
+from lmspd.http import LmspdApp, sse_reply
 from lmspd.store.base import EventsExpired, TaskRecord
-from lmspd.tasks.manager import TERMINAL_EVENTS, LiveTask
+from lmspd.tasks.manager import LiveTask
 
 
 def task_json(task: TaskRecord, live: LiveTask | None) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, afte
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
-                ended = event.event in TERMINAL_EVENTS
+                ended = event.event in TERMINAL_EVENT_NAMES
         if ended and dialect.trailer is not None:
             yield dialect.trailer
 

@@ -1,5 +1,6 @@
-"""What every route handler shares: the application state, credentials,
-query parameters, and the two ways a reply leaves (JSON or SSE)."""
+"""What every HTTP handler shares (``lmspd.routes``, the compat routes and
+the task routes alike): the application state, credentials, query
+parameters, and the two ways a reply leaves (JSON or SSE)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from starlette.responses import Response, StreamingResponse
 from lmspd.auth import Authenticator, Principal
 from lmspd.config import Settings
 from lmspd.core.errors import invalid
-from lmspd.core.sealing import Sealer
 from lmspd.core.limits import RequestLimits
+from lmspd.core.sealing import Sealer
 from lmspd.dialects import lmsp
 from lmspd.service import Service
 from lmspd.store.base import Store
