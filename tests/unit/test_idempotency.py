@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from lmspd import idempotency
 from lmspd.core.errors import ApiError
+from lmspd.core.limits import MAX_IDEMPOTENCY_KEY_CHARS
 from lmspd.idempotency import REPLAYED, Reply, once
 from lmspd.store.sqlite import SQLiteStore
 
@@ -142,7 +143,7 @@ def test_a_stream_is_kept_once_sent_whole_and_released_if_left(store) -> None:
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("bad", ["", "x" * (idempotency.MAX_KEY_CHARS + 1), "tab\tkey", "k\u00e9y"])
+@pytest.mark.parametrize("bad", ["", "x" * (MAX_IDEMPOTENCY_KEY_CHARS + 1), "tab\tkey", "k\u00e9y"])
 def test_a_malformed_key_is_400_naming_the_header(store, bad) -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
              "headers": [(b"idempotency-key", bad.encode("latin-1"))]}

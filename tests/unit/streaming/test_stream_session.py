@@ -25,7 +25,8 @@ from lmspd.core.events import (
     Usage,
 )
 from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI
-from lmspd.streaming.session import TERMINAL_STATUSES, ResponseState, StreamSession
+from lmspd.core.lifecycle import TERMINAL_STATUSES
+from lmspd.streaming.session import ResponseState, StreamSession
 
 TERMINALS = {"completed": "response.completed", "incomplete": "response.incomplete",
              "failed": "response.failed", "cancelled": "response.cancelled"}
