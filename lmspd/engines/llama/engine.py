@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -101,6 +102,12 @@ class LlamaEngine:
         self.sealer = sealer
         self.parallel = max(1, parallel)
         threads = n_threads or max(1, (os.cpu_count() or 2))
+        self.threads = threads
+        # Requests being prepared right now (render, tokenize: CPU-bound,
+        # in the service's worker threads); the scheduler decodes with that
+        # many fewer threads meanwhile (see Scheduler._decode_threads).
+        self.preparing = 0
+        self._preparing_lock = threading.Lock()
         llama_cpp.llama_backend_init()
         self._model = internals.LlamaModel(path_model=str(path), params=llama_cpp.llama_model_default_params(),
                                            verbose=False)
@@ -182,7 +189,13 @@ class LlamaEngine:
         return len(self.tokenize(self.render(conversation)))
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
-        return self.preparation.prepare(conversation)
+        with self._preparing_lock:
+            self.preparing += 1
+        try:
+            return self.preparation.prepare(conversation)
+        finally:
+            with self._preparing_lock:
+                self.preparing -= 1
 
     # -- generating ----------------------------------------------------------
 
