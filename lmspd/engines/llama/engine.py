@@ -207,9 +207,8 @@ class LlamaEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
-        def emit(event: EngineEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        # Delivered once per scheduler step (Scheduler.outbox).
+        emit = self.scheduler.outbox.sender(loop, queue.put_nowait)
         self.scheduler.submit(Job(prepared, cancel, emit, response_id, prepared.cache_request()))
         finished = False
         try:
