@@ -427,6 +427,7 @@ class Scheduler:
             self._reap()
             if self._running:
                 self._step()
+        self.outbox.flush()  # the terminal events, before the disk writes
         self.cache.save_all()
 
 
