@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lmspd import __version__
 from lmspd.config import DEFAULT_CTX, Settings
+from lmspd.core.limits import DEFAULT_LIMITS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
+    serve.add_argument("--max-output-tokens-default", type=int, default=None, metavar="N",
+                       help="a local generation without max_output_tokens runs up to the context, but at most "
+                            f"N tokens (default {DEFAULT_LIMITS.request.max_output_tokens_default}; "
+                            "0 = no cap but the context)")
     serve.add_argument("--websocket-max-age-s", type=float, default=None, metavar="SECONDS",
                        help="close Responses WebSocket connections after this long (default 3600, as OpenAI)")
     _engine_flags(serve)
@@ -102,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_queue < 0:
             parser.error("--max-queue must be >= 0")
         settings.limits = replace(settings.limits, queue=replace(settings.limits.queue, max_pending=args.max_queue))
+    if args.max_output_tokens_default is not None:
+        if args.max_output_tokens_default < 0:
+            parser.error("--max-output-tokens-default must be >= 0")
+        settings.limits = replace(settings.limits, request=replace(
+            settings.limits.request, max_output_tokens_default=args.max_output_tokens_default))
     if args.websocket_max_age_s is not None:
         if args.websocket_max_age_s <= 0:
             parser.error("--websocket-max-age-s must be > 0")

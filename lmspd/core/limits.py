@@ -43,6 +43,18 @@ class RequestLimits:
     # Calls one turn may make when parallel_tool_calls allows several (small
     # models otherwise repeat a forced call until max_output_tokens).
     max_parallel_tool_calls: int = 4
+    # A local generation without max_output_tokens may run up to the
+    # context (the protocols' meaning), but no further than this many tokens
+    # (--max-output-tokens-default; 0 = the context is the only bound).
+    max_output_tokens_default: int = 8192
+    # The repetition guard (lmspd/engines/llama/repetition.py) ends a local
+    # generation whose last repetition_window tokens repeat a cycle of at
+    # most repetition_max_period tokens, as incomplete (reason
+    # "repetition"). 128 x 32: at least four rounds of a 32-token cycle, or
+    # 128 times one token -- far more than code or prose repeats verbatim.
+    # Either 0 turns the guard off.
+    repetition_window: int = 128
+    repetition_max_period: int = 32
 
 
 @dataclass(frozen=True)

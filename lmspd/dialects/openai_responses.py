@@ -344,6 +344,16 @@ def usage_json(state: ResponseState) -> dict[str, Any] | None:
     }
 
 
+def _incomplete_details(state: ResponseState) -> dict[str, str] | None:
+    """OpenAI's reasons are ``max_output_tokens | content_filter`` (strict
+    clients validate the enum): the repetition guard is a server-side output
+    cap, reported as ``max_output_tokens``."""
+    reason = state.incomplete_reason
+    if not reason:
+        return None
+    return {"reason": "content_filter" if reason == "content_filter" else "max_output_tokens"}
+
+
 def response_json(state: ResponseState) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": state.id,
@@ -352,7 +362,7 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "status": state.status,
         "completed_at": state.completed_at,
         "error": state.error,
-        "incomplete_details": {"reason": state.incomplete_reason} if state.incomplete_reason else None,
+        "incomplete_details": _incomplete_details(state),
         "model": state.model,
         "output": [item_json(i) for i in state.output],
         "usage": usage_json(state),

@@ -197,12 +197,13 @@ class StreamSession:
         if event.reason == "cancelled":
             return self.cancel(event.usage)
         out: list[WireEvent] = []
-        incomplete = event.reason in ("length", "content_filter")
+        incomplete = event.reason in ("length", "content_filter", "repetition")
         self._close_open(out, status="incomplete" if incomplete else "completed")
         self.state.usage = event.usage
         if incomplete:
             self.state.status = "incomplete"
-            self.state.incomplete_reason = "content_filter" if event.reason == "content_filter" else "max_output_tokens"
+            # LMSP's own reasons; a dialect with a closed set maps them.
+            self.state.incomplete_reason = _INCOMPLETE_REASONS[event.reason]
             self._terminate(out, "response.incomplete")
         else:
             self.state.status = "completed"
@@ -273,3 +274,9 @@ class StreamSession:
         out.append((self._seq, name, data))
         self._seq += 1
 
+
+# Why a response is incomplete, by the engine's finish reason. "repetition"
+# is LMSP's (its reason set is open); OpenAI Responses, whose set is closed
+# (max_output_tokens | content_filter), reports it as max_output_tokens.
+_INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter",
+                       "repetition": "repetition"}

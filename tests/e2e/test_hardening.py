@@ -135,10 +135,6 @@ def test_an_empty_host_without_a_key_refuses_to_start():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect since the batched engine landed: on an idle 2-core machine one gap of ~1.4 s "
-    "(baseline 0.07 s) while an 8 MB truncation:auto request is prepared; not yet located "
-    "(client-text neutralizing measured at <1 ms); the scripted in-process test shows the loop itself stays free"))
 def test_a_huge_request_does_not_stall_a_running_stream():
     """A ~8 MB ``truncation: auto`` input is rendered and tokenized while a
     stream runs: the stream's deltas keep coming and /health answers, and the

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -101,6 +102,12 @@ class LlamaEngine:
         self.sealer = sealer
         self.parallel = max(1, parallel)
         threads = n_threads or max(1, (os.cpu_count() or 2))
+        self.threads = threads
+        # Requests being prepared right now (render, tokenize: CPU-bound,
+        # in the service's worker threads); the scheduler decodes with that
+        # many fewer threads meanwhile (see Scheduler._decode_threads).
+        self.preparing = 0
+        self._preparing_lock = threading.Lock()
         llama_cpp.llama_backend_init()
         self._model = internals.LlamaModel(path_model=str(path), params=llama_cpp.llama_model_default_params(),
                                            verbose=False)
@@ -188,7 +195,13 @@ class LlamaEngine:
         return len(self.tokenize(self.render(conversation)))
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
-        return self.preparation.prepare(conversation)
+        with self._preparing_lock:
+            self.preparing += 1
+        try:
+            return self.preparation.prepare(conversation)
+        finally:
+            with self._preparing_lock:
+                self.preparing -= 1
 
     # The model is in this process: nothing to reach before generating.
     opens_first = False
@@ -206,9 +219,8 @@ class LlamaEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
 
-        def emit(event: EngineEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        # Delivered once per scheduler step (Scheduler.outbox).
+        emit = self.scheduler.outbox.sender(loop, queue.put_nowait)
         self.scheduler.submit(Job(prepared, cancel, emit, response_id, prepared.cache_request()))
         finished = False
         try:

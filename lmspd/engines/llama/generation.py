@@ -31,6 +31,7 @@ from lmspd.engines.base import CancelToken
 
 from .preparation import LlamaPrepared
 from .reasoning import BUDGETS, ReasoningSplitter
+from .repetition import RepetitionGuard
 from .tool_formats import ToolCallError, ToolCallParser
 
 if TYPE_CHECKING:
@@ -72,6 +73,14 @@ class Generation:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stops = StopMatcher(prepared.stop)
         self.reason = "length"
+        limits = engine.limits
+        # No max_output_tokens means "up to the context" (prepare's room),
+        # capped by the server's default ceiling.
+        self.max_new = prepared.max_new_tokens
+        if conv.max_output_tokens is None and limits.max_output_tokens_default > 0:
+            self.max_new = min(self.max_new, limits.max_output_tokens_default)
+        guard = RepetitionGuard(limits.repetition_window, limits.repetition_max_period)
+        self.guard: RepetitionGuard | None = guard if guard.enabled else None
         self.sampled: list[int] = []
         self.eog_text: str | None = None
         self.stopped_by: str | None = None  # the stop sequence that ended the text
@@ -120,7 +129,10 @@ class Generation:
                     self._text(text)
             if hit:
                 self.reason, self.stopped_by = "stop", hit
-            if hit or len(self.sampled) >= self.prepared.max_new_tokens:
+            elif self.guard is not None and self.guard.feed(token):
+                self.reason = "repetition"
+                return self._complete(token)
+            if hit or len(self.sampled) >= self.max_new:
                 return self._complete(token)
             return [token]
         except ToolCallError as exc:
@@ -164,14 +176,14 @@ class Generation:
             tail = self.decoder.decode(b"", final=True) + self.stops.flush()
             if tail:
                 self._text(tail)
-        # Cut off by max_output_tokens, a call may be mid-arguments: the
+        # Cut off by max_output_tokens (or the repetition guard), a call may be mid-arguments: the
         # response is incomplete (the session closes that call as
         # incomplete), not an invalid call. What the parser still holds
         # is at most the start of call markup, never shown as text.
         if self.splitter is not None:
             self._route(self.splitter.feed("", final=True))
             self._close_reasoning()
-        if self.parser is not None and self.reason != "length":
+        if self.parser is not None and self.reason not in ("length", "repetition"):
             self._events(self.parser.finish())
         self._finish_tokens()
         reason = self.reason
