@@ -186,6 +186,10 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                        help="KV sessions kept in RAM so agents used in turn continue without the disk")
     group.add_argument("--kv-checkpoint-every", type=int, default=2048, metavar="TOKENS",
                        help="checkpoint a long prefill every this many tokens (0: never)")
+    group.add_argument("--swa-full", action="store_true",
+                       help="keep every KV cell of sliding-window layers (Gemma 3, gpt-oss): trimmable like plain "
+                            "attention, at n_ctx cells per layer; default: the last window only, with exact-state "
+                            "checkpoints at turn boundaries")
 
 
 def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
@@ -198,6 +202,7 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_disk_space_mb = args.kv_disk_space_mb
     settings.kv_ram_mb = args.kv_ram_mb
     settings.kv_checkpoint_every = args.kv_checkpoint_every
+    settings.swa_full = args.swa_full
 
 
 def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -33,6 +33,13 @@ class SessionState:
     kv: bytes | None = None
     # Whose request left this state; only that owner's requests reuse it.
     owner: str = "local"
+    # The shortest prefix the KV bytes can be trimmed to and stay exact (0:
+    # any; ``len(tokens)``: none, e.g. a recurrent state). Set at capture.
+    floor: int = 0
+    # An exact-state checkpoint kept at a semantic boundary (``input``: the
+    # end of a prompt; ``response``: the end of a turn a later one extended)
+    # for a model whose KV cannot be trimmed; None for an ordinary state.
+    boundary: str | None = None
 
     @property
     def key(self) -> str:

@@ -295,6 +295,9 @@ class Scheduler:
                 return
             run.prefilling = False
             self._prefilled(run)
+            # The end of the input: where a regenerated or re-replayed turn
+            # resumes on a model whose KV cannot be trimmed back to it.
+            self.cache.checkpoint(run.seq, run.job.request.owner, "input")
             if run.job.prepared.conversation.prefill_only:
                 gen.keep_prefilled()
         if gen.done:
