@@ -190,6 +190,12 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                        help="keep every KV cell of sliding-window layers (Gemma 3, gpt-oss): trimmable like plain "
                             "attention, at n_ctx cells per layer; default: the last window only, with exact-state "
                             "checkpoints at turn boundaries")
+    group.add_argument("--keep-billing-header", action="store_true",
+                       help="render Claude Code's per-request 'x-anthropic-billing-header: ...cch=...' system line "
+                            "(stripped by default: it changes every request and defeats the cache)")
+    group.add_argument("--keep-tool-order", action="store_true",
+                       help="render tools in the order the client sent them (default: sorted by name, so that a "
+                            "reordered tool list keeps the cached prompt)")
 
 
 def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
@@ -203,6 +209,8 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_ram_mb = args.kv_ram_mb
     settings.kv_checkpoint_every = args.kv_checkpoint_every
     settings.swa_full = args.swa_full
+    settings.strip_billing_header = not args.keep_billing_header
+    settings.canonical_tool_order = not args.keep_tool_order
 
 
 def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -63,6 +63,9 @@ class Settings:
     kv_checkpoint_every: int = 2048
     # Full-size KV for sliding-window layers (see CacheSettings.swa_full).
     swa_full: bool = False
+    # Cache-killer repairs (README: "Cache repairs").
+    strip_billing_header: bool = True
+    canonical_tool_order: bool = True
     # How long and how much the store keeps (responses, tasks, event logs).
     retention: Retention = field(default_factory=Retention)
     prune_interval_s: float = 60.0

@@ -60,6 +60,7 @@ from typing import Callable
 
 from lmspd.core.conversation import Item, ToolOutput
 
+from .diagnostics import CacheReport, Signature, classify
 from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
 
@@ -106,6 +107,7 @@ class CacheRequest:
     needs_reasoning_state: bool = False
     # Only states this owner's requests left are candidates.
     owner: str = "local"
+    signature: Signature = field(default_factory=Signature)
 
 
 class CacheRefused(Exception):
@@ -226,7 +228,7 @@ class ContinuationCache:
                 "include: [\"reasoning.encrypted_content\"] to get them) or continue the session it came from."
             )
         if plan.restore is not None and plan.restore.boundary is not None:
-            plan.detail = f"at={plan.restore.boundary} from={plan.source}"
+            plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
             plan.source = "checkpoint"
         return plan
 
@@ -273,7 +275,9 @@ class ContinuationCache:
         best = max((c.keep for c in candidates), default=0)
         if self._worth_waiting(req, best):
             return None
-        for plan in sorted(candidates, key=lambda p: p.keep, reverse=True):
+        # On a tie the state itself beats a checkpoint of the same prefix.
+        for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None),
+                           reverse=True):
             fitted = self._fits(req, plan)
             if fitted.source != "cold":
                 return fitted
@@ -432,6 +436,48 @@ class ContinuationCache:
 
     def _cold(self, req: CacheRequest, seq: int) -> CachePlan:
         return CachePlan("cold", 0, list(req.tokens), req.text, seq=seq)
+
+    # -- diagnostics (scheduler thread) -------------------------------------------
+
+    def diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
+        """Why ``plan`` reuses less than a full continuation of what the cache
+        remembers (lmspd.cache.diagnostics)."""
+        report = CacheReport(plan.source, plan.keep, len(plan.suffix))
+        if not self.enabled or not req.reuse:
+            report.miss_reason = "reuse_off"
+            return report
+        best: SessionState | None = None
+        longest = 0
+        states = [r.state for r in self.residents if r.state is not None and r.state.owner == req.owner]
+        states += [s for s in self._ram.values() if s.owner == req.owner]
+        for state in states:
+            common = common_prefix(state.tokens, req.tokens)
+            # The longest prefix wins; on a tie, the state that knows its items.
+            if common > longest or (common == longest and best is not None and not best.items and state.items):
+                best, longest = state, common
+        if self.disk is not None:
+            shared = self.disk.longest_common(req.tokens, req.owner)
+            if shared is not None and shared[1] > longest:
+                longest = shared[1]
+        report.longest_prefix = longest
+        base = len(self._base_tokens(plan)) if plan.source != "cold" else 0
+        if plan.source != "cold" and plan.keep + 1 >= base and plan.keep + 1 >= longest:
+            return report  # continues a whole state: nothing was missed
+        if best is None or longest == 0:
+            return report  # nothing remembered shares a token with it
+        report.divergence_token = longest
+        report.remembered = len(best.tokens)
+        reason, item = classify(best, req.items, req.signature)
+        report.divergence_item = item
+        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
+            # The prompt parts from the state in its messages, yet not even
+            # the shared part was reused: say why not.
+            if not self.trimmable and best.floor > longest:
+                reason = "checkpoint_missing"
+            elif longest < MIN_COPY_TOKENS:
+                reason = "below_min_reuse"
+        report.miss_reason = reason
+        return report
 
     # -- residency changes (scheduler thread) ----------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmspd.core.conversation import Item
 
@@ -40,6 +41,9 @@ class SessionState:
     # end of a prompt; ``response``: the end of a turn a later one extended)
     # for a model whose KV cannot be trimmed; None for an ordinary state.
     boundary: str | None = None
+    # The request's tool names and system text (lmspd.cache.diagnostics.Signature),
+    # to name what changed when a later prompt parts from this state.
+    signature: Any = None
 
     @property
     def key(self) -> str:

@@ -16,8 +16,7 @@ import pytest
 from support.server import ServerProcess
 
 GEMMA = "gemma3-270m"
-LINE = re.compile(r"generation response=(\S+) seq=\d+ cache_source=(\S+)(?: ([^=\s]+=\S+(?: [^=\s]+=\S+)*?))? "
-                  r"reused=(\d+) prefilled=(\d+)")
+LINE = re.compile(r"generation response=(\S+) seq=\d+ cache_source=(\S+)(.*?) reused=(\d+) prefilled=(\d+)")
 COLOURS = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
 ANIMALS = ["otter", "heron", "badger", "lynx", "marten", "ibis", "vole", "wren"]
 
@@ -47,7 +46,7 @@ def cache_line(server, response_id):
     for line in reversed(server.output):
         m = LINE.search(line)
         if m and m.group(1) == response_id:
-            return {"source": m.group(2), "detail": m.group(3) or "", "reused": int(m.group(4)),
+            return {"source": m.group(2), "detail": m.group(3).strip(), "reused": int(m.group(4)),
                     "prefilled": int(m.group(5))}
     raise AssertionError(f"no cache log line for {response_id}")
 
@@ -150,3 +149,16 @@ def test_partial_reuse_of_a_ram_state(tmp_path):
         assert line["prefilled"] <= turn2["prefilled"] + 8, (line, turn2)
     finally:
         srv.stop()
+
+
+def test_far_edit_with_no_checkpoint_before_it_is_checkpoint_missing(gemma):
+    """An edit at the start of a one-turn conversation's long input: no
+    checkpoint lies at or before it and the state cannot be cut back there,
+    so the turn is prefilled again — and the response says why."""
+    doc = document("Hal", 110)  # over the 1024 cells a sliding-window stream keeps
+    first = post(gemma, {"input": [user(doc + " One word.")], "max_output_tokens": 2})
+    again = post(gemma, {"input": [user("Edited. " + doc + " One word.")], "max_output_tokens": 2})
+    cache = again["extensions"]["lmspd.cache"]
+    assert cache["miss_reason"] == "checkpoint_missing", cache
+    assert cache["divergence"]["item"] == 0 and cache["divergence"]["token"] < 16, cache
+    assert cache["reused"] == 0 and cache["prefilled"] > first["usage"]["input_tokens"], cache

@@ -40,7 +40,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 from .client_text import ClientText
 from .kv import SequenceKv
 from .models import fallback_template
-from .preparation import LlamaPrepared, Preparation
+from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
 from .scheduler import Job, Scheduler
 from .template import ChatTemplate
@@ -66,6 +66,9 @@ class CacheSettings:
     # attention, at n_ctx cells per SWA layer) instead of the last window
     # (llama.cpp's server default; exact-state checkpoints stand in for trims).
     swa_full: bool = False
+    # Cache-killer repairs (lmspd.engines.llama.preparation.Repairs).
+    strip_billing_header: bool = True
+    canonical_tool_order: bool = True
 
 
 @dataclass
@@ -159,6 +162,8 @@ class LlamaEngine:
         self.preparation = Preparation(
             model_id=model_id, vocab=self.vocab, template=self.template, tool_format=self.tool_format,
             reasoning=self.reasoning, cache=self.cache, n_ctx=self.n_ctx, limits=limits, sealer=sealer,
+            repairs=Repairs(strip_billing_header=self.cache_settings.strip_billing_header,
+                            canonical_tool_order=self.cache_settings.canonical_tool_order),
         )
         self._closer = self._turn_closer()
         self.scheduler = Scheduler(self, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
