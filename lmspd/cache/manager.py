@@ -447,14 +447,16 @@ class ContinuationCache:
             report.miss_reason = "reuse_off"
             return report
         best: SessionState | None = None
-        longest = 0
-        states = [r.state for r in self.residents if r.state is not None and r.state.owner == req.owner]
-        states += [s for s in self._ram.values() if s.owner == req.owner]
-        for state in states:
+        best_floor = longest = 0
+        # (state, floor): a resident's floor is live, a saved state's was taken at capture.
+        states = [(r.state, self.ops.floor(r.seq, len(r.tokens))) for r in self.residents
+                  if r.state is not None and r.state.owner == req.owner]
+        states += [(s, s.floor) for s in self._ram.values() if s.owner == req.owner]
+        for state, floor in states:
             common = common_prefix(state.tokens, req.tokens)
             # The longest prefix wins; on a tie, the state that knows its items.
             if common > longest or (common == longest and best is not None and not best.items and state.items):
-                best, longest = state, common
+                best, best_floor, longest = state, floor, common
         if self.disk is not None:
             shared = self.disk.longest_common(req.tokens, req.owner)
             if shared is not None and shared[1] > longest:
@@ -472,7 +474,7 @@ class ContinuationCache:
         if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
             # The prompt parts from the state in its messages, yet not even
             # the shared part was reused: say why not.
-            if not self.trimmable and best.floor > longest:
+            if not self.trimmable and best_floor > longest:
                 reason = "checkpoint_missing"
             elif longest < MIN_COPY_TOKENS:
                 reason = "below_min_reuse"
