@@ -32,7 +32,7 @@ from typing import Any
 
 from lmspd.core.conversation import Item, Message, Reasoning, ToolCall, ToolOutput
 
-from .state import SessionState, common_prefix
+from .state import SessionState
 
 NONCE = re.compile(r"cch=[0-9A-Za-z_.-]+")
 

@@ -227,7 +227,8 @@ class ContinuationCache:
                 "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
                 "include: [\"reasoning.encrypted_content\"] to get them) or continue the session it came from."
             )
-        if plan.restore is not None and plan.restore.boundary is not None:
+        if plan.restore is not None and plan.restore.boundary is not None and plan.source in ("ram", "disk"):
+            # Rules that name their match (response-id, tool-output-ids) keep their name.
             plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
             plan.source = "checkpoint"
         return plan

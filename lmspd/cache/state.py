@@ -56,9 +56,17 @@ class SessionState:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share."""
+    """How many leading tokens two sequences share. Bisects with slice
+    comparisons (C speed): the cache compares every request with every
+    remembered state, checkpoints included, on the scheduler thread."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -70,7 +70,7 @@ def test_kv_is_reported_non_trimmable(gemma):
 
 
 def test_branch_edit_of_last_user_turn_resumes_from_turn_checkpoint(gemma):
-    items, first, second = two_turns(gemma, "Ada")
+    items, _first, second = two_turns(gemma, "Ada")
     turn2 = cache_line(gemma, second["id"])
     # An edit at the start of the long last user turn: more than a window
     # before the end of the state, which cannot be cut back there.
@@ -106,7 +106,7 @@ def test_four_concurrent_sessions_each_resume_from_their_checkpoint(gemma):
 
     def session(tag):
         try:
-            items, first, second = two_turns(gemma, tag)
+            items, _first, second = two_turns(gemma, tag)
             edited = items[:-1] + [user("Edited. " + document(tag) + " Summarize it.")]
             branch = post(gemma, {"input": edited, "max_output_tokens": 4})
             results[tag] = (cache_line(gemma, second["id"]), cache_line(gemma, branch["id"]))
@@ -133,7 +133,7 @@ def test_partial_reuse_of_a_ram_state(tmp_path):
     srv = ServerProcess("--model", GEMMA, "--ctx", "4096", "--parallel", "1", "--kv-disk-space-mb", "0").start(
         timeout=180)
     try:
-        items, first, second = two_turns(srv, "Gus")
+        items, _first, second = two_turns(srv, "Gus")
         turn2 = cache_line(srv, second["id"])
         post(srv, {"input": "Something unrelated.", "max_output_tokens": 2})
         near = items[:-1] + [user(document("Gus") + " Summarize it in French.")]

@@ -128,7 +128,7 @@ def test_claude_code_billing_nonce_is_stripped_and_turn_two_hits(srv):
 
 
 def test_claude_code_billing_nonce_without_the_repair_is_a_system_miss(unrepaired):
-    first, second = claude_code_turns(unrepaired)
+    _first, second = claude_code_turns(unrepaired)
     assert second["diagnostics"]["cache_miss_reason"]["type"] == "system_changed", second
     assert second["diagnostics"]["cache_miss_reason"]["cache_missed_input_tokens"] > 64
     log = unrepaired.log()

