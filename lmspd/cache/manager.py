@@ -453,11 +453,15 @@ class ContinuationCache:
         states = [(r.state, self.ops.floor(r.seq, len(r.tokens))) for r in self.residents
                   if r.state is not None and r.state.owner == req.owner]
         states += [(s, s.floor) for s in self._ram.values() if s.owner == req.owner]
+        rank: tuple = ()
         for state, floor in states:
             common = common_prefix(state.tokens, req.tokens)
-            # The longest prefix wins; on a tie, the state that knows its items.
-            if common > longest or (common == longest and best is not None and not best.items and state.items):
-                best, best_floor, longest = state, floor, common
+            # The longest prefix wins; on a tie (a template's few leading
+            # tokens), the state of the same system and tools, then one that
+            # knows its items: the conversation this request most likely is.
+            key = (common, state.signature == req.signature, bool(state.items))
+            if common and key > rank:
+                best, best_floor, longest, rank = state, floor, common, key
         if self.disk is not None:
             shared = self.disk.longest_common(req.tokens, req.owner)
             if shared is not None and shared[1] > longest:
