@@ -506,7 +506,7 @@ class ContinuationCache:
             if plan.restore.kv is not None and self.ops.restore(r.seq, plan.restore.kv):
                 if plan.source == "checkpoint":
                     self.stats.checkpoint_restores += 1
-                if plan.source == "disk" or plan.detail.endswith("from=disk"):
+                if plan.source == "disk" or "from=disk" in plan.detail.split():
                     self.stats.disk_restores += 1
                 else:
                     self.stats.ram_restores += 1
