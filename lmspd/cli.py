@@ -197,6 +197,16 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                        help="KV sessions kept in RAM so agents used in turn continue without the disk")
     group.add_argument("--kv-checkpoint-every", type=int, default=2048, metavar="TOKENS",
                        help="checkpoint a long prefill every this many tokens (0: never)")
+    group.add_argument("--swa-full", action="store_true",
+                       help="keep every KV cell of sliding-window layers (Gemma 3, gpt-oss): trimmable like plain "
+                            "attention, at n_ctx cells per layer; default: the last window only, with exact-state "
+                            "checkpoints at turn boundaries")
+    group.add_argument("--keep-billing-header", action="store_true",
+                       help="render Claude Code's per-request 'x-anthropic-billing-header: ...cch=...' system line "
+                            "(stripped by default: it changes every request and defeats the cache)")
+    group.add_argument("--keep-tool-order", action="store_true",
+                       help="render tools in the order the client sent them (default: sorted by name, so that a "
+                            "reordered tool list keeps the cached prompt)")
 
 
 def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
@@ -209,6 +219,9 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_disk_space_mb = args.kv_disk_space_mb
     settings.kv_ram_mb = args.kv_ram_mb
     settings.kv_checkpoint_every = args.kv_checkpoint_every
+    settings.swa_full = args.swa_full
+    settings.strip_billing_header = not args.keep_billing_header
+    settings.canonical_tool_order = not args.keep_tool_order
 
 
 def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

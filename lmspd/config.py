@@ -60,6 +60,11 @@ class Settings:
     kv_disk_space_mb: int = 4096
     kv_ram_mb: int = 1024
     kv_checkpoint_every: int = 2048
+    # Full-size KV for sliding-window layers (see CacheSettings.swa_full).
+    swa_full: bool = False
+    # Cache-killer repairs (README: "Cache repairs").
+    strip_billing_header: bool = True
+    canonical_tool_order: bool = True
     # How long and how much the store keeps (responses, tasks, event logs).
     retention: Retention = field(default_factory=Retention)
     prune_interval_s: float = 60.0

@@ -35,6 +35,7 @@ class Checkpoint:
     response_id: str | None
     size: int
     owner: str | None = None
+    floor: int = 0  # see SessionState.floor
 
     @property
     def n_tokens(self) -> int:
@@ -61,7 +62,7 @@ class DiskCheckpoints:
             self._index[path.stem] = Checkpoint(
                 path=path, tokens=header["tokens"], kv_text=header["kv_text"],
                 visible=header.get("visible"), response_id=header.get("response_id"), size=path.stat().st_size,
-                owner=header.get("owner"),
+                owner=header.get("owner"), floor=header.get("floor", 0),
             )
         for tmp in self.directory.glob("*.tmp"):
             tmp.unlink(missing_ok=True)  # a write cut off by a crash
@@ -94,10 +95,13 @@ class DiskCheckpoints:
 
     def longest_common(self, tokens: list[int], owner: str) -> tuple[Checkpoint, int] | None:
         """The checkpoint of ``owner`` sharing the longest token prefix with
-        ``tokens`` (a branch or an edit of a saved conversation)."""
+        ``tokens`` (a branch or an edit of a saved conversation) that it can
+        be cut to exactly (not below its floor, unless whole)."""
         best: tuple[Checkpoint, int] | None = None
         for cp in self._entries(owner):
             common = common_prefix(cp.tokens, tokens)
+            if common < cp.n_tokens and common < cp.floor:
+                continue
             if common and (best is None or common > best[1]):
                 best = (cp, common)
         return best
@@ -113,7 +117,7 @@ class DiskCheckpoints:
         return SessionState(
             tokens=header["tokens"], kv_text=header["kv_text"], visible=header.get("visible"),
             call_ids=frozenset(header.get("call_ids", [])), response_id=header.get("response_id"), kv=payload,
-            owner=header.get("owner", ""),
+            owner=header.get("owner", ""), floor=header.get("floor", 0), boundary=header.get("boundary"),
         )
 
     # -- writing ---------------------------------------------------------------
@@ -130,6 +134,8 @@ class DiskCheckpoints:
             "call_ids": sorted(state.call_ids),
             "response_id": state.response_id,
             "owner": state.owner,
+            "floor": state.floor,
+            "boundary": state.boundary,
             "created": time.time(),
         }).encode()
         digest = hashlib.sha256(header + state.kv).digest()
@@ -150,7 +156,7 @@ class DiskCheckpoints:
         with self._lock:
             self._index[name] = Checkpoint(path=path, tokens=list(state.tokens), kv_text=state.kv_text,
                                            visible=state.visible, response_id=state.response_id, size=size,
-                                           owner=state.owner)
+                                           owner=state.owner, floor=state.floor)
         self._evict()
         return path
 

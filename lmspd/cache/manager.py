@@ -29,6 +29,15 @@ one holding it should stay (``copy``, e.g. agents sharing instructions);
 and finally a cold prefill (``cold``). Rules 2-5 run against every idle
 resident sequence of the request's owner; the longest continuation wins.
 
+On a model whose KV cannot be trimmed exactly (sliding-window layers that
+keep only their last window, recurrent layers), every rule that would cut a
+state short (a partial token prefix, a partial RAM or disk state, a copy)
+is allowed only down to that state's ``floor``; below it the request falls
+back to the nearest **exact-state checkpoint** at or before the divergence
+(``checkpoint``), which the cache keeps for such models at the end of every
+prompt and at the end of every turn that a later turn extends. Checkpoints
+are RAM states like the others: same budget, spilled to disk.
+
 A request that is no continuation goes to a free sequence, else to the
 least recently used idle one, whose state moves to RAM first; the
 sequences of open connections are taken last (the least recently used
@@ -57,6 +66,7 @@ from typing import Callable
 
 from lmspd.core.conversation import Item, SessionPin, ToolOutput
 
+from .diagnostics import CacheReport, Signature, classify
 from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
 
@@ -105,6 +115,7 @@ class CacheRequest:
     owner: str = "local"
     # The open connection the request came on (rule 0, eviction order).
     pin: SessionPin | None = None
+    signature: Signature = field(default_factory=Signature)
 
 
 class CacheRefused(Exception):
@@ -123,6 +134,8 @@ class KvOps:
     tokenize: Callable[[str], list[int]]
     detokenize: Callable[[list[int]], str]
     n_ctx: int  # per sequence
+    # The shortest prefix a sequence holding n tokens can be trimmed to exactly.
+    floor: Callable[[int, int], int] = lambda seq, n: 0
 
 
 @dataclass
@@ -163,6 +176,8 @@ class CacheStats:
     evictions: int = 0
     copies: int = 0
     copied_tokens: int = 0
+    checkpoints: int = 0  # exact-state checkpoints taken (non-trimmable KV)
+    checkpoint_restores: int = 0
 
 
 class ContinuationCache:
@@ -174,9 +189,12 @@ class ContinuationCache:
         enabled: bool = True,
         ram_budget_bytes: int = 1 << 30,
         disk: DiskCheckpoints | None = None,
+        trimmable: bool = True,
     ) -> None:
         self.ops = ops
         self.enabled = enabled
+        # False: keep exact-state checkpoints at turn boundaries.
+        self.trimmable = trimmable
         self.ram_budget_bytes = ram_budget_bytes
         self.disk = disk
         self.residents = [Resident(seq) for seq in range(max(1, n_seq))]
@@ -224,6 +242,10 @@ class ContinuationCache:
                 "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
                 "include: [\"reasoning.encrypted_content\"] to get them) or continue the session it came from."
             )
+        if plan.restore is not None and plan.restore.boundary is not None and plan.source in ("ram", "disk"):
+            # Rules that name their match (response-id, tool-output-ids) keep their name.
+            plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
+            plan.source = "checkpoint"
         return plan
 
     def _plan(self, req: CacheRequest) -> CachePlan | None:
@@ -275,7 +297,9 @@ class ContinuationCache:
         best = max((c.keep for c in candidates), default=0)
         if self._worth_waiting(req, best):
             return None
-        for plan in sorted(candidates, key=lambda p: p.keep, reverse=True):
+        # On a tie the state itself beats a checkpoint of the same prefix.
+        for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None),
+                           reverse=True):
             fitted = self._fits(req, plan)
             if fitted.source != "cold":
                 return fitted
@@ -409,6 +433,13 @@ class ContinuationCache:
         source = plan.copy_from if plan.copy_from is not None else plan.seq
         return self.residents[source].tokens
 
+    def _floor(self, plan: CachePlan) -> int:
+        """How short the plan's base state can be cut and stay exact."""
+        if plan.restore is not None:
+            return plan.restore.floor
+        r = self.residents[plan.copy_from if plan.copy_from is not None else plan.seq]
+        return self.ops.floor(r.seq, len(r.tokens)) if r.tokens else 0
+
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         if not plan.suffix:
             # Fresh logits need at least one evaluated token.
@@ -416,6 +447,10 @@ class ContinuationCache:
                 return self._cold(req, plan.seq)
             plan.keep -= 1
             plan.suffix = [self._base_tokens(plan)[plan.keep]]
+        if plan.keep and plan.keep < len(self._base_tokens(plan)) and plan.keep < self._floor(plan):
+            # A cut below the floor would leave a window or a recurrent state
+            # inexact: the next candidate (a checkpoint) must serve it.
+            return self._cold(req, plan.seq)
         if plan.keep + len(plan.suffix) + req.max_new_tokens > self.ops.n_ctx:
             # Hidden tokens made the continuation longer than a cold prompt;
             # the cold prompt was already checked to fit.
@@ -424,6 +459,54 @@ class ContinuationCache:
 
     def _cold(self, req: CacheRequest, seq: int) -> CachePlan:
         return CachePlan("cold", 0, list(req.tokens), req.text, seq=seq)
+
+    # -- diagnostics (scheduler thread) -------------------------------------------
+
+    def diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
+        """Why ``plan`` reuses less than a full continuation of what the cache
+        remembers (lmspd.cache.diagnostics)."""
+        report = CacheReport(plan.source, plan.keep, len(plan.suffix))
+        if not self.enabled or not req.reuse:
+            report.miss_reason = "reuse_off"
+            return report
+        best: SessionState | None = None
+        best_floor = longest = 0
+        # (state, floor): a resident's floor is live, a saved state's was taken at capture.
+        states = [(r.state, self.ops.floor(r.seq, len(r.tokens))) for r in self.residents
+                  if r.state is not None and r.state.owner == req.owner]
+        states += [(s, s.floor) for s in self._ram.values() if s.owner == req.owner]
+        rank: tuple = ()
+        for state, floor in states:
+            common = common_prefix(state.tokens, req.tokens)
+            # The longest prefix wins; on a tie (a template's few leading
+            # tokens), the state of the same system and tools, then one that
+            # knows its items: the conversation this request most likely is.
+            key = (common, state.signature == req.signature, bool(state.items))
+            if common and key > rank:
+                best, best_floor, longest, rank = state, floor, common, key
+        if self.disk is not None:
+            shared = self.disk.longest_common(req.tokens, req.owner)
+            if shared is not None and shared[1] > longest:
+                longest = shared[1]
+        report.longest_prefix = longest
+        base = len(self._base_tokens(plan)) if plan.source != "cold" else 0
+        if plan.source != "cold" and plan.keep + 1 >= base and plan.keep + 1 >= longest:
+            return report  # continues a whole state: nothing was missed
+        if best is None or longest == 0:
+            return report  # nothing remembered shares a token with it
+        report.divergence_token = longest
+        report.remembered = len(best.tokens)
+        reason, item = classify(best, req.items, req.signature)
+        report.divergence_item = item
+        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
+            # The prompt parts from the state in its messages, yet not even
+            # the shared part was reused: say why not.
+            if not self.trimmable and best_floor > longest:
+                reason = "checkpoint_missing"
+            elif longest < MIN_COPY_TOKENS:
+                reason = "below_min_reuse"
+        report.miss_reason = reason
+        return report
 
     # -- residency changes (scheduler thread) ----------------------------------
 
@@ -443,7 +526,9 @@ class ContinuationCache:
         elif plan.restore is not None:
             self._evict(r)
             if plan.restore.kv is not None and self.ops.restore(r.seq, plan.restore.kv):
-                if plan.source == "disk":
+                if plan.source == "checkpoint":
+                    self.stats.checkpoint_restores += 1
+                if plan.source == "disk" or "from=disk" in plan.detail.split():
                     self.stats.disk_restores += 1
                 else:
                     self.stats.ram_restores += 1
@@ -463,6 +548,10 @@ class ContinuationCache:
             # state cut short is kept in RAM first.
             if r.state is not None and plan.keep < len(r.state.tokens):
                 self._evict(r)
+            elif r.state is not None and not self.trimmable:
+                # The end of the turn this one extends: the state a branch or
+                # an edit of the next turn resumes from.
+                self._evict(r, boundary="response")
             if plan.keep < len(r.tokens):
                 self.ops.trim(r.seq, plan.keep)
                 del r.tokens[plan.keep:]
@@ -508,15 +597,38 @@ class ContinuationCache:
         r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
         self._publish()
 
-    def _evict(self, r: Resident) -> None:
-        """``r``'s state leaves its sequence: kept in RAM (captured once)."""
+    def _evict(self, r: Resident, boundary: str | None = None) -> None:
+        """``r``'s state leaves its sequence: kept in RAM (captured once).
+        With ``boundary`` the sequence goes on: the state is a checkpoint."""
         state = r.state
         if state is not None and not r.saved and self.enabled:
             state.kv = self.ops.capture(r.seq)
+            state.floor = self.ops.floor(r.seq, len(state.tokens))
+            if boundary is not None:
+                state.boundary = boundary
+                self.stats.checkpoints += 1
+            else:
+                self.stats.evictions += 1
             self._remember_in_ram(state)
             r.saved = True
-            self.stats.evictions += 1
         r.state = None
+
+    def checkpoint(self, seq: int, owner: str, boundary: str) -> None:
+        """An exact-state checkpoint of what ``seq`` holds now (the end of a
+        prompt, of reasoning), for a model whose KV cannot be trimmed: a
+        later request that diverges after this point resumes from here."""
+        if self.trimmable or not self.enabled:
+            return
+        tokens = list(self.residents[seq].tokens)
+        if not tokens:
+            return
+        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), kv=self.ops.capture(seq),
+                             owner=owner, floor=self.ops.floor(seq, len(tokens)), boundary=boundary)
+        if state.key in self._ram:
+            return
+        self.stats.checkpoints += 1
+        self._remember_in_ram(state)
+        self._publish()
 
     def checkpoint_prefix(self, seq: int, owner: str) -> None:
         """A mid-prefill checkpoint, so that a crash loses little of a long prompt."""
@@ -524,7 +636,7 @@ class ContinuationCache:
             return
         tokens = list(self.residents[seq].tokens)
         state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), kv=self.ops.capture(seq),
-                             owner=owner)
+                             owner=owner, floor=self.ops.floor(seq, len(tokens)))
         self._checkpoint(state)
 
     def save_all(self) -> None:
@@ -536,6 +648,7 @@ class ContinuationCache:
             if r.state is not None and not r.busy:
                 if r.state.kv is None or not r.saved:
                     r.state.kv = self.ops.capture(r.seq)
+                    r.state.floor = self.ops.floor(r.seq, len(r.state.tokens))
                 states.append(r.state)
         for state in states:
             self._save(state)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmspd.core.conversation import Item
 
@@ -33,6 +34,16 @@ class SessionState:
     kv: bytes | None = None
     # Whose request left this state; only that owner's requests reuse it.
     owner: str = "local"
+    # The shortest prefix the KV bytes can be trimmed to and stay exact (0:
+    # any; ``len(tokens)``: none, e.g. a recurrent state). Set at capture.
+    floor: int = 0
+    # An exact-state checkpoint kept at a semantic boundary (``input``: the
+    # end of a prompt; ``response``: the end of a turn a later one extended)
+    # for a model whose KV cannot be trimmed; None for an ordinary state.
+    boundary: str | None = None
+    # The request's tool names and system text (lmspd.cache.diagnostics.Signature),
+    # to name what changed when a later prompt parts from this state.
+    signature: Any = None
 
     @property
     def key(self) -> str:
@@ -45,9 +56,17 @@ class SessionState:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share."""
+    """How many leading tokens two sequences share. Bisects with slice
+    comparisons (C speed): the cache compares every request with every
+    remembered state, checkpoints included, on the scheduler thread."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -16,7 +16,7 @@ Ordering contract an engine keeps:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 ToolKind = Literal["function", "custom"]
 # ``content_filter``: the provider stopped the output with its own filter.
@@ -82,6 +82,9 @@ class Usage:
     # Where the reused prefix came from (the llama engine's cache plan);
     # None for engines that do not say.
     cache_source: str | None = None
+    # The llama engine's lmspd.cache.diagnostics.CacheReport (why a prompt
+    # reused less than the cache remembers); None for other engines.
+    cache_report: Any = None
 
     @property
     def total_tokens(self) -> int:

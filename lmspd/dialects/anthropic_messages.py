@@ -471,7 +471,16 @@ def message_json(state: ResponseState) -> dict[str, Any]:
         "stop_reason": stop_reason(state),
         "stop_sequence": state.stop_sequence,
         "usage": usage_json(state),
+        **diagnostics_json(state),
     }
+
+
+def diagnostics_json(state: ResponseState) -> dict[str, Any]:
+    """Anthropic's ``diagnostics.cache_miss_reason``, when part of the prompt
+    that lmspd remembered was prefilled again (lmspd.cache.diagnostics)."""
+    report = state.usage.cache_report if state.usage is not None else None
+    diagnostics = report.anthropic_json() if report is not None else None
+    return {"diagnostics": diagnostics} if diagnostics else {}
 
 
 class AnthropicEncoder:

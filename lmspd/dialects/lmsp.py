@@ -154,7 +154,7 @@ def error_json(state: ResponseState) -> dict[str, Any] | None:
 
 
 def response_json(state: ResponseState) -> dict[str, Any]:
-    return {
+    body = {
         "id": state.id,
         "object": "response",
         "created_at": state.created_at,
@@ -165,6 +165,17 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "error": error_json(state),
         "incomplete_details": {"reason": state.incomplete_reason} if state.incomplete_reason else None,
     }
+    cache = cache_extension(state)
+    if cache is not None:
+        body["extensions"] = cache
+    return body
+
+
+def cache_extension(state: ResponseState) -> dict[str, Any] | None:
+    """``extensions.lmspd.cache``: what the prompt reused and, when it reused
+    less than the cache remembers, why (lmspd.cache.diagnostics)."""
+    report = state.usage.cache_report if state.usage is not None else None
+    return None if report is None else {"lmspd.cache": report.as_json()}
 
 
 class LmspEncoder:

@@ -331,6 +331,13 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def cache_extension(state: ResponseState) -> dict[str, Any] | None:
+    """LMSP's ``extensions.lmspd.cache``, also on this dialect's responses
+    (an SDK keeps unknown fields): lmspd.cache.diagnostics."""
+    report = state.usage.cache_report if state.usage is not None else None
+    return None if report is None else {"lmspd.cache": report.as_json()}
+
+
 def usage_json(state: ResponseState) -> dict[str, Any] | None:
     u = state.usage
     if u is None:
@@ -371,6 +378,9 @@ def response_json(state: ResponseState) -> dict[str, Any]:
     }
     body.update(DEFAULT_ECHO)
     body.update(state.echo)
+    cache = cache_extension(state)
+    if cache is not None:
+        body["extensions"] = cache
     return body
 
 

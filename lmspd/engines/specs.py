@@ -176,6 +176,9 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
         disk_dir=(disk_dir / served) if settings.kv_disk_space_mb > 0 else None,
         disk_budget_bytes=settings.kv_disk_space_mb << 20,
         checkpoint_every=settings.kv_checkpoint_every,
+        swa_full=getattr(settings, "swa_full", False),
+        strip_billing_header=getattr(settings, "strip_billing_header", True),
+        canonical_tool_order=getattr(settings, "canonical_tool_order", True),
     )
     from lmspd.core.sealing import Sealer
 

@@ -1,5 +1,11 @@
 """The continuation KV cache against a real server: where each request's
-prefix came from (``cache_source``) and how many tokens it prefilled."""
+prefix came from (``cache_source``) and how many tokens it prefilled.
+
+Every test runs on both bundled models: SmolLM2 (plain attention, its KV
+can be cut anywhere) and Gemma 3 270M (sliding-window attention, a KV that
+cannot be trimmed below its window: lmspd keeps exact-state checkpoints).
+One server per model for the module; tests that need their own flags start
+their own on the same model."""
 
 from __future__ import annotations
 
@@ -7,8 +13,10 @@ import json
 
 import httpx
 import pytest
-from support.server import MODEL
+from support.server import MODEL as SMOLLM2
 from support.server import ServerProcess
+
+GEMMA3 = "gemma3-270m"
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -20,21 +28,33 @@ def kv_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kv")
 
 
+@pytest.fixture(scope="module", params=[SMOLLM2, GEMMA3])
+def model(request):
+    return request.param
+
+
+def serve(model, *args):
+    server = ServerProcess("--model", model, *args)
+    server.model = model  # type: ignore[attr-defined]
+    return server.start(timeout=180)
+
+
 @pytest.fixture(scope="module")
-def srv(kv_dir):
-    server = ServerProcess("--ctx", "2048", "--kv-disk-dir", str(kv_dir), "--max-queue", "4").start()
+def srv(kv_dir, model):
+    server = serve(model, "--ctx", "2048", "--kv-disk-dir", str(kv_dir / model), "--max-queue", "4")
     yield server
     server.stop()
 
 
 def post(server, body, **extra):
-    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "temperature": 0, **body, **extra}, timeout=120)
+    r = httpx.post(server.url + "/v1/responses", json={"model": server.model, "temperature": 0, **body, **extra},
+                   timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def last(server):
-    return server.health()["models"][MODEL]
+    return server.health()["models"][server.model]
 
 
 def replay(items, response):
@@ -42,7 +62,12 @@ def replay(items, response):
     return items + response["output"]
 
 
-def test_tool_loop_continues_by_call_ids(srv):
+def test_tool_loop_continues_by_call_ids(srv, request):
+    if srv.model == GEMMA3:
+        # Known failure (issue #18, open): on Gemma 3 the tool-call turn's
+        # visible transcript does not prefix the replay, so the next turn
+        # copies the shared prefix instead of continuing the call.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="Gemma 3 tool-call visible transcript"))
     items = [{"role": "user", "content": "What is the weather in Oslo?"}]
     first = post(srv, {"input": items, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
     call = first["output"][-1]
@@ -60,6 +85,10 @@ def test_tool_loop_continues_by_call_ids(srv):
 
 
 def test_tool_output_only_request_continues_live_state(srv):
+    if srv.model == GEMMA3:
+        # Known failure (issue #18, open): timed out (300 s) on the shared
+        # machine, not yet diagnosed; skipped rather than hang the suite.
+        pytest.skip("Gemma 3: tool-output-only continuation timed out, not yet diagnosed")
     first = post(srv, {"input": "Weather in Lima?", "tools": [WEATHER], "tool_choice": "required",
                        "parallel_tool_calls": False})
     call = first["output"][-1]
@@ -107,10 +136,10 @@ def test_two_sessions_interleaved_stay_resident(srv):
     assert (after["evictions"], after["ram_restores"]) == (before["evictions"], before["ram_restores"])
 
 
-def test_two_sessions_on_one_sequence_continue_from_ram():
+def test_two_sessions_on_one_sequence_continue_from_ram(model):
     """With --parallel 1 the other session's turn evicts the first to RAM;
     its next turn is restored from there and prefills only the new suffix."""
-    srv = ServerProcess("--ctx", "1024", "--parallel", "1", "--kv-disk-space-mb", "0").start()
+    srv = serve(model, "--ctx", "1024", "--parallel", "1", "--kv-disk-space-mb", "0")
     try:
         a_items, b_items = session_turns("Alice"), session_turns("Bob")
         a1 = post(srv, {"input": a_items, "max_output_tokens": 10})
@@ -132,7 +161,7 @@ def text_of(response):
     return response["output"][0]["content"][0]["text"]
 
 
-def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
+def test_restart_resumes_from_disk_and_restores_exactly(kv_dir, model):
     """Turn 2 of one conversation, generated at temperature 0 three ways:
     continuing the live KV, restored from a RAM session, restored from a
     disk checkpoint after a restart. The restored KV is byte-identical to
@@ -140,7 +169,7 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     (--parallel 1): the unrelated question must evict the first session."""
     r1 = [{"role": "system", "content": "You answer in one short sentence. " * 6},
           {"role": "user", "content": "What is a volcano?"}]
-    reference = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-space-mb", "0").start()
+    reference = serve(model, "--ctx", "2048", "--parallel", "1", "--kv-disk-space-mb", "0")
     try:
         first = post(reference, {"input": r1, "max_output_tokens": 12})
         r2 = replay(r1, first) + [{"role": "user", "content": "Where are they found?"}]
@@ -149,8 +178,8 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     finally:
         reference.stop()
 
-    disk = kv_dir / "restart"
-    a = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk)).start()
+    disk = kv_dir / f"restart-{model}"
+    a = serve(model, "--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk))
     try:
         assert text_of(post(a, {"input": r1, "max_output_tokens": 12})) == text_of(first)
         post(a, {"input": "An unrelated question about trees.", "max_output_tokens": 4})
@@ -161,11 +190,13 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     finally:
         a.stop()
 
-    b = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk)).start()
+    b = serve(model, "--ctx", "2048", "--parallel", "1", "--kv-disk-dir", str(disk))
     try:
         from_disk = post(b, {"input": r2, "max_output_tokens": 12})
         stats = last(b)
-        assert stats["last_cache_source"] == "disk", stats
+        # Gemma 3 (non-trimmable) also left the end-of-input checkpoint of r2
+        # on disk, which matches it whole: restored from disk either way.
+        assert stats["last_cache_source"] == "disk" or stats["last_cache_detail"].startswith("at=input from=disk"), stats
         assert stats["cache"]["disk_restores"] == 1
         # The history came back from disk; only the new user turn was prefilled.
         assert stats["last_prefilled_tokens"] < 20, stats
@@ -175,8 +206,8 @@ def test_restart_resumes_from_disk_and_restores_exactly(kv_dir):
     assert text_of(from_disk) == text_of(live)
 
 
-def test_no_prefix_cache_flag_prefills_everything(tmp_path):
-    srv = ServerProcess("--ctx", "1024", "--no-prefix-cache").start()
+def test_no_prefix_cache_flag_prefills_everything(model):
+    srv = serve(model, "--ctx", "1024", "--no-prefix-cache")
     try:
         items = [{"role": "user", "content": "Say one word."}]
         first = post(srv, {"input": items, "max_output_tokens": 4})
@@ -188,17 +219,17 @@ def test_no_prefix_cache_flag_prefills_everything(tmp_path):
         srv.stop()
 
 
-def test_tool_output_for_replaced_state_is_refused(tmp_path):
+def test_tool_output_for_replaced_state_is_refused(model):
     """With no RAM to keep it, a tool-output-only request whose live state was
     replaced gets a clear 400 instead of a prompt that starts with an orphan."""
-    srv = ServerProcess("--ctx", "1024", "--parallel", "1", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0").start()
+    srv = serve(model, "--ctx", "1024", "--parallel", "1", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0")
     try:
         first = post(srv, {"input": "Weather in Quito?", "tools": [WEATHER], "tool_choice": "required",
                            "parallel_tool_calls": False})
         call_id = first["output"][-1]["call_id"]
         post(srv, {"input": "Something else entirely.", "max_output_tokens": 2})
         r = httpx.post(srv.url + "/v1/responses", json={
-            "model": MODEL, "tools": [WEATHER],
+            "model": model, "tools": [WEATHER],
             "input": [{"type": "function_call_output", "call_id": call_id, "output": "rain"}]}, timeout=60)
         assert r.status_code == 400, r.text
         assert "replay" in r.json()["error"]["message"].lower()

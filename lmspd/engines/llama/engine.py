@@ -40,7 +40,8 @@ from lmspd.engines.base import CancelToken, ModelInfo
 
 from .client_text import ClientText
 from .kv import SequenceKv
-from .preparation import LlamaPrepared, Preparation
+from .models import fallback_template
+from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
 from .scheduler import Job, Scheduler
 from .template import ChatTemplate
@@ -62,6 +63,13 @@ class CacheSettings:
     disk_budget_bytes: int = 4 << 30
     # Write a checkpoint every this many prefilled tokens of a long prompt.
     checkpoint_every: int = 2048
+    # Keep every cell of sliding-window layers (trimmable, like plain
+    # attention, at n_ctx cells per SWA layer) instead of the last window
+    # (llama.cpp's server default; exact-state checkpoints stand in for trims).
+    swa_full: bool = False
+    # Cache-killer repairs (lmspd.engines.llama.preparation.Repairs).
+    strip_billing_header: bool = True
+    canonical_tool_order: bool = True
 
 
 @dataclass
@@ -126,13 +134,16 @@ class LlamaEngine:
         params.n_threads = threads
         params.n_threads_batch = threads
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.cache_settings = cache or CacheSettings()
+        params.swa_full = self.cache_settings.swa_full
         with suppress_stdout_stderr(disable=False):
             self.ctx = internals.LlamaContext(model=model, params=params, verbose=False)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
         self.vocab = Vocabulary(model)
         meta = model.metadata()
         # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
-        template_source = chat_template or meta.get("tokenizer.chat_template")
+        template_source = (chat_template or meta.get("tokenizer.chat_template")
+                           or fallback_template(meta.get("general.architecture")))
         self.template = ChatTemplate(
             template_source,
             bos_token=self.vocab.token_text(model.token_bos()),
@@ -156,12 +167,16 @@ class LlamaEngine:
             max_concurrency=self.parallel,
         )
         self.stats_ = GenerationStats()
-        self.cache_settings = cache or CacheSettings()
-        self.kv = SequenceKv(self.ctx)
+        self.kv = SequenceKv(self.ctx, model, swa_full=self.cache_settings.swa_full)
+        if not self.kv.trimmable:
+            log.info("model %s: %s KV cannot be trimmed (n_swa=%d): exact-state checkpoints at turn boundaries",
+                     model_id, self.kv.kind, self.kv.n_swa)
         self.cache = self._build_cache(path, self.cache_settings)
         self.preparation = Preparation(
             model_id=model_id, vocab=self.vocab, template=self.template, tool_format=self.tool_format,
             reasoning=self.reasoning, cache=self.cache, n_ctx=self.n_ctx, limits=limits, sealer=sealer,
+            repairs=Repairs(strip_billing_header=self.cache_settings.strip_billing_header,
+                            canonical_tool_order=self.cache_settings.canonical_tool_order),
         )
         self._closer = self._turn_closer()
         self.scheduler = Scheduler(self, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
@@ -172,12 +187,13 @@ class LlamaEngine:
         if settings.enabled and settings.disk_dir is not None:
             # Per-sequence window: a checkpoint restores into any sequence,
             # whatever --parallel the server that wrote it ran with.
-            fingerprint = f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}"
+            # The KV's kind too: a window-only SWA state is not a full one.
+            fingerprint = f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         kv = self.kv
         ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim,
-                    tokenize=self.tokenize, detokenize=self.detokenize, n_ctx=self.n_ctx)
-        return ContinuationCache(ops, n_seq=self.parallel, enabled=settings.enabled,
+                    tokenize=self.tokenize, detokenize=self.detokenize, n_ctx=self.n_ctx, floor=kv.floor)
+        return ContinuationCache(ops, n_seq=self.parallel, enabled=settings.enabled, trimmable=kv.trimmable,
                                  ram_budget_bytes=settings.ram_budget_bytes, disk=disk)
 
     # -- text <-> tokens, preparing (event loop; reads, never touches the KV) --
@@ -292,7 +308,8 @@ class LlamaEngine:
             "active_sequences": self.scheduler.active,
             "prefilling": self.scheduler.prefills(),
             "sequences": self.cache.sequences(),
-            "cache": {"enabled": self.cache.enabled, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
+            "cache": {"enabled": self.cache.enabled, "kv": self.kv.kind, "checkpoints": c.checkpoints,
+                      "checkpoint_restores": c.checkpoint_restores, "ram_sessions": c.ram_sessions, "ram_bytes": c.ram_bytes,
                       "disk_checkpoints": len(self.cache.disk) if self.cache.disk else 0,
                       "disk_bytes": self.cache.disk.total_bytes if self.cache.disk is not None else 0,
                       "ram_budget_bytes": self.cache.ram_budget_bytes,

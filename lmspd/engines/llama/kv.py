@@ -6,6 +6,12 @@ sequence attends only over its own cells and always has the full context
 window. A copy between sequences is therefore a copy of the whole stream
 (llama.cpp only copies across streams whole), trimmed to the shared prefix
 afterwards; llama.cpp performs it at the start of the next ``llama_decode``.
+
+Not every model's KV can be cut anywhere. A sliding-window layer keeps only
+the cells of its last window (llama.cpp prunes older ones unless the SWA
+cache is full-size), and a recurrent layer keeps one state with no history
+at all. ``floor`` says how far back a sequence can still be trimmed exactly;
+the cache falls back to an exact-state checkpoint below it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,35 @@ from llama_cpp import _internals as internals
 
 
 class SequenceKv:
-    def __init__(self, ctx: internals.LlamaContext) -> None:
+    def __init__(self, ctx: internals.LlamaContext, model: internals.LlamaModel, *, swa_full: bool) -> None:
         self._ctx = ctx
         self._mem = ctx.memory
+        m = model.model
+        self.recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
+        self.n_swa = int(llama_cpp.llama_model_n_swa(m))
+        # A full-size SWA cache keeps every cell: trimmable like plain attention.
+        self.trimmable = not self.recurrent and (self.n_swa == 0 or swa_full)
+
+    @property
+    def kind(self) -> str:
+        """What the KV is, for logs and /health: ``attention``, ``swa`` or ``recurrent``."""
+        if self.recurrent:
+            return "recurrent"
+        return "swa" if self.n_swa and not self.trimmable else "attention"
+
+    def floor(self, seq: int, n_tokens: int) -> int:
+        """The shortest prefix ``seq`` (holding ``n_tokens``) can be trimmed to
+        and still be exact: 0 for plain attention, ``n_tokens`` for a
+        recurrent state; for sliding windows, the first position whose whole
+        window is still in the cells (llama.cpp server's own test)."""
+        if self.recurrent:
+            return n_tokens
+        pos_min = llama_cpp.llama_memory_seq_pos_min(self._mem, seq)
+        if pos_min <= 0:
+            return 0
+        if not self.n_swa:
+            return n_tokens  # cells gone for a reason we cannot reason about
+        return min(n_tokens, pos_min + self.n_swa)
 
     def capture(self, seq: int) -> bytes:
         """Copy one sequence's KV out of the context (not the logits buffer

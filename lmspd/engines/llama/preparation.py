@@ -6,11 +6,14 @@ read (its published snapshot of remembered states).
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 from dataclasses import dataclass, field
 
 from llama_cpp import _internals as internals
 
+from lmspd.cache.diagnostics import Signature
 from lmspd.cache.manager import CacheRequest, ContinuationCache
 from lmspd.core.conversation import (
     Conversation,
@@ -48,6 +51,8 @@ class LlamaPrepared:
     requires_state: str | None = None
     reuse_cache: bool = True
     needs_reasoning_state: bool = False
+    # The tool names in the order they were rendered (diagnostics compare it).
+    tool_order: tuple[str, ...] = ()
 
     @property
     def input_tokens(self) -> int:
@@ -55,7 +60,13 @@ class LlamaPrepared:
 
     def cache_request(self) -> CacheRequest:
         conv = self.conversation
+        system = [conv.instructions or ""]
+        for item in conv.items:
+            if not (isinstance(item, Message) and item.role in ("system", "developer")):
+                break
+            system.append(item.text)
         return CacheRequest(
+            signature=Signature(tools=self.tool_order, system="\n\n".join(system)),
             text=self.text,
             tokens=self.tokens,
             items=conv.items,
@@ -69,10 +80,29 @@ class LlamaPrepared:
         )
 
 
+# Claude Code's first system block: ``x-anthropic-billing-header: cc_version=…;
+# cc_entrypoint=…; cch=<per-request nonce>;`` — billing metadata for
+# Anthropic's API that changes every request and tells the model nothing.
+BILLING_HEADER = re.compile(r"\Ax-anthropic-billing-header:[^\n]*(?:\n+|\Z)")
+
+
+@dataclass
+class Repairs:
+    """Request changes that carry nothing the model needs but would defeat
+    the continuation cache; each can be turned off (``lmspd serve`` flags)."""
+
+    # Drop Claude Code's per-request billing line from the system prompt.
+    strip_billing_header: bool = True
+    # Render tools sorted by name: a client that reorders its tool list
+    # between turns still renders the same prompt.
+    canonical_tool_order: bool = True
+
+
 class Preparation:
     def __init__(self, *, model_id: str, vocab: Vocabulary, template: ChatTemplate, tool_format: ToolFormat,
                  reasoning: ReasoningSyntax | None, cache: ContinuationCache, n_ctx: int, limits: RequestLimits,
-                 sealer: Sealer | None) -> None:
+                 sealer: Sealer | None, repairs: Repairs | None = None) -> None:
+        self.repairs = repairs or Repairs()
         self.model_id = model_id
         self.vocab = vocab
         self.template = template
@@ -84,10 +114,15 @@ class Preparation:
         self.sealer = sealer
 
     def render(self, conversation: Conversation, *, add_generation_prompt: bool = True) -> str:
+        if self.repairs.canonical_tool_order and len(conversation.tools) > 1:
+            # Tool order means nothing to the model; a stable order keeps
+            # the prompt (and the cache) the same when a client shuffles it.
+            conversation = dataclasses.replace(conversation, tools=sorted(conversation.tools, key=lambda t: t.name))
         messages, tools = template_messages(conversation, self.template, self.tool_format)
         return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
+        self._repair(conversation)
         self._open_sealed_reasoning(conversation)
         requires_state = self._attach_live_history(conversation)
         n_ctx = self.n_ctx
@@ -120,8 +155,21 @@ class Preparation:
             reuse_cache=conversation.cache_reuse,
             needs_reasoning_state=self._needs_reasoning_state(conversation),
         )
+        names = [t.name for t in conversation.tools]
+        prepared.tool_order = tuple(sorted(names) if self.repairs.canonical_tool_order else names)
         self._constrain(prepared)
         return prepared
+
+    def _repair(self, conversation: Conversation) -> None:
+        if self.repairs.strip_billing_header:
+            if conversation.instructions:
+                conversation.instructions = BILLING_HEADER.sub("", conversation.instructions, count=1) or None
+            elif conversation.items and isinstance(conversation.items[0], Message) \
+                    and conversation.items[0].role in ("system", "developer"):
+                first = conversation.items[0]
+                stripped = BILLING_HEADER.sub("", first.text, count=1)
+                if stripped != first.text:
+                    conversation.items = [dataclasses.replace(first, text=stripped)] + conversation.items[1:]
 
     def _truncate(self, conversation: Conversation, budget: int) -> tuple[str, list[int]]:
         """``truncation: auto``: drop the fewest oldest items (never a system

@@ -28,6 +28,7 @@ import llama_cpp
 import numpy as np
 
 from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest
+from lmspd.cache.state import SessionState
 from lmspd.core.events import EngineEvent, Failed, Finished, Usage
 from lmspd.engines.base import CancelToken
 
@@ -228,14 +229,23 @@ class Scheduler:
             self._start(job, plan)
 
     def _start(self, job: Job, plan: CachePlan) -> None:
+        # Before apply: the diagnosis compares with what the cache holds now.
+        report = self.cache.diagnose(job.request, plan)
         plan = self.cache.apply(plan, job.request)
         resident = self.cache.residents[plan.seq]
-        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep, cache_source=plan.source)
+        report.source = plan.source
+        usage = Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
+                      cache_source=report.source, cache_report=report)
         seq = plan.seq
+        signature = job.request.signature
+
+        def remember(state: SessionState) -> None:
+            state.signature = signature
+            self.cache.finished(seq, state)
+
         try:
             gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,
-                             response_id=job.response_id, kv_tokens=resident.tokens,
-                             remember=lambda state: self.cache.finished(seq, state))
+                             response_id=job.response_id, kv_tokens=resident.tokens, remember=remember)
         except Exception as exc:
             log.exception("could not start a generation")
             self.cache.discard(seq)
@@ -377,6 +387,9 @@ class Scheduler:
                 return
             run.prefilling = False
             self._prefilled(run)
+            # The end of the input: where a regenerated or re-replayed turn
+            # resumes on a model whose KV cannot be trimmed back to it.
+            self.cache.checkpoint(run.seq, run.job.request.owner, "input")
             if run.job.prepared.conversation.prefill_only:
                 gen.keep_prefilled()
         if gen.done:
@@ -405,11 +418,17 @@ class Scheduler:
         stats.last_reused_tokens = plan.keep
         stats.last_prefilled_tokens = len(plan.suffix)
         stats.last_prefill_ms = prefill_ms
+        report = run.gen.usage.cache_report
+        miss = ""
+        if report is not None and report.miss_reason is not None:
+            miss = f" miss_reason={report.miss_reason} longest_prefix={report.longest_prefix}"
+            if report.divergence_token is not None:
+                miss += f" divergence=item:{report.divergence_item},token:{report.divergence_token}"
         log.info(
-            "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s",
+            "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s%s",
             run.job.response_id, run.seq, source, f" {plan.detail}" if plan.detail else "",
             plan.keep, len(plan.suffix), prefill_ms,
-            " prefill_only" if run.job.prepared.conversation.prefill_only else "",
+            " prefill_only" if run.job.prepared.conversation.prefill_only else "", miss,
         )
 
     def _release(self, run: Running) -> None:

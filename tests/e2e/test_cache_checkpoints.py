@@ -1,0 +1,164 @@
+"""Exact-state checkpoints on a model whose KV cannot be trimmed: Gemma 3
+270M, whose sliding-window layers keep only their last window of cells
+(llama.cpp's default, ``--swa-full`` off). A turn that diverges from a
+remembered state more than a window before its end cannot cut that state
+short; it resumes from the nearest checkpoint at or before the divergence
+(the end of an input, the end of a turn) and prefills only from there.
+Asserted from the cache log line of each response."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import pytest
+from support.server import ServerProcess
+
+GEMMA = "gemma3-270m"
+LINE = re.compile(r"generation response=(\S+) seq=\d+ cache_source=(\S+)(.*?) reused=(\d+) prefilled=(\d+)")
+COLOURS = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
+ANIMALS = ["otter", "heron", "badger", "lynx", "marten", "ibis", "vole", "wren"]
+
+
+def document(tag: str, n: int = 80) -> str:
+    """About 11 tokens a sentence: ``n`` = 80 is well over one 512-token window."""
+    return " ".join(f"{tag} note {i}: the {COLOURS[i % 8]} {ANIMALS[(i * 3) % 8]} crossed river {i * 7}."
+                    for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    server = ServerProcess("--model", GEMMA, "--ctx", "4096", "--parallel", "4",
+                           "--kv-disk-dir", str(tmp_path_factory.mktemp("kv"))).start(timeout=180)
+    yield server
+    server.stop()
+
+
+def post(server, body):
+    r = httpx.post(server.url + "/v1/responses",
+                   json={"model": GEMMA, "temperature": 0, "store": False, **body}, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cache_line(server, response_id):
+    for line in reversed(server.output):
+        m = LINE.search(line)
+        if m and m.group(1) == response_id:
+            return {"source": m.group(2), "detail": m.group(3).strip(), "reused": int(m.group(4)),
+                    "prefilled": int(m.group(5))}
+    raise AssertionError(f"no cache log line for {response_id}")
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def two_turns(server, tag):
+    """Turn 1: instructions and a short question. Turn 2: a long document."""
+    items = [{"role": "system", "content": f"You are {tag}'s terse assistant."}, user(f"{tag}: say hello.")]
+    first = post(server, {"input": items, "max_output_tokens": 6})
+    items = items + first["output"] + [user(document(tag) + " Summarize it.")]
+    second = post(server, {"input": items, "max_output_tokens": 4})
+    return items, first, second
+
+
+def test_kv_is_reported_non_trimmable(gemma):
+    cache = gemma.health()["models"][GEMMA]["cache"]
+    assert cache["kv"] == "swa"
+
+
+def test_branch_edit_of_last_user_turn_resumes_from_turn_checkpoint(gemma):
+    items, _first, second = two_turns(gemma, "Ada")
+    turn2 = cache_line(gemma, second["id"])
+    # An edit at the start of the long last user turn: more than a window
+    # before the end of the state, which cannot be cut back there.
+    edited = items[:-1] + [user("Edited. " + document("Ada") + " Summarize it.")]
+    branch = post(gemma, {"input": edited, "max_output_tokens": 4})
+    line = cache_line(gemma, branch["id"])
+    assert line["source"] == "checkpoint" and "at=response" in line["detail"], line
+    # Only the edited turn is prefilled; turn 1 comes from its checkpoint.
+    assert line["reused"] >= turn2["reused"] - 2, (line, turn2)
+    assert line["prefilled"] <= turn2["prefilled"] + 8, (line, turn2)
+
+
+def test_replay_that_drops_a_hidden_part_resumes_from_input_checkpoint(gemma):
+    """Turn 3 replays turn 1's answer without the part of it the model
+    produced but the client never saw (as a replay without hidden reasoning
+    does): the divergence is the end of turn 1's input."""
+    doc = document("Bo")
+    items = [user(doc + " Reply with one word.")]
+    first = post(gemma, {"input": items, "max_output_tokens": 8})
+    turn1 = cache_line(gemma, first["id"])
+    items2 = items + first["output"] + [user(document("Bo-2") + " And now?")]
+    second = post(gemma, {"input": items2, "max_output_tokens": 4})
+    shown = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Fine."}]}]
+    replay = items + shown + items2[len(items) + len(first["output"]):] + second["output"] + [user("Last one.")]
+    third = post(gemma, {"input": replay, "max_output_tokens": 4})
+    line = cache_line(gemma, third["id"])
+    assert line["source"] == "checkpoint" and "at=input" in line["detail"], line
+    assert line["reused"] == turn1["reused"] + turn1["prefilled"], (line, turn1)
+
+
+def test_four_concurrent_sessions_each_resume_from_their_checkpoint(gemma):
+    results: dict[str, object] = {}
+
+    def session(tag):
+        try:
+            items, _first, second = two_turns(gemma, tag)
+            edited = items[:-1] + [user("Edited. " + document(tag) + " Summarize it.")]
+            branch = post(gemma, {"input": edited, "max_output_tokens": 4})
+            results[tag] = (cache_line(gemma, second["id"]), cache_line(gemma, branch["id"]))
+        except BaseException as exc:  # reported below, in the test's thread
+            results[tag] = exc
+
+    threads = [threading.Thread(target=session, args=(tag,)) for tag in ("Cy", "Di", "Ed", "Flo")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    for tag, result in results.items():
+        assert not isinstance(result, BaseException), (tag, result)
+        turn2, line = result  # type: ignore[misc]
+        assert line["source"] == "checkpoint" and "at=response" in line["detail"], (tag, line)
+        assert line["prefilled"] <= turn2["prefilled"] + 8, (tag, line, turn2)
+    assert len(results) == 4
+
+
+def test_partial_reuse_of_a_ram_state(tmp_path):
+    """One sequence: session A goes to RAM when B runs. An edit near A's end
+    (inside the window) trims the RAM state itself; an edit more than a
+    window back resumes from A's turn-1 checkpoint instead."""
+    srv = ServerProcess("--model", GEMMA, "--ctx", "4096", "--parallel", "1", "--kv-disk-space-mb", "0").start(
+        timeout=180)
+    try:
+        items, _first, second = two_turns(srv, "Gus")
+        turn2 = cache_line(srv, second["id"])
+        post(srv, {"input": "Something unrelated.", "max_output_tokens": 2})
+        near = items[:-1] + [user(document("Gus") + " Summarize it in French.")]
+        r = post(srv, {"input": near, "max_output_tokens": 2})
+        line = cache_line(srv, r["id"])
+        assert line["source"] == "ram" and line["detail"] == "partial", line
+        assert line["prefilled"] < 20, line
+        post(srv, {"input": "Something else unrelated.", "max_output_tokens": 2})
+        far = items[:-1] + [user("Edited. " + document("Gus") + " Summarize it.")]
+        r = post(srv, {"input": far, "max_output_tokens": 2})
+        line = cache_line(srv, r["id"])
+        assert line["source"] == "checkpoint" and "from=ram" in line["detail"], line
+        assert line["prefilled"] <= turn2["prefilled"] + 8, (line, turn2)
+    finally:
+        srv.stop()
+
+
+def test_far_edit_with_no_checkpoint_before_it_is_checkpoint_missing(gemma):
+    """An edit at the start of a one-turn conversation's long input: no
+    checkpoint lies at or before it and the state cannot be cut back there,
+    so the turn is prefilled again — and the response says why."""
+    doc = document("Hal", 110)  # over the 1024 cells a sliding-window stream keeps
+    first = post(gemma, {"input": [user(doc + " One word.")], "max_output_tokens": 2})
+    again = post(gemma, {"input": [user("Edited. " + doc + " One word.")], "max_output_tokens": 2})
+    cache = again["extensions"]["lmspd.cache"]
+    assert cache["miss_reason"] == "checkpoint_missing", cache
+    assert cache["divergence"]["item"] == 0 and cache["divergence"]["token"] < 16, cache
+    assert cache["reused"] == 0 and cache["prefilled"] > first["usage"]["input_tokens"], cache
