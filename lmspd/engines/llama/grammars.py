@@ -31,6 +31,20 @@ call, and parallel calls are allowed unless the request said
 ``parallel_tool_calls: false`` (the engine's ``_max_calls``). llama.cpp's
 server defaults ``parallel_tool_calls`` to false for the same reason.
 
+Compiled once
+-------------
+
+Validating a piece with llguidance compiles it, and the engine's matcher
+compiles the whole grammar again: twice the cost of a fresh grammar (Codex's
+apply_patch tool: ~57 ms under load). So the engine builds with
+``check=False`` (only lmspd's own bounds, no llguidance validation), compiles
+the whole once for its matcher, and only when llguidance refuses it builds
+again with ``check=True``: each piece then validates on its own, so the 400
+names the tool, the JSON path or the grammar line, and a non-strict tool's
+parameters fall back to what llguidance can enforce
+(``preparation.Preparation._compile``). Called without ``check``, the
+builders validate every piece, as a caller with no compiler needs.
+
 JSON Schema coverage
 --------------------
 
@@ -136,6 +150,7 @@ __all__ = [
     "json_object_grammar",
     "tool_call_grammar",
     "lazy_tool_call_grammar",
+    "lazy_triggers",
     "validate",
 ]
 
@@ -360,7 +375,7 @@ def _enforced(schema: Any) -> Any:
     return _share_numbers(_closed(schema))
 
 
-def _schema_grammar(schema: Any, param: str, limits: Limits, *, lenient: bool = False) -> str:
+def _schema_grammar(schema: Any, param: str, limits: Limits, *, lenient: bool = False, check: bool = True) -> str:
     _check_bounds(schema, param, limits)
     options = _LENIENT if lenient else JSON_OPTIONS
     try:
@@ -368,7 +383,7 @@ def _schema_grammar(schema: Any, param: str, limits: Limits, *, lenient: bool = 
             _enforced(schema) if isinstance(schema, dict) else {}, defaults=options)
     except ValueError as exc:
         raise ApiError("invalid_request", f"{param} is not a JSON schema: {exc}", param=param) from None
-    error = validate(grammar)
+    error = validate(grammar) if check else ""
     if error:
         raise _schema_error(error, schema, param)
     return grammar
@@ -380,16 +395,18 @@ def check_json_schema(schema: Any, *, param: str = "text.format.schema", limits:
 
 
 def json_schema_grammar(
-    schema: Any, *, param: str = "text.format.schema", limits: Limits = DEFAULT_LIMITS
+    schema: Any, *, param: str = "text.format.schema", limits: Limits = DEFAULT_LIMITS, check: bool = True
 ) -> str:
-    """A grammar for JSON text valid against ``schema`` (``text.format`` json_schema)."""
-    return _schema_grammar(schema, param, limits)
+    """A grammar for JSON text valid against ``schema`` (``text.format`` json_schema).
+    ``check=False``: not validated by llguidance (see "Compiled once")."""
+    return _schema_grammar(schema, param, limits, check=check)
 
 
-def json_object_grammar() -> str:
+def json_object_grammar(*, check: bool = True) -> str:
     """A grammar for any JSON object (``text.format`` json_object), written
     compactly: with no schema to end it, a small model given room for
-    newlines and indentation pretty-prints until its token budget runs out."""
+    newlines and indentation pretty-prints until its token budget runs out.
+    (``check``: as the other builders take it; nothing here to validate.)"""
     return llguidance.LLMatcher.grammar_from_json_schema(_closed({"type": "object"}),
                                                          defaults={"whitespace_flexible": False})
 
@@ -398,10 +415,9 @@ def json_object_grammar() -> str:
 def validate(grammar: str) -> str:
     """llguidance's error for ``grammar`` ('' when it compiles).
 
-    Validating compiles the grammar (the matcher compiles it again, once,
-    and is cached by content: lmspd.engines.llama.matchers); cached here
-    too, so that a client sending the same schema or tools every turn does
-    not pay a compile per request for the check alone."""
+    Validating compiles the grammar; the engine validates only a grammar
+    its matcher refused ("Compiled once"). Cached by content, as the
+    matchers are (lmspd.engines.llama.matchers)."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return messages[0] if is_error and messages else ""
 
@@ -520,11 +536,11 @@ class _Calls:
     alternatives: list[str]
 
 
-def _function_args(tool: FunctionTool, limits: Limits) -> str:
+def _function_args(tool: FunctionTool, limits: Limits, check: bool) -> str:
     param = f"tools.{tool.name}.parameters"
     schema = tool.parameters or {"type": "object"}
     try:
-        _schema_grammar(schema, param, limits)
+        _schema_grammar(schema, param, limits, check=check)
         if isinstance(schema, dict) and schema.get("type") not in (None, "object"):
             raise ApiError("unsupported_capability", f"{param} must describe a JSON object.", param=param)
         return _json_rule(schema)
@@ -540,7 +556,7 @@ def _function_args(tool: FunctionTool, limits: Limits) -> str:
         return _json_rule({"type": "object"})
 
 
-def _custom_raw(tool: CustomTool, i: int, close: str, calls: _Calls, limits: Limits,
+def _custom_raw(tool: CustomTool, i: int, close: str, calls: _Calls, limits: Limits, check: bool,
                 avoid: Sequence[str] = ()) -> str:
     """The rule for a custom tool's raw input, ending with ``close``."""
     grammar = tool.grammar or {}
@@ -558,7 +574,7 @@ def _custom_raw(tool: CustomTool, i: int, close: str, calls: _Calls, limits: Lim
         lark = f"start: C\nC: /{llguidance.regex_to_lark(definition, 'dw')}/\n"
     else:
         lark = definition
-    error = validate(_top(lark, []))
+    error = validate(_top(lark, [])) if check else ""
     if error:
         raise _grammar_error(tool, error)
     calls.subgrammars.append((f"custom_{i}", lark))
@@ -609,7 +625,7 @@ def _xml_args(fmt: ToolFormat, tool: Tool, i: int, specials: Collection[str], ca
 
 
 def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[str] | None,
-                specials: Collection[str], limits: Limits) -> _Calls:
+                specials: Collection[str], limits: Limits, check: bool) -> _Calls:
     by_name = {t.name: t for t in tools if isinstance(t, (FunctionTool, CustomTool))}
     names = list(by_name) if allowed_names is None else list(dict.fromkeys(allowed_names))
     missing = [n for n in names if n not in by_name]
@@ -629,24 +645,24 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
             before, after = fmt.call_parts(name, raw=True)
             # The newline before the closing tag belongs to the input when it is free text.
             body = _custom_raw(tool, i, after.lstrip("\n") if not (tool.grammar or {}).get("definition") else after,
-                               calls, limits, fmt.result_markers)
+                               calls, limits, check, fmt.result_markers)
             rule = f"{literal(before, specials)} {body}"
         elif isinstance(tool, CustomTool):
             before, after = fmt.call_parts(name, raw=False)
             rule = f"{literal(before, specials)} {_custom_json(tool, limits)} {literal(after, specials)}"
         else:
             before, after = fmt.call_parts(name, raw=False)
-            rule = f"{literal(before, specials)} {_function_args(tool, limits)} {literal(after, specials)}"
+            rule = f"{literal(before, specials)} {_function_args(tool, limits, check)} {literal(after, specials)}"
         calls.rules.append(f"call_{i}: {rule}")
         calls.alternatives.append(f"call_{i}")
     return calls
 
 
 def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[str] | None,
-                  max_calls: int | None, specials: Collection[str], limits: Limits) -> str:
+                  max_calls: int | None, specials: Collection[str], limits: Limits, check: bool) -> str:
     if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be at least 1")
-    calls = _call_rules(fmt, tools, allowed_names, specials, limits)
+    calls = _call_rules(fmt, tools, allowed_names, specials, limits, check)
     layout = fmt.layout
     more = f"({literal(layout.separator, specials)} call)"
     seq = "call" if max_calls == 1 else f"call {more}*" if max_calls is None else f"call {more}{{0,{max_calls - 1}}}"
@@ -659,8 +675,8 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
         "call: " + " | ".join(calls.alternatives),
         *calls.rules,
     ]) + "\n"
-    # Every piece was checked on its own (errors name their tool); the
-    # whole compiles once, in the engine (matchers.GrammarCompiler).
+    # With ``check`` every piece was validated on its own (errors name their
+    # tool); the whole compiles in the engine (matchers.GrammarCompiler).
     return _top(lark, calls.subgrammars)
 
 
@@ -673,12 +689,15 @@ def tool_call_grammar(
     max_calls: int | None = None,
     specials: Collection[str] = (),
     limits: Limits = DEFAULT_LIMITS,
+    check: bool = True,
 ) -> str:
     """A grammar forcing one call (``parallel``: one or more, at most
     ``max_calls``) in ``fmt``'s syntax, to a tool named in ``allowed_names``
-    (None: any of ``tools``); after the last call only end-of-turn."""
+    (None: any of ``tools``); after the last call only end-of-turn.
+    ``check=False``: the pieces are not validated by llguidance (see
+    "Compiled once")."""
     bound = max_calls if parallel else 1
-    return _tool_grammar(fmt, tools, allowed_names, bound, specials, limits)
+    return _tool_grammar(fmt, tools, allowed_names, bound, specials, limits, check)
 
 
 def lazy_tool_call_grammar(
@@ -690,12 +709,18 @@ def lazy_tool_call_grammar(
     max_calls: int | None = None,
     specials: Collection[str] = (),
     limits: Limits = DEFAULT_LIMITS,
+    check: bool = True,
 ) -> tuple[str, list[str]]:
     """(grammar, triggers) for ``tool_choice: auto``: the grammar of the
     calls, which the sampler starts where the output first shows one of
     the trigger texts (``fmt.triggers``; ``fmt.start_triggers``, written
     ``^…``, only at the start of the reply, after whitespace)."""
     grammar = tool_call_grammar(fmt, tools, allowed_names=allowed_names, parallel=parallel,
-                                max_calls=max_calls, specials=specials, limits=limits)
-    return grammar, [*fmt.triggers, *("^" + t for t in fmt.start_triggers)]
+                                max_calls=max_calls, specials=specials, limits=limits, check=check)
+    return grammar, lazy_triggers(fmt)
+
+
+def lazy_triggers(fmt: ToolFormat) -> list[str]:
+    """The texts that wake a lazy call grammar (``^…``: only at the start of the reply)."""
+    return [*fmt.triggers, *("^" + t for t in fmt.start_triggers)]
 

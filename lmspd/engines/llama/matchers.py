@@ -14,7 +14,9 @@ lexer or parser would grow too large, which is a 400 too. A compiled
 matcher is cached (``RequestLimits.grammar_cache_entries``, least recently
 used out) and each generation gets its own copy (``deep_copy`` is cheap),
 so a client that sends the same schema or tools every turn pays the
-compile once.
+compile once. A refusal is cached too: a non-strict tool whose schema
+llguidance refuses is refused, then built again leniently
+(``Preparation._compile``) on every turn, and pays for the refusal once.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class GrammarCompiler:
         self.n_vocab = n_vocab
         self.eog = eog
         self._limits = limits
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # A compiled matcher, or llguidance's refusal (its message).
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0
         self.last_compile_ms = 0.0
@@ -73,20 +76,30 @@ class GrammarCompiler:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
+                if isinstance(cached, str):
+                    raise _refused(cached)
                 return cached.deep_copy()
         started = time.perf_counter()
         # Constructing drops the GIL: other requests keep being served.
         compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
                                         limits=llguidance.LLParserLimits(**_PARSER_LIMITS))
         self.last_compile_ms = (time.perf_counter() - started) * 1000
+        refused = None
         if compiled.is_error():
-            message = compiled.get_error().strip().splitlines()
-            raise ApiError("unsupported_capability",
-                           "The requested output shape could not be compiled into a grammar for this model: "
-                           + (message[0][:300] if message else "refused"), param="text.format")
+            lines = compiled.get_error().strip().splitlines()
+            refused = lines[0][:300] if lines else "refused"
         with self._lock:
-            self.compiles += 1
-            self._cache[grammar] = compiled
+            if refused is None:
+                self.compiles += 1
+            self._cache[grammar] = compiled if refused is None else refused
             while len(self._cache) > max(1, self._limits.grammar_cache_entries):
                 self._cache.popitem(last=False)
+        if refused is not None:
+            raise _refused(refused)
         return compiled.deep_copy()
+
+
+def _refused(message: str) -> ApiError:
+    return ApiError("unsupported_capability",
+                    f"The requested output shape could not be compiled into a grammar for this model: {message}",
+                    param="text.format")

@@ -7,10 +7,13 @@ read (its published snapshot of remembered states).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import llguidance
 from llama_cpp import _internals as internals
 
 from lmspd.cache.diagnostics import Signature
@@ -53,6 +56,9 @@ class LlamaPrepared:
     needs_reasoning_state: bool = False
     # The tool names in the order they were rendered (diagnostics compare it).
     tool_order: tuple[str, ...] = ()
+    # The matcher compiled when the grammar was checked, for the first
+    # sampler (the next one copies it from the compiler's cache).
+    matcher: llguidance.LLMatcher | None = field(default=None, repr=False, compare=False)
 
     @property
     def input_tokens(self) -> int:
@@ -255,17 +261,17 @@ class Preparation:
         choice = conv.tool_choice
         limits = Limits(request=self.limits)
         specials = self._grammars().special_markers(self.tool_format.markers)
+        build: Callable[..., str] | None = None  # build(check=...): see _compile
         if conv.tools and choice.mode != "none":
             names = choice.allowed if choice.allowed is not None else [t.name for t in conv.tools]
             prepared.tools = [t for t in conv.tools if t.name in names]
             if choice.mode == "required":
                 # A forced call ends the turn (see grammars): one call unless
                 # the request explicitly allowed parallel calls.
-                prepared.grammar = grammars.tool_call_grammar(
-                    self.tool_format, conv.tools, allowed_names=names, parallel=self._max_calls(conv, True) > 1,
-                    max_calls=self._max_calls(conv, True), specials=specials, limits=limits,
-                )
-                self._check_grammar(prepared.grammar)
+                calls = self._max_calls(conv, True)
+                self._compile(prepared, functools.partial(
+                    grammars.tool_call_grammar, self.tool_format, conv.tools, allowed_names=names,
+                    parallel=calls > 1, max_calls=calls, specials=specials, limits=limits))
                 return
         if conv.tools and fmt.type == "text":
             # The tools are in the prompt: a tool result the model writes
@@ -275,21 +281,21 @@ class Preparation:
             if not prepared.tools:
                 prepared.stop.append(self.tool_format.trigger)
         if fmt.type == "json_schema" and fmt.schema is not None:
-            prepared.grammar = grammars.json_schema_grammar(fmt.schema, param=fmt.param, limits=limits)
+            build = functools.partial(grammars.json_schema_grammar, fmt.schema, param=fmt.param, limits=limits)
         elif fmt.type != "text":
-            prepared.grammar = grammars.json_object_grammar()
+            build = grammars.json_object_grammar
         elif prepared.tools:
             # auto: free text until the model starts a call, then the call is constrained.
-            prepared.grammar, prepared.lazy_patterns = grammars.lazy_tool_call_grammar(
-                self.tool_format, conv.tools, allowed_names=[t.name for t in prepared.tools],
-                parallel=self._max_calls(conv, False) > 1, max_calls=self._max_calls(conv, False),
-                specials=specials, limits=limits,
-            )
+            calls = self._max_calls(conv, False)
+            build = functools.partial(
+                grammars.tool_call_grammar, self.tool_format, conv.tools, allowed_names=[t.name for t in prepared.tools],
+                parallel=calls > 1, max_calls=calls, specials=specials, limits=limits)
+            prepared.lazy_patterns = grammars.lazy_triggers(self.tool_format)
         if fmt.type != "text" and prepared.tools:
             # The reply must be JSON: the model cannot also call tools.
             prepared.tools = []
-        if prepared.grammar is not None:
-            self._check_grammar(prepared.grammar)
+        if build is not None:
+            self._compile(prepared, build)
 
     def _max_calls(self, conv: Conversation, forced: bool) -> int:
         """Calls one turn may make: under a forced tool_choice only an explicit
@@ -305,10 +311,24 @@ class Preparation:
             compiler = self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits)
         return compiler
 
-    def _check_grammar(self, grammar: str) -> None:
-        # Compiles (or finds in the cache) now, so that a grammar llguidance
-        # refuses is this request's 400, not a failure mid-generation.
-        self._grammars().matcher(grammar)
+    def _compile(self, prepared: LlamaPrepared, build: Callable[..., str]) -> None:
+        """The request's grammar, compiled (or found in the cache) now, so
+        that a grammar llguidance refuses is this request's 400, not a
+        failure mid-generation. ``build(check)`` writes it; llguidance
+        compiles it once (grammars: "Compiled once"), and only a refused
+        grammar is built again validating piece by piece, for a 400 that
+        names the tool, JSON path or grammar line (or a non-strict tool's
+        fallback, which then compiles)."""
+        compiler = self._grammars()
+        grammar = build(check=False)
+        try:
+            matcher = compiler.matcher(grammar)
+        except ApiError:
+            checked = build(check=True)
+            if checked == grammar:
+                raise  # every piece compiles alone: the whole is what llguidance refused
+            grammar, matcher = checked, compiler.matcher(checked)
+        prepared.grammar, prepared.matcher = grammar, matcher
 
     def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | GrammarFirstRejection:
         """A fresh sampler for one sequence: ``sample(ctx, idx)`` reads the
@@ -328,5 +348,5 @@ class Preparation:
         if prepared.grammar is None:
             return chain
         compiler = self._grammars()
-        return GrammarFirstRejection(compiler.matcher(prepared.grammar), compiler.tokenizer, self.vocab.n_vocab,
-                                     chain, prepared.lazy_patterns)
+        matcher, prepared.matcher = prepared.matcher or compiler.matcher(prepared.grammar), None
+        return GrammarFirstRejection(matcher, compiler.tokenizer, self.vocab.n_vocab, chain, prepared.lazy_patterns)
