@@ -143,6 +143,7 @@ from lmspd.core.limits import DEFAULT_LIMITS, Limits
 
 if TYPE_CHECKING:
     from lmspd.engines.llama.tool_formats import ToolFormat
+    from lmspd.engines.llama.tool_formats.base import ParamBlocks
 
 __all__ = [
     "check_json_schema",
@@ -603,20 +604,16 @@ def _custom_json(tool: CustomTool, limits: Limits) -> str:
                        "additionalProperties": False})
 
 
-def _xml_args(fmt: ToolFormat, tool: Tool, i: int, specials: Collection[str], calls: _Calls) -> str:
-    """Qwen3-Coder's ``<parameter=name>`` blocks: the declared names (a custom
-    tool's ``input``); the values are free text up to the closing tag (not
-    schema-checked)."""
+def _block_args(blocks: ParamBlocks, tool: Tool, i: int, specials: Collection[str], calls: _Calls) -> str:
+    """One block per parameter (Qwen3-Coder's ``<parameter=name>``): the
+    declared names (a custom tool's ``input``); the values are free text up
+    to the closing marker (not schema-checked)."""
     if isinstance(tool, CustomTool):
         props = ["input"]
     else:
         props = list(((tool.parameters or {}).get("properties") or {}).keys())
-    param_parts = fmt.param_parts  # type: ignore[attr-defined]  # only XML-argument formats have it
-    alts = []
-    for name in props:
-        before, after = param_parts(name)
-        alts.append(f"{literal(before, specials)} pvalue_{i}")
-    close = param_parts("x")[1]
+    alts = [f"{literal(blocks.parts(name)[0], specials)} pvalue_{i}" for name in props]
+    close = blocks.close
     calls.rules.append(f"pvalue_{i}[lazy]: /(?s:.*){regex_escape(close)}/")
     if not alts:
         return '""'
@@ -638,9 +635,10 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
     calls = _Calls([], [], [])
     for i, name in enumerate(names):
         tool = by_name[name]
-        if fmt.args_style == "xml":
+        if fmt.param_blocks is not None:
             before, after = fmt.call_parts(name, raw=False)
-            rule = f"{literal(before, specials)} {_xml_args(fmt, tool, i, specials, calls)} {literal(after, specials)}"
+            args = _block_args(fmt.param_blocks, tool, i, specials, calls)
+            rule = f"{literal(before, specials)} {args} {literal(after, specials)}"
         elif isinstance(tool, CustomTool) and fmt.raw_custom:
             before, after = fmt.call_parts(name, raw=True)
             # The newline before the closing tag belongs to the input when it is free text.

@@ -13,7 +13,7 @@ from lmspd.core.events import EngineEvent, TextDelta, ToolCallDelta, ToolCallDon
 
 from .json_scan import WS, CustomInput, FunctionArgs, Sink, ToolCallError
 
-__all__ = ["CallLayout", "ToolCallError", "ToolCallParser", "ToolFormat"]
+__all__ = ["CallLayout", "ParamBlocks", "ToolCallError", "ToolCallParser", "ToolFormat"]
 
 FormatName = Literal["hermes", "llama3", "mistral", "fallback", "harmony", "qwen3_coder"]
 
@@ -27,6 +27,22 @@ class CallLayout:
     suffix: str = ""
     #: The prefix may be left out (Llama 3's ``<|python_tag|>`` at the start).
     prefix_optional: bool = False
+
+
+@dataclass(frozen=True)
+class ParamBlocks:
+    """Arguments as one block per parameter instead of a JSON object
+    (Qwen3-Coder: ``<parameter=city>\nParis\n</parameter>\n``)."""
+
+    #: Before the parameter's name, and between its name and its value.
+    open: str
+    after_name: str
+    #: After the value.
+    close: str
+
+    def parts(self, name: str) -> tuple[str, str]:
+        """Literal text before and after the value of parameter ``name``."""
+        return f"{self.open}{name}{self.after_name}", self.close
 
 
 def custom_parameters() -> dict[str, Any]:
@@ -183,8 +199,8 @@ class ToolFormat(ABC):
     triggers: tuple[str, ...] = ()
     start_triggers: tuple[str, ...] = ()
     layout: CallLayout = CallLayout()
-    #: ``json``: arguments are a JSON object; ``xml``: ``param_parts`` blocks.
-    args_style: Literal["json", "xml"] = "json"
+    #: None: arguments are a JSON object; else one block per parameter.
+    param_blocks: ParamBlocks | None = None
     #: Whether custom tools are called with their raw input (else wrapped
     #: as a function with one string parameter ``input``).
     raw_custom: bool = False

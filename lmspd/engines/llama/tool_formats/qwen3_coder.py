@@ -25,11 +25,12 @@ from typing import Any
 
 from lmspd.core.conversation import FunctionTool, Tool, ToolCall, ToolOutput
 
-from .base import FormatName, ToolCallParser, ToolFormat, dumps
+from .base import FormatName, ParamBlocks, ToolCallParser, ToolFormat, dumps
 from .json_scan import ToolCallError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_CLOSE, PARAM_CLOSE = "</function>", "</parameter>"
+BLOCKS = ParamBlocks("<parameter=", ">\n", f"\n{PARAM_CLOSE}\n")
 _FUNCTION = re.compile(r"<function=([^>\n]{1,256})>")
 _PARAM = re.compile(r"<parameter=([^>\n]{1,256})>")
 _MAX_TAG = 300
@@ -155,7 +156,7 @@ class Qwen3CoderFormat(ToolFormat):
     name: FormatName = "qwen3_coder"
     trigger = OPEN
     triggers = (OPEN,)
-    args_style = "xml"
+    param_blocks = BLOCKS
     result_markers = ("<tool_response", "</tool_response")
 
     def system_block(self, tools: Sequence[Tool]) -> str:
@@ -177,7 +178,7 @@ class Qwen3CoderFormat(ToolFormat):
             except ValueError:
                 params = {}
         body = "".join(
-            self.param_parts(k)[0] + (v if isinstance(v, str) else dumps(v)) + self.param_parts(k)[1]
+            BLOCKS.parts(k)[0] + (v if isinstance(v, str) else dumps(v)) + BLOCKS.close
             for k, v in (params.items() if isinstance(params, dict) else ())
         )
         before, after = self.call_parts(call.name, raw=False)
@@ -191,9 +192,6 @@ class Qwen3CoderFormat(ToolFormat):
 
     def call_parts(self, name: str, raw: bool) -> tuple[str, str]:
         return f"{OPEN}\n<function={name}>\n", f"{FUNCTION_CLOSE}\n{CLOSE}"
-
-    def param_parts(self, name: str) -> tuple[str, str]:
-        return f"<parameter={name}>\n", f"\n{PARAM_CLOSE}\n"
 
 
 __all__ = ["Qwen3CoderFormat", "Qwen3CoderParser"]

@@ -16,11 +16,16 @@ from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall
 from lmspd.core.events import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.grammars import lazy_tool_call_grammar, tool_call_grammar
 from lmspd.engines.llama.tool_formats import (
+    FallbackFormat,
     HarmonyFormat,
+    HermesFormat,
+    Llama3Format,
+    MistralFormat,
     Qwen3CoderFormat,
     ToolCallError,
     detect_tool_format,
 )
+from lmspd.engines.llama.tool_formats.base import ParamBlocks
 
 TEMPLATES = Path(__file__).resolve().parents[4] / "fixtures" / "templates"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -153,3 +158,23 @@ def test_qwen3_coder_grammar_refuses_undeclared_parameters(rig) -> None:
     bad = "<tool_call>\n<function=get_weather>\n<parameter=town>\nParis\n</parameter>\n</function>\n</tool_call>"
     assert not rig.accepts(grammar, bad)
     assert not rig.accepts(grammar, bad.replace("get_weather", "nope"))
+
+
+def test_parameter_blocks_are_the_syntax_data_alone(rig) -> None:
+    """The block-argument grammar reads only ``ParamBlocks``: another syntax
+    that declares blocks gets a grammar of its own blocks (nothing of
+    Qwen3-Coder's is assumed), and one that declares none gets JSON."""
+
+    class Blocks(HermesFormat):
+        param_blocks = ParamBlocks("<arg name=", ">", "</arg>")
+
+    fmt = Blocks(True)
+    grammar = tool_call_grammar(fmt, TOOLS[:1])
+    before, after = fmt.call_parts("get_weather", raw=False)
+    assert rig.accepts(grammar, f"{before}<arg name=city>Paris</arg><arg name=days>2</arg>{after}")
+    assert not rig.accepts(grammar, f"{before}<parameter=city>\nParis\n</parameter>\n{after}")
+    assert not rig.accepts(grammar, before + '{"city": "Paris"}' + after)
+    json_args = tool_call_grammar(HermesFormat(True), TOOLS[:1])
+    assert rig.accepts(json_args, before + '{"city": "Paris"}' + after)
+    every = (FallbackFormat, HarmonyFormat, HermesFormat, Llama3Format, MistralFormat, Qwen3CoderFormat)
+    assert [cls for cls in every if cls.param_blocks is not None] == [Qwen3CoderFormat]
