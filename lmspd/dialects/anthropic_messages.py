@@ -31,7 +31,9 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import ApiError, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
+from lmspd.streaming.steps import Step
 
 from .common import check_answered, decode_stop
 from .extensions import decode_extensions
@@ -488,37 +490,37 @@ class AnthropicEncoder:
 
     first_sequence_number = 0
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
-        index: Any = ctx.get("index")
-        item: Any = ctx.get("item")
-        if kind == "response.output_text.delta":
-            return _delta(index, {"type": "text_delta", "text": ctx["delta"]})
-        if kind == "reasoning.delta":
-            return _delta(index, {"type": "thinking_delta", "thinking": ctx["delta"]})
-        if kind == "tool_call.delta":
-            return _delta(index, {"type": "input_json_delta", "partial_json": ctx["delta"]})
-        if kind == "reasoning.done" and item.encrypted_content:
-            return _delta(index, {"type": "signature_delta", "signature": item.encrypted_content})
-        if kind == "response.output_item.added":
-            return "content_block_start", {"type": "content_block_start", "index": index,
-                                           "content_block": _start_block(item)}
-        if kind == "response.output_item.done":
-            return "content_block_stop", {"type": "content_block_stop", "index": index}
-        if kind == "response.created":
-            message = message_json(state)
-            message["content"] = []
-            return "message_start", {"type": "message_start", "message": message}
-        if kind == "response.in_progress":
-            # Anthropic sends a ping early; it also tells a queued client
-            # that the stream is alive.
-            return "ping", {"type": "ping"}
-        if kind in ("response.completed", "response.incomplete"):
-            return "message_delta", {"type": "message_delta",
-                                     "delta": {"stop_reason": stop_reason(state), "stop_sequence": state.stop_sequence},
-                                     "usage": usage_json(state)}
-        if kind in ("response.failed", "response.cancelled"):
-            error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
-            return "error", ApiError(error["code"], error["message"]).anthropic()
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        match step:
+            case steps.TextDelta(index, _, delta):
+                return _delta(index, {"type": "text_delta", "text": delta})
+            case steps.ReasoningDelta(index, _, delta):
+                return _delta(index, {"type": "thinking_delta", "thinking": delta})
+            case steps.ToolInputDelta(index, _, delta):
+                return _delta(index, {"type": "input_json_delta", "partial_json": delta})
+            case steps.ReasoningDone(index, item) if item.encrypted_content:
+                return _delta(index, {"type": "signature_delta", "signature": item.encrypted_content})
+            case steps.ItemAdded(index, item):
+                return "content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": _start_block(item)}
+            case steps.ItemDone(index, _):
+                return "content_block_stop", {"type": "content_block_stop", "index": index}
+            case steps.ResponseCreated():
+                message = message_json(state)
+                message["content"] = []
+                return "message_start", {"type": "message_start", "message": message}
+            case steps.ResponseInProgress():
+                # Anthropic sends a ping early; it also tells a queued client
+                # that the stream is alive.
+                return "ping", {"type": "ping"}
+            case steps.ResponseCompleted() | steps.ResponseIncomplete():
+                return "message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": stop_reason(state),
+                                                   "stop_sequence": state.stop_sequence},
+                                         "usage": usage_json(state)}
+            case steps.ResponseFailed() | steps.ResponseCancelled():
+                error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
+                return "error", ApiError(error["code"], error["message"]).anthropic()
         return None
 
     def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:
