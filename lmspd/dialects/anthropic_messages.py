@@ -29,8 +29,9 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, tag, unsupported
+from lmspd.core.errors import ApiError, RequestField, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
+from lmspd.dialects.fields import FieldNames
 from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
@@ -114,15 +115,16 @@ class MessagesRequest:
         return bool(self.body.stream)
 
     @property
-    def param_names(self) -> dict[str, str]:
-        return PARAM_NAMES
+    def field_names(self) -> FieldNames:
+        """What this request calls the fields the core names in its errors."""
+        return FieldNames(FIELD_NAMES, self.item_paths)
 
 
-# Where the core's (Responses-named) parameters live in a Messages request.
-PARAM_NAMES = {
-    "max_output_tokens": "max_tokens",
-    "input": "messages",
-    "text.format": "output_config.format",
+# The neutral fields' names in a Messages request.
+FIELD_NAMES = {
+    RequestField.MAX_OUTPUT_TOKENS: "max_tokens",
+    RequestField.ITEMS: "messages",
+    RequestField.OUTPUT_FORMAT: "output_config.format",
 }
 
 
@@ -200,7 +202,8 @@ def _output_format(config: OutputConfigIn | None) -> OutputFormat:
     if config is None or config.format is None:
         return OutputFormat()
     # Anthropic's format has no name; the neutral one wants one for logs.
-    return OutputFormat(type="json_schema", name="output", schema=config.format.schema_, strict=True)
+    return OutputFormat(type="json_schema", name="output", schema=config.format.schema_, strict=True,
+                        param="output_config.format.schema")
 
 
 def _system_text(system: str | list[Any] | None, limits: RequestLimits) -> str | None:

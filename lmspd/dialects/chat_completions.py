@@ -27,8 +27,9 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, tag, unsupported
+from lmspd.core.errors import ApiError, RequestField, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
+from lmspd.dialects.fields import FieldNames
 from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
@@ -171,10 +172,11 @@ class ChatCompletionsRequest:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
     @property
-    def param_names(self) -> dict[str, str]:
-        """Where the core's (Responses-named) parameters live in this request."""
+    def field_names(self) -> FieldNames:
+        """What this request calls the fields the core names in its errors."""
         cap = "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
-        return {"max_output_tokens": cap, "input": "messages", "text.format": "response_format"}
+        return FieldNames({RequestField.MAX_OUTPUT_TOKENS: cap, RequestField.ITEMS: "messages",
+                           RequestField.OUTPUT_FORMAT: "response_format"}, self.item_paths)
 
 
 def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletionsRequest:

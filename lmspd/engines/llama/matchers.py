@@ -30,7 +30,7 @@ import llama_cpp
 import llguidance
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 
 __all__ = ["GrammarCompiler"]
@@ -83,7 +83,7 @@ class GrammarCompiler:
             message = compiled.get_error().strip().splitlines()
             raise ApiError("unsupported_capability",
                            "The requested output shape could not be compiled into a grammar for this model: "
-                           + (message[0][:300] if message else "refused"), param="text.format")
+                           + (message[0][:300] if message else "refused"), path=(RequestField.OUTPUT_FORMAT,))
         with self._lock:
             self.compiles += 1
             self._cache[grammar] = compiled
