@@ -336,6 +336,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # The connection manager the shared aggregate modules use (lmspd.store.sql).
     insertion_order = "id"
+    for_update = " FOR UPDATE"
 
     @contextlib.contextmanager
     def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
@@ -493,96 +494,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- responses -------------------------------------------------------------
 
-    @staticmethod
-    def _insert_output_items(conn: Conn, response_id: str, response: JSON) -> int:
-        output = response.get("output")
-        if not isinstance(output, list):
-            return 0
-        rows = []
-        total = 0
-        for position, item in enumerate(output):
-            body = _dumps(item)
-            total += _size(body)
-            item_id = item.get("id") if isinstance(item, dict) else None
-            if not isinstance(item_id, str):
-                item_id = None
-            rows.append((response_id, position, item_id, body))
-        if rows:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                    "VALUES (%s, 'output', %s, %s, %s)",
-                    rows,
-                )
-        return total
-
-    def put_response(
-        self,
-        owner: str,
-        response_id: str,
-        response: JSON,
-        input_items: Sequence[JSON],
-        *,
-        previous_response_id: str | None = None,
-        conversation_id: str | None = None,
-        created_at: float | None = None,
-    ) -> list[JSON]:
-        items = ensure_item_ids(input_items)
-        body = _dumps(response)
-        item_rows = [(response_id, pos, item["id"], _dumps(item)) for pos, item in enumerate(items)]
-        input_bytes = sum(_size(row[3]) for row in item_rows)
-        now = self._clock()
-        created = self._now(created_at)
-        with self._write() as conn:
-            inserted = conn.execute(
-                "INSERT INTO responses (id, owner, status, previous_response_id, "
-                "conversation_id, created_at, updated_at, body, bytes, instance_id) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 0, %s) ON CONFLICT (id) DO NOTHING",
-                (response_id, owner, response.get("status"), previous_response_id,
-                 conversation_id, created, now, body, self.instance_id),
-            ).rowcount
-            if not inserted:
-                raise Duplicate(f"response {response_id!r} already exists")
-            if item_rows:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                        "VALUES (%s, 'input', %s, %s, %s)",
-                        item_rows,
-                    )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET bytes = %s WHERE id = %s",
-                (_size(body) + input_bytes + output_bytes, response_id),
-            )
-        return items
-
-    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
-        body = _dumps(response)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT bytes FROM responses WHERE id = %s AND owner = %s FOR UPDATE",
-                (response_id, owner),
-            ).fetchone()
-            if row is None:
-                return False
-            input_bytes = _first(conn.execute(
-                "SELECT COALESCE(SUM(octet_length(body)), 0) AS n FROM response_items "
-                "WHERE response_id = %s AND kind = 'input'",
-                (response_id,),
-            ))["n"]
-            conn.execute(
-                "DELETE FROM response_items WHERE response_id = %s AND kind = 'output'",
-                (response_id,),
-            )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET body = %s, status = %s, updated_at = %s, bytes = %s "
-                "WHERE id = %s",
-                (body, response.get("status"), self._clock(),
-                 _size(body) + int(input_bytes) + output_bytes, response_id),
-            )
-        return True
+    # put_response, update_response: lmspd.store.responses (shared).
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
