@@ -56,7 +56,6 @@ from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    ConversationRecord,
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
@@ -73,10 +72,9 @@ from lmspd.store.base import (
     TaskRecord,
     TerminalEventBuilder,
     default_terminal_event,
-    ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.conversations import ConversationQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
@@ -520,109 +518,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- conversations -----------------------------------------------------------
 
-    def _append_items(
-        self, conn: Conn, conversation_id: str, items: Sequence[JSON], now: float
-    ) -> list[JSON]:
-        stored = ensure_item_ids(items)
-        bodies = [_dumps(item) for item in stored]
-        added = sum(_size(b) for b in bodies)
-        # Reserve the positions in one statement: two instances appending to
-        # one conversation get disjoint ranges.
-        end = _first(conn.execute(
-            "UPDATE conversations SET next_position = next_position + %s, bytes = bytes + %s, "
-            "updated_at = %s WHERE id = %s RETURNING next_position",
-            (len(stored), added, now, conversation_id),
-        ))["next_position"]
-        start = end - len(stored)
-        rows = [
-            (conversation_id, start + offset, item["id"], body, _size(body))
-            for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))
-        ]
-        if rows:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO conversation_items (conversation_id, position, item_id, body, "
-                    "bytes) VALUES (%s, %s, %s, %s, %s)",
-                    rows,
-                )
-        return stored
-
-    def create_conversation(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        metadata: JSON | None = None,
-        items: Sequence[JSON] = (),
-        created_at: float | None = None,
-    ) -> ConversationRecord:
-        meta = _dumps(metadata or {})
-        created = self._now(created_at)
-        now = self._clock()
-        with self._write() as conn:
-            inserted = conn.execute(
-                "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
-                (conversation_id, owner, created, now, meta, _size(meta)),
-            ).rowcount
-            if not inserted:
-                raise Duplicate(f"conversation {conversation_id!r} already exists")
-            self._append_items(conn, conversation_id, items, now)
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
-            ).fetchone()
-        assert row is not None  # RETURNING/the row just written
-        return conversation_record(row)
-
-    def update_conversation(
-        self, owner: str, conversation_id: str, metadata: JSON
-    ) -> ConversationRecord | None:
-        meta = _dumps(metadata)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT metadata FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
-                (conversation_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            row = conn.execute(
-                "UPDATE conversations SET metadata = %s, updated_at = %s, bytes = bytes - %s + %s "
-                "WHERE id = %s RETURNING *",
-                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
-            ).fetchone()
-        assert row is not None  # RETURNING/the row just written
-        return conversation_record(row)
-
-    def append_conversation_items(
-        self, owner: str, conversation_id: str, items: Sequence[JSON]
-    ) -> list[JSON] | None:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            return self._append_items(conn, conversation_id, items, self._clock())
-
-    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return False
-            freed = conn.execute(
-                "DELETE FROM conversation_items WHERE conversation_id = %s AND item_id = %s "
-                "RETURNING bytes",
-                (conversation_id, item_id),
-            ).fetchall()
-            if not freed:
-                return False
-            conn.execute(
-                "UPDATE conversations SET bytes = bytes - %s, updated_at = %s WHERE id = %s",
-                (sum(r["bytes"] for r in freed), self._clock(), conversation_id),
-            )
-            return True
+    # Conversation writes: lmspd.store.conversations (shared).
 
     # --- tasks -------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     TASK_STATUSES,
-    ConversationRecord,
     Duplicate,
     EventsExpired,
     IdempotencyBegin,
@@ -47,10 +46,9 @@ from lmspd.store.base import (
     TaskRecord,
     TerminalEventBuilder,
     default_terminal_event,
-    ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.conversations import ConversationQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
@@ -200,6 +198,9 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
         instance_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
+        if sqlite3.sqlite_version_info < (3, 35):
+            # The shared writes (lmspd.store.sql) use RETURNING and upserts.
+            raise StoreError(f"SQLite {sqlite3.sqlite_version} is too old: lmspd needs 3.35 or later")
         self._path = os.fspath(path)
         self.instance_id = instance_id or new_instance_id()
         self.lease_s = lease_s
@@ -440,109 +441,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- conversations -----------------------------------------------------------
 
-    def _append_items(
-        self, conn: sqlite3.Connection, conversation_id: str, items: Sequence[JSON], now: float
-    ) -> list[JSON]:
-        stored = ensure_item_ids(items)
-        start = conn.execute(
-            "SELECT next_position FROM conversations WHERE id = ?", (conversation_id,)
-        ).fetchone()[0]
-        rows = []
-        for offset, item in enumerate(stored):
-            body = _dumps(item)
-            rows.append((conversation_id, start + offset, item["id"], body, _size(body)))
-        conn.executemany(
-            "INSERT INTO conversation_items (conversation_id, position, item_id, body, bytes) "
-            "VALUES (?, ?, ?, ?, ?)",
-            rows,
-        )
-        conn.execute(
-            "UPDATE conversations SET next_position = ?, bytes = bytes + ?, updated_at = ? "
-            "WHERE id = ?",
-            (start + len(rows), sum(r[4] for r in rows), now, conversation_id),
-        )
-        return stored
-
-    def create_conversation(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        metadata: JSON | None = None,
-        items: Sequence[JSON] = (),
-        created_at: float | None = None,
-    ) -> ConversationRecord:
-        meta = _dumps(metadata or {})
-        created = self._now(created_at)
-        now = self._clock()
-        with self._write() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, "
-                    "bytes) VALUES (?, ?, ?, ?, ?, ?)",
-                    (conversation_id, owner, created, now, meta, _size(meta)),
-                )
-            except sqlite3.IntegrityError:
-                raise Duplicate(f"conversation {conversation_id!r} already exists") from None
-            self._append_items(conn, conversation_id, items, now)
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
-            ).fetchone()
-        return conversation_record(row)
-
-    def update_conversation(
-        self, owner: str, conversation_id: str, metadata: JSON
-    ) -> ConversationRecord | None:
-        meta = _dumps(metadata)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT metadata FROM conversations WHERE id = ? AND owner = ?",
-                (conversation_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            conn.execute(
-                "UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
-                "WHERE id = ?",
-                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
-            )
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
-            ).fetchone()
-        return conversation_record(row)
-
-    def append_conversation_items(
-        self, owner: str, conversation_id: str, items: Sequence[JSON]
-    ) -> list[JSON] | None:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            return self._append_items(conn, conversation_id, items, self._clock())
-
-    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return False
-            freed = conn.execute(
-                "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM conversation_items "
-                "WHERE conversation_id = ? AND item_id = ?",
-                (conversation_id, item_id),
-            ).fetchone()
-            if freed[1] == 0:
-                return False
-            conn.execute(
-                "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                (conversation_id, item_id),
-            )
-            conn.execute(
-                "UPDATE conversations SET bytes = bytes - ?, updated_at = ? WHERE id = ?",
-                (freed[0], self._clock(), conversation_id),
-            )
-            return True
+    # Conversation writes: lmspd.store.conversations (shared).
 
     # --- tasks -------------------------------------------------------------------
 
