@@ -49,7 +49,7 @@ class ConversationQueries(SqlBackend):
                             (conversation_id, owner))
             if row is None:
                 return None
-            row = sql.first("UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
+            row = sql.returning("UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
                             "WHERE id = ? RETURNING *",
                             (meta, self._clock(), size(row["metadata"]), size(meta), conversation_id))
         assert row is not None  # the row just written
@@ -118,7 +118,7 @@ def _append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: fl
     bodies = [dumps(item) for item in stored]
     # Reserve the positions in one statement: concurrent appends to one
     # conversation get disjoint ranges.
-    end = sql.first("UPDATE conversations SET next_position = next_position + ?, bytes = bytes + ?, "
+    end = sql.returning("UPDATE conversations SET next_position = next_position + ?, bytes = bytes + ?, "
                     "updated_at = ? WHERE id = ? RETURNING next_position",
                     (len(stored), sum(size(b) for b in bodies), now, conversation_id))
     assert end is not None  # the caller checked the conversation exists

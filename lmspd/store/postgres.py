@@ -50,13 +50,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
-from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
-    TASK_STATUSES,
-    Duplicate,
     EventsExpired,
     IdempotencyBegin,
     LogCloser,
@@ -80,7 +77,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, task_record
+from lmspd.store.tasks import TaskQueries, insert_events, task_record
 
 log = logging.getLogger("lmspd.store")
 
@@ -522,97 +519,15 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- tasks -------------------------------------------------------------------
 
-    def create_task(
-        self,
-        owner: str,
-        task_id: str,
-        request: JSON,
-        *,
-        status: str = "queued",
-        response_id: str | None = None,
-        created_at: float | None = None,
-    ) -> TaskRecord:
-        if status not in ACTIVE_STATUSES:
-            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
-        body = _dumps(request)
-        created = self._now(created_at)
-        with self._write() as conn:
-            row = conn.execute(
-                "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
-                "updated_at, bytes, instance_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO NOTHING RETURNING *",
-                (task_id, owner, status, response_id, body, created, self._clock(),
-                 _size(body), self.instance_id),
-            ).fetchone()
-            if row is None:
-                raise Duplicate(f"task {task_id!r} already exists")
-        return task_record(row)
+    # create_task, set_task_status: lmspd.store.tasks (shared).
+
+    def _events_written(self, sql: Sql, task_id: str) -> None:
+        _notify(sql.conn, "events", task_id)
 
     @staticmethod
-    def _insert_events(
-        conn: Conn,
-        task_id: str,
-        last_seq: int,
-        events: Sequence[tuple[int, str, JSON]],
-    ) -> None:
-        rows = []
-        added = 0
-        for seq, name, data in events:
-            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
-                raise SequenceError(
-                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
-                )
-            body = _dumps(data)
-            added += _size(name) + _size(body)
-            rows.append((task_id, seq, name, body))
-            last_seq = seq
-        with conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO task_events (task_id, seq, event, data) VALUES (%s, %s, %s, %s)", rows
-            )
-        conn.execute(
-            "UPDATE tasks SET last_seq = %s, events_bytes = events_bytes + %s WHERE id = %s",
-            (last_seq, added, task_id),
-        )
+    def _insert_events(conn: Conn, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]) -> None:
+        insert_events(Sql(conn, "format"), task_id, last_seq, events)
         _notify(conn, "events", task_id)
-
-    def set_task_status(
-        self,
-        owner: str,
-        task_id: str,
-        status: str,
-        *,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        final_event: tuple[int, str, JSON] | None = None,
-    ) -> bool:
-        if status not in TASK_STATUSES:
-            raise ValueError(f"unknown task status {status!r}")
-        terminal = status in TERMINAL_STATUSES
-        result_text = None if result is None else _dumps(result)
-        error_text = None if error is None else _dumps(error)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT status, last_seq, request, result, error FROM tasks "
-                "WHERE id = %s AND owner = %s FOR UPDATE",
-                (task_id, owner),
-            ).fetchone()
-            if row is None or row["status"] in TERMINAL_STATUSES:
-                return False
-            if final_event is not None:
-                self._insert_events(conn, task_id, row["last_seq"], [final_event])
-            elif terminal:
-                _notify(conn, "events", task_id)
-            new_result = result_text if result_text is not None else row["result"]
-            new_error = error_text if error_text is not None else row["error"]
-            now = self._clock()
-            conn.execute(
-                "UPDATE tasks SET status = %s, result = %s, error = %s, updated_at = %s, "
-                "finished_at = %s, bytes = %s WHERE id = %s",
-                (status, new_result, new_error, now, now if terminal else None,
-                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
-            )
-            return True
 
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])

@@ -54,6 +54,12 @@ class Sql:
         row: Row | None = self.conn.execute(self._q(sql), tuple(args)).fetchone()
         return row
 
+    def returning(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+        """The row an ``INSERT/UPDATE ... RETURNING`` of one row gives, if any:
+        read to the end, so SQLite's statement is finished before the commit."""
+        rows = self.rows(sql, args)
+        return rows[0] if rows else None
+
     def run(self, sql: str, args: Sequence[Any] = ()) -> int:
         """Run a statement; the number of rows it changed."""
         count: int = self.conn.execute(self._q(sql), tuple(args)).rowcount

@@ -24,13 +24,11 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
-from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.core.lifecycle import TERMINAL_STATUSES
 from lmspd.store import idempotency, pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
-    TASK_STATUSES,
-    Duplicate,
     EventsExpired,
     IdempotencyBegin,
     LogCloser,
@@ -39,7 +37,6 @@ from lmspd.store.base import (
     Notices,
     Retention,
     SchemaTooNew,
-    SequenceError,
     StoreError,
     TaskEvent,
     TaskFinished,
@@ -54,7 +51,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, task_record
+from lmspd.store.tasks import TaskQueries, insert_events, task_record
 
 # --- schema -----------------------------------------------------------------
 
@@ -445,96 +442,16 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- tasks -------------------------------------------------------------------
 
-    def create_task(
-        self,
-        owner: str,
-        task_id: str,
-        request: JSON,
-        *,
-        status: str = "queued",
-        response_id: str | None = None,
-        created_at: float | None = None,
-    ) -> TaskRecord:
-        if status not in ACTIVE_STATUSES:
-            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
-        body = _dumps(request)
-        created = self._now(created_at)
-        with self._write() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
-                    "updated_at, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (task_id, owner, status, response_id, body, created, self._clock(),
-                     _size(body), self.instance_id),
-                )
-            except sqlite3.IntegrityError:
-                raise Duplicate(f"task {task_id!r} already exists") from None
-            row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        return task_record(row)
+    # create_task, set_task_status: lmspd.store.tasks (shared).
+
+    def _events_committed(self, task_id: str) -> None:
+        self._notices.send("events", task_id)
 
     @staticmethod
     def _insert_events(
-        conn: sqlite3.Connection,
-        task_id: str,
-        last_seq: int,
-        events: Sequence[tuple[int, str, JSON]],
+        conn: sqlite3.Connection, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]
     ) -> None:
-        rows = []
-        added = 0
-        for seq, name, data in events:
-            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
-                raise SequenceError(
-                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
-                )
-            body = _dumps(data)
-            added += _size(name) + _size(body)
-            rows.append((task_id, seq, name, body))
-            last_seq = seq
-        conn.executemany(
-            "INSERT INTO task_events (task_id, seq, event, data) VALUES (?, ?, ?, ?)", rows
-        )
-        conn.execute(
-            "UPDATE tasks SET last_seq = ?, events_bytes = events_bytes + ? WHERE id = ?",
-            (last_seq, added, task_id),
-        )
-
-    def set_task_status(
-        self,
-        owner: str,
-        task_id: str,
-        status: str,
-        *,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        final_event: tuple[int, str, JSON] | None = None,
-    ) -> bool:
-        if status not in TASK_STATUSES:
-            raise ValueError(f"unknown task status {status!r}")
-        terminal = status in TERMINAL_STATUSES
-        result_text = None if result is None else _dumps(result)
-        error_text = None if error is None else _dumps(error)
-        with self._write(durable=terminal) as conn:
-            row = conn.execute(
-                "SELECT status, last_seq, request, result, error FROM tasks "
-                "WHERE id = ? AND owner = ?",
-                (task_id, owner),
-            ).fetchone()
-            if row is None or row["status"] in TERMINAL_STATUSES:
-                return False
-            if final_event is not None:
-                self._insert_events(conn, task_id, row["last_seq"], [final_event])
-            new_result = result_text if result_text is not None else row["result"]
-            new_error = error_text if error_text is not None else row["error"]
-            now = self._clock()
-            conn.execute(
-                "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, "
-                "finished_at = ?, bytes = ? WHERE id = ?",
-                (status, new_result, new_error, now, now if terminal else None,
-                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
-            )
-        if final_event is not None or terminal:
-            self._notices.send("events", task_id)
-        return True
+        insert_events(Sql(conn, "qmark"), task_id, last_seq, events)
 
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])

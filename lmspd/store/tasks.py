@@ -1,15 +1,19 @@
-"""Tasks, read the same in both SQL backends (appending events and the
-status transitions stay in each backend: PostgreSQL appends in one
-server-side function, SQLite under its writer lock)."""
+"""Tasks, written and read the same in both SQL backends: creating one,
+its status transitions, the event rows. Where they differ, hooks:
+who hears that a task's log changed (PostgreSQL's ``NOTIFY`` inside the
+transaction, SQLite's in-process notice after it). The per-token append
+stays in each backend (PostgreSQL: one server-side function; SQLite:
+under its writer lock), and so does closing what a crash left running."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmspd.store.base import TaskRecord
-from lmspd.store.sql import SqlBackend, loads_opt
+from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.store.base import JSON, TASK_STATUSES, Duplicate, SequenceError, TaskRecord
+from lmspd.store.sql import Sql, SqlBackend, dumps, loads_opt, size
 
 __all__ = ["TaskQueries", "task_record"]
 
@@ -32,6 +36,56 @@ def task_record(row: Mapping[str, Any]) -> TaskRecord:
 
 
 class TaskQueries(SqlBackend):
+    def _events_written(self, sql: Sql, task_id: str) -> None:
+        """In the transaction that added to a task's log or ended the task."""
+
+    def _events_committed(self, task_id: str) -> None:
+        """After that transaction committed."""
+
+    def create_task(self, owner: str, task_id: str, request: JSON, *, status: str = "queued",
+                    response_id: str | None = None, created_at: float | None = None) -> TaskRecord:
+        if status not in ACTIVE_STATUSES:
+            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
+        body = dumps(request)
+        created = self._now(created_at)
+        with self.sql_write() as sql:
+            row = sql.returning(
+                "INSERT INTO tasks (id, owner, status, response_id, request, created_at, updated_at, bytes, "
+                "instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING RETURNING *",
+                (task_id, owner, status, response_id, body, created, self._clock(), size(body), self.instance_id),
+            )
+        if row is None:
+            raise Duplicate(f"task {task_id!r} already exists")
+        return task_record(row)
+
+    def set_task_status(self, owner: str, task_id: str, status: str, *, result: JSON | None = None,
+                        error: JSON | None = None, final_event: tuple[int, str, JSON] | None = None) -> bool:
+        if status not in TASK_STATUSES:
+            raise ValueError(f"unknown task status {status!r}")
+        terminal = status in TERMINAL_STATUSES
+        result_text = None if result is None else dumps(result)
+        error_text = None if error is None else dumps(error)
+        # A terminal status waits for the flush wherever a backend relaxes it.
+        with self.sql_write(durable=terminal) as sql:
+            row = sql.first("SELECT status, last_seq, request, result, error FROM tasks WHERE id = ? AND owner = ?"
+                            + self.for_update, (task_id, owner))
+            if row is None or row["status"] in TERMINAL_STATUSES:
+                return False
+            if final_event is not None:
+                insert_events(sql, task_id, row["last_seq"], [final_event])
+            new_result = result_text if result_text is not None else row["result"]
+            new_error = error_text if error_text is not None else row["error"]
+            now = self._clock()
+            sql.run("UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, finished_at = ?, bytes = ? "
+                    "WHERE id = ?",
+                    (status, new_result, new_error, now, now if terminal else None,
+                     size(row["request"]) + size(new_result) + size(new_error), task_id))
+            if final_event is not None or terminal:
+                self._events_written(sql, task_id)
+        if final_event is not None or terminal:
+            self._events_committed(task_id)
+        return True
+
     def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
         with self.sql_single() as sql:
             row = sql.first("SELECT * FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
@@ -41,3 +95,20 @@ class TaskQueries(SqlBackend):
         with self.sql_single() as sql:
             row = sql.first("SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
         return None if row is None else int(row["first_retained_seq"])
+
+
+def insert_events(sql: Sql, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]) -> None:
+    """Add ``events`` to a task's log (seqs above ``last_seq``, rising) and
+    move its ``last_seq`` and size; the caller holds the task's row."""
+    rows = []
+    added = 0
+    for seq, name, data in events:
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
+            raise SequenceError(f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}")
+        body = dumps(data)
+        added += size(name) + size(body)
+        rows.append((task_id, seq, name, body))
+        last_seq = seq
+    sql.many("INSERT INTO task_events (task_id, seq, event, data) VALUES (?, ?, ?, ?)", rows)
+    sql.run("UPDATE tasks SET last_seq = ?, events_bytes = events_bytes + ? WHERE id = ?",
+            (last_seq, added, task_id))
