@@ -39,7 +39,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 try:
     import psycopg
@@ -50,12 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
-from lmspd.store import idempotency, pruning
+from lmspd.store import pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     EventsExpired,
-    IdempotencyBegin,
     LogCloser,
     NotFound,
     NoticeCallback,
@@ -72,6 +71,7 @@ from lmspd.store.base import (
     new_instance_id,
 )
 from lmspd.store.conversations import ConversationQueries
+from lmspd.store.idempotency import IdempotencyQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
@@ -255,7 +255,7 @@ def _notify(conn: Conn, kind: str, task_id: str) -> None:
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{kind}:{task_id}"))
 
 
-class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
+class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, IdempotencyQueries):
     """``Store`` on a PostgreSQL database, shared by every instance that opens it."""
 
     shared = True
@@ -660,17 +660,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- idempotency keys -------------------------------------------------------------
 
-    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
-                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
-
-    def idempotency_finish(
-        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
-    ) -> bool:
-        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
-
-    def idempotency_abandon(self, owner: str, key: str) -> bool:
-        return idempotency.abandon(self, owner, key)
+    # idempotency_begin/finish/abandon: lmspd.store.idempotency (shared).
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.store.base import Retention
 
 __all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "SqlBackend", "dumps", "in_list", "loads_opt", "size"]
 
@@ -108,6 +109,7 @@ class SqlBackend:
     max_chain_depth: int
     # Written on the rows this instance is running (its lease: store.base).
     instance_id: str
+    retention: Retention
     _clock: Callable[[], float]
     #: What locks the rows a read-then-write reads: PostgreSQL's
     #: `` FOR UPDATE``; nothing in SQLite, whose writes hold the one writer lock.

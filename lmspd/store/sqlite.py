@@ -22,15 +22,14 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Sequence
 
 from lmspd.core.lifecycle import TERMINAL_STATUSES
-from lmspd.store import idempotency, pruning
+from lmspd.store import pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
     EventsExpired,
-    IdempotencyBegin,
     LogCloser,
     NotFound,
     NoticeCallback,
@@ -46,6 +45,7 @@ from lmspd.store.base import (
     new_instance_id,
 )
 from lmspd.store.conversations import ConversationQueries
+from lmspd.store.idempotency import IdempotencyQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
@@ -179,7 +179,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_insta
 # wait long for the writer lock.
 
 
-class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
+class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, IdempotencyQueries):
     """``Store`` on one SQLite file. ``path`` may be ``":memory:"`` (tests):
     then reads share the writer connection."""
 
@@ -557,17 +557,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- idempotency keys -------------------------------------------------------------
 
-    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
-                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
-
-    def idempotency_finish(
-        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
-    ) -> bool:
-        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
-
-    def idempotency_abandon(self, owner: str, key: str) -> bool:
-        return idempotency.abandon(self, owner, key)
+    # idempotency_begin/finish/abandon: lmspd.store.idempotency (shared).
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
