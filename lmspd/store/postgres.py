@@ -39,7 +39,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 try:
     import psycopg
@@ -399,47 +399,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
 
     # --- instances, leases and notices -----------------------------------------
 
-    def _register(self) -> None:
-        now = self._clock()
-        with self._tx() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-
-    def heartbeat(self) -> list[str]:
-        now = self._clock()
-        with self._tx() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-            rows = conn.execute(
-                f"SELECT id FROM tasks WHERE instance_id = %s AND cancel_requested_at IS NOT NULL "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self.instance_id,),
-            ).fetchall()
-        return [r["id"] for r in rows]
-
-    def request_cancel(self, owner: str, task_id: str) -> bool:
-        with self._tx() as conn:
-            changed = conn.execute(
-                f"UPDATE tasks SET cancel_requested_at = %s WHERE id = %s AND owner = %s "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self._clock(), task_id, owner),
-            ).rowcount
-            if changed:
-                _notify(conn, "cancel", task_id)
-        return changed == 1
-
-    def release_task(self, task_id: str) -> bool:
-        with self._single() as conn:
-            return conn.execute(
-                f"UPDATE tasks SET instance_id = NULL WHERE id = %s AND status IN {_ACTIVE_SQL}",
-                (task_id,),
-            ).rowcount == 1
+    # _register, heartbeat, request_cancel, release_task: lmspd.store.tasks (shared).
 
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         remove = self._notices.add(callback)
@@ -521,8 +481,8 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
 
     # create_task, set_task_status: lmspd.store.tasks (shared).
 
-    def _events_written(self, sql: Sql, task_id: str) -> None:
-        _notify(sql.conn, "events", task_id)
+    def _notice_in(self, sql: Sql, kind: Literal["events", "cancel"], task_id: str) -> None:
+        _notify(sql.conn, kind, task_id)
 
     @staticmethod
     def _insert_events(conn: Conn, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]) -> None:

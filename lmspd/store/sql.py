@@ -110,6 +110,7 @@ class SqlBackend:
     # Written on the rows this instance is running (its lease: store.base).
     instance_id: str
     retention: Retention
+    lease_s: float
     _clock: Callable[[], float]
     #: What locks the rows a read-then-write reads: PostgreSQL's
     #: `` FOR UPDATE``; nothing in SQLite, whose writes hold the one writer lock.

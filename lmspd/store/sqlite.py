@@ -22,7 +22,7 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 from lmspd.core.lifecycle import TERMINAL_STATUSES
 from lmspd.store import pruning
@@ -364,51 +364,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
 
     shared = False
 
-    def _register(self) -> None:
-        now = self._clock()
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET lease_until = excluded.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-
-    def heartbeat(self) -> list[str]:
-        now = self._clock()
-        with self._write() as conn:
-            renewed = conn.execute(
-                "UPDATE instances SET lease_until = ? WHERE id = ?",
-                (now + self.lease_s, self.instance_id),
-            ).rowcount
-            if not renewed:
-                conn.execute(
-                    "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?)",
-                    (self.instance_id, now, now + self.lease_s),
-                )
-            rows = conn.execute(
-                f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self.instance_id,),
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    def request_cancel(self, owner: str, task_id: str) -> bool:
-        with self._write() as conn:
-            changed = conn.execute(
-                f"UPDATE tasks SET cancel_requested_at = ? WHERE id = ? AND owner = ? "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self._clock(), task_id, owner),
-            ).rowcount
-        if changed:
-            self._notices.send("cancel", task_id)
-        return changed == 1
-
-    def release_task(self, task_id: str) -> bool:
-        with self._write() as conn:
-            return conn.execute(
-                f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {_ACTIVE_SQL}",
-                (task_id,),
-            ).rowcount == 1
+    # _register, heartbeat, request_cancel, release_task: lmspd.store.tasks (shared).
 
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         return self._notices.add(callback)
@@ -444,8 +400,8 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
 
     # create_task, set_task_status: lmspd.store.tasks (shared).
 
-    def _events_committed(self, task_id: str) -> None:
-        self._notices.send("events", task_id)
+    def _notice_after(self, kind: Literal["events", "cancel"], task_id: str) -> None:
+        self._notices.send(kind, task_id)
 
     @staticmethod
     def _insert_events(

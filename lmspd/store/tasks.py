@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
 from lmspd.store.base import JSON, TASK_STATUSES, Duplicate, SequenceError, TaskRecord
-from lmspd.store.sql import Sql, SqlBackend, dumps, loads_opt, size
+from lmspd.store.sql import ACTIVE_SQL, Sql, SqlBackend, dumps, loads_opt, size
 
 __all__ = ["TaskQueries", "task_record"]
 
@@ -36,11 +36,43 @@ def task_record(row: Mapping[str, Any]) -> TaskRecord:
 
 
 class TaskQueries(SqlBackend):
-    def _events_written(self, sql: Sql, task_id: str) -> None:
-        """In the transaction that added to a task's log or ended the task."""
+    def _notice_in(self, sql: Sql, kind: Literal["events", "cancel"], task_id: str) -> None:
+        """In the transaction that changed a task's log or status, or asked it to stop."""
 
-    def _events_committed(self, task_id: str) -> None:
+    def _notice_after(self, kind: Literal["events", "cancel"], task_id: str) -> None:
         """After that transaction committed."""
+
+    # -- this instance's lease, and what others asked of its tasks -------------
+
+    def _register(self) -> None:
+        now = self._clock()
+        with self.sql_write() as sql:
+            _renew(sql, self.instance_id, now, now + self.lease_s)
+
+    def heartbeat(self) -> list[str]:
+        now = self._clock()
+        with self.sql_write() as sql:
+            _renew(sql, self.instance_id, now, now + self.lease_s)
+            rows = sql.rows(f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
+                            f"AND status IN {ACTIVE_SQL}", (self.instance_id,))
+        return [r["id"] for r in rows]
+
+    def request_cancel(self, owner: str, task_id: str) -> bool:
+        with self.sql_write() as sql:
+            changed = sql.run(f"UPDATE tasks SET cancel_requested_at = ? WHERE id = ? AND owner = ? "
+                              f"AND status IN {ACTIVE_SQL}", (self._clock(), task_id, owner))
+            if changed:
+                self._notice_in(sql, "cancel", task_id)
+        if changed:
+            self._notice_after("cancel", task_id)
+        return changed == 1
+
+    def release_task(self, task_id: str) -> bool:
+        with self.sql_write() as sql:
+            return sql.run(f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {ACTIVE_SQL}",
+                           (task_id,)) == 1
+
+    # -- the tasks ------------------------------------------------------------------
 
     def create_task(self, owner: str, task_id: str, request: JSON, *, status: str = "queued",
                     response_id: str | None = None, created_at: float | None = None) -> TaskRecord:
@@ -81,9 +113,9 @@ class TaskQueries(SqlBackend):
                     (status, new_result, new_error, now, now if terminal else None,
                      size(row["request"]) + size(new_result) + size(new_error), task_id))
             if final_event is not None or terminal:
-                self._events_written(sql, task_id)
+                self._notice_in(sql, "events", task_id)
         if final_event is not None or terminal:
-            self._events_committed(task_id)
+            self._notice_after("events", task_id)
         return True
 
     def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
@@ -112,3 +144,8 @@ def insert_events(sql: Sql, task_id: str, last_seq: int, events: Sequence[tuple[
     sql.many("INSERT INTO task_events (task_id, seq, event, data) VALUES (?, ?, ?, ?)", rows)
     sql.run("UPDATE tasks SET last_seq = ?, events_bytes = events_bytes + ? WHERE id = ?",
             (last_seq, added, task_id))
+
+
+def _renew(sql: Sql, instance_id: str, now: float, until: float) -> None:
+    sql.run("INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET lease_until = excluded.lease_until", (instance_id, now, until))
