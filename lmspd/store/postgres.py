@@ -84,13 +84,6 @@ log = logging.getLogger("lmspd.store")
 Conn = psycopg.Connection[dict[str, Any]]
 
 
-def _first(cursor: psycopg.Cursor[dict[str, Any]]) -> dict[str, Any]:
-    """The one row a statement always returns (an aggregate, a RETURNING)."""
-    row = cursor.fetchone()
-    if row is None:  # pragma: no cover - the statement always yields a row
-        raise StoreError("the database returned no row")
-    return row
-
 CHANNEL = "lmspd"
 
 # --- schema (the SQLite store's, in PostgreSQL types) --------------------------
@@ -643,25 +636,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
         return removed
 
     def stats(self) -> dict[str, int]:
-        with self._read() as conn:
-            def one(sql: str) -> int:
-                return int(_first(conn.execute(sql))["n"])
-
-            return {
-                "schema_version": one("SELECT version AS n FROM lmspd_schema"),
-                "responses": one("SELECT COUNT(*) AS n FROM responses"),
-                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM responses"),
-                "response_items": one("SELECT COUNT(*) AS n FROM response_items"),
-                "conversations": one("SELECT COUNT(*) AS n FROM conversations"),
-                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations"),
-                "conversation_items": one("SELECT COUNT(*) AS n FROM conversation_items"),
-                "tasks": one("SELECT COUNT(*) AS n FROM tasks"),
-                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks"),
-                "events": one("SELECT COUNT(*) AS n FROM task_events"),
-                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks"),
-                "idempotency_keys": one("SELECT COUNT(*) AS n FROM idempotency_keys"),
-                "idempotency_bytes": one(
-                    "SELECT COALESCE(SUM(bytes), 0) AS n FROM idempotency_keys"
-                ),
-            }
+        with self.sql_read() as sql:
+            row = sql.first("SELECT version AS n FROM lmspd_schema")
+            return {"schema_version": int(row["n"]) if row is not None else 0, **pruning.stats(sql)}
 

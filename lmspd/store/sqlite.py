@@ -536,23 +536,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
         return removed
 
     def stats(self) -> dict[str, int]:
-        with self._read() as conn:
-            def one(sql: str) -> int:
-                return int(conn.execute(sql).fetchone()[0])
-
-            return {
-                "schema_version": one("PRAGMA user_version"),
-                "responses": one("SELECT COUNT(*) FROM responses"),
-                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM responses"),
-                "response_items": one("SELECT COUNT(*) FROM response_items"),
-                "conversations": one("SELECT COUNT(*) FROM conversations"),
-                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM conversations"),
-                "conversation_items": one("SELECT COUNT(*) FROM conversation_items"),
-                "tasks": one("SELECT COUNT(*) FROM tasks"),
-                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM tasks"),
-                "events": one("SELECT COUNT(*) FROM task_events"),
-                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) FROM tasks"),
-                "idempotency_keys": one("SELECT COUNT(*) FROM idempotency_keys"),
-                "idempotency_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM idempotency_keys"),
-            }
+        with self.sql_read() as sql:
+            row = sql.conn.execute("PRAGMA user_version").fetchone()
+            return {"schema_version": int(row[0]), **pruning.stats(sql)}
 
