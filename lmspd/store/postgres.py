@@ -83,7 +83,6 @@ log = logging.getLogger("lmspd.store")
 
 Conn = psycopg.Connection[dict[str, Any]]
 
-
 CHANNEL = "lmspd"
 
 # --- schema (the SQLite store's, in PostgreSQL types) --------------------------
