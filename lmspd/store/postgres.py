@@ -77,7 +77,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, insert_events, task_record
+from lmspd.store.tasks import TaskQueries
 
 log = logging.getLogger("lmspd.store")
 
@@ -476,11 +476,6 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
     def _notice_in(self, sql: Sql, kind: Literal["events", "cancel"], task_id: str) -> None:
         _notify(sql.conn, kind, task_id)
 
-    @staticmethod
-    def _insert_events(conn: Conn, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]) -> None:
-        insert_events(Sql(conn, "format"), task_id, last_seq, events)
-        _notify(conn, "events", task_id)
-
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])
 
@@ -572,42 +567,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
                 ).fetchone()
                 if row is None:
                     continue  # finished meanwhile, or another survivor has it
-                now = self._clock()
-                row = conn.execute(
-                    "UPDATE tasks SET status = 'failed', error = %s, updated_at = %s, "
-                    "finished_at = %s, bytes = octet_length(request) "
-                    "+ COALESCE(octet_length(result), 0) + %s WHERE id = %s RETURNING *",
-                    (error, now, now, _size(error), task_id),
-                ).fetchone()
-                assert row is not None  # RETURNING/the row just written
-                task = task_record(row)
-                seq = task.last_seq + 1
-                if close_log is None:
-                    name, data = build(task, seq)
-                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
-                else:
-                    log_rows = conn.execute(
-                        "SELECT seq, event, data FROM task_events WHERE task_id = %s ORDER BY seq",
-                        (task_id,),
-                    ).fetchall()
-                    events = [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in log_rows]
-                    closed = close_log(task, seq, events)
-                    if not closed.events:
-                        raise ValueError(f"close_log returned no events for task {task_id!r}")
-                    self._insert_events(
-                        conn, task_id, task.last_seq,
-                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
-                    )
-                    if closed.result is not None:
-                        result = _dumps(closed.result)
-                        conn.execute(
-                            "UPDATE tasks SET result = %s, bytes = octet_length(request) + %s "
-                            "+ COALESCE(octet_length(error), 0) WHERE id = %s",
-                            (result, _size(result), task_id),
-                        )
-                row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
-                assert row is not None  # RETURNING/the row just written
-                failed.append(task_record(row))
+                failed.append(self._fail_interrupted(Sql(conn, "format"), task_id, error, build, close_log))
         return failed
 
     # --- idempotency keys -------------------------------------------------------------

@@ -51,7 +51,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, insert_events, task_record
+from lmspd.store.tasks import TaskQueries, insert_events
 
 # --- schema -----------------------------------------------------------------
 
@@ -403,12 +403,6 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
     def _notice_after(self, kind: Literal["events", "cancel"], task_id: str) -> None:
         self._notices.send(kind, task_id)
 
-    @staticmethod
-    def _insert_events(
-        conn: sqlite3.Connection, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]
-    ) -> None:
-        insert_events(Sql(conn, "qmark"), task_id, last_seq, events)
-
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])
 
@@ -423,7 +417,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
                 raise NotFound(f"task {task_id!r} not found")
             if row["status"] in TERMINAL_STATUSES:
                 raise TaskFinished(f"task {task_id!r} is already {row['status']}")
-            self._insert_events(conn, task_id, row["last_seq"], events)
+            insert_events(Sql(conn, "qmark"), task_id, row["last_seq"], events)
         self._notices.send("events", task_id)
 
     def events_after(
@@ -465,48 +459,9 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
                     f"SELECT id FROM tasks WHERE status IN {_ACTIVE_SQL} ORDER BY created_at"
                 )
             ]
+            sql = Sql(conn, "qmark")
             for task_id in ids:
-                now = self._clock()
-                conn.execute(
-                    "UPDATE tasks SET status = 'failed', error = ?, updated_at = ?, "
-                    "finished_at = ?, bytes = LENGTH(CAST(request AS BLOB)) "
-                    "+ COALESCE(LENGTH(CAST(result AS BLOB)), 0) + ? WHERE id = ?",
-                    (error, now, now, _size(error), task_id),
-                )
-                task = task_record(
-                    conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                )
-                seq = task.last_seq + 1
-                if close_log is None:
-                    name, data = build(task, seq)
-                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
-                else:
-                    # Read through the writer: this transaction's own view,
-                    # and no second connection waiting on our lock.
-                    log = [
-                        TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
-                        for r in conn.execute(
-                            "SELECT seq, event, data FROM task_events WHERE task_id = ? "
-                            "ORDER BY seq",
-                            (task_id,),
-                        )
-                    ]
-                    closed = close_log(task, seq, log)
-                    if not closed.events:
-                        raise ValueError(f"close_log returned no events for task {task_id!r}")
-                    self._insert_events(
-                        conn, task_id, task.last_seq,
-                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
-                    )
-                    if closed.result is not None:
-                        result = _dumps(closed.result)
-                        conn.execute(
-                            "UPDATE tasks SET result = ?, bytes = LENGTH(CAST(request AS BLOB)) "
-                            "+ ? + COALESCE(LENGTH(CAST(error AS BLOB)), 0) WHERE id = ?",
-                            (result, _size(result), task_id),
-                        )
-                row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                failed.append(task_record(row))
+                failed.append(self._fail_interrupted(sql, task_id, error, build, close_log))
         for task in failed:
             self._notices.send("events", task.id)
         return failed

@@ -12,7 +12,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store.base import JSON, TASK_STATUSES, Duplicate, SequenceError, TaskRecord
+from lmspd.store.base import (
+    JSON,
+    TASK_STATUSES,
+    Duplicate,
+    LogCloser,
+    SequenceError,
+    TaskEvent,
+    TaskRecord,
+    TerminalEventBuilder,
+)
 from lmspd.store.sql import ACTIVE_SQL, Sql, SqlBackend, dumps, loads_opt, size
 
 __all__ = ["TaskQueries", "task_record"]
@@ -73,6 +82,41 @@ class TaskQueries(SqlBackend):
                            (task_id,)) == 1
 
     # -- the tasks ------------------------------------------------------------------
+
+    def _fail_interrupted(self, sql: Sql, task_id: str, error: str, build: TerminalEventBuilder,
+                          close_log: LogCloser | None) -> TaskRecord:
+        """Fail one task a crash left running and close its log (the caller
+        chose and holds the task's row; the backends choose differently)."""
+        now = self._clock()
+        row = sql.returning(
+            f"UPDATE tasks SET status = 'failed', error = ?, updated_at = ?, finished_at = ?, "
+            f"bytes = {self.octets('request')} + COALESCE({self.octets('result')}, 0) + ? WHERE id = ? RETURNING *",
+            (error, now, now, size(error), task_id))
+        assert row is not None  # the caller holds the row
+        task = task_record(row)
+        seq = task.last_seq + 1
+        if close_log is None:
+            name, data = build(task, seq)
+            insert_events(sql, task_id, task.last_seq, [(seq, name, data)])
+        else:
+            # This transaction's own view of the log (SQLite: through the
+            # writer, no second connection waiting on its lock).
+            log = [TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
+                   for r in sql.rows("SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
+                                     (task_id,))]
+            closed = close_log(task, seq, log)
+            if not closed.events:
+                raise ValueError(f"close_log returned no events for task {task_id!r}")
+            insert_events(sql, task_id, task.last_seq,
+                          [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)])
+            if closed.result is not None:
+                result = dumps(closed.result)
+                sql.run(f"UPDATE tasks SET result = ?, bytes = {self.octets('request')} + ? "
+                        f"+ COALESCE({self.octets('error')}, 0) WHERE id = ?", (result, size(result), task_id))
+        self._notice_in(sql, "events", task_id)
+        row = sql.first("SELECT * FROM tasks WHERE id = ?", (task_id,))
+        assert row is not None  # the row just written
+        return task_record(row)
 
     def create_task(self, owner: str, task_id: str, request: JSON, *, status: str = "queued",
                     response_id: str | None = None, created_at: float | None = None) -> TaskRecord:
