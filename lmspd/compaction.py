@@ -38,6 +38,7 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
+from lmspd.streaming.steps import Step
 
 if TYPE_CHECKING:
     from lmspd.http import LmspdApp
@@ -55,7 +56,7 @@ class _Silent:
 
     first_sequence_number = 0
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> None:
+    def encode(self, step: Step, state: ResponseState, seq: int) -> None:
         return None
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import Limits
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
 from lmspd.metrics import Metrics
@@ -52,7 +52,7 @@ class Service:
         if served is None:
             known = ", ".join(sorted(self.models)) or "none"
             raise ApiError("model_not_found", f"The model {model_id!r} does not exist. Served models: {known}.",
-                           param="model")
+                           path=(RequestField.MODEL,))
         return served
 
     async def begin(self, conversation: Conversation, owner: str = "local") -> "Run":
@@ -70,10 +70,11 @@ class Service:
         caps = served.engine.info.capabilities
         if conversation.tools and conversation.tool_choice.mode != "none" and not caps.get("tools"):
             raise ApiError("unsupported_capability", f"Model {conversation.model!r} does not support tools.",
-                           param="tools")
+                           path=(RequestField.TOOLS,))
         if conversation.output_format.type != "text" and not caps.get("structured_output"):
             raise ApiError("unsupported_capability",
-                           f"Model {conversation.model!r} does not support structured output.", param="text.format")
+                           f"Model {conversation.model!r} does not support structured output.",
+                           path=(RequestField.OUTPUT_FORMAT,))
         ticket = served.queue.admit()
         try:
             prepared = await self.off_loop(served.engine.prepare, conversation)

@@ -109,8 +109,9 @@ class OutputFormat:
     name: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool = False
-    # Where the schema sits in the request, for errors that name a keyword.
-    param: str = "text.format.schema"
+    # Where the schema sits in the request, in the dialect's words (errors
+    # name a keyword below it): the dialect that builds a schema sets it.
+    param: str = "output_format.schema"
 
 
 @dataclass(slots=True)

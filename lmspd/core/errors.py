@@ -8,6 +8,7 @@ wire shape: RFC 9457 ``application/problem+json`` on ``/lmsp/v1``, OpenAI's
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,9 +74,44 @@ def _lookup(code: str) -> tuple[int, str, str]:
     return _UPSTREAM if code.startswith("upstream_") else _UNKNOWN
 
 
+class RequestField(enum.Enum):
+    """A request field as the core and the engines name it in an error,
+    before any dialect's name for it: each dialect says what its clients
+    call it (``ITEMS`` is Responses' ``input``, Chat's and Anthropic's
+    ``messages``; ``lmspd.dialects.fields``)."""
+
+    # The conversation's items: stored history, then the request's input.
+    ITEMS = "items"
+    MAX_OUTPUT_TOKENS = "max_output_tokens"
+    OUTPUT_FORMAT = "output_format"
+    TOOLS = "tools"
+    MODEL = "model"
+
+
+# A neutral field path: a ``RequestField``, then the keys and indexes below it.
+# ``(RequestField.ITEMS, 3, "call_id")`` is the call id of the conversation's
+# fourth item, whatever the dialect calls the list and wherever that item
+# sat in the request.
+FieldPath = tuple[RequestField, *tuple[str | int, ...]]
+
+# Where an error's message names the field: replaced by the dialect's name
+# once it is known (an Anthropic error has no ``param``; its message is all
+# that points at the field).
+FIELD = "{field}"
+
+
+def join_path(head: str, rest: tuple[str | int, ...]) -> str:
+    """``("messages", (1, "content"))`` -> ``messages[1].content``."""
+    return head + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in rest)
+
+
 @dataclass
 class ApiError(Exception):
-    """A failure with a machine-readable ``code`` and a message a person can act on."""
+    """A failure with a machine-readable ``code`` and a message a person can act on.
+
+    ``param`` is the field in the client's own words. What the core and the
+    engines raise names a neutral ``path`` instead, which the dialect that
+    decoded the request turns into its ``param`` (``named``)."""
 
     code: str
     message: str
@@ -83,11 +119,31 @@ class ApiError(Exception):
     # 0: the status the code's row in the table gives.
     status: int = 0
     headers: dict[str, str] = field(default_factory=dict)
+    path: FieldPath | None = None
+    # The message as raised, ``FIELD`` still in it (a neutral path's error).
+    _template: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.status:
             self.status = _lookup(self.code)[0]
         super().__init__(self.message)
+        if self.path is not None and self.param is None:
+            self._template = self.message
+            # Until a dialect names it: the neutral name, never none.
+            self._name(join_path(self.path[0].value, self.path[1:]))
+
+    def named(self, param: str) -> "ApiError":
+        """This error in a dialect's words: ``param`` is what the request
+        calls the neutral ``path`` (a no-op for an error that had a ``param``)."""
+        if self._template is not None:
+            self._name(param)
+        return self
+
+    def _name(self, param: str) -> None:
+        assert self._template is not None
+        self.param = param
+        self.message = self._template.replace(FIELD, param)
+        self.args = (self.message,)
 
     @property
     def title(self) -> str:

@@ -29,9 +29,12 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, tag, unsupported
+from lmspd.core.errors import ApiError, RequestField, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
+from lmspd.dialects.fields import FieldNames
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
+from lmspd.streaming.steps import Step
 
 from .common import check_answered, decode_stop
 from .extensions import decode_extensions
@@ -112,15 +115,16 @@ class MessagesRequest:
         return bool(self.body.stream)
 
     @property
-    def param_names(self) -> dict[str, str]:
-        return PARAM_NAMES
+    def field_names(self) -> FieldNames:
+        """What this request calls the fields the core names in its errors."""
+        return FieldNames(FIELD_NAMES, self.item_paths)
 
 
-# Where the core's (Responses-named) parameters live in a Messages request.
-PARAM_NAMES = {
-    "max_output_tokens": "max_tokens",
-    "input": "messages",
-    "text.format": "output_config.format",
+# The neutral fields' names in a Messages request.
+FIELD_NAMES = {
+    RequestField.MAX_OUTPUT_TOKENS: "max_tokens",
+    RequestField.ITEMS: "messages",
+    RequestField.OUTPUT_FORMAT: "output_config.format",
 }
 
 
@@ -198,7 +202,8 @@ def _output_format(config: OutputConfigIn | None) -> OutputFormat:
     if config is None or config.format is None:
         return OutputFormat()
     # Anthropic's format has no name; the neutral one wants one for logs.
-    return OutputFormat(type="json_schema", name="output", schema=config.format.schema_, strict=True)
+    return OutputFormat(type="json_schema", name="output", schema=config.format.schema_, strict=True,
+                        param="output_config.format.schema")
 
 
 def _system_text(system: str | list[Any] | None, limits: RequestLimits) -> str | None:
@@ -488,37 +493,37 @@ class AnthropicEncoder:
 
     first_sequence_number = 0
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
-        index: Any = ctx.get("index")
-        item: Any = ctx.get("item")
-        if kind == "response.output_text.delta":
-            return _delta(index, {"type": "text_delta", "text": ctx["delta"]})
-        if kind == "reasoning.delta":
-            return _delta(index, {"type": "thinking_delta", "thinking": ctx["delta"]})
-        if kind == "tool_call.delta":
-            return _delta(index, {"type": "input_json_delta", "partial_json": ctx["delta"]})
-        if kind == "reasoning.done" and item.encrypted_content:
-            return _delta(index, {"type": "signature_delta", "signature": item.encrypted_content})
-        if kind == "response.output_item.added":
-            return "content_block_start", {"type": "content_block_start", "index": index,
-                                           "content_block": _start_block(item)}
-        if kind == "response.output_item.done":
-            return "content_block_stop", {"type": "content_block_stop", "index": index}
-        if kind == "response.created":
-            message = message_json(state)
-            message["content"] = []
-            return "message_start", {"type": "message_start", "message": message}
-        if kind == "response.in_progress":
-            # Anthropic sends a ping early; it also tells a queued client
-            # that the stream is alive.
-            return "ping", {"type": "ping"}
-        if kind in ("response.completed", "response.incomplete"):
-            return "message_delta", {"type": "message_delta",
-                                     "delta": {"stop_reason": stop_reason(state), "stop_sequence": state.stop_sequence},
-                                     "usage": usage_json(state)}
-        if kind in ("response.failed", "response.cancelled"):
-            error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
-            return "error", ApiError(error["code"], error["message"]).anthropic()
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        match step:
+            case steps.TextDelta(index, _, delta):
+                return _delta(index, {"type": "text_delta", "text": delta})
+            case steps.ReasoningDelta(index, _, delta):
+                return _delta(index, {"type": "thinking_delta", "thinking": delta})
+            case steps.ToolInputDelta(index, _, delta):
+                return _delta(index, {"type": "input_json_delta", "partial_json": delta})
+            case steps.ReasoningDone(index, item) if item.encrypted_content:
+                return _delta(index, {"type": "signature_delta", "signature": item.encrypted_content})
+            case steps.ItemAdded(index, item):
+                return "content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": _start_block(item)}
+            case steps.ItemDone(index, _):
+                return "content_block_stop", {"type": "content_block_stop", "index": index}
+            case steps.ResponseCreated():
+                message = message_json(state)
+                message["content"] = []
+                return "message_start", {"type": "message_start", "message": message}
+            case steps.ResponseInProgress():
+                # Anthropic sends a ping early; it also tells a queued client
+                # that the stream is alive.
+                return "ping", {"type": "ping"}
+            case steps.ResponseCompleted() | steps.ResponseIncomplete():
+                return "message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": stop_reason(state),
+                                                   "stop_sequence": state.stop_sequence},
+                                         "usage": usage_json(state)}
+            case steps.ResponseFailed() | steps.ResponseCancelled():
+                error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
+                return "error", ApiError(error["code"], error["message"]).anthropic()
         return None
 
     def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:

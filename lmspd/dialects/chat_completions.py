@@ -27,9 +27,12 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolOutput,
 )
-from lmspd.core.errors import ApiError, invalid, tag, unsupported
+from lmspd.core.errors import ApiError, RequestField, invalid, tag, unsupported
 from lmspd.core.limits import RequestLimits
+from lmspd.dialects.fields import FieldNames
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
+from lmspd.streaming.steps import Step
 
 from .common import check_answered, decode_stop, seed32
 from .extensions import decode_extensions
@@ -169,10 +172,11 @@ class ChatCompletionsRequest:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
 
     @property
-    def param_names(self) -> dict[str, str]:
-        """Where the core's (Responses-named) parameters live in this request."""
+    def field_names(self) -> FieldNames:
+        """What this request calls the fields the core names in its errors."""
         cap = "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
-        return {"max_output_tokens": cap, "input": "messages", "text.format": "response_format"}
+        return FieldNames({RequestField.MAX_OUTPUT_TOKENS: cap, RequestField.ITEMS: "messages",
+                           RequestField.OUTPUT_FORMAT: "response_format"}, self.item_paths)
 
 
 def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletionsRequest:
@@ -411,29 +415,29 @@ class ChatEncoder:
             chunk["usage"] = None
         return chunk
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
-        if kind == "response.created":
-            return "chunk", self._chunk(state, {"role": "assistant", "content": "", "refusal": None})
-        if kind == "response.output_text.delta":
-            return "chunk", self._chunk(state, {"content": ctx["delta"]})
-        if kind == "reasoning.delta":
-            return "chunk", self._chunk(state, {"reasoning_content": ctx["delta"]})
-        item = ctx.get("item")
-        if kind == "response.output_item.added" and isinstance(item, ToolCall):
-            tool_index = self._tool_index[ctx["index"]] = len(self._tool_index)
-            return "chunk", self._chunk(state, {"tool_calls": [{
-                "index": tool_index, "id": item.call_id, "type": "function",
-                "function": {"name": item.name, "arguments": ""}}]})
-        if kind == "tool_call.delta":
-            return "chunk", self._chunk(state, {"tool_calls": [{
-                "index": self._tool_index[ctx["index"]], "function": {"arguments": ctx["delta"]}}]})
-        if kind in ("response.completed", "response.incomplete"):
-            return "chunk", self._chunk(state, {}, finish_reason(state))
-        if kind in ("response.failed", "response.cancelled"):
-            error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
-            # OpenAI's mid-stream failure: a data object whose top-level
-            # ``error`` makes the SDKs raise instead of yielding a chunk.
-            return "error", ApiError(error["code"], error["message"]).openai()
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        match step:
+            case steps.ResponseCreated():
+                return "chunk", self._chunk(state, {"role": "assistant", "content": "", "refusal": None})
+            case steps.TextDelta(delta=delta):
+                return "chunk", self._chunk(state, {"content": delta})
+            case steps.ReasoningDelta(delta=delta):
+                return "chunk", self._chunk(state, {"reasoning_content": delta})
+            case steps.ItemAdded(index, ToolCall() as item):
+                tool_index = self._tool_index[index] = len(self._tool_index)
+                return "chunk", self._chunk(state, {"tool_calls": [{
+                    "index": tool_index, "id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": ""}}]})
+            case steps.ToolInputDelta(index, _, delta):
+                return "chunk", self._chunk(state, {"tool_calls": [{
+                    "index": self._tool_index[index], "function": {"arguments": delta}}]})
+            case steps.ResponseCompleted() | steps.ResponseIncomplete():
+                return "chunk", self._chunk(state, {}, finish_reason(state))
+            case steps.ResponseFailed() | steps.ResponseCancelled():
+                error = state.error or {"code": "cancelled", "message": "The request was cancelled."}
+                # OpenAI's mid-stream failure: a data object whose top-level
+                # ``error`` makes the SDKs raise instead of yielding a chunk.
+                return "error", ApiError(error["code"], error["message"]).openai()
         return None
 
     def trailer(self, state: ResponseState) -> list[tuple[str, dict[str, Any]]]:

@@ -1,15 +1,14 @@
 """Small rules the message-list dialects (Chat Completions, Anthropic
-Messages) share: answered tool calls, stop sequences, seeds, and naming the
-dialect's own parameter when the core refuses something.
+Messages) share: answered tool calls, stop sequences, seeds. (Naming the
+dialect's own fields in the core's errors: ``lmspd.dialects.fields``.)
 """
 
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 from lmspd.core.conversation import Item, orphan_tool_outputs
-from lmspd.core.errors import ApiError, invalid
+from lmspd.core.errors import invalid
 from lmspd.core.limits import RequestLimits
 
 
@@ -47,23 +46,3 @@ def seed32(seed: int | None) -> int | None:
     # small seeds distinct.
     return None if seed is None else seed & 0xFFFFFFFF
 
-
-_ITEM_PARAM = re.compile(r"^input\[(\d+)\]")
-
-
-def rename_param(exc: ApiError, names: dict[str, str], item_paths: Sequence[str] = ()) -> ApiError:
-    """The core names Responses fields (``max_output_tokens``, ``input[3]``,
-    ``text.format``); say the field this dialect's client actually sent.
-    ``item_paths[i]`` is the wire path of neutral item ``i``."""
-    param = exc.param
-    if param is None:
-        return exc
-    item = _ITEM_PARAM.match(param)
-    if item is not None and int(item.group(1)) < len(item_paths):
-        exc.param = item_paths[int(item.group(1))] + param[item.end():]
-        return exc
-    for src in sorted(names, key=len, reverse=True):
-        if param == src or param.startswith((src + ".", src + "[")):
-            exc.param = names[src] + param[len(src):]
-            break
-    return exc

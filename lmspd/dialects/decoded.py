@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from lmspd.core.conversation import Conversation, Item
+from lmspd.dialects.fields import FieldNames
 
 __all__ = ["CompatRequest", "DecodedRequest", "ResponsesRequest"]
 
@@ -47,14 +48,11 @@ class ResponsesRequest(DecodedRequest, Protocol):
 
 class CompatRequest(DecodedRequest, Protocol):
     """A Chat Completions or Messages request: its messages become neutral
-    items; errors the core raises name Responses fields, mapped back here."""
+    items (one message may become several); the errors the core raises name
+    neutral fields, which ``field_names`` names as this request does."""
 
     @property
-    def item_paths(self) -> list[str]:
-        """The wire path of each neutral item (``messages[2].content[1]``)."""
-        ...
-
-    @property
-    def param_names(self) -> dict[str, str]:
-        """Where the core's (Responses-named) parameters live in this request."""
+    def field_names(self) -> FieldNames:
+        """The request's names for the neutral fields, and the wire path
+        of each neutral item (``messages[2].content[1]``)."""
         ...

@@ -14,7 +14,9 @@ from pydantic import Field, ValidationError
 from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, Sampling, ToolCall
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
+from lmspd.streaming.steps import Step
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
@@ -181,23 +183,27 @@ def cache_extension(state: ResponseState) -> dict[str, Any] | None:
 class LmspEncoder:
     first_sequence_number = 1
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
         rid = state.id
-        if kind == "response.output_text.delta":
-            return kind, {"response_id": rid, "item_id": ctx["item"].id, "delta": ctx["delta"]}
-        if kind in ("response.output_item.added", "response.output_item.done"):
-            return kind, {"response_id": rid, "output_index": ctx["index"], "item": item_json(ctx["item"])}
-        if kind == "response.created":
-            return kind, {"response_id": rid, "status": state.status}
-        if kind == "response.completed":
-            return kind, {"response_id": rid, "status": state.status, "usage": usage_json(state)}
-        if kind == "response.incomplete":
-            return kind, {"response_id": rid, "status": state.status,
-                          "incomplete_details": {"reason": state.incomplete_reason}, "usage": usage_json(state)}
-        if kind == "response.failed":
-            return kind, {"response_id": rid, "status": state.status, "error": error_json(state)}
-        if kind == "response.cancelled":
-            return kind, {"response_id": rid, "status": state.status}
+        match step:
+            case steps.TextDelta(_, item, delta):
+                return "response.output_text.delta", {"response_id": rid, "item_id": item.id, "delta": delta}
+            case steps.ItemAdded(index, item):
+                return "response.output_item.added", {"response_id": rid, "output_index": index,
+                                                      "item": item_json(item)}
+            case steps.ItemDone(index, item):
+                return "response.output_item.done", {"response_id": rid, "output_index": index,
+                                                     "item": item_json(item)}
+            case steps.ResponseCreated() | steps.ResponseCancelled():
+                return step.event, {"response_id": rid, "status": state.status}
+            case steps.ResponseCompleted():
+                return step.event, {"response_id": rid, "status": state.status, "usage": usage_json(state)}
+            case steps.ResponseIncomplete():
+                return step.event, {"response_id": rid, "status": state.status,
+                                    "incomplete_details": {"reason": state.incomplete_reason},
+                                    "usage": usage_json(state)}
+            case steps.ResponseFailed():
+                return step.event, {"response_id": rid, "status": state.status, "error": error_json(state)}
         # in_progress, content parts, argument deltas, reasoning text: not in
         # LMSP 1.0's event set; the items arrive whole in output_item.done.
         return None

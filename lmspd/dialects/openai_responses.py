@@ -17,7 +17,9 @@ from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Samp
 from lmspd.core.errors import invalid, unsupported
 from lmspd.core.events import Usage
 from lmspd.core.limits import RequestLimits
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
+from lmspd.streaming.steps import Step
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
@@ -479,54 +481,65 @@ class OpenAIEncoder:
         # when the client asked for summaries.
         self._summaries = summaries
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
-        if kind == "response.output_text.delta":
-            return kind, {"type": kind, "sequence_number": seq, "item_id": ctx["item"].id, "output_index": ctx["index"],
-                          "content_index": 0, "delta": ctx["delta"], "logprobs": []}
-        if kind in ("response.created", "response.in_progress", "response.completed", "response.incomplete",
-                    "response.failed", "response.cancelled", "response.queued"):
-            name = "response.failed" if kind == "response.cancelled" else kind
-            return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
-        index: Any = ctx.get("index")
-        item: Any = ctx.get("item")
-        if kind in ("response.output_item.added", "response.output_item.done"):
-            return kind, {"type": kind, "sequence_number": seq, "output_index": index, "item": item_json(item)}
-        if kind == "response.content_part.added":
-            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
-                          "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}
-        if kind == "response.content_part.done":
-            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
-                          "content_index": 0, "part": _text_part(item.text)}
-        if kind == "response.output_text.done":
-            return kind, {"type": kind, "sequence_number": seq, "item_id": item.id, "output_index": index,
-                          "content_index": 0, "text": item.text, "logprobs": []}
-        if kind == "tool_call.delta":
-            name = ("response.custom_tool_call_input.delta" if item.kind == "custom"
-                    else "response.function_call_arguments.delta")
-            return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
-                          "delta": ctx["delta"]}
-        if kind == "tool_call.done":
-            if item.kind == "custom":
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        match step:
+            case steps.TextDelta(index, item, delta):
+                name = "response.output_text.delta"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "delta": delta, "logprobs": []}
+            case steps.ResponseCancelled():
+                # OpenAI's Responses has no cancelled event: a failed one.
+                return "response.failed", {"type": "response.failed", "sequence_number": seq,
+                                           "response": response_json(state)}
+            case (steps.ResponseCreated() | steps.ResponseInProgress() | steps.ResponseCompleted()
+                  | steps.ResponseIncomplete() | steps.ResponseFailed()):
+                return step.event, {"type": step.event, "sequence_number": seq, "response": response_json(state)}
+            case steps.ItemAdded(index, item):
+                name = "response.output_item.added"
+                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+            case steps.ItemDone(index, item):
+                name = "response.output_item.done"
+                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+            case steps.TextPartAdded(index, item):
+                name = "response.content_part.added"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0,
+                              "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}
+            case steps.TextPartDone(index, item):
+                name = "response.content_part.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "part": _text_part(item.text)}
+            case steps.TextDone(index, item):
+                name = "response.output_text.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "text": item.text, "logprobs": []}
+            case steps.ToolInputDelta(index, item, delta):
+                name = ("response.custom_tool_call_input.delta" if item.kind == "custom"
+                        else "response.function_call_arguments.delta")
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "delta": delta}
+            case steps.ToolInputDone(index, item) if item.kind == "custom":
                 name = "response.custom_tool_call_input.done"
                 return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
                               "input": item.payload}
-            name = "response.function_call_arguments.done"
-            return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
-                          "name": item.name, "arguments": item.payload}
-        if kind == "reasoning.part_added":
-            return "response.content_part.added", {
-                "type": "response.content_part.added", "sequence_number": seq, "item_id": item.id,
-                "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}
-        if kind == "reasoning.delta":
-            return "response.reasoning_text.delta", {
-                "type": "response.reasoning_text.delta", "sequence_number": seq, "item_id": item.id,
-                "output_index": index, "content_index": 0, "delta": ctx["delta"]}
-        if kind == "reasoning.part_done":
-            return "response.content_part.done", {
-                "type": "response.content_part.done", "sequence_number": seq, "item_id": item.id,
-                "output_index": index, "content_index": 0, "part": {"type": "reasoning_text", "text": item.text or ""}}
-        if kind == "reasoning.done":
-            return "response.reasoning_text.done", {
-                "type": "response.reasoning_text.done", "sequence_number": seq, "item_id": item.id,
-                "output_index": index, "content_index": 0, "text": item.text or ""}
+            case steps.ToolInputDone(index, item):
+                name = "response.function_call_arguments.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "name": item.name, "arguments": item.payload}
+            case steps.ReasoningPartAdded(index, item):
+                name = "response.content_part.added"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "part": {"type": "reasoning_text", "text": ""}}
+            case steps.ReasoningDelta(index, item, delta):
+                name = "response.reasoning_text.delta"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "delta": delta}
+            case steps.ReasoningPartDone(index, item):
+                name = "response.content_part.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "part": {"type": "reasoning_text", "text": item.text or ""}}
+            case steps.ReasoningDone(index, item):
+                name = "response.reasoning_text.done"
+                return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
+                              "content_index": 0, "text": item.text or ""}
         return None

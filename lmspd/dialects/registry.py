@@ -3,14 +3,19 @@ task runner and crash recovery need to know of each, and nothing more."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable
 
+from lmspd.core.conversation import Item
+from lmspd.core.errors import RequestField
 from lmspd.streaming.session import Encoder, ResponseState
 from lmspd.streaming.sse import SSE_DONE, sse_event
 
 from . import lmsp, openai_responses
 from .decoded import ResponsesRequest
+from .fields import FieldNames, responses_items
 
 # Rebuilds a response from its event log: (events, model, created_at) ->
 # (state, index of the item still open).
@@ -44,6 +49,14 @@ class Dialect:
     # The request fields the response object repeats (OpenAI's echo of
     # instructions, tools, sampling...; LMSP repeats none).
     echo: Callable[[ResponsesRequest], dict[str, Any]] = _no_echo
+    # What its requests call the neutral fields of the core's errors.
+    field_names: Mapping[RequestField, str] = field(
+        default_factory=lambda: MappingProxyType({RequestField.ITEMS: "input"}))
+
+    def names(self, req: ResponsesRequest, items: Sequence[Item]) -> FieldNames:
+        """``req``'s names for the core's fields, ``items`` being the
+        conversation it handed the core (its history, then its input)."""
+        return FieldNames(self.field_names, responses_items(items, req.input_items))
 
     def store_seq(self, wire_seq: int) -> int:
         return wire_seq - self.first_seq + 1
@@ -63,6 +76,7 @@ OPENAI = Dialect(
     rebuild=lambda events, model, created_at: openai_responses.state_from_log(events),
     first_seq=openai_responses.OpenAIEncoder.first_sequence_number,
     echo=_openai_echo,
+    field_names=MappingProxyType({RequestField.ITEMS: "input", RequestField.OUTPUT_FORMAT: "text.format"}),
 )
 
 LMSP = Dialect(
@@ -75,6 +89,7 @@ LMSP = Dialect(
     headers={"LMSP-Version": lmsp.VERSION},
     rebuild=lambda events, model, created_at: lmsp.state_from_log(events, model=model, created_at=created_at),
     first_seq=lmsp.LmspEncoder.first_sequence_number,
+    field_names=MappingProxyType({RequestField.ITEMS: "input", RequestField.OUTPUT_FORMAT: "response_format"}),
 )
 
 DIALECTS = {d.name: d for d in (OPENAI, LMSP)}

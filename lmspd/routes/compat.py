@@ -22,7 +22,7 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
-from lmspd.dialects.common import rename_param
+from lmspd.dialects.fields import FieldNames
 from lmspd.dialects.session import session_key
 from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
@@ -32,15 +32,14 @@ from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 log = logging.getLogger("lmspd.http")
 
 
-async def _begin(service: Service, conversation: Conversation, owner: str, names: dict[str, str],
-                 item_paths: list[str]) -> Run:
+async def _begin(service: Service, conversation: Conversation, owner: str, names: FieldNames) -> Run:
     try:
         return await service.begin(conversation, owner)
     except ApiError as exc:
-        raise rename_param(exc, names, item_paths) from None
+        raise names.name(exc) from None
 
 
-async def _open(request: Request, run: Run, names: dict[str, str], item_paths: list[str]) -> bool:
+async def _open(request: Request, run: Run, names: FieldNames) -> bool:
     """Reach the model before any byte is sent, so that a provider's refusal
     is still an HTTP error reply (see responses.py); False if the client left."""
     if not run.opens_first:
@@ -48,7 +47,7 @@ async def _open(request: Request, run: Run, names: dict[str, str], item_paths: l
     try:
         return await unless_disconnected(request, run.open())
     except ApiError as exc:
-        raise rename_param(exc, names, item_paths) from None
+        raise names.name(exc) from None
 
 
 def _raise_unless_answered(state: ResponseState) -> None:
@@ -85,11 +84,11 @@ async def chat_create(request: Request) -> Response:
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
     req.conversation.session_key = session_key(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, req.field_names)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
-    if not await _open(request, run, req.param_names, req.item_paths):
+    if not await _open(request, run, req.field_names):
         return Response(status_code=499)
     if req.stream:
         # Chat Completions streams are data-only frames.
@@ -134,13 +133,13 @@ async def messages_create(request: Request) -> Response:
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
     req.conversation.session_key = session_key(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, req.param_names, req.item_paths)
+    run = await _begin(app.service, req.conversation, who.owner, req.field_names)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})
     encoder = anthropic_messages.AnthropicEncoder()
     session = StreamSession(state, encoder)
-    if not await _open(request, run, req.param_names, req.item_paths):
+    if not await _open(request, run, req.field_names):
         return Response(status_code=499)
     if req.stream:
         return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))

@@ -80,8 +80,11 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
     # An engine that must reach its provider first does it now, so that a
     # refusal is still an HTTP error (a no-op for the embedded engine).
-    if run.opens_first and not await unless_disconnected(request, run.open()):
-        return Reply(Response(status_code=499))
+    try:
+        if run.opens_first and not await unless_disconnected(request, run.open()):
+            return Reply(Response(status_code=499))
+    except ApiError as exc:
+        raise dialect.names(req, turn.window).name(exc) from None
     if req.stream:
         return Reply(sse_reply(_stream(dialect, turn), headers=dialect.headers))
     if not await run_to_end(request, turn_events(turn)):
@@ -143,11 +146,15 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     # it; LMSP has no such status (its task object does).
     status = "queued" if background and dialect is OPENAI else "in_progress"
     state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
-    lead = await compaction.before_turn(app, owner, req, dialect) if dialect is OPENAI else None
-    if lead is not None:
-        conversation = lead.conversation
-    window = list(conversation.items)
-    run = await _begun(app.service.begin(conversation, owner)) if lead is None or lead.run is None else lead.run
+    try:
+        lead = await compaction.before_turn(app, owner, req, dialect) if dialect is OPENAI else None
+        if lead is not None:
+            conversation = lead.conversation
+        window = list(conversation.items)
+        run = await _begun(app.service.begin(conversation, owner)) if lead is None or lead.run is None else lead.run
+    except ApiError as exc:
+        # The core names neutral fields; the client hears its own.
+        raise dialect.names(req, conversation.items).name(exc) from None
     session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else ())
     previous = req.previous_response_id
     input_items = req.input_items

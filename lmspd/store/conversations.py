@@ -1,15 +1,17 @@
-"""Conversations and their items, read the same in both SQL backends
-(appending items stays in each backend: reserving positions differs)."""
+"""Conversations and their items, written and read the same in both SQL
+backends. Appending reserves the items' positions in one ``UPDATE ...
+RETURNING`` (two PostgreSQL instances appending to one conversation get
+disjoint ranges; SQLite's writer lock serializes anyway)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmspd.store.base import JSON, ConversationRecord, Order, Page
+from lmspd.store.base import JSON, ConversationRecord, Duplicate, Order, Page, ensure_item_ids
 from lmspd.store.paging import check_page_args, page
-from lmspd.store.sql import SqlBackend
+from lmspd.store.sql import Sql, SqlBackend, dumps, size
 
 __all__ = ["ConversationQueries", "conversation_record"]
 
@@ -25,6 +27,54 @@ def conversation_record(row: Mapping[str, Any]) -> ConversationRecord:
 
 
 class ConversationQueries(SqlBackend):
+    def create_conversation(self, owner: str, conversation_id: str, *, metadata: JSON | None = None,
+                            items: Sequence[JSON] = (), created_at: float | None = None) -> ConversationRecord:
+        meta = dumps(metadata or {})
+        created = self._now(created_at)
+        now = self._clock()
+        with self.sql_write() as sql:
+            if not sql.run("INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
+                           "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                           (conversation_id, owner, created, now, meta, size(meta))):
+                raise Duplicate(f"conversation {conversation_id!r} already exists")
+            _append_items(sql, conversation_id, items, now)
+            row = sql.first("SELECT * FROM conversations WHERE id = ?", (conversation_id,))
+        assert row is not None  # the row just written
+        return conversation_record(row)
+
+    def update_conversation(self, owner: str, conversation_id: str, metadata: JSON) -> ConversationRecord | None:
+        meta = dumps(metadata)
+        with self.sql_write() as sql:
+            row = sql.first("SELECT metadata FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
+                            (conversation_id, owner))
+            if row is None:
+                return None
+            row = sql.returning("UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
+                            "WHERE id = ? RETURNING *",
+                            (meta, self._clock(), size(row["metadata"]), size(meta), conversation_id))
+        assert row is not None  # the row just written
+        return conversation_record(row)
+
+    def append_conversation_items(self, owner: str, conversation_id: str,
+                                  items: Sequence[JSON]) -> list[JSON] | None:
+        with self.sql_write() as sql:
+            if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
+                return None
+            return _append_items(sql, conversation_id, items, self._clock())
+
+    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        with self.sql_write() as sql:
+            if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
+                         (conversation_id, owner)) is None:
+                return False
+            freed = sql.rows("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ? "
+                             "RETURNING bytes", (conversation_id, item_id))
+            if not freed:
+                return False
+            sql.run("UPDATE conversations SET bytes = bytes - ?, updated_at = ? WHERE id = ?",
+                    (sum(r["bytes"] for r in freed), self._clock(), conversation_id))
+            return True
+
     def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
         with self.sql_single() as sql:
             row = sql.first("SELECT * FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner))
@@ -61,3 +111,20 @@ class ConversationQueries(SqlBackend):
                 (conversation_id, owner, item_id),
             )
         return None if row is None else dict(json.loads(row["body"]))
+
+
+def _append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: float) -> list[JSON]:
+    stored = ensure_item_ids(items)
+    bodies = [dumps(item) for item in stored]
+    # Reserve the positions in one statement: concurrent appends to one
+    # conversation get disjoint ranges.
+    end = sql.returning("UPDATE conversations SET next_position = next_position + ?, bytes = bytes + ?, "
+                    "updated_at = ? WHERE id = ? RETURNING next_position",
+                    (len(stored), sum(size(b) for b in bodies), now, conversation_id))
+    assert end is not None  # the caller checked the conversation exists
+    start = end["next_position"] - len(stored)
+    sql.many("INSERT INTO conversation_items (conversation_id, position, item_id, body, bytes) "
+             "VALUES (?, ?, ?, ?, ?)",
+             [(conversation_id, start + offset, item["id"], body, size(body))
+              for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))])
+    return stored

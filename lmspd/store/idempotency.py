@@ -11,9 +11,26 @@ import json
 from collections.abc import Mapping
 
 from lmspd.store.base import BeginOutcome, IdempotencyBegin
-from lmspd.store.sql import Connections, dumps, size
+from lmspd.store.sql import Connections, SqlBackend, dumps, size
 
-__all__ = ["abandon", "begin", "finish"]
+__all__ = ["IdempotencyQueries", "abandon", "begin", "finish"]
+
+
+class IdempotencyQueries(SqlBackend):
+    """``Store.idempotency_*`` for both SQL backends (closing the keys a
+    crash left in progress differs: only the shared store asks whose lease
+    ran out)."""
+
+    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
+        return begin(self, owner, key, request_hash, now=self._clock(), ttl_s=self.retention.idempotency_ttl_s,
+                     instance_id=self.instance_id)
+
+    def idempotency_finish(self, owner: str, key: str, status_code: int, body: bytes,
+                           headers: Mapping[str, str]) -> bool:
+        return finish(self, owner, key, status_code, body, headers, now=self._clock())
+
+    def idempotency_abandon(self, owner: str, key: str) -> bool:
+        return abandon(self, owner, key)
 
 
 def begin(db: Connections, owner: str, key: str, request_hash: str, *, now: float, ttl_s: float,

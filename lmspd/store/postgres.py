@@ -39,7 +39,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 try:
     import psycopg
@@ -50,16 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
-from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store import idempotency, pruning
+from lmspd.store import pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
-    TASK_STATUSES,
-    ConversationRecord,
-    Duplicate,
     EventsExpired,
-    IdempotencyBegin,
     LogCloser,
     NotFound,
     NoticeCallback,
@@ -73,28 +68,20 @@ from lmspd.store.base import (
     TaskRecord,
     TerminalEventBuilder,
     default_terminal_event,
-    ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.conversations import ConversationQueries
+from lmspd.store.idempotency import IdempotencyQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, task_record
+from lmspd.store.tasks import TaskQueries
 
 log = logging.getLogger("lmspd.store")
 
 Conn = psycopg.Connection[dict[str, Any]]
-
-
-def _first(cursor: psycopg.Cursor[dict[str, Any]]) -> dict[str, Any]:
-    """The one row a statement always returns (an aggregate, a RETURNING)."""
-    row = cursor.fetchone()
-    if row is None:  # pragma: no cover - the statement always yields a row
-        raise StoreError("the database returned no row")
-    return row
 
 CHANNEL = "lmspd"
 
@@ -260,7 +247,7 @@ def _notify(conn: Conn, kind: str, task_id: str) -> None:
     conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{kind}:{task_id}"))
 
 
-class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
+class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, IdempotencyQueries):
     """``Store`` on a PostgreSQL database, shared by every instance that opens it."""
 
     shared = True
@@ -336,6 +323,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # The connection manager the shared aggregate modules use (lmspd.store.sql).
     insertion_order = "id"
+    for_update = " FOR UPDATE"
 
     @contextlib.contextmanager
     def sql_write(self, *, durable: bool = False) -> Iterator[Sql]:
@@ -403,47 +391,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- instances, leases and notices -----------------------------------------
 
-    def _register(self) -> None:
-        now = self._clock()
-        with self._tx() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-
-    def heartbeat(self) -> list[str]:
-        now = self._clock()
-        with self._tx() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (%s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET lease_until = EXCLUDED.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-            rows = conn.execute(
-                f"SELECT id FROM tasks WHERE instance_id = %s AND cancel_requested_at IS NOT NULL "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self.instance_id,),
-            ).fetchall()
-        return [r["id"] for r in rows]
-
-    def request_cancel(self, owner: str, task_id: str) -> bool:
-        with self._tx() as conn:
-            changed = conn.execute(
-                f"UPDATE tasks SET cancel_requested_at = %s WHERE id = %s AND owner = %s "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self._clock(), task_id, owner),
-            ).rowcount
-            if changed:
-                _notify(conn, "cancel", task_id)
-        return changed == 1
-
-    def release_task(self, task_id: str) -> bool:
-        with self._single() as conn:
-            return conn.execute(
-                f"UPDATE tasks SET instance_id = NULL WHERE id = %s AND status IN {_ACTIVE_SQL}",
-                (task_id,),
-            ).rowcount == 1
+    # _register, heartbeat, request_cancel, release_task: lmspd.store.tasks (shared).
 
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         remove = self._notices.add(callback)
@@ -493,96 +441,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- responses -------------------------------------------------------------
 
-    @staticmethod
-    def _insert_output_items(conn: Conn, response_id: str, response: JSON) -> int:
-        output = response.get("output")
-        if not isinstance(output, list):
-            return 0
-        rows = []
-        total = 0
-        for position, item in enumerate(output):
-            body = _dumps(item)
-            total += _size(body)
-            item_id = item.get("id") if isinstance(item, dict) else None
-            if not isinstance(item_id, str):
-                item_id = None
-            rows.append((response_id, position, item_id, body))
-        if rows:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                    "VALUES (%s, 'output', %s, %s, %s)",
-                    rows,
-                )
-        return total
-
-    def put_response(
-        self,
-        owner: str,
-        response_id: str,
-        response: JSON,
-        input_items: Sequence[JSON],
-        *,
-        previous_response_id: str | None = None,
-        conversation_id: str | None = None,
-        created_at: float | None = None,
-    ) -> list[JSON]:
-        items = ensure_item_ids(input_items)
-        body = _dumps(response)
-        item_rows = [(response_id, pos, item["id"], _dumps(item)) for pos, item in enumerate(items)]
-        input_bytes = sum(_size(row[3]) for row in item_rows)
-        now = self._clock()
-        created = self._now(created_at)
-        with self._write() as conn:
-            inserted = conn.execute(
-                "INSERT INTO responses (id, owner, status, previous_response_id, "
-                "conversation_id, created_at, updated_at, body, bytes, instance_id) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 0, %s) ON CONFLICT (id) DO NOTHING",
-                (response_id, owner, response.get("status"), previous_response_id,
-                 conversation_id, created, now, body, self.instance_id),
-            ).rowcount
-            if not inserted:
-                raise Duplicate(f"response {response_id!r} already exists")
-            if item_rows:
-                with conn.cursor() as cur:
-                    cur.executemany(
-                        "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                        "VALUES (%s, 'input', %s, %s, %s)",
-                        item_rows,
-                    )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET bytes = %s WHERE id = %s",
-                (_size(body) + input_bytes + output_bytes, response_id),
-            )
-        return items
-
-    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
-        body = _dumps(response)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT bytes FROM responses WHERE id = %s AND owner = %s FOR UPDATE",
-                (response_id, owner),
-            ).fetchone()
-            if row is None:
-                return False
-            input_bytes = _first(conn.execute(
-                "SELECT COALESCE(SUM(octet_length(body)), 0) AS n FROM response_items "
-                "WHERE response_id = %s AND kind = 'input'",
-                (response_id,),
-            ))["n"]
-            conn.execute(
-                "DELETE FROM response_items WHERE response_id = %s AND kind = 'output'",
-                (response_id,),
-            )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET body = %s, status = %s, updated_at = %s, bytes = %s "
-                "WHERE id = %s",
-                (body, response.get("status"), self._clock(),
-                 _size(body) + int(input_bytes) + output_bytes, response_id),
-            )
-        return True
+    # put_response, update_response: lmspd.store.responses (shared).
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
@@ -608,203 +467,14 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- conversations -----------------------------------------------------------
 
-    def _append_items(
-        self, conn: Conn, conversation_id: str, items: Sequence[JSON], now: float
-    ) -> list[JSON]:
-        stored = ensure_item_ids(items)
-        bodies = [_dumps(item) for item in stored]
-        added = sum(_size(b) for b in bodies)
-        # Reserve the positions in one statement: two instances appending to
-        # one conversation get disjoint ranges.
-        end = _first(conn.execute(
-            "UPDATE conversations SET next_position = next_position + %s, bytes = bytes + %s, "
-            "updated_at = %s WHERE id = %s RETURNING next_position",
-            (len(stored), added, now, conversation_id),
-        ))["next_position"]
-        start = end - len(stored)
-        rows = [
-            (conversation_id, start + offset, item["id"], body, _size(body))
-            for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))
-        ]
-        if rows:
-            with conn.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO conversation_items (conversation_id, position, item_id, body, "
-                    "bytes) VALUES (%s, %s, %s, %s, %s)",
-                    rows,
-                )
-        return stored
-
-    def create_conversation(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        metadata: JSON | None = None,
-        items: Sequence[JSON] = (),
-        created_at: float | None = None,
-    ) -> ConversationRecord:
-        meta = _dumps(metadata or {})
-        created = self._now(created_at)
-        now = self._clock()
-        with self._write() as conn:
-            inserted = conn.execute(
-                "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, bytes) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
-                (conversation_id, owner, created, now, meta, _size(meta)),
-            ).rowcount
-            if not inserted:
-                raise Duplicate(f"conversation {conversation_id!r} already exists")
-            self._append_items(conn, conversation_id, items, now)
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = %s", (conversation_id,)
-            ).fetchone()
-        assert row is not None  # RETURNING/the row just written
-        return conversation_record(row)
-
-    def update_conversation(
-        self, owner: str, conversation_id: str, metadata: JSON
-    ) -> ConversationRecord | None:
-        meta = _dumps(metadata)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT metadata FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
-                (conversation_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            row = conn.execute(
-                "UPDATE conversations SET metadata = %s, updated_at = %s, bytes = bytes - %s + %s "
-                "WHERE id = %s RETURNING *",
-                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
-            ).fetchone()
-        assert row is not None  # RETURNING/the row just written
-        return conversation_record(row)
-
-    def append_conversation_items(
-        self, owner: str, conversation_id: str, items: Sequence[JSON]
-    ) -> list[JSON] | None:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return None
-            return self._append_items(conn, conversation_id, items, self._clock())
-
-    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = %s AND owner = %s FOR UPDATE",
-                (conversation_id, owner),
-            ).fetchone() is None:
-                return False
-            freed = conn.execute(
-                "DELETE FROM conversation_items WHERE conversation_id = %s AND item_id = %s "
-                "RETURNING bytes",
-                (conversation_id, item_id),
-            ).fetchall()
-            if not freed:
-                return False
-            conn.execute(
-                "UPDATE conversations SET bytes = bytes - %s, updated_at = %s WHERE id = %s",
-                (sum(r["bytes"] for r in freed), self._clock(), conversation_id),
-            )
-            return True
+    # Conversation writes: lmspd.store.conversations (shared).
 
     # --- tasks -------------------------------------------------------------------
 
-    def create_task(
-        self,
-        owner: str,
-        task_id: str,
-        request: JSON,
-        *,
-        status: str = "queued",
-        response_id: str | None = None,
-        created_at: float | None = None,
-    ) -> TaskRecord:
-        if status not in ACTIVE_STATUSES:
-            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
-        body = _dumps(request)
-        created = self._now(created_at)
-        with self._write() as conn:
-            row = conn.execute(
-                "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
-                "updated_at, bytes, instance_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO NOTHING RETURNING *",
-                (task_id, owner, status, response_id, body, created, self._clock(),
-                 _size(body), self.instance_id),
-            ).fetchone()
-            if row is None:
-                raise Duplicate(f"task {task_id!r} already exists")
-        return task_record(row)
+    # create_task, set_task_status: lmspd.store.tasks (shared).
 
-    @staticmethod
-    def _insert_events(
-        conn: Conn,
-        task_id: str,
-        last_seq: int,
-        events: Sequence[tuple[int, str, JSON]],
-    ) -> None:
-        rows = []
-        added = 0
-        for seq, name, data in events:
-            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
-                raise SequenceError(
-                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
-                )
-            body = _dumps(data)
-            added += _size(name) + _size(body)
-            rows.append((task_id, seq, name, body))
-            last_seq = seq
-        with conn.cursor() as cur:
-            cur.executemany(
-                "INSERT INTO task_events (task_id, seq, event, data) VALUES (%s, %s, %s, %s)", rows
-            )
-        conn.execute(
-            "UPDATE tasks SET last_seq = %s, events_bytes = events_bytes + %s WHERE id = %s",
-            (last_seq, added, task_id),
-        )
-        _notify(conn, "events", task_id)
-
-    def set_task_status(
-        self,
-        owner: str,
-        task_id: str,
-        status: str,
-        *,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        final_event: tuple[int, str, JSON] | None = None,
-    ) -> bool:
-        if status not in TASK_STATUSES:
-            raise ValueError(f"unknown task status {status!r}")
-        terminal = status in TERMINAL_STATUSES
-        result_text = None if result is None else _dumps(result)
-        error_text = None if error is None else _dumps(error)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT status, last_seq, request, result, error FROM tasks "
-                "WHERE id = %s AND owner = %s FOR UPDATE",
-                (task_id, owner),
-            ).fetchone()
-            if row is None or row["status"] in TERMINAL_STATUSES:
-                return False
-            if final_event is not None:
-                self._insert_events(conn, task_id, row["last_seq"], [final_event])
-            elif terminal:
-                _notify(conn, "events", task_id)
-            new_result = result_text if result_text is not None else row["result"]
-            new_error = error_text if error_text is not None else row["error"]
-            now = self._clock()
-            conn.execute(
-                "UPDATE tasks SET status = %s, result = %s, error = %s, updated_at = %s, "
-                "finished_at = %s, bytes = %s WHERE id = %s",
-                (status, new_result, new_error, now, now if terminal else None,
-                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
-            )
-            return True
+    def _notice_in(self, sql: Sql, kind: Literal["events", "cancel"], task_id: str) -> None:
+        _notify(sql.conn, kind, task_id)
 
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])
@@ -897,57 +567,12 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
                 ).fetchone()
                 if row is None:
                     continue  # finished meanwhile, or another survivor has it
-                now = self._clock()
-                row = conn.execute(
-                    "UPDATE tasks SET status = 'failed', error = %s, updated_at = %s, "
-                    "finished_at = %s, bytes = octet_length(request) "
-                    "+ COALESCE(octet_length(result), 0) + %s WHERE id = %s RETURNING *",
-                    (error, now, now, _size(error), task_id),
-                ).fetchone()
-                assert row is not None  # RETURNING/the row just written
-                task = task_record(row)
-                seq = task.last_seq + 1
-                if close_log is None:
-                    name, data = build(task, seq)
-                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
-                else:
-                    log_rows = conn.execute(
-                        "SELECT seq, event, data FROM task_events WHERE task_id = %s ORDER BY seq",
-                        (task_id,),
-                    ).fetchall()
-                    events = [TaskEvent(r["seq"], r["event"], json.loads(r["data"])) for r in log_rows]
-                    closed = close_log(task, seq, events)
-                    if not closed.events:
-                        raise ValueError(f"close_log returned no events for task {task_id!r}")
-                    self._insert_events(
-                        conn, task_id, task.last_seq,
-                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
-                    )
-                    if closed.result is not None:
-                        result = _dumps(closed.result)
-                        conn.execute(
-                            "UPDATE tasks SET result = %s, bytes = octet_length(request) + %s "
-                            "+ COALESCE(octet_length(error), 0) WHERE id = %s",
-                            (result, _size(result), task_id),
-                        )
-                row = conn.execute("SELECT * FROM tasks WHERE id = %s", (task_id,)).fetchone()
-                assert row is not None  # RETURNING/the row just written
-                failed.append(task_record(row))
+                failed.append(self._fail_interrupted(Sql(conn, "format"), task_id, error, build, close_log))
         return failed
 
     # --- idempotency keys -------------------------------------------------------------
 
-    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
-                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
-
-    def idempotency_finish(
-        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
-    ) -> bool:
-        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
-
-    def idempotency_abandon(self, owner: str, key: str) -> bool:
-        return idempotency.abandon(self, owner, key)
+    # idempotency_begin/finish/abandon: lmspd.store.idempotency (shared).
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
@@ -970,25 +595,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries):
         return removed
 
     def stats(self) -> dict[str, int]:
-        with self._read() as conn:
-            def one(sql: str) -> int:
-                return int(_first(conn.execute(sql))["n"])
-
-            return {
-                "schema_version": one("SELECT version AS n FROM lmspd_schema"),
-                "responses": one("SELECT COUNT(*) AS n FROM responses"),
-                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM responses"),
-                "response_items": one("SELECT COUNT(*) AS n FROM response_items"),
-                "conversations": one("SELECT COUNT(*) AS n FROM conversations"),
-                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations"),
-                "conversation_items": one("SELECT COUNT(*) AS n FROM conversation_items"),
-                "tasks": one("SELECT COUNT(*) AS n FROM tasks"),
-                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks"),
-                "events": one("SELECT COUNT(*) AS n FROM task_events"),
-                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks"),
-                "idempotency_keys": one("SELECT COUNT(*) AS n FROM idempotency_keys"),
-                "idempotency_bytes": one(
-                    "SELECT COALESCE(SUM(bytes), 0) AS n FROM idempotency_keys"
-                ),
-            }
+        with self.sql_read() as sql:
+            row = sql.first("SELECT version AS n FROM lmspd_schema")
+            return {"schema_version": int(row["n"]) if row is not None else 0, **pruning.stats(sql)}
 

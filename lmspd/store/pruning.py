@@ -101,3 +101,29 @@ def prune(db: Connections, r: Retention, now: float) -> dict[str, int]:
     with db.sql_write() as sql:
         removed["idempotency_keys"] = sql.run("DELETE FROM idempotency_keys WHERE expires_at <= ?", (now,))
     return removed
+
+
+# What the store holds, by table (``Store.stats``: /metrics and the console).
+_STATS = {
+    "responses": "SELECT COUNT(*) AS n FROM responses",
+    "response_bytes": "SELECT COALESCE(SUM(bytes), 0) AS n FROM responses",
+    "response_items": "SELECT COUNT(*) AS n FROM response_items",
+    "conversations": "SELECT COUNT(*) AS n FROM conversations",
+    "conversation_bytes": "SELECT COALESCE(SUM(bytes), 0) AS n FROM conversations",
+    "conversation_items": "SELECT COUNT(*) AS n FROM conversation_items",
+    "tasks": "SELECT COUNT(*) AS n FROM tasks",
+    "task_bytes": "SELECT COALESCE(SUM(bytes), 0) AS n FROM tasks",
+    "events": "SELECT COUNT(*) AS n FROM task_events",
+    "event_bytes": "SELECT COALESCE(SUM(events_bytes), 0) AS n FROM tasks",
+    "idempotency_keys": "SELECT COUNT(*) AS n FROM idempotency_keys",
+    "idempotency_bytes": "SELECT COALESCE(SUM(bytes), 0) AS n FROM idempotency_keys",
+}
+
+
+def stats(sql: Sql) -> dict[str, int]:
+    """Rows and bytes per table, in one read."""
+    out = {}
+    for name, query in _STATS.items():
+        row = sql.first(query)
+        out[name] = int(row["n"]) if row is not None else 0
+    return out

@@ -1,18 +1,71 @@
-"""Stored responses, read the same in both SQL backends (writing one, with
-its items and chain, stays in each backend: the reservation SQL differs)."""
+"""Stored responses, written and read the same in both SQL backends
+(closing the ones a crash left running differs: only the shared store asks
+whose lease ran out)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
-from lmspd.store.base import JSON, ChainError, ChainLink, Order, Page
+from lmspd.store.base import JSON, ChainError, ChainLink, Duplicate, Order, Page, ensure_item_ids
 from lmspd.store.paging import check_page_args, page
-from lmspd.store.sql import SqlBackend, in_list
+from lmspd.store.sql import Sql, SqlBackend, dumps, in_list, size
 
 __all__ = ["ResponseQueries"]
 
 
 class ResponseQueries(SqlBackend):
+    def put_response(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON,
+        input_items: Sequence[JSON],
+        *,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+    ) -> list[JSON]:
+        items = ensure_item_ids(input_items)
+        body = dumps(response)
+        item_rows = [(response_id, pos, item["id"], dumps(item)) for pos, item in enumerate(items)]
+        input_bytes = sum(size(row[3]) for row in item_rows)
+        now = self._clock()
+        created = self._now(created_at)
+        with self.sql_write() as sql:
+            inserted = sql.run(
+                "INSERT INTO responses (id, owner, status, previous_response_id, conversation_id, created_at, "
+                "updated_at, body, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?) "
+                "ON CONFLICT (id) DO NOTHING",
+                (response_id, owner, response.get("status"), previous_response_id, conversation_id, created, now,
+                 body, self.instance_id),
+            )
+            if not inserted:
+                raise Duplicate(f"response {response_id!r} already exists")
+            sql.many("INSERT INTO response_items (response_id, kind, position, item_id, body) "
+                     "VALUES (?, 'input', ?, ?, ?)", item_rows)
+            output_bytes = _insert_output_items(sql, response_id, response)
+            sql.run("UPDATE responses SET bytes = ? WHERE id = ?",
+                    (size(body) + input_bytes + output_bytes, response_id))
+        return items
+
+    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
+        body = dumps(response)
+        with self.sql_write() as sql:
+            if sql.first("SELECT 1 FROM responses WHERE id = ? AND owner = ?" + self.for_update,
+                         (response_id, owner)) is None:
+                return False
+            input_bytes = sql.first(
+                f"SELECT COALESCE(SUM({self.octets('body')}), 0) AS n FROM response_items "
+                "WHERE response_id = ? AND kind = 'input'", (response_id,))
+            assert input_bytes is not None  # an aggregate: always one row
+            sql.run("DELETE FROM response_items WHERE response_id = ? AND kind = 'output'", (response_id,))
+            output_bytes = _insert_output_items(sql, response_id, response)
+            sql.run("UPDATE responses SET body = ?, status = ?, updated_at = ?, bytes = ? WHERE id = ?",
+                    (body, response.get("status"), self._clock(),
+                     size(body) + int(input_bytes["n"]) + output_bytes, response_id))
+        return True
+
     def get_response(self, owner: str, response_id: str) -> JSON | None:
         with self.sql_single() as sql:
             row = sql.first("SELECT body FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
@@ -100,3 +153,20 @@ class ResponseQueries(SqlBackend):
                 (item_id, owner, item_id, owner),
             )
         return None if row is None else dict(json.loads(row["body"]))
+
+
+def _insert_output_items(sql: Sql, response_id: str, response: JSON) -> int:
+    """The response's output items as rows; their size in bytes."""
+    output = response.get("output")
+    if not isinstance(output, list):
+        return 0
+    rows = []
+    total = 0
+    for position, item in enumerate(output):
+        body = dumps(item)
+        total += size(body)
+        item_id = item.get("id") if isinstance(item, dict) else None
+        rows.append((response_id, position, item_id if isinstance(item_id, str) else None, body))
+    sql.many("INSERT INTO response_items (response_id, kind, position, item_id, body) "
+             "VALUES (?, 'output', ?, ?, ?)", rows)
+    return total

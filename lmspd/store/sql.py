@@ -2,21 +2,24 @@
 once (``?`` placeholders, columns read by name), run on one connection in a
 short read or write transaction.
 
-The aggregate modules (``paging``, ``pruning``) are written against
-``Connections`` and ``Sql``; each backend (``sqlite``, ``postgres``) says only
-how it opens a transaction and which placeholder its driver takes. SQL that
-only one engine speaks (PostgreSQL's ``RETURNING`` reservations, SQLite's
+The aggregate modules (``responses``, ``paging``, ``pruning``...) are written
+against ``SqlBackend`` / ``Connections`` and ``Sql``, reads and writes alike;
+each backend (``sqlite``, ``postgres``) says only how it opens a
+transaction, which placeholder its driver takes, and the few words where
+the two engines' SQL differs (``octets``, ``for_update``). SQL that only one
+engine speaks (PostgreSQL's append function and ``SKIP LOCKED``, SQLite's
 ``PRAGMA``) stays in its backend.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
+from lmspd.store.base import Retention
 
 __all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "SqlBackend", "dumps", "in_list", "loads_opt", "size"]
 
@@ -52,10 +55,27 @@ class Sql:
         row: Row | None = self.conn.execute(self._q(sql), tuple(args)).fetchone()
         return row
 
+    def returning(self, sql: str, args: Sequence[Any] = ()) -> Row | None:
+        """The row an ``INSERT/UPDATE ... RETURNING`` of one row gives, if any:
+        read to the end, so SQLite's statement is finished before the commit."""
+        rows = self.rows(sql, args)
+        return rows[0] if rows else None
+
     def run(self, sql: str, args: Sequence[Any] = ()) -> int:
         """Run a statement; the number of rows it changed."""
         count: int = self.conn.execute(self._q(sql), tuple(args)).rowcount
         return count
+
+    def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """One statement for each of ``rows`` (a batch insert)."""
+        if not rows:
+            return
+        # A cursor: psycopg's connection has no executemany (sqlite3's cursor has one too).
+        cursor = self.conn.cursor()
+        try:
+            cursor.executemany(self._q(sql), rows)
+        finally:
+            cursor.close()
 
 
 class Connections(Protocol):
@@ -87,6 +107,17 @@ class SqlBackend:
     insertion_order: str
     # The longest previous_response_id chain read back (ResponseQueries.response_chain).
     max_chain_depth: int
+    # Written on the rows this instance is running (its lease: store.base).
+    instance_id: str
+    retention: Retention
+    lease_s: float
+    _clock: Callable[[], float]
+    #: What locks the rows a read-then-write reads: PostgreSQL's
+    #: `` FOR UPDATE``; nothing in SQLite, whose writes hold the one writer lock.
+    for_update: str = ""
+
+    def _now(self, value: float | None = None) -> float:
+        return self._clock() if value is None else value
 
     def sql_write(self, *, durable: bool = False) -> AbstractContextManager[Sql]:
         raise NotImplementedError

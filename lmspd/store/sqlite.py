@@ -22,41 +22,36 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
-from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store import idempotency, pruning
+from lmspd.core.lifecycle import TERMINAL_STATUSES
+from lmspd.store import pruning
 from lmspd.store.base import (
     DEFAULT_LEASE_S,
     JSON,
-    TASK_STATUSES,
-    ConversationRecord,
-    Duplicate,
     EventsExpired,
-    IdempotencyBegin,
     LogCloser,
     NotFound,
     NoticeCallback,
     Notices,
     Retention,
     SchemaTooNew,
-    SequenceError,
     StoreError,
     TaskEvent,
     TaskFinished,
     TaskRecord,
     TerminalEventBuilder,
     default_terminal_event,
-    ensure_item_ids,
     new_instance_id,
 )
-from lmspd.store.conversations import ConversationQueries, conversation_record
+from lmspd.store.conversations import ConversationQueries
+from lmspd.store.idempotency import IdempotencyQueries
 from lmspd.store.responses import ResponseQueries
 from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, task_record
+from lmspd.store.tasks import TaskQueries, insert_events
 
 # --- schema -----------------------------------------------------------------
 
@@ -184,7 +179,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_insta
 # wait long for the writer lock.
 
 
-class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
+class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, IdempotencyQueries):
     """``Store`` on one SQLite file. ``path`` may be ``":memory:"`` (tests):
     then reads share the writer connection."""
 
@@ -200,6 +195,9 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
         instance_id: str | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
+        if sqlite3.sqlite_version_info < (3, 35):
+            # The shared writes (lmspd.store.sql) use RETURNING and upserts.
+            raise StoreError(f"SQLite {sqlite3.sqlite_version} is too old: lmspd needs 3.35 or later")
         self._path = os.fspath(path)
         self.instance_id = instance_id or new_instance_id()
         self.lease_s = lease_s
@@ -366,142 +364,14 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     shared = False
 
-    def _register(self) -> None:
-        now = self._clock()
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET lease_until = excluded.lease_until",
-                (self.instance_id, now, now + self.lease_s),
-            )
-
-    def heartbeat(self) -> list[str]:
-        now = self._clock()
-        with self._write() as conn:
-            renewed = conn.execute(
-                "UPDATE instances SET lease_until = ? WHERE id = ?",
-                (now + self.lease_s, self.instance_id),
-            ).rowcount
-            if not renewed:
-                conn.execute(
-                    "INSERT INTO instances (id, started_at, lease_until) VALUES (?, ?, ?)",
-                    (self.instance_id, now, now + self.lease_s),
-                )
-            rows = conn.execute(
-                f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self.instance_id,),
-            ).fetchall()
-        return [r[0] for r in rows]
-
-    def request_cancel(self, owner: str, task_id: str) -> bool:
-        with self._write() as conn:
-            changed = conn.execute(
-                f"UPDATE tasks SET cancel_requested_at = ? WHERE id = ? AND owner = ? "
-                f"AND status IN {_ACTIVE_SQL}",
-                (self._clock(), task_id, owner),
-            ).rowcount
-        if changed:
-            self._notices.send("cancel", task_id)
-        return changed == 1
-
-    def release_task(self, task_id: str) -> bool:
-        with self._write() as conn:
-            return conn.execute(
-                f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {_ACTIVE_SQL}",
-                (task_id,),
-            ).rowcount == 1
+    # _register, heartbeat, request_cancel, release_task: lmspd.store.tasks (shared).
 
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         return self._notices.add(callback)
 
     # --- responses -------------------------------------------------------------
 
-    @staticmethod
-    def _insert_output_items(conn: sqlite3.Connection, response_id: str, response: JSON) -> int:
-        output = response.get("output")
-        if not isinstance(output, list):
-            return 0
-        rows = []
-        total = 0
-        for position, item in enumerate(output):
-            body = _dumps(item)
-            total += _size(body)
-            item_id = item.get("id") if isinstance(item, dict) else None
-            if not isinstance(item_id, str):
-                item_id = None
-            rows.append((response_id, position, item_id, body))
-        conn.executemany(
-            "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-            "VALUES (?, 'output', ?, ?, ?)",
-            rows,
-        )
-        return total
-
-    def put_response(
-        self,
-        owner: str,
-        response_id: str,
-        response: JSON,
-        input_items: Sequence[JSON],
-        *,
-        previous_response_id: str | None = None,
-        conversation_id: str | None = None,
-        created_at: float | None = None,
-    ) -> list[JSON]:
-        items = ensure_item_ids(input_items)
-        body = _dumps(response)
-        item_rows = [(response_id, pos, item["id"], _dumps(item)) for pos, item in enumerate(items)]
-        input_bytes = sum(_size(row[3]) for row in item_rows)
-        now = self._clock()
-        created = self._now(created_at)
-        with self._write() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO responses (id, owner, status, previous_response_id, "
-                    "conversation_id, created_at, updated_at, body, bytes, instance_id) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                    (response_id, owner, response.get("status"), previous_response_id,
-                     conversation_id, created, now, body, self.instance_id),
-                )
-            except sqlite3.IntegrityError:
-                raise Duplicate(f"response {response_id!r} already exists") from None
-            conn.executemany(
-                "INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                "VALUES (?, 'input', ?, ?, ?)",
-                item_rows,
-            )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET bytes = ? WHERE id = ?",
-                (_size(body) + input_bytes + output_bytes, response_id),
-            )
-        return items
-
-    def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
-        body = _dumps(response)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT bytes FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
-            ).fetchone()
-            if row is None:
-                return False
-            input_bytes = conn.execute(
-                "SELECT COALESCE(SUM(LENGTH(CAST(body AS BLOB))), 0) FROM response_items "
-                "WHERE response_id = ? AND kind = 'input'",
-                (response_id,),
-            ).fetchone()[0]
-            conn.execute(
-                "DELETE FROM response_items WHERE response_id = ? AND kind = 'output'",
-                (response_id,),
-            )
-            output_bytes = self._insert_output_items(conn, response_id, response)
-            conn.execute(
-                "UPDATE responses SET body = ?, status = ?, updated_at = ?, bytes = ? WHERE id = ?",
-                (body, response.get("status"), self._clock(),
-                 _size(body) + input_bytes + output_bytes, response_id),
-            )
-        return True
+    # put_response, update_response: lmspd.store.responses (shared).
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
@@ -524,202 +394,14 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
 
     # --- conversations -----------------------------------------------------------
 
-    def _append_items(
-        self, conn: sqlite3.Connection, conversation_id: str, items: Sequence[JSON], now: float
-    ) -> list[JSON]:
-        stored = ensure_item_ids(items)
-        start = conn.execute(
-            "SELECT next_position FROM conversations WHERE id = ?", (conversation_id,)
-        ).fetchone()[0]
-        rows = []
-        for offset, item in enumerate(stored):
-            body = _dumps(item)
-            rows.append((conversation_id, start + offset, item["id"], body, _size(body)))
-        conn.executemany(
-            "INSERT INTO conversation_items (conversation_id, position, item_id, body, bytes) "
-            "VALUES (?, ?, ?, ?, ?)",
-            rows,
-        )
-        conn.execute(
-            "UPDATE conversations SET next_position = ?, bytes = bytes + ?, updated_at = ? "
-            "WHERE id = ?",
-            (start + len(rows), sum(r[4] for r in rows), now, conversation_id),
-        )
-        return stored
-
-    def create_conversation(
-        self,
-        owner: str,
-        conversation_id: str,
-        *,
-        metadata: JSON | None = None,
-        items: Sequence[JSON] = (),
-        created_at: float | None = None,
-    ) -> ConversationRecord:
-        meta = _dumps(metadata or {})
-        created = self._now(created_at)
-        now = self._clock()
-        with self._write() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO conversations (id, owner, created_at, updated_at, metadata, "
-                    "bytes) VALUES (?, ?, ?, ?, ?, ?)",
-                    (conversation_id, owner, created, now, meta, _size(meta)),
-                )
-            except sqlite3.IntegrityError:
-                raise Duplicate(f"conversation {conversation_id!r} already exists") from None
-            self._append_items(conn, conversation_id, items, now)
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
-            ).fetchone()
-        return conversation_record(row)
-
-    def update_conversation(
-        self, owner: str, conversation_id: str, metadata: JSON
-    ) -> ConversationRecord | None:
-        meta = _dumps(metadata)
-        with self._write() as conn:
-            row = conn.execute(
-                "SELECT metadata FROM conversations WHERE id = ? AND owner = ?",
-                (conversation_id, owner),
-            ).fetchone()
-            if row is None:
-                return None
-            conn.execute(
-                "UPDATE conversations SET metadata = ?, updated_at = ?, bytes = bytes - ? + ? "
-                "WHERE id = ?",
-                (meta, self._clock(), _size(row["metadata"]), _size(meta), conversation_id),
-            )
-            row = conn.execute(
-                "SELECT * FROM conversations WHERE id = ?", (conversation_id,)
-            ).fetchone()
-        return conversation_record(row)
-
-    def append_conversation_items(
-        self, owner: str, conversation_id: str, items: Sequence[JSON]
-    ) -> list[JSON] | None:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return None
-            return self._append_items(conn, conversation_id, items, self._clock())
-
-    def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
-        with self._write() as conn:
-            if conn.execute(
-                "SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
-            ).fetchone() is None:
-                return False
-            freed = conn.execute(
-                "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM conversation_items "
-                "WHERE conversation_id = ? AND item_id = ?",
-                (conversation_id, item_id),
-            ).fetchone()
-            if freed[1] == 0:
-                return False
-            conn.execute(
-                "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                (conversation_id, item_id),
-            )
-            conn.execute(
-                "UPDATE conversations SET bytes = bytes - ?, updated_at = ? WHERE id = ?",
-                (freed[0], self._clock(), conversation_id),
-            )
-            return True
+    # Conversation writes: lmspd.store.conversations (shared).
 
     # --- tasks -------------------------------------------------------------------
 
-    def create_task(
-        self,
-        owner: str,
-        task_id: str,
-        request: JSON,
-        *,
-        status: str = "queued",
-        response_id: str | None = None,
-        created_at: float | None = None,
-    ) -> TaskRecord:
-        if status not in ACTIVE_STATUSES:
-            raise ValueError(f"a new task is queued or in_progress, not {status!r}")
-        body = _dumps(request)
-        created = self._now(created_at)
-        with self._write() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO tasks (id, owner, status, response_id, request, created_at, "
-                    "updated_at, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (task_id, owner, status, response_id, body, created, self._clock(),
-                     _size(body), self.instance_id),
-                )
-            except sqlite3.IntegrityError:
-                raise Duplicate(f"task {task_id!r} already exists") from None
-            row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-        return task_record(row)
+    # create_task, set_task_status: lmspd.store.tasks (shared).
 
-    @staticmethod
-    def _insert_events(
-        conn: sqlite3.Connection,
-        task_id: str,
-        last_seq: int,
-        events: Sequence[tuple[int, str, JSON]],
-    ) -> None:
-        rows = []
-        added = 0
-        for seq, name, data in events:
-            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last_seq:
-                raise SequenceError(
-                    f"event seq {seq!r} for task {task_id!r} must be an integer above {last_seq}"
-                )
-            body = _dumps(data)
-            added += _size(name) + _size(body)
-            rows.append((task_id, seq, name, body))
-            last_seq = seq
-        conn.executemany(
-            "INSERT INTO task_events (task_id, seq, event, data) VALUES (?, ?, ?, ?)", rows
-        )
-        conn.execute(
-            "UPDATE tasks SET last_seq = ?, events_bytes = events_bytes + ? WHERE id = ?",
-            (last_seq, added, task_id),
-        )
-
-    def set_task_status(
-        self,
-        owner: str,
-        task_id: str,
-        status: str,
-        *,
-        result: JSON | None = None,
-        error: JSON | None = None,
-        final_event: tuple[int, str, JSON] | None = None,
-    ) -> bool:
-        if status not in TASK_STATUSES:
-            raise ValueError(f"unknown task status {status!r}")
-        terminal = status in TERMINAL_STATUSES
-        result_text = None if result is None else _dumps(result)
-        error_text = None if error is None else _dumps(error)
-        with self._write(durable=terminal) as conn:
-            row = conn.execute(
-                "SELECT status, last_seq, request, result, error FROM tasks "
-                "WHERE id = ? AND owner = ?",
-                (task_id, owner),
-            ).fetchone()
-            if row is None or row["status"] in TERMINAL_STATUSES:
-                return False
-            if final_event is not None:
-                self._insert_events(conn, task_id, row["last_seq"], [final_event])
-            new_result = result_text if result_text is not None else row["result"]
-            new_error = error_text if error_text is not None else row["error"]
-            now = self._clock()
-            conn.execute(
-                "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, "
-                "finished_at = ?, bytes = ? WHERE id = ?",
-                (status, new_result, new_error, now, now if terminal else None,
-                 _size(row["request"]) + _size(new_result) + _size(new_error), task_id),
-            )
-        if final_event is not None or terminal:
-            self._notices.send("events", task_id)
-        return True
+    def _notice_after(self, kind: Literal["events", "cancel"], task_id: str) -> None:
+        self._notices.send(kind, task_id)
 
     def append_event(self, task_id: str, seq: int, event: str, data: JSON) -> None:
         self.append_events(task_id, [(seq, event, data)])
@@ -735,7 +417,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
                 raise NotFound(f"task {task_id!r} not found")
             if row["status"] in TERMINAL_STATUSES:
                 raise TaskFinished(f"task {task_id!r} is already {row['status']}")
-            self._insert_events(conn, task_id, row["last_seq"], events)
+            insert_events(Sql(conn, "qmark"), task_id, row["last_seq"], events)
         self._notices.send("events", task_id)
 
     def events_after(
@@ -777,65 +459,16 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
                     f"SELECT id FROM tasks WHERE status IN {_ACTIVE_SQL} ORDER BY created_at"
                 )
             ]
+            sql = Sql(conn, "qmark")
             for task_id in ids:
-                now = self._clock()
-                conn.execute(
-                    "UPDATE tasks SET status = 'failed', error = ?, updated_at = ?, "
-                    "finished_at = ?, bytes = LENGTH(CAST(request AS BLOB)) "
-                    "+ COALESCE(LENGTH(CAST(result AS BLOB)), 0) + ? WHERE id = ?",
-                    (error, now, now, _size(error), task_id),
-                )
-                task = task_record(
-                    conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                )
-                seq = task.last_seq + 1
-                if close_log is None:
-                    name, data = build(task, seq)
-                    self._insert_events(conn, task_id, task.last_seq, [(seq, name, data)])
-                else:
-                    # Read through the writer: this transaction's own view,
-                    # and no second connection waiting on our lock.
-                    log = [
-                        TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
-                        for r in conn.execute(
-                            "SELECT seq, event, data FROM task_events WHERE task_id = ? "
-                            "ORDER BY seq",
-                            (task_id,),
-                        )
-                    ]
-                    closed = close_log(task, seq, log)
-                    if not closed.events:
-                        raise ValueError(f"close_log returned no events for task {task_id!r}")
-                    self._insert_events(
-                        conn, task_id, task.last_seq,
-                        [(seq + i, name, data) for i, (name, data) in enumerate(closed.events)],
-                    )
-                    if closed.result is not None:
-                        result = _dumps(closed.result)
-                        conn.execute(
-                            "UPDATE tasks SET result = ?, bytes = LENGTH(CAST(request AS BLOB)) "
-                            "+ ? + COALESCE(LENGTH(CAST(error AS BLOB)), 0) WHERE id = ?",
-                            (result, _size(result), task_id),
-                        )
-                row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
-                failed.append(task_record(row))
+                failed.append(self._fail_interrupted(sql, task_id, error, build, close_log))
         for task in failed:
             self._notices.send("events", task.id)
         return failed
 
     # --- idempotency keys -------------------------------------------------------------
 
-    def idempotency_begin(self, owner: str, key: str, request_hash: str) -> IdempotencyBegin:
-        return idempotency.begin(self, owner, key, request_hash, now=self._clock(),
-                                 ttl_s=self.retention.idempotency_ttl_s, instance_id=self.instance_id)
-
-    def idempotency_finish(
-        self, owner: str, key: str, status_code: int, body: bytes, headers: Mapping[str, str]
-    ) -> bool:
-        return idempotency.finish(self, owner, key, status_code, body, headers, now=self._clock())
-
-    def idempotency_abandon(self, owner: str, key: str) -> bool:
-        return idempotency.abandon(self, owner, key)
+    # idempotency_begin/finish/abandon: lmspd.store.idempotency (shared).
 
     def abandon_interrupted_idempotency(self) -> int:
         with self._write() as conn:
@@ -858,23 +491,7 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries):
         return removed
 
     def stats(self) -> dict[str, int]:
-        with self._read() as conn:
-            def one(sql: str) -> int:
-                return int(conn.execute(sql).fetchone()[0])
-
-            return {
-                "schema_version": one("PRAGMA user_version"),
-                "responses": one("SELECT COUNT(*) FROM responses"),
-                "response_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM responses"),
-                "response_items": one("SELECT COUNT(*) FROM response_items"),
-                "conversations": one("SELECT COUNT(*) FROM conversations"),
-                "conversation_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM conversations"),
-                "conversation_items": one("SELECT COUNT(*) FROM conversation_items"),
-                "tasks": one("SELECT COUNT(*) FROM tasks"),
-                "task_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM tasks"),
-                "events": one("SELECT COUNT(*) FROM task_events"),
-                "event_bytes": one("SELECT COALESCE(SUM(events_bytes), 0) FROM tasks"),
-                "idempotency_keys": one("SELECT COUNT(*) FROM idempotency_keys"),
-                "idempotency_bytes": one("SELECT COALESCE(SUM(bytes), 0) FROM idempotency_keys"),
-            }
+        with self.sql_read() as sql:
+            row = sql.conn.execute("PRAGMA user_version").fetchone()
+            return {"schema_version": int(row[0]), **pruning.stats(sql)}
 

@@ -31,8 +31,10 @@ from lmspd.core.events import (
     Usage,
 )
 from lmspd.core.ids import new_id
+from lmspd.streaming import steps
+from lmspd.streaming.steps import OutputItem, Step
 
-OutputItem = Message | ToolCall | Reasoning
+__all__ = ["Encoder", "OutputItem", "ResponseState", "StreamSession", "WireEvent"]
 
 
 @dataclass
@@ -59,11 +61,12 @@ class ResponseState:
 
 
 class Encoder(Protocol):
-    """How one dialect writes each lifecycle step (``None`` = not sent)."""
+    """How one dialect writes each lifecycle step (``None`` = not sent):
+    a ``match`` over the step types of ``lmspd.streaming.steps``."""
 
     first_sequence_number: int
 
-    def encode(self, kind: str, state: ResponseState, seq: int, **ctx: Any) -> tuple[str, dict[str, Any]] | None:
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
         ...
 
 
@@ -102,10 +105,10 @@ class StreamSession:
 
     def start(self) -> list[WireEvent]:
         out: list[WireEvent] = []
-        self._emit(out, "response.created")
+        self._emit(out, steps.ResponseCreated())
         if self.state.status == "queued":
             return out
-        self._emit(out, "response.in_progress")
+        self._emit(out, steps.ResponseInProgress())
         self._emit_lead(out)
         return out
 
@@ -113,7 +116,7 @@ class StreamSession:
         """For a queued (background) response that starts running."""
         self.state.status = "in_progress"
         out: list[WireEvent] = []
-        self._emit(out, "response.in_progress")
+        self._emit(out, steps.ResponseInProgress())
         self._emit_lead(out)
         return out
 
@@ -121,7 +124,7 @@ class StreamSession:
         for item in self._lead:
             item.status = "completed"
             index = self._add_item(out, item)
-            self._emit(out, "response.output_item.done", index=index, item=item)
+            self._emit(out, steps.ItemDone(index, item))
         self._lead = []
 
     def handle(self, event: EngineEvent) -> list[WireEvent]:
@@ -155,15 +158,15 @@ class StreamSession:
             item = self.state.output[index]
             assert isinstance(item, ToolCall)
             item.payload += event.delta
-            self._emit(out, "tool_call.delta", index=index, item=item, delta=event.delta)
+            self._emit(out, steps.ToolInputDelta(index, item, event.delta))
         elif isinstance(event, ToolCallDone):
             index = self._calls[event.index]
             item = self.state.output[index]
             assert isinstance(item, ToolCall)
             item.payload = event.payload
-            self._emit(out, "tool_call.done", index=index, item=item)
+            self._emit(out, steps.ToolInputDone(index, item))
             item.status = "completed"
-            self._emit(out, "response.output_item.done", index=index, item=item)
+            self._emit(out, steps.ItemDone(index, item))
         elif isinstance(event, Finished):
             out += self._finish(event)
         elif isinstance(event, Failed):
@@ -178,7 +181,7 @@ class StreamSession:
         self.state.status = "failed"
         self.state.error = {"code": code, "message": message}
         self.state.usage = usage or self.state.usage or Usage()
-        self._terminate(out, "response.failed")
+        self._terminate(out, steps.ResponseFailed())
         return out
 
     def cancel(self, usage: Usage | None = None) -> list[WireEvent]:
@@ -188,7 +191,7 @@ class StreamSession:
         self._close_open(out, status="incomplete")
         self.state.status = "cancelled"
         self.state.usage = usage or self.state.usage or Usage()
-        self._terminate(out, "response.cancelled")
+        self._terminate(out, steps.ResponseCancelled())
         return out
 
     # -- internals -----------------------------------------------------------
@@ -204,23 +207,23 @@ class StreamSession:
             self.state.status = "incomplete"
             # LMSP's own reasons; a dialect with a closed set maps them.
             self.state.incomplete_reason = _INCOMPLETE_REASONS[event.reason]
-            self._terminate(out, "response.incomplete")
+            self._terminate(out, steps.ResponseIncomplete())
         else:
             self.state.status = "completed"
             self.state.stop_sequence = event.stop_sequence
             self.state.completed_at = int(time.time())
-            self._terminate(out, "response.completed")
+            self._terminate(out, steps.ResponseCompleted())
         return out
 
-    def _terminate(self, out: list[WireEvent], kind: str) -> None:
+    def _terminate(self, out: list[WireEvent], step: steps.TerminalStep) -> None:
         # A tool call cut off mid-arguments cannot be executed: close it as
         # incomplete so that every added item also has its done event.
         for index, item in enumerate(self.state.output):
             if item.status == "in_progress":
                 item.status = "incomplete"
-                self._emit(out, "response.output_item.done", index=index, item=item)
+                self._emit(out, steps.ItemDone(index, item))
         self.terminated = True
-        self._emit(out, kind)
+        self._emit(out, step)
 
     def _text_delta(self, out: list[WireEvent], text: str) -> None:
         item = self._open_item()
@@ -228,9 +231,10 @@ class StreamSession:
             self._close_open(out)
             item = Message(role="assistant", text="", id=new_id("msg"), status="in_progress")
             self._open_index = self._add_item(out, item)
-            self._emit(out, "response.content_part.added", index=self._open_index, item=item)
+            self._emit(out, steps.TextPartAdded(self._open_index, item))
+        assert self._open_index is not None
         item.text += text
-        self._emit(out, "response.output_text.delta", index=self._open_index, item=item, delta=text)
+        self._emit(out, steps.TextDelta(self._open_index, item, text))
 
     def _reasoning_delta(self, out: list[WireEvent], text: str) -> None:
         item = self._open_item()
@@ -238,9 +242,10 @@ class StreamSession:
             self._close_open(out)
             item = Reasoning(text="", id=new_id("rs"), status="in_progress")
             self._open_index = self._add_item(out, item)
-            self._emit(out, "reasoning.part_added", index=self._open_index, item=item)
+            self._emit(out, steps.ReasoningPartAdded(self._open_index, item))
+        assert self._open_index is not None
         item.text = (item.text or "") + text
-        self._emit(out, "reasoning.delta", index=self._open_index, item=item, delta=text)
+        self._emit(out, steps.ReasoningDelta(self._open_index, item, text))
 
     def _open_item(self) -> OutputItem | None:
         return None if self._open_index is None else self.state.output[self._open_index]
@@ -248,7 +253,7 @@ class StreamSession:
     def _add_item(self, out: list[WireEvent], item: OutputItem) -> int:
         self.state.output.append(item)
         index = len(self.state.output) - 1
-        self._emit(out, "response.output_item.added", index=index, item=item)
+        self._emit(out, steps.ItemAdded(index, item))
         return index
 
     def _close_open(self, out: list[WireEvent], status: str = "completed") -> None:
@@ -258,16 +263,16 @@ class StreamSession:
         self._open_index = None
         item = self.state.output[index]
         if isinstance(item, Message):
-            self._emit(out, "response.output_text.done", index=index, item=item)
-            self._emit(out, "response.content_part.done", index=index, item=item)
+            self._emit(out, steps.TextDone(index, item))
+            self._emit(out, steps.TextPartDone(index, item))
         elif isinstance(item, Reasoning):
-            self._emit(out, "reasoning.done", index=index, item=item)
-            self._emit(out, "reasoning.part_done", index=index, item=item)
+            self._emit(out, steps.ReasoningDone(index, item))
+            self._emit(out, steps.ReasoningPartDone(index, item))
         item.status = status
-        self._emit(out, "response.output_item.done", index=index, item=item)
+        self._emit(out, steps.ItemDone(index, item))
 
-    def _emit(self, out: list[WireEvent], kind: str, **ctx: Any) -> None:
-        encoded = self._encoder.encode(kind, self.state, self._seq, **ctx)
+    def _emit(self, out: list[WireEvent], step: Step) -> None:
+        encoded = self._encoder.encode(step, self.state, self._seq)
         if encoded is None:
             return
         name, data = encoded

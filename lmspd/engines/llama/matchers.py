@@ -32,7 +32,7 @@ import llama_cpp
 import llguidance
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 
 __all__ = ["GrammarCompiler"]
@@ -102,4 +102,4 @@ class GrammarCompiler:
 def _refused(message: str) -> ApiError:
     return ApiError("unsupported_capability",
                     f"The requested output shape could not be compiled into a grammar for this model: {message}",
-                    param="text.format")
+                    path=(RequestField.OUTPUT_FORMAT,))

@@ -27,7 +27,7 @@ from lmspd.core.conversation import (
     ToolCall,
     orphan_tool_outputs,
 )
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import FIELD, ApiError, RequestField
 from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
@@ -149,7 +149,7 @@ class Preparation:
                 f"This request needs {need} tokens ({len(tokens)} of input"
                 + (f" + {requested} max_output_tokens" if requested else "")
                 + f") but the model's context window is {n_ctx} tokens.",
-                param="max_output_tokens" if requested and len(tokens) < n_ctx else "input",
+                path=(RequestField.MAX_OUTPUT_TOKENS,) if requested and len(tokens) < n_ctx else (RequestField.ITEMS,),
             )
         prepared = LlamaPrepared(
             conversation=conversation,
@@ -246,10 +246,10 @@ class Preparation:
             index, call_id = orphans[0]
             raise ApiError(
                 "invalid_request",
-                f"No tool call found for the tool output with call_id {call_id!r} (input[{index}]), and the "
+                f"No tool call found for the tool output with call_id {call_id!r} ({FIELD}), and the "
                 "server holds no live state that produced it. Replay the full history: include the "
                 "function_call item that produced this call_id before its output.",
-                param=f"input[{index}].call_id",
+                path=(RequestField.ITEMS, index, "call_id"),
             )
         conversation.items = list(state.items) + conversation.items
         return state.key

@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 
 from lmspd.core.conversation import Conversation
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.events import EngineEvent, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDone, ToolCallStarted
 from lmspd.core.limits import UpstreamStreamLimits
 from lmspd.engines.base import CancelToken, ModelInfo
@@ -119,7 +119,7 @@ def to_api_error(exc: UpstreamError) -> ApiError:
                         headers={"Retry-After": str(exc.retry_after if exc.retry_after is not None else 1)})
     if exc.provider_code == "context_length_exceeded":
         return ApiError("context_length_exceeded", "The input does not fit the upstream model's context window.",
-                        param="input")
+                        path=(RequestField.ITEMS,))
     if status in (408, 504):
         return ApiError("upstream_timeout", exc.message)
     if 400 <= status < 500 and status not in (401, 403, 404):

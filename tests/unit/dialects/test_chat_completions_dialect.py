@@ -7,7 +7,7 @@ import pytest
 from support.compat import check_chat_completion, validate_chat_stream
 
 from lmspd.core.conversation import Message, Reasoning, ToolCall, ToolChoice, ToolOutput
-from lmspd.core.errors import ApiError
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.events import (
     Failed,
     Finished,
@@ -109,8 +109,9 @@ def test_sampling_caps_and_formats():
     decode(user="u", metadata={"k": "v"}, store=False, service_tier="auto", prompt_cache_key="k",
            parallel_tool_calls=False, n=1, presence_penalty=0, frequency_penalty=0, logprobs=False,
            modalities=["text"], verbosity="low")
-    assert decode(max_completion_tokens=3).param_names["max_output_tokens"] == "max_completion_tokens"
-    assert decode(max_tokens=3).param_names["max_output_tokens"] == "max_tokens"
+    cap = RequestField.MAX_OUTPUT_TOKENS
+    assert decode(max_completion_tokens=3).field_names.names[cap] == "max_completion_tokens"
+    assert decode(max_tokens=3).field_names.names[cap] == "max_tokens"
 
 
 @pytest.mark.parametrize("body,code,param", [
