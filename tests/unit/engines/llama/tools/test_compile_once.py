@@ -115,7 +115,7 @@ def test_a_refused_schema_is_a_400_naming_its_json_path(preparation) -> None:
     schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "a(?=b)"}}, "required": ["code"]}
     with pytest.raises(ApiError) as info:
         preparation.prepare(json_schema(schema))
-    assert info.value.status == 400 and info.value.param == "text.format.schema.properties.code.pattern", \
+    assert info.value.status == 400 and info.value.param == "output_format.schema.properties.code.pattern", \
         info.value.message
 
 
