@@ -141,7 +141,9 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
                         {"role": "user", "content": task}]
             with httpx.Client(timeout=600) as client:
                 for turn in range(args.turns):
+                    sent = time.perf_counter()
                     s = chat(client, url, model, messages, args.reply_tokens, system, turn)
+                    s.extra["sent"] = sent
                     samples[i].append(s)
                     messages = messages + [{"role": "assistant", "content": s.text},
                                            {"role": "user", "content": tool_result(args.tool_tokens, i, turn)}]
@@ -161,6 +163,12 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
     later = [s for s in every if s.round >= 1]
     ttfts = sorted(s.ttft_ms for s in later if s.ttft_ms is not None)
     return {
+        # How synchronized the sessions run: for each turn 2+, how many other
+        # requests were also waiting for their first token when it was sent.
+        # Sessions that start together (scenario 2 waits for the shared
+        # prefix once) keep arriving together, and each then queues behind
+        # the others' prefill: a higher TTFT for the same work.
+        "waiting_with": statistics.fmean(_waiting_with(s, every) for s in later) if later else None,
         "agg_tps": sum(s.output_tokens or 0 for s in every) / wall,
         "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
@@ -169,6 +177,12 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
         "prefill_total": sum(prefilled(s) or 0 for s in every),
         "wall_s": wall,
     }
+
+
+def _waiting_with(s: Sample, every: list[Sample]) -> int:
+    t = s.extra["sent"]
+    return sum(1 for o in every if o is not s and o.ttft_ms is not None
+               and o.extra["sent"] <= t < o.extra["sent"] + o.ttft_ms / 1000)
 
 
 LONG_PROMPTS = ["Write a very long story about a dragon and a knight.", "Write a long essay about the history of ships.",
@@ -246,8 +260,8 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
     for scen, title in (("agents", "1. four agent sessions"), ("shared", "2. four sessions, shared instructions")):
         print(f"\n### {title}\n")
         print("| system | aggregate tok/s | vs llama-4 | TTFT 2+ mean ms | p90 ms | vs llama-4 (mean) "
-              "| prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| waiting with (2+) | prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         b = results.get(base, {}).get(scen, {})
         for system, r in results.items():
             x = r.get(scen)
@@ -255,7 +269,8 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                 continue
             print(f"| {system} | {fmt(x['agg_tps'])} | {ratio(x['agg_tps'], b.get('agg_tps'))} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {fmt(x['ttft_p90'], '{:.0f}')} "
-                  f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x['prefill_turn1'], '{:.0f}')} "
+                  f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x.get('waiting_with'), '{:.2f}')} "
+                  f"| {fmt(x['prefill_turn1'], '{:.0f}')} "
                   f"| {fmt(x['prefill_later'], '{:.0f}')} | {x['prefill_total']} |")
     print("\n### 3. decode-heavy: 4 streams\n")
     print("| system | output tokens per stream | aggregate decode tok/s | vs llama-4 | per-stream tok/s "
