@@ -108,10 +108,9 @@ class SseResponse(StreamingResponse):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     last = loop.time()
         finally:
-            async with lock:
-                ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            # Not awaited: this task may itself be cancelled (the client
+            # left); a cancelled ticker ends at its next step on its own.
+            ticker.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
