@@ -24,7 +24,13 @@ Every system gets the same streaming ``/v1/chat/completions`` bodies
 2. ``shared`` — the same, all four sessions with one developer prompt (the
    nonce moves into the task): the instructions should be prefilled once.
 3. ``decode`` — 4 streams of ``--decode-tokens`` output on short prompts at
-   once: aggregate decode tokens/s and mean TTFT.
+   once: aggregate decode tokens/s and mean TTFT. Every system must do the
+   same work: lmspd runs with ``--repetition-window 0`` (the 135M model
+   loops on these prompts at temperature 0, and lmspd's repetition guard
+   would end those streams early while llama.cpp's server, which has none,
+   generates on), and the table shows each stream's output tokens and its
+   own decode rate; a row whose streams did not all reach
+   ``--decode-tokens`` gets no ratio.
 4. ``short`` — a short request alone (median of 3), then the same while a
    ``--decode-tokens`` generation streams: its TTFT against its TTFT alone.
 
@@ -100,7 +106,9 @@ def start(system: str, args: argparse.Namespace, model: Path, tmp: Path) -> Chil
         parallel = "4" if system == "lmspd-p4" else "1"
         return lmspd_server(model if args.model else None, args.ctx, args.threads, tmp / f"{system}-data",
                             tmp / f"{system}.log", log_level="warning",
-                            extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64"]).start()
+                            extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64",
+                                   # The same work as a server without a guard (scenario 3).
+                                   "--repetition-window", "0"]).start()
     return xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / f"{system}.log", parallel=4).start()
 
 
@@ -133,7 +141,9 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
                         {"role": "user", "content": task}]
             with httpx.Client(timeout=600) as client:
                 for turn in range(args.turns):
+                    sent = time.perf_counter()
                     s = chat(client, url, model, messages, args.reply_tokens, system, turn)
+                    s.extra["sent"] = sent
                     samples[i].append(s)
                     messages = messages + [{"role": "assistant", "content": s.text},
                                            {"role": "user", "content": tool_result(args.tool_tokens, i, turn)}]
@@ -153,6 +163,12 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
     later = [s for s in every if s.round >= 1]
     ttfts = sorted(s.ttft_ms for s in later if s.ttft_ms is not None)
     return {
+        # How synchronized the sessions run: for each turn 2+, how many other
+        # requests were also waiting for their first token when it was sent.
+        # Sessions that start together (scenario 2 waits for the shared
+        # prefix once) keep arriving together, and each then queues behind
+        # the others' prefill: a higher TTFT for the same work.
+        "waiting_with": statistics.fmean(_waiting_with(s, every) for s in later) if later else None,
         "agg_tps": sum(s.output_tokens or 0 for s in every) / wall,
         "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
@@ -161,6 +177,12 @@ def agents(url: str, model: str, system: str, args: argparse.Namespace, shared: 
         "prefill_total": sum(prefilled(s) or 0 for s in every),
         "wall_s": wall,
     }
+
+
+def _waiting_with(s: Sample, every: list[Sample]) -> int:
+    t = s.extra["sent"]
+    return sum(1 for o in every if o is not s and o.ttft_ms is not None
+               and o.extra["sent"] <= t < o.extra["sent"] + o.ttft_ms / 1000)
 
 
 LONG_PROMPTS = ["Write a very long story about a dragon and a knight.", "Write a long essay about the history of ships.",
@@ -182,9 +204,15 @@ def decode(url: str, model: str, system: str, args: argparse.Namespace) -> dict[
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    return {"agg_tps": sum(s.output_tokens or 0 for s in out) / wall,
+    per_stream = [s.output_tokens or 0 for s in out]
+    # Each stream's own rate: its tokens after the first over its decode span.
+    rates = [(s.output_tokens - 1) / (s.last_delta - s.first_delta) for s in out
+             if s.output_tokens and s.output_tokens > 1 and s.first_delta is not None and s.last_delta is not None
+             and s.last_delta > s.first_delta]
+    return {"agg_tps": sum(per_stream) / wall,
             "ttft_mean": statistics.fmean(s.ttft_ms for s in out if s.ttft_ms is not None),
-            "tokens": sum(s.output_tokens or 0 for s in out), "wall_s": wall}
+            "tokens": sum(per_stream), "per_stream": per_stream, "full": all(n == args.decode_tokens for n in per_stream),
+            "stream_tps_mean": statistics.fmean(rates) if rates else None, "wall_s": wall}
 
 
 def short(url: str, model: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -232,8 +260,8 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
     for scen, title in (("agents", "1. four agent sessions"), ("shared", "2. four sessions, shared instructions")):
         print(f"\n### {title}\n")
         print("| system | aggregate tok/s | vs llama-4 | TTFT 2+ mean ms | p90 ms | vs llama-4 (mean) "
-              "| prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| waiting with (2+) | prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         b = results.get(base, {}).get(scen, {})
         for system, r in results.items():
             x = r.get(scen)
@@ -241,16 +269,25 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                 continue
             print(f"| {system} | {fmt(x['agg_tps'])} | {ratio(x['agg_tps'], b.get('agg_tps'))} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {fmt(x['ttft_p90'], '{:.0f}')} "
-                  f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x['prefill_turn1'], '{:.0f}')} "
+                  f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x.get('waiting_with'), '{:.2f}')} "
+                  f"| {fmt(x['prefill_turn1'], '{:.0f}')} "
                   f"| {fmt(x['prefill_later'], '{:.0f}')} | {x['prefill_total']} |")
     print("\n### 3. decode-heavy: 4 streams\n")
-    print("| system | output tokens | aggregate decode tok/s | vs llama-4 | TTFT mean ms | vs llama-4 |")
-    print("|---|---|---|---|---|---|")
+    print("| system | output tokens per stream | aggregate decode tok/s | vs llama-4 | per-stream tok/s "
+          "| vs llama-4 | TTFT mean ms | vs llama-4 |")
+    print("|---|---|---|---|---|---|---|---|")
     b = results.get(base, {}).get("decode", {})
+    # A ratio compares like with like only when both did the whole work.
+    comparable = b.get("full", False)
     for system, r in results.items():
         x = r.get("decode")
         if x:
-            print(f"| {system} | {x['tokens']} | {fmt(x['agg_tps'])} | {ratio(x['agg_tps'], b.get('agg_tps'))} "
+            same = comparable and x.get("full", False)
+            cut = "" if x.get("full", False) else " (cut short)"
+            print(f"| {system} | {'/'.join(map(str, x.get('per_stream', [])))}{cut} | {fmt(x['agg_tps'])} "
+                  f"| {ratio(x['agg_tps'], b.get('agg_tps')) if same else '—'} "
+                  f"| {fmt(x.get('stream_tps_mean'))} "
+                  f"| {ratio(x.get('stream_tps_mean'), b.get('stream_tps_mean')) if same else '—'} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {ratio(x['ttft_mean'], b.get('ttft_mean'))} |")
     print("\n### 4. a short request during a long generation\n")
     print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")

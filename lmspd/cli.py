@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="a local generation without max_output_tokens runs up to the context, but at most "
                             f"N tokens (default {DEFAULT_LIMITS.request.max_output_tokens_default}; "
                             "0 = no cap but the context)")
+    serve.add_argument("--repetition-window", type=int, default=None, metavar="N",
+                       help="end a local generation whose last N tokens repeat a short cycle (default "
+                            f"{DEFAULT_LIMITS.request.repetition_window}; 0 turns the repetition guard off)")
     serve.add_argument("--websocket-max-age-s", type=float, default=None, metavar="SECONDS",
                        help="close Responses WebSocket connections after this long (default 3600, as OpenAI)")
     _engine_flags(serve)
@@ -112,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--max-output-tokens-default must be >= 0")
         settings.limits = replace(settings.limits, request=replace(
             settings.limits.request, max_output_tokens_default=args.max_output_tokens_default))
+    if args.repetition_window is not None:
+        if args.repetition_window < 0:
+            parser.error("--repetition-window must be >= 0")
+        settings.limits = replace(settings.limits, request=replace(
+            settings.limits.request, repetition_window=args.repetition_window))
     if args.websocket_max_age_s is not None:
         if args.websocket_max_age_s <= 0:
             parser.error("--websocket-max-age-s must be > 0")

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from lmspd.auth import Authenticator, Principal
 from lmspd.config import Settings
@@ -20,7 +21,7 @@ from lmspd.core.sealing import Sealer
 from lmspd.dialects import lmsp
 from lmspd.service import Service
 from lmspd.store.base import Store
-from lmspd.streaming.sse import SSE_HEADERS, dumps
+from lmspd.streaming.sse import SSE_HEADERS, SSE_KEEPALIVE, dumps
 from lmspd.tasks.manager import TaskManager
 
 
@@ -62,8 +63,55 @@ def json_reply(body: Any, status: int = 200, headers: dict[str, str] | None = No
     return Response(dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
-def sse_reply(chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+def sse_reply(chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None, *,
+              keepalive_s: float) -> StreamingResponse:
+    return SseResponse(chunks, headers={**SSE_HEADERS, **(headers or {})}, keepalive_s=keepalive_s)
+
+
+class SseResponse(StreamingResponse):
+    """An SSE stream that writes a comment line (``SSE_KEEPALIVE``) whenever
+    it has sent nothing for ``keepalive_s``. One timer task per stream, not
+    per event: an event costs an uncontended lock and a clock read."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], *, headers: dict[str, str], keepalive_s: float) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self.keepalive_s = keepalive_s
+
+    async def stream_response(self, send: Send) -> None:
+        every = self.keepalive_s
+        if every <= 0:
+            await super().stream_response(send)
+            return
+        loop = asyncio.get_running_loop()
+        # One writer at a time: an event and a keep-alive never interleave.
+        lock = asyncio.Lock()
+        last = loop.time()
+
+        async def keep_alive() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(max(0.0, last + every - loop.time()))
+                if loop.time() - last < every:
+                    continue
+                async with lock:
+                    try:
+                        await send({"type": "http.response.body", "body": SSE_KEEPALIVE, "more_body": True})
+                    except Exception:  # the client left: the stream's own next write hears it
+                        return
+                    last = loop.time()
+
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ticker = loop.create_task(keep_alive())
+        try:
+            async for chunk in self.body_iterator:
+                async with lock:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last = loop.time()
+        finally:
+            # Not awaited: this task may itself be cancelled (the client
+            # left); a cancelled ticker ends at its next step on its own.
+            ticker.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def query_int(request: Request, name: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:

@@ -254,8 +254,11 @@ class ContinuationCache:
         if not self.enabled or not req.reuse:
             return None if target is None else self._cold(req, target.seq)
         # A sequence of this owner that is just evaluating its last token
-        # holds its state a step from now: a next turn would continue it.
-        if any(r.busy and r.state is not None and r.owner == req.owner for r in self.residents):
+        # holds its state a step from now: a next turn that continues it
+        # waits that step. Any other request of the owner goes on (one API
+        # key often drives several sessions at once).
+        if any(r.busy and r.state is not None and r.owner == req.owner and self._continues(req, r.state)
+               for r in self.residents):
             return None
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
         if req.requires_state is not None:
@@ -304,6 +307,21 @@ class ContinuationCache:
             if fitted.source != "cold":
                 return fitted
         return None if target is None else self._cold(req, target.seq)
+
+    @staticmethod
+    def _continues(req: CacheRequest, state: SessionState) -> bool:
+        """Whether ``req`` could continue ``state`` in place (by any rule that
+        keeps the whole state): string and list prefix tests, no tokenizing."""
+        if req.previous_response_id is not None and req.previous_response_id == state.response_id:
+            return True
+        if req.requires_state is not None and req.requires_state == state.key:
+            return True
+        if state.visible and req.text.startswith(state.visible):
+            return True
+        n = len(state.tokens)
+        if len(req.tokens) > n and req.tokens[:n] == state.tokens:
+            return True
+        return len(req.text) > len(state.kv_text) and req.text.startswith(state.kv_text)
 
     def _target(self, idle: list[Resident]) -> Resident | None:
         """Where a request that continues no resident state goes: an empty

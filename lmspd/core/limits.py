@@ -93,6 +93,12 @@ class Limits:
     # many worker threads, each bounded to this long (lmspd.service).
     prepare_workers: int = 2
     prepare_timeout_s: float = 30.0
+    # An SSE stream silent this long gets a comment line (lmspd.http.SseResponse):
+    # a long prefill or a wait in the queue sends nothing between
+    # response.created and the first delta, and clients give up on an idle
+    # stream (Codex's stream_idle_timeout: 300 s; proxies often 60 s).
+    # 0 sends none. Over WebSocket, uvicorn's ping frames do this (20 s).
+    sse_keepalive_s: float = 15.0
 
 
 DEFAULT_LIMITS = Limits()

@@ -93,7 +93,8 @@ async def chat_create(request: Request) -> Response:
     if req.stream:
         # Chat Completions streams are data-only frames.
         return sse_reply(_frames(run.events(session), lambda name, data: sse_event(None, data),
-                                 lambda: encoder.trailer(state), SSE_DONE))
+                                 lambda: encoder.trailer(state), SSE_DONE),
+                         keepalive_s=app.settings.limits.sse_keepalive_s)
     if not await run_to_end(request, run.events(session)):
         return Response(status_code=499)
     _raise_unless_answered(state)
@@ -142,7 +143,8 @@ async def messages_create(request: Request) -> Response:
     if not await _open(request, run, req.field_names):
         return Response(status_code=499)
     if req.stream:
-        return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)))
+        return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)),
+                         keepalive_s=app.settings.limits.sse_keepalive_s)
     if not await run_to_end(request, run.events(session)):
         return Response(status_code=499)
     _raise_unless_answered(state)

@@ -86,7 +86,8 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
     except ApiError as exc:
         raise dialect.names(req, turn.window).name(exc) from None
     if req.stream:
-        return Reply(sse_reply(_stream(dialect, turn), headers=dialect.headers))
+        return Reply(sse_reply(_stream(dialect, turn), headers=dialect.headers,
+                               keepalive_s=app.settings.limits.sse_keepalive_s))
     if not await run_to_end(request, turn_events(turn)):
         return Reply(Response(status_code=499))
     state = session.state

@@ -73,4 +73,4 @@ def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, afte
         if ended and dialect.trailer is not None:
             yield dialect.trailer
 
-    return sse_reply(frames(), headers=dialect.headers)
+    return sse_reply(frames(), headers=dialect.headers, keepalive_s=app.settings.limits.sse_keepalive_s)

@@ -60,6 +60,11 @@ _DROPPED = ("stream_options",)
 _IGNORED = frozenset({"response.processed"})
 # Frames up to this size are decoded on the event loop (lmspd.bodies: 64 KiB).
 _INLINE_CHARS = 64 * 1024
+# Frames a turn may have produced ahead of the socket: beyond it the turn
+# waits for the client (back-pressure, as a paused HTTP write).
+_OUTBOX_FRAMES = 256
+# How long the last frames may take to leave before a connection closes.
+_FLUSH_S = 5.0
 
 
 @dataclass
@@ -125,10 +130,16 @@ class Connection:
         self.latest: Latest | None = None
         self.pin = SessionPin(new_id("ws"))
         self._turn: asyncio.Task[None] | None = None
-        self._send_lock = asyncio.Lock()
+        # Frames leave through one writer task (``_write_frames``), so that a
+        # turn never waits on the socket between its events: the engine gets
+        # the request while response.created is still being written (over
+        # HTTP the coalescing middleware does the same).
+        self._frames: asyncio.Queue[str] = asyncio.Queue(maxsize=_OUTBOX_FRAMES)
+        self._gone = False
         self._deadline = time.monotonic() + app.settings.limits.websocket_max_age_s
 
     async def serve(self) -> None:
+        writer = asyncio.create_task(self._write_frames())
         try:
             while True:
                 left = self._deadline - time.monotonic()
@@ -156,6 +167,9 @@ class Connection:
                 self._turn.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._turn
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
 
     async def _expire(self) -> None:
         if self._turn is not None and not self._turn.done():
@@ -166,6 +180,7 @@ class Connection:
         await self._error(ApiError("websocket_connection_limit_reached",
                                    f"This connection reached its {limit / 60:g}-minute limit; open a new one."))
         with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._frames.join(), _FLUSH_S)
             await self.ws.close(code=1000)
 
     async def _on_frame(self, text: str) -> None:
@@ -242,7 +257,17 @@ class Connection:
         await self._send(error_frame(exc))
 
     async def _send(self, text: str) -> None:
-        if self.ws.client_state != WebSocketState.CONNECTED:
-            return
-        async with self._send_lock:
-            await self.ws.send_text(text)
+        if not self._gone:
+            await self._frames.put(text)
+
+    async def _write_frames(self) -> None:
+        """The connection's one writer: frames in the order they were queued."""
+        while True:
+            text = await self._frames.get()
+            try:
+                if not self._gone and self.ws.client_state == WebSocketState.CONNECTED:
+                    await self.ws.send_text(text)
+            except Exception:  # the socket went away: serve() hears the disconnect
+                self._gone = True
+            finally:
+                self._frames.task_done()

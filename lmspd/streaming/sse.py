@@ -19,6 +19,9 @@ def sse_event(name: str | None, data: dict[str, Any], event_id: int | None = Non
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# A comment line: every SSE parser skips it (WHATWG: a line starting with
+# ":"); it only tells the client and the proxies between that the stream lives.
+SSE_KEEPALIVE = b": keep-alive\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 

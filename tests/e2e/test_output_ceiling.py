@@ -83,3 +83,17 @@ def test_a_limit_given_by_the_client_is_not_capped(srv):
     r = post(srv, "/v1/responses", {**LONG, "max_output_tokens": CEILING + 30})
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}, r
     assert r["usage"]["output_tokens"] == CEILING + 30
+
+
+def test_repetition_window_zero_turns_the_guard_off():
+    """``--repetition-window 0``: the loop runs to the client's limit (what a
+    benchmark against a server without a guard needs: the same work)."""
+    s = ServerProcess("--ctx", "2048", "--parallel", "1", "--repetition-window", "0").start()
+    try:
+        limit = WINDOW + 64  # well past where the guard trips on LOOP
+        r = post(s, "/lmsp/v1/responses", {"model": MODEL, "input": LOOP, "temperature": 0, "store": False,
+                                           "max_output_tokens": limit})
+    finally:
+        s.stop()
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}, r
+    assert r["usage"]["output_tokens"] == limit

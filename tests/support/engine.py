@@ -39,7 +39,8 @@ Script = Callable[[Conversation], Iterable[EngineEvent]]
 
 class ScriptedEngine:
     """Answers every request with ``words``, one token each (or, given ``script``, with the
-    events ``script(conversation)`` returns), ``delay_s`` apart.
+    events ``script(conversation)`` returns), ``delay_s`` apart, the first
+    after ``first_delay_s``.
 
     ``usage`` and ``cache_source`` are reported on the terminal ``Finished``
     (as the llama engine reports them); ``stats`` is merged into ``stats()``.
@@ -49,12 +50,14 @@ class ScriptedEngine:
                  model: str = MODEL, context_window: int = 4096, max_concurrency: int = 1,
                  capabilities: dict[str, bool] | None = None, script: Script | None = None,
                  usage: Usage | None = None, cache_source: str | None = None,
-                 stats: dict[str, Any] | None = None) -> None:
+                 stats: dict[str, Any] | None = None, first_delay_s: float = 0.0) -> None:
         self.info = ModelInfo(id=model, context_window=context_window,
                               capabilities=dict(FULL_CAPABILITIES if capabilities is None else capabilities),
                               max_concurrency=max_concurrency)
         self.words = words
         self.delay_s = delay_s
+        # Silence before the first event, as a long prefill is.
+        self.first_delay_s = first_delay_s
         self.script = script
         self.usage = usage
         self.cache_source = cache_source
@@ -93,6 +96,8 @@ class ScriptedEngine:
     async def generate(self, prepared: ScriptedPrepared, cancel: CancelToken, response_id: str | None = None):
         self.generations += 1
         prepared.response_id = response_id
+        if self.first_delay_s:
+            await asyncio.sleep(self.first_delay_s)
         for event in self._events(prepared.conversation):
             if cancel.cancelled:
                 self.cancelled += 1

@@ -3,9 +3,13 @@ copy, trim. The cache (lmspd.cache) decides what happens; this is how.
 
 The context keeps one KV stream per sequence (``kv_unified = false``): each
 sequence attends only over its own cells and always has the full context
-window. A copy between sequences is therefore a copy of the whole stream
-(llama.cpp only copies across streams whole), trimmed to the shared prefix
-afterwards; llama.cpp performs it at the start of the next ``llama_decode``.
+window. llama.cpp copies across streams only whole: every cell of the
+window, used or not (SmolLM2-135M at the default 32k window: ~750 MB, and
+on a stream never written before as many first-touch page faults), done at
+the start of the next ``llama_decode``, so every running stream waits for
+it. A short source is instead copied cell by cell through the sequence
+state API (only its used cells, at once); the whole-stream copy is kept for
+a source that fills most of the window, where it moves less.
 
 Not every model's KV can be cut anywhere. A sliding-window layer keeps only
 the cells of its last window (llama.cpp prunes older ones unless the SWA
@@ -31,6 +35,10 @@ class SequenceKv:
         self.n_swa = int(llama_cpp.llama_model_n_swa(m))
         # A full-size SWA cache keeps every cell: trimmable like plain attention.
         self.trimmable = not self.recurrent and (self.n_swa == 0 or swa_full)
+        self.n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx.ctx))
+        # Sequences a whole-stream copy goes into at the next decode: until
+        # then their cells are not what they will be (see ``copy``).
+        self._stream_copies_into: set[int] = set()
 
     @property
     def kind(self) -> str:
@@ -73,8 +81,33 @@ class SequenceKv:
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
         """Make ``dst`` hold the first ``n_tokens`` of ``src``."""
         self.clear(dst)
+        if self.cell_copy_cheaper(src) and self._copy_cells(src, dst):
+            self.trim(dst, n_tokens)
+            return
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._stream_copies_into.add(dst)
         self.trim(dst, n_tokens)
+
+    def cell_copy_cheaper(self, src: int) -> bool:
+        """Whether copying ``src``'s used cells (written out, then read in:
+        a few passes over them) moves less than the whole stream does, and
+        ``src``'s cells are settled (no whole-stream copy into it pending)."""
+        return (self.trimmable and src not in self._stream_copies_into
+                and 4 * self.n_tokens(src) <= self.n_ctx)
+
+    def _copy_cells(self, src: int, dst: int) -> bool:
+        ctx = self._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, src)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, src)
+        if n and llama_cpp.llama_state_seq_set_data(ctx, buf, n, dst) == n:
+            return True
+        self.clear(dst)
+        return False
+
+    def decoded(self) -> None:
+        """A ``llama_decode`` ran: pending whole-stream copies are done."""
+        self._stream_copies_into.clear()
 
     def trim(self, seq: int, keep: int) -> None:
         """Drop everything from position ``keep`` on."""

@@ -305,6 +305,7 @@ class Scheduler:
         self._batch.n_tokens = n
         self._decode_threads()
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+        self.engine.kv.decoded()
         self.cache.decoded()
         if rc != 0:
             log.error("llama_decode failed (%d) for a batch of %d tokens", rc, n)
@@ -343,6 +344,7 @@ class Scheduler:
             if rc != 0:
                 for r in self.cache.unsettled_copies():
                     self.cache.discard(r.seq)
+        self.engine.kv.decoded()
         self.cache.decoded()
 
     def _decode_threads(self) -> None:

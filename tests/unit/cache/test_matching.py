@@ -245,6 +245,25 @@ def test_a_finishing_sequence_of_the_same_owner_is_waited_for(cache):
     assert cache.plan(req).source == "visible-prefix"
 
 
+def test_another_session_of_the_same_owner_does_not_wait_for_a_finishing_sequence(cache):
+    """One API key, several sessions: only a request that continues the
+    finishing sequence's state waits for it; another session's next turn is
+    placed at once, on its own sequence."""
+    mine = INSTRUCTIONS + "<|im_start|>user\nTask A<|im_end|>\n<|im_start|>assistant\nDone A.<|im_end|>"
+    other = INSTRUCTIONS + "<|im_start|>user\nTask B<|im_end|>\n<|im_start|>assistant\nDone B.<|im_end|>"
+    hold(cache, 0, turn(cache, mine, response_id="resp_a"), busy=True)  # evaluating its last token
+    hold(cache, 1, turn(cache, other, response_id="resp_b"))
+    req = request(cache, other + "\n<|im_start|>user\nmore B<|im_end|>\n")
+    plan = cache.plan(req)
+    assert plan is not None and (plan.source, plan.seq) == ("visible-prefix", 1)
+    # A new session of the same owner is placed at once too.
+    fresh = cache.plan(request(cache, "<|im_start|>user\nsomething else<|im_end|>\n"))
+    assert fresh is not None and fresh.seq in (2, 3)
+    # What continues the finishing state still waits for its step, by any rule.
+    assert cache.plan(request(cache, mine + "\n<|im_start|>user\nmore A<|im_end|>\n")) is None
+    assert cache.plan(request(cache, "<|im_start|>user\nx<|im_end|>\n", previous_response_id="resp_a")) is None
+
+
 def test_a_state_leaving_ram_is_written_to_disk(vocab, tmp_path):
     disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
     cache = make_cache(vocab, n_seq=1, ram_budget_bytes=0, disk=disk)

@@ -237,6 +237,7 @@ def test_config_set_key_reads_stdin_and_never_echoes(tmp_path, monkeypatch, caps
     ["serve", "--engine", "upstream", "--upstream-model", "m"],
     ["serve", "--upstream-url", "http://h/v1"],
     ["serve", "--config", "x.toml", "--model", "y"],
+    ["serve", "--repetition-window", "-1"],
     ["serve", "--config", "x.toml", "--upstream-routing", "round-robin"],
     ["serve", "--engine", "upstream", "--upstream-url", "http://h/v1", "--upstream-model", "m",
      "--upstream-routing", "random"],

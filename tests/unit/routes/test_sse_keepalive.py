@@ -1,0 +1,75 @@
+"""A stream with nothing to say (a long prefill, a wait in the queue) sends
+an SSE comment every ``limits.sse_keepalive_s``, so that clients and proxies
+do not give up on it; SDK parsing is unaffected. Served by uvicorn as
+``lmspd serve`` serves it (coalescing middleware included), over a scripted
+engine that stays silent before its first event."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import httpx
+import openai
+from support.engine import MODEL, ScriptedEngine
+from support.inprocess import ThreadedServer, make_app
+
+from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.streaming.coalesce import CoalescingMiddleware
+from lmspd.streaming.sse import SSE_KEEPALIVE
+
+EVERY_S = 0.05
+SILENCE_S = 0.4
+
+
+def serve(tmp_path, every_s: float = EVERY_S):
+    limits = dataclasses.replace(DEFAULT_LIMITS, sse_keepalive_s=every_s)
+    engine = ScriptedEngine(("Hello", " there"), first_delay_s=SILENCE_S)
+    app, _ = make_app(tmp_path, engine=engine, limits=limits)
+    return ThreadedServer(CoalescingMiddleware(app), limits)
+
+
+def lines_of(url: str, path: str, body: dict) -> list[tuple[float, str]]:
+    out = []
+    with httpx.Client(timeout=30) as client, client.stream("POST", url + path, json=body) as r:
+        assert r.status_code == 200
+        t0 = time.perf_counter()
+        for line in r.iter_lines():
+            if line:
+                out.append((time.perf_counter() - t0, line))
+    return out
+
+
+def test_a_silent_stream_gets_comments_until_its_first_event(tmp_path):
+    with serve(tmp_path) as url:
+        lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
+    texts = [text for _, text in lines]
+    comment = SSE_KEEPALIVE.decode().strip()
+    created = texts.index("event: response.created")
+    first_delta = texts.index("event: response.output_text.delta")
+    during = [i for i, text in enumerate(texts) if text == comment]
+    # 0.4 s of silence at one comment per 0.05 s: several, each between
+    # response.created and the first delta, none once events flow again.
+    assert len(during) >= 3, texts
+    assert all(created < i < first_delta for i in during), texts
+    gaps = [b[0] - a[0] for a, b in zip(lines[created:first_delta], lines[created + 1:first_delta + 1])]
+    assert max(gaps) < SILENCE_S / 2, f"the stream was silent for {max(gaps):.2f} s: {lines}"
+
+
+def test_no_comment_when_turned_off(tmp_path):
+    with serve(tmp_path, every_s=0) as url:
+        lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
+    assert not any(text.startswith(":") for _, text in lines)
+
+
+def test_sdks_parse_a_stream_with_comments(tmp_path):
+    with serve(tmp_path) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+        assert [e.type for e in events][:1] == ["response.created"]
+        assert events[-1].type == "response.completed"
+        assert events[-1].response.output_text == "Hello there"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
