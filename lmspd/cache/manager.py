@@ -260,17 +260,22 @@ class ContinuationCache:
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
         if req.requires_state is not None:
             for r in mine:
-                if r.state.key == req.requires_state:  # type: ignore[union-attr]
+                if r.state.key == req.requires_state and self._extends(req, r.state):  # type: ignore[union-attr]
                     return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))  # type: ignore[arg-type]
-            state = self._ram.get(req.requires_state)
-            if state is None or state.owner != req.owner:
-                raise CacheRefused(
-                    "This request carries only tool outputs and requires live call state, which was replaced "
-                    "before it ran; replay the full input."
-                )
-            if target is None:
-                return None
-            return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+            if not any(r.state.key == req.requires_state for r in mine):  # type: ignore[union-attr]
+                state = self._ram.get(req.requires_state)
+                if state is None or state.owner != req.owner:
+                    raise CacheRefused(
+                        "This request carries only tool outputs and requires live call state, which was replaced "
+                        "before it ran; replay the full input."
+                    )
+                if self._extends(req, state):
+                    if target is None:
+                        return None
+                    return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+            # The state is there but has no visible transcript to append to
+            # (its turn could not be aligned with the template): the prompt,
+            # rendered whole on top of its items, is matched like any other.
 
         if req.pin is not None and req.previous_response_id:
             for r in mine:
@@ -304,6 +309,11 @@ class ContinuationCache:
             if fitted.source != "cold":
                 return fitted
         return None if target is None else self._cold(req, target.seq)
+
+    @staticmethod
+    def _extends(req: CacheRequest, state: SessionState) -> bool:
+        """The prompt continues the state's visible transcript."""
+        return bool(state.visible) and req.text.startswith(state.visible)  # type: ignore[arg-type]
 
     def _target(self, idle: list[Resident]) -> Resident | None:
         """Where a request that continues no resident state goes: an empty

