@@ -202,3 +202,17 @@ def test_a_short_shared_prefix_is_prefilled_not_restored(vocab):
     cache.residents[0].tokens, cache.residents[0].state = [], None
     plan = cache.plan(request(cache, head + "A third question<|im_end|>\n"))
     assert plan.source == "cold"
+
+
+def test_required_state_without_a_visible_transcript_is_matched_like_any_prompt(cache):
+    """A tool-output-only request names a live state whose turn has no visible
+    transcript (it could not be aligned with the template): its prompt,
+    rendered whole on top of the state's items, is matched by tokens — it
+    never fails placement (which, retried every step, used to hang it)."""
+    head = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>x</tool_call>"
+    state = SessionState(tokens=cache.ops.tokenize(head), kv_text=head, visible=None,
+                         call_ids=frozenset({"call_1"}))
+    hold(cache, 0, state)
+    plan = cache.plan(request(cache, head + "<|im_end|>\n<|im_start|>user\nresult<|im_end|>\n",
+                              requires_state=state.key))
+    assert plan.source == "memory-token" and plan.seq == 0 and plan.keep == len(state.tokens), plan
