@@ -479,6 +479,36 @@ class ContinuationCache:
         if not self.enabled or not req.reuse:
             report.miss_reason = "reuse_off"
             return report
+        if plan.source != "cold" and plan.keep + 1 >= len(self._base_tokens(plan)):
+            # Continues a whole state (the common case of an agent loop):
+            # nothing was missed, and nothing is scanned for it.
+            report.longest_prefix = plan.keep
+            return report
+        best, best_floor, longest = self._longest_remembered(req)
+        report.longest_prefix = longest
+        if plan.source != "cold" and plan.keep + 1 >= longest:
+            return report  # reused all that anything remembered shares with it
+        if best is None or longest == 0:
+            return report  # nothing remembered shares a token with it
+        report.divergence_token = longest
+        report.remembered = len(best.tokens)
+        reason, item = classify(best, req.items, req.signature)
+        report.divergence_item = item
+        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
+            # The prompt parts from the state in its messages, yet not even
+            # the shared part was reused: say why not.
+            if not self.trimmable and best_floor > longest:
+                reason = "checkpoint_missing"
+            elif longest < MIN_COPY_TOKENS:
+                reason = "below_min_reuse"
+        report.miss_reason = reason
+        return report
+
+    def _longest_remembered(self, req: CacheRequest) -> tuple[SessionState | None, int, int]:
+        """The remembered state (resident, RAM) sharing the longest token
+        prefix with ``req``, its floor, and the longest prefix shared with
+        anything remembered (disk included): a scan of every state, so only
+        for a request that did not continue one whole."""
         best: SessionState | None = None
         best_floor = longest = 0
         # (state, floor): a resident's floor is live, a saved state's was taken at capture.
@@ -498,25 +528,7 @@ class ContinuationCache:
             shared = self.disk.longest_common(req.tokens, req.owner)
             if shared is not None and shared[1] > longest:
                 longest = shared[1]
-        report.longest_prefix = longest
-        base = len(self._base_tokens(plan)) if plan.source != "cold" else 0
-        if plan.source != "cold" and plan.keep + 1 >= base and plan.keep + 1 >= longest:
-            return report  # continues a whole state: nothing was missed
-        if best is None or longest == 0:
-            return report  # nothing remembered shares a token with it
-        report.divergence_token = longest
-        report.remembered = len(best.tokens)
-        reason, item = classify(best, req.items, req.signature)
-        report.divergence_item = item
-        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
-            # The prompt parts from the state in its messages, yet not even
-            # the shared part was reused: say why not.
-            if not self.trimmable and best_floor > longest:
-                reason = "checkpoint_missing"
-            elif longest < MIN_COPY_TOKENS:
-                reason = "below_min_reuse"
-        report.miss_reason = reason
-        return report
+        return best, best_floor, longest
 
     # -- residency changes (scheduler thread) ----------------------------------
 
