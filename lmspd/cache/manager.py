@@ -259,10 +259,12 @@ class ContinuationCache:
             return None
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
         if req.requires_state is not None:
-            for r in mine:
-                if r.state.key == req.requires_state and self._extends(req, r.state):  # type: ignore[union-attr]
-                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))  # type: ignore[arg-type]
-            if not any(r.state.key == req.requires_state for r in mine):  # type: ignore[union-attr]
+            live = [r for r in mine if r.state is not None and r.state.key == req.requires_state]
+            for r in live:
+                assert r.state is not None
+                if self._extends(req, r.state):
+                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))
+            if not live:
                 state = self._ram.get(req.requires_state)
                 if state is None or state.owner != req.owner:
                     raise CacheRefused(

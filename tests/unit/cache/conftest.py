@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import llama_cpp
 import pytest
+
 from support.cache_rig import GGUF, make_cache
 
 

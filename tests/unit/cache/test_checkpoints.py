@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from support.cache_rig import INSTRUCTIONS, hold, make_cache
 
 from lmspd.cache.manager import CacheRequest
 from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
+from support.cache_rig import INSTRUCTIONS, hold, make_cache
 
 
 def conversation(user2):

@@ -4,12 +4,12 @@ tokenizer and a recording fake of the engine's KV operations."""
 from __future__ import annotations
 
 import pytest
-from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
 from lmspd.core.conversation import Message, SessionPin, ToolCall, ToolOutput
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 
 def test_bpe_boundary_token_prefix_breaks_text_prefix_holds(cache):
