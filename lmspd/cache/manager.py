@@ -66,7 +66,7 @@ from typing import Callable
 
 from lmspd.core.conversation import Item, SessionPin, ToolOutput
 
-from .diagnostics import CacheReport, Signature, classify
+from .diagnostics import CacheReport, EvictionLog, Signature, classify
 from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
 
@@ -198,6 +198,10 @@ class ContinuationCache:
         self.ram_budget_bytes = ram_budget_bytes
         self.disk = disk
         self.residents = [Resident(seq) for seq in range(max(1, n_seq))]
+        # What left every tier, and why (diagnostics: ``state_evicted``).
+        self.evictions = EvictionLog()
+        if disk is not None and disk.on_evict is None:
+            disk.on_evict = lambda tokens, owner: self.evictions.record(tokens, owner, "disk_budget")
         self._ram: OrderedDict[str, SessionState] = OrderedDict()
         self.stats = CacheStats()
         # Sequences a stream copy reads or writes before the next decode
@@ -488,6 +492,12 @@ class ContinuationCache:
             return report
         best, best_floor, longest = self._longest_remembered(req)
         report.longest_prefix = longest
+        evicted = self.evictions.longest(req.tokens, req.owner)
+        if evicted is not None and evicted[0] > max(longest, plan.keep + 1):
+            # More of it was remembered once: say what pushed that state out.
+            report.divergence_token, report.remembered, report.evicted_by = evicted
+            report.miss_reason = "state_evicted"
+            return report
         if plan.source != "cold" and plan.keep + 1 >= longest:
             return report  # reused all that anything remembered shares with it
         if best is None or longest == 0:
@@ -633,7 +643,7 @@ class ContinuationCache:
                 self.stats.checkpoints += 1
             else:
                 self.stats.evictions += 1
-            self._remember_in_ram(state)
+            self._remember_in_ram(state, displaced=boundary is None)
             r.saved = True
         r.state = None
 
@@ -690,14 +700,22 @@ class ContinuationCache:
                  "idle_s": round(now - r.last_used, 1) if r.last_used else None}
                 for r in self.residents]
 
-    def _remember_in_ram(self, state: SessionState) -> None:
+    def _remember_in_ram(self, state: SessionState, displaced: bool = False) -> None:
+        """Keep ``state`` in RAM, the least recently kept leaving for disk
+        when over budget. ``displaced``: another request took its sequence."""
         self._ram[state.key] = state
         self._ram.move_to_end(state.key)
         total = sum(s.nbytes for s in self._ram.values())
         while total > self.ram_budget_bytes and self._ram:
             _, old = self._ram.popitem(last=False)
             total -= old.nbytes
-            self._checkpoint(old)  # leaving RAM: the disk keeps it
+            if self.disk is not None:
+                self._checkpoint(old)  # leaving RAM: the disk keeps it
+            else:
+                # Never held at all (the budget is smaller than it), it was
+                # lost when the other request took its sequence.
+                by = "another_session" if old is state and displaced else "ram_budget"
+                self.evictions.record(old.tokens, old.owner, by)
         self.stats.ram_sessions = len(self._ram)
         self.stats.ram_bytes = total
 
