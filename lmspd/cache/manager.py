@@ -116,6 +116,9 @@ class CacheRequest:
     # The open connection the request came on (rule 0, eviction order).
     pin: SessionPin | None = None
     signature: Signature = field(default_factory=Signature)
+    # Token positions where a client declared a reusable prefix ends: on a
+    # non-trimmable KV the prefill stops there for an exact-state checkpoint.
+    breakpoints: tuple[int, ...] = ()
 
 
 class CacheRefused(Exception):
@@ -663,6 +666,21 @@ class ContinuationCache:
         self.stats.checkpoints += 1
         self._remember_in_ram(state)
         self._publish()
+
+    def breakpoints_ahead(self, req: CacheRequest, seq: int) -> list[int]:
+        """The breakpoints of ``req`` its prefill on ``seq`` has yet to reach
+        and that no remembered state already ends at: the positions the
+        scheduler stops the prefill at for a ``checkpoint``."""
+        if self.trimmable or not self.enabled or not req.breakpoints:
+            return []
+        done = len(self.residents[seq].tokens)
+        ends = {len(s.tokens) for s in self._ram.values() if s.owner == req.owner}
+        return [p for p in req.breakpoints
+                if done < p < len(req.tokens) and not (p in ends and self._remembers(req.tokens[:p], req.owner))]
+
+    def _remembers(self, tokens: list[int], owner: str) -> bool:
+        key = SessionState(tokens=tokens, kv_text="", owner=owner).key
+        return key in self._ram
 
     def checkpoint_prefix(self, seq: int, owner: str) -> None:
         """A mid-prefill checkpoint, so that a crash loses little of a long prompt."""

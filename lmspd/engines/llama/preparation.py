@@ -28,7 +28,7 @@ from lmspd.core.errors import ApiError
 from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
-from . import grammars
+from . import breakpoints, grammars
 from .matchers import GrammarCompiler
 from .prompt import template_messages
 from .reasoning import ReasoningSyntax
@@ -53,6 +53,8 @@ class LlamaPrepared:
     needs_reasoning_state: bool = False
     # The tool names in the order they were rendered (diagnostics compare it).
     tool_order: tuple[str, ...] = ()
+    # Token positions of client-declared cache breakpoints (non-trimmable KV only).
+    breakpoints: tuple[int, ...] = ()
 
     @property
     def input_tokens(self) -> int:
@@ -77,6 +79,7 @@ class LlamaPrepared:
             needs_reasoning_state=self.needs_reasoning_state,
             owner=conv.owner,
             pin=conv.pin,
+            breakpoints=self.breakpoints,
         )
 
 
@@ -155,6 +158,9 @@ class Preparation:
             reuse_cache=conversation.cache_reuse,
             needs_reasoning_state=self._needs_reasoning_state(conversation),
         )
+        if not self.cache.trimmable:
+            # A trimmable KV is cut back to any breakpoint; this one keeps an exact state there.
+            prepared.breakpoints = breakpoints.token_positions(conversation, text, tokens, self.vocab.tokenize)
         names = [t.name for t in conversation.tools]
         prepared.tool_order = tuple(sorted(names) if self.repairs.canonical_tool_order else names)
         self._constrain(prepared)

@@ -66,6 +66,8 @@ class Running:
         self.prefilling = True
         self.gen = gen
         self.since_checkpoint = 0
+        # Prefill positions to stop at for a breakpoint checkpoint (ascending).
+        self.breaks: list[int] = []
         self.started = time.perf_counter()
 
 
@@ -257,7 +259,9 @@ class Scheduler:
             self.cache.discard(seq)
             job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
             return
-        self._running.append(Running(job, plan, resident.tokens, gen))
+        run = Running(job, plan, resident.tokens, gen)
+        run.breaks = self.cache.breakpoints_ahead(job.request, seq)
+        self._running.append(run)
 
     def _reap(self) -> None:
         """Cancelled (client gone, shutdown): ended now, released after at most one step."""
@@ -295,6 +299,8 @@ class Scheduler:
             if not run.prefilling or room <= 0:
                 continue
             k = min(len(run.pending), room)
+            if run.breaks:  # the chunk ends at the next breakpoint, checkpointed there
+                k = min(k, run.breaks[0] - len(run.tokens))
             parts.append((run, k, k == len(run.pending)))
             room -= k
         if not parts:
@@ -385,6 +391,11 @@ class Scheduler:
         gen = run.gen
         if run.prefilling:
             run.since_checkpoint += k
+            while run.breaks and len(run.tokens) >= run.breaks[0]:
+                # A client-declared breakpoint (non-trimmable KV): a later
+                # request that diverges after it resumes from here.
+                if len(run.tokens) == run.breaks.pop(0):
+                    self.cache.checkpoint(run.seq, run.job.request.owner, "breakpoint")
             if run.pending:
                 every = self.checkpoint_every
                 if every and run.since_checkpoint >= every:
