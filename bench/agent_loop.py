@@ -1042,7 +1042,8 @@ class Bench:
                 ok = {"tool-output-ids", "visible-prefix", "ram", "checkpoint", "memory-token", "memory-text"}
                 partial_ok = t.label[0] == "E"
             elif t.turn == 1 and t.session in "AB":
-                ok = {"cold", "memory-token", "ram"}
+                # B1 shares A1's developer prompt: copied from A's sequence.
+                ok = {"cold", "memory-token", "ram", "copy"}
             elif t.turn == 1:
                 ok = {"memory-token", "ram", "disk"}
             elif t.after_restart:
