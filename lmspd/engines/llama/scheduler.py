@@ -300,7 +300,7 @@ class Scheduler:
                 continue
             k = min(len(run.pending), room)
             if run.breaks:  # the chunk ends at the next breakpoint, checkpointed there
-                k = min(k, run.breaks[0] - len(run.tokens))
+                k = min(k, max(1, run.breaks[0] - len(run.tokens)))
             parts.append((run, k, k == len(run.pending)))
             room -= k
         if not parts:
