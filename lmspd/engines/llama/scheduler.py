@@ -441,6 +441,8 @@ class Scheduler:
             miss = f" miss_reason={report.miss_reason} longest_prefix={report.longest_prefix}"
             if report.divergence_token is not None:
                 miss += f" divergence=item:{report.divergence_item},token:{report.divergence_token}"
+            if report.evicted_by is not None:
+                miss += f" evicted_by={report.evicted_by}"
         log.info(
             "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s%s",
             run.job.response_id, run.seq, source, f" {plan.detail}" if plan.detail else "",
