@@ -146,7 +146,7 @@ def test_a_state_another_session_evicted_is_named():
         again = post(server, {"input": items + first["output"] + [{"role": "user", "content": "Another."}]})
         cache = cache_of(again)
         assert cache["miss_reason"] == "state_evicted" and cache["evicted_by"] == "another_session", cache
-        assert cache["divergence"]["token"] > 64 and cache["source"] == "cold", cache
+        assert cache["divergence"]["token"] > 64 and cache["reused"] < 16, cache  # the template's opening at most
         assert "miss_reason=state_evicted" in server.log() and "evicted_by=another_session" in server.log()
     finally:
         server.stop()
