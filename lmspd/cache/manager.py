@@ -488,7 +488,7 @@ class ContinuationCache:
         if not self.enabled or not req.reuse:
             report.miss_reason = "reuse_off"
             return report
-        if plan.source != "cold" and plan.keep + 1 >= len(self._base_tokens(plan)):
+        if self._continues_whole(plan):
             # Continues a whole state (the common case of an agent loop):
             # nothing was missed, and nothing is scanned for it.
             report.longest_prefix = plan.keep
@@ -501,8 +501,6 @@ class ContinuationCache:
             report.divergence_token, report.remembered, report.evicted_by = evicted
             report.miss_reason = "state_evicted"
             return report
-        if plan.source != "cold" and plan.keep + 1 >= longest:
-            return report  # reused all that anything remembered shares with it
         if best is None or longest == 0:
             return report  # nothing remembered shares a token with it
         report.divergence_token = longest
@@ -518,6 +516,14 @@ class ContinuationCache:
                 reason = "below_min_reuse"
         report.miss_reason = reason
         return report
+
+    def _continues_whole(self, plan: CachePlan) -> bool:
+        """The plan extends all of the state it starts from (or copies). Not a
+        partial reuse or a checkpoint: those part from a state that may share
+        more with the request (the diagnosis looks for it)."""
+        if plan.source in ("cold", "checkpoint") or "partial" in plan.detail.split():
+            return False
+        return plan.keep + 1 >= len(self._base_tokens(plan))
 
     def _longest_remembered(self, req: CacheRequest) -> tuple[SessionState | None, int, int]:
         """The remembered state (resident, RAM) sharing the longest token
