@@ -18,7 +18,14 @@ state — or, when it reused less than that prefix, why not:
 - ``reasoning_stripped``: a replayed turn lacks the reasoning the model
   produced in front of it;
 - ``messages_changed``: an earlier message or tool result was edited
-  (a branch).
+  (a branch);
+- ``state_evicted``: the state it would have continued is gone, and
+  ``evicted_by`` says what pushed it out: ``another_session`` (another
+  session's request took its sequence and RAM could not hold it at all),
+  ``ram_budget`` (it left RAM for newer states and there is no disk tier),
+  ``disk_budget`` (it left the disk tier for newer checkpoints, or never fit
+  in it). ``EvictionLog`` remembers the last few evicted states' tokens for
+  this, nothing else.
 
 The divergence point is reported as the first differing item index of the
 request's input and the token offset where the prompts part.
@@ -27,12 +34,15 @@ request's input and the token offset where the prompts part.
 from __future__ import annotations
 
 import re
+import threading
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from lmspd.core.conversation import Item, Message, Reasoning, ToolCall, ToolOutput
 
-from .state import SessionState
+from .state import SessionState, common_prefix
 
 NONCE = re.compile(r"cch=[0-9A-Za-z_.-]+")
 
@@ -57,6 +67,8 @@ class CacheReport:
     divergence_token: int | None = None
     # Tokens of the remembered state the prompt was compared with.
     remembered: int = 0
+    # ``state_evicted``: what evicted it (``EvictionLog``).
+    evicted_by: str | None = None
 
     @property
     def missed_tokens(self) -> int:
@@ -68,6 +80,8 @@ class CacheReport:
                                "longest_prefix": self.longest_prefix, "miss_reason": self.miss_reason}
         if self.divergence_token is not None:
             out["divergence"] = {"item": self.divergence_item, "token": self.divergence_token}
+        if self.evicted_by is not None:
+            out["evicted_by"] = self.evicted_by
         return out
 
     def anthropic_json(self) -> dict[str, Any] | None:
@@ -80,11 +94,47 @@ class CacheReport:
     @property
     def anthropic_reason(self) -> str | None:
         """Anthropic's ``diagnostics.cache_miss_reason.type`` vocabulary."""
-        if self.miss_reason is None:
+        if self.miss_reason is None or self.miss_reason == "state_evicted":
+            # Anthropic names no eviction: the prompt itself did not change
+            # (lmspd's own extension and log line say what evicted it).
             return None
         return {"tools_reordered": "tools_changed", "tools_changed": "tools_changed",
                 "system_nonce": "system_changed", "system_changed": "system_changed"}.get(
                     self.miss_reason, "messages_changed")
+
+
+class EvictionLog:
+    """The token sequences of the last ``size`` states that left every tier,
+    each with what evicted it, per owner: enough to tell a request that its
+    state was there and who pushed it out. Written from the scheduler and the
+    disk writer threads."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+
+    def record(self, tokens: list[int], owner: str, by: str) -> None:
+        key = (owner, array("i", tokens).tobytes())
+        with self._lock:
+            self._entries[key] = by
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def longest(self, tokens: list[int], owner: str) -> tuple[int, int, str] | None:
+        """(shared prefix, evicted state's length, evicted by) of the evicted
+        state of ``owner`` that shares the most leading tokens with ``tokens``."""
+        with self._lock:
+            entries = [(raw, by) for (o, raw), by in self._entries.items() if o == owner]
+        best: tuple[int, int, str] | None = None
+        for raw, by in entries:
+            old = array("i")
+            old.frombytes(raw)
+            common = common_prefix(old.tolist(), tokens)
+            if common and (best is None or common >= best[0]):
+                best = (common, len(old), by)
+        return best
 
 
 def _norm(item: Item) -> tuple:

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .state import SessionState, common_prefix
 
@@ -43,10 +44,13 @@ class Checkpoint:
 
 
 class DiskCheckpoints:
-    def __init__(self, directory: Path, budget_bytes: int, fingerprint: str) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, fingerprint: str,
+                 on_evict: Callable[[list[int], str], None] | None = None) -> None:
         self.directory = directory
         self.budget_bytes = budget_bytes
         self.fingerprint = fingerprint
+        # Told (tokens, owner) of each checkpoint the budget removes or refuses.
+        self.on_evict = on_evict
         self._lock = threading.Lock()
         self._index: dict[str, Checkpoint] = {}
         directory.mkdir(parents=True, exist_ok=True)
@@ -141,6 +145,8 @@ class DiskCheckpoints:
         digest = hashlib.sha256(header + state.kv).digest()
         size = len(MAGIC) + 4 + len(header) + len(state.kv) + len(digest)
         if size > self.budget_bytes:
+            if self.on_evict is not None:
+                self.on_evict(list(state.tokens), state.owner)
             return None
         path = self.directory / (name + SUFFIX)
         tmp = path.with_suffix(".tmp")
@@ -161,6 +167,7 @@ class DiskCheckpoints:
         return path
 
     def _evict(self) -> None:
+        removed: list[Checkpoint] = []
         with self._lock:
             entries = sorted(self._index.values(), key=lambda c: _mtime(c.path))
             total = sum(c.size for c in entries)
@@ -170,6 +177,10 @@ class DiskCheckpoints:
                 cp.path.unlink(missing_ok=True)
                 self._index.pop(cp.path.stem, None)
                 total -= cp.size
+                removed.append(cp)
+        if self.on_evict is not None:
+            for cp in removed:
+                self.on_evict(list(cp.tokens), cp.owner or "")
 
     def _read(self, path: Path, header_only: bool = False):  # noqa: ANN202
         """Header (and payload) of a valid checkpoint; removes an invalid one."""

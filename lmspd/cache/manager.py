@@ -66,7 +66,7 @@ from typing import Callable
 
 from lmspd.core.conversation import Item, SessionPin, ToolOutput
 
-from .diagnostics import CacheReport, Signature, classify
+from .diagnostics import CacheReport, EvictionLog, Signature, classify
 from .disk import DiskCheckpoints
 from .state import SessionState, common_prefix
 
@@ -116,6 +116,9 @@ class CacheRequest:
     # The open connection the request came on (rule 0, eviction order).
     pin: SessionPin | None = None
     signature: Signature = field(default_factory=Signature)
+    # Token positions where a client declared a reusable prefix ends: on a
+    # non-trimmable KV the prefill stops there for an exact-state checkpoint.
+    breakpoints: tuple[int, ...] = ()
 
 
 class CacheRefused(Exception):
@@ -198,6 +201,10 @@ class ContinuationCache:
         self.ram_budget_bytes = ram_budget_bytes
         self.disk = disk
         self.residents = [Resident(seq) for seq in range(max(1, n_seq))]
+        # What left every tier, and why (diagnostics: ``state_evicted``).
+        self.evictions = EvictionLog()
+        if disk is not None and disk.on_evict is None:
+            disk.on_evict = lambda tokens, owner: self.evictions.record(tokens, owner, "disk_budget")
         self._ram: OrderedDict[str, SessionState] = OrderedDict()
         self.stats = CacheStats()
         # Sequences a stream copy reads or writes before the next decode
@@ -262,18 +269,25 @@ class ContinuationCache:
             return None
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
         if req.requires_state is not None:
-            for r in mine:
-                if r.state.key == req.requires_state:  # type: ignore[union-attr]
-                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))  # type: ignore[arg-type]
-            state = self._ram.get(req.requires_state)
-            if state is None or state.owner != req.owner:
-                raise CacheRefused(
-                    "This request carries only tool outputs and requires live call state, which was replaced "
-                    "before it ran; replay the full input."
-                )
-            if target is None:
-                return None
-            return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+            live = [r for r in mine if r.state is not None and r.state.key == req.requires_state]
+            for r in live:
+                assert r.state is not None
+                if self._extends(req, r.state):
+                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))
+            if not live:
+                state = self._ram.get(req.requires_state)
+                if state is None or state.owner != req.owner:
+                    raise CacheRefused(
+                        "This request carries only tool outputs and requires live call state, which was replaced "
+                        "before it ran; replay the full input."
+                    )
+                if self._extends(req, state):
+                    if target is None:
+                        return None
+                    return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+            # The state is there but has no visible transcript to append to
+            # (its turn could not be aligned with the template): the prompt,
+            # rendered whole on top of its items, is matched like any other.
 
         if req.pin is not None and req.previous_response_id:
             for r in mine:
@@ -322,6 +336,11 @@ class ContinuationCache:
         if len(req.tokens) > n and req.tokens[:n] == state.tokens:
             return True
         return len(req.text) > len(state.kv_text) and req.text.startswith(state.kv_text)
+
+    @staticmethod
+    def _extends(req: CacheRequest, state: SessionState) -> bool:
+        """The prompt continues the state's visible transcript."""
+        return bool(state.visible) and req.text.startswith(state.visible)  # type: ignore[arg-type]
 
     def _target(self, idle: list[Resident]) -> Resident | None:
         """Where a request that continues no resident state goes: an empty
@@ -487,6 +506,48 @@ class ContinuationCache:
         if not self.enabled or not req.reuse:
             report.miss_reason = "reuse_off"
             return report
+        if self._continues_whole(plan):
+            # Continues a whole state (the common case of an agent loop):
+            # nothing was missed, and nothing is scanned for it.
+            report.longest_prefix = plan.keep
+            return report
+        best, best_floor, longest = self._longest_remembered(req)
+        report.longest_prefix = longest
+        evicted = self.evictions.longest(req.tokens, req.owner)
+        if evicted is not None and evicted[0] > max(longest, plan.keep + 1):
+            # More of it was remembered once: say what pushed that state out.
+            report.divergence_token, report.remembered, report.evicted_by = evicted
+            report.miss_reason = "state_evicted"
+            return report
+        if best is None or longest == 0:
+            return report  # nothing remembered shares a token with it
+        report.divergence_token = longest
+        report.remembered = len(best.tokens)
+        reason, item = classify(best, req.items, req.signature)
+        report.divergence_item = item
+        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
+            # The prompt parts from the state in its messages, yet not even
+            # the shared part was reused: say why not.
+            if not self.trimmable and best_floor > longest:
+                reason = "checkpoint_missing"
+            elif longest < MIN_COPY_TOKENS:
+                reason = "below_min_reuse"
+        report.miss_reason = reason
+        return report
+
+    def _continues_whole(self, plan: CachePlan) -> bool:
+        """The plan extends all of the state it starts from (or copies). Not a
+        partial reuse or a checkpoint: those part from a state that may share
+        more with the request (the diagnosis looks for it)."""
+        if plan.source in ("cold", "checkpoint") or "partial" in plan.detail.split():
+            return False
+        return plan.keep + 1 >= len(self._base_tokens(plan))
+
+    def _longest_remembered(self, req: CacheRequest) -> tuple[SessionState | None, int, int]:
+        """The remembered state (resident, RAM) sharing the longest token
+        prefix with ``req``, its floor, and the longest prefix shared with
+        anything remembered (disk included): a scan of every state, so only
+        for a request that did not continue one whole."""
         best: SessionState | None = None
         best_floor = longest = 0
         # (state, floor): a resident's floor is live, a saved state's was taken at capture.
@@ -506,25 +567,7 @@ class ContinuationCache:
             shared = self.disk.longest_common(req.tokens, req.owner)
             if shared is not None and shared[1] > longest:
                 longest = shared[1]
-        report.longest_prefix = longest
-        base = len(self._base_tokens(plan)) if plan.source != "cold" else 0
-        if plan.source != "cold" and plan.keep + 1 >= base and plan.keep + 1 >= longest:
-            return report  # continues a whole state: nothing was missed
-        if best is None or longest == 0:
-            return report  # nothing remembered shares a token with it
-        report.divergence_token = longest
-        report.remembered = len(best.tokens)
-        reason, item = classify(best, req.items, req.signature)
-        report.divergence_item = item
-        if plan.keep + 1 < longest and reason in ("messages_changed", "reasoning_stripped"):
-            # The prompt parts from the state in its messages, yet not even
-            # the shared part was reused: say why not.
-            if not self.trimmable and best_floor > longest:
-                reason = "checkpoint_missing"
-            elif longest < MIN_COPY_TOKENS:
-                reason = "below_min_reuse"
-        report.miss_reason = reason
-        return report
+        return best, best_floor, longest
 
     # -- residency changes (scheduler thread) ----------------------------------
 
@@ -627,7 +670,7 @@ class ContinuationCache:
                 self.stats.checkpoints += 1
             else:
                 self.stats.evictions += 1
-            self._remember_in_ram(state)
+            self._remember_in_ram(state, displaced=boundary is None)
             r.saved = True
         r.state = None
 
@@ -647,6 +690,21 @@ class ContinuationCache:
         self.stats.checkpoints += 1
         self._remember_in_ram(state)
         self._publish()
+
+    def breakpoints_ahead(self, req: CacheRequest, seq: int) -> list[int]:
+        """The breakpoints of ``req`` its prefill on ``seq`` has yet to reach
+        and that no remembered state already ends at: the positions the
+        scheduler stops the prefill at for a ``checkpoint``."""
+        if self.trimmable or not self.enabled or not req.breakpoints:
+            return []
+        done = len(self.residents[seq].tokens)
+        ends = {len(s.tokens) for s in self._ram.values() if s.owner == req.owner}
+        return [p for p in req.breakpoints
+                if done < p < len(req.tokens) and not (p in ends and self._remembers(req.tokens[:p], req.owner))]
+
+    def _remembers(self, tokens: list[int], owner: str) -> bool:
+        key = SessionState(tokens=tokens, kv_text="", owner=owner).key
+        return key in self._ram
 
     def checkpoint_prefix(self, seq: int, owner: str) -> None:
         """A mid-prefill checkpoint, so that a crash loses little of a long prompt."""
@@ -684,14 +742,22 @@ class ContinuationCache:
                  "idle_s": round(now - r.last_used, 1) if r.last_used else None}
                 for r in self.residents]
 
-    def _remember_in_ram(self, state: SessionState) -> None:
+    def _remember_in_ram(self, state: SessionState, displaced: bool = False) -> None:
+        """Keep ``state`` in RAM, the least recently kept leaving for disk
+        when over budget. ``displaced``: another request took its sequence."""
         self._ram[state.key] = state
         self._ram.move_to_end(state.key)
         total = sum(s.nbytes for s in self._ram.values())
         while total > self.ram_budget_bytes and self._ram:
             _, old = self._ram.popitem(last=False)
             total -= old.nbytes
-            self._checkpoint(old)  # leaving RAM: the disk keeps it
+            if self.disk is not None:
+                self._checkpoint(old)  # leaving RAM: the disk keeps it
+            else:
+                # Never held at all (the budget is smaller than it), it was
+                # lost when the other request took its sequence.
+                by = "another_session" if old is state and displaced else "ram_budget"
+                self.evictions.record(old.tokens, old.owner, by)
         self.stats.ram_sessions = len(self._ram)
         self.stats.ram_bytes = total
 

@@ -26,6 +26,10 @@ class Message:
     # Dialects write such a message back as the compaction item, engines
     # render it as the user message it is.
     compaction: str | None = None
+    # Client-declared cache breakpoints (Responses ``prompt_cache_breakpoint``
+    # on a content part, Anthropic ``cache_control`` on a text block): the
+    # offsets in ``text`` where such a part ends.
+    breakpoints: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -148,6 +152,9 @@ class Conversation:
     model: str
     items: list[Item]
     instructions: str | None = None
+    # Offsets in ``instructions`` where a client-declared cache breakpoint
+    # ends (Anthropic ``cache_control`` on a system block).
+    instructions_breakpoints: tuple[int, ...] = ()
     tools: list[Tool] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     # None: the request did not say (parallel calls under auto, one forced call).

@@ -24,6 +24,9 @@ class RequestLimits:
     max_json_depth: int = 64
     max_input_items: int = 4096
     max_content_parts: int = 256
+    # Client-declared cache breakpoints in one message or system prompt (as
+    # Anthropic's and OpenAI's own limit: four).
+    max_cache_breakpoints: int = 4
     max_text_chars: int = 4 * 1024 * 1024
     max_tools: int = 512
     max_tool_schema_bytes: int = 256 * 1024

@@ -80,7 +80,8 @@ class CreateMessage(Strict):
     output_config: OutputConfigIn | None = None
     extensions: dict[str, Any] | None = None
     # Bookkeeping and hosting hints: accepted, nothing to do for a local model
-    # (prompt caching is automatic here, so ``cache_control`` needs no action).
+    # (prompt caching is automatic here; ``cache_control`` on a system or text
+    # block marks where a non-trimmable KV keeps an exact-state checkpoint).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: Any = None
@@ -151,6 +152,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         model=body.model,
         items=items,
         instructions=_system_text(body.system, limits),
+        instructions_breakpoints=_system_breakpoints(body.system, limits),
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
@@ -216,6 +218,29 @@ def _system_text(system: str | list[Any] | None, limits: RequestLimits) -> str |
             raise invalid(f"Invalid system block at '{where}': expected {{\"type\": \"text\", \"text\": ...}}.", where)
         texts.append(block["text"])
     return _check(_join(texts), "system", limits) or None
+
+
+def _system_breakpoints(system: str | list[Any] | None, limits: RequestLimits) -> tuple[int, ...]:
+    """Where the system blocks that carry ``cache_control`` end in the
+    joined system text (validated by ``_system_text``)."""
+    if not isinstance(system, list):
+        return ()
+    return _breakpoints([(b["text"], b.get("cache_control") is not None) for b in system], "system", limits)
+
+
+def _breakpoints(blocks: list[tuple[str, bool]], path: str, limits: RequestLimits) -> tuple[int, ...]:
+    """Offsets in ``_join`` of ``blocks`` where a block marked with
+    ``cache_control`` ends: lmspd's exact-state checkpoints go there."""
+    offsets: list[int] = []
+    at = 0
+    for i, (text, marked) in enumerate(blocks):
+        at += len(text) + (2 if i else 0)
+        if marked:
+            offsets.append(at)
+    if len(offsets) > limits.max_cache_breakpoints:
+        raise invalid(f"'{path}' has {len(offsets)} cache_control blocks; the limit is "
+                      f"{limits.max_cache_breakpoints}.", path)
+    return tuple(offsets)
 
 
 def _join(texts: list[str]) -> str:
@@ -294,13 +319,17 @@ def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimit
                    items: list[Item], paths: list[str]) -> None:
     allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
     texts: list[str] = []
+    marked: list[bool] = []
     text_at = ""
 
     def flush() -> None:
         if texts:
-            items.append(Message(role=role, text=_check(_join(texts), text_at, limits)))  # type: ignore[arg-type]
+            breakpoints = _breakpoints(list(zip(texts, marked, strict=True)), text_at, limits)
+            items.append(Message(role=role, text=_check(_join(texts), text_at, limits),  # type: ignore[arg-type]
+                                 breakpoints=breakpoints))
             paths.append(text_at)
             texts.clear()
+            marked.clear()
 
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
@@ -320,6 +349,7 @@ def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimit
             if not texts:
                 text_at = where
             texts.append(block["text"])
+            marked.append(block.get("cache_control") is not None)
             continue
         flush()
         try:

@@ -105,6 +105,32 @@ def content_text(content: Any, path: str, limits: RequestLimits) -> str:
     return "".join(texts)
 
 
+def content_breakpoints(content: Any, path: str, limits: RequestLimits) -> tuple[int, ...]:
+    """Where the content parts that carry ``prompt_cache_breakpoint``
+    (``{"mode": "explicit"}``, OpenAI's shape) end, as offsets into the text
+    ``content_text`` joins (call it first: it validates the parts)."""
+    if not isinstance(content, list):
+        return ()
+    offsets: list[int] = []
+    at = 0
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            at += len(part)
+            continue
+        at += len(part.get(TEXT_PART_TYPES.get(part.get("type") or "", "text")) or "")
+        marker = part.get("prompt_cache_breakpoint")
+        if marker is None:
+            continue
+        where = f"{path}[{i}].prompt_cache_breakpoint"
+        if not isinstance(marker, dict) or marker.get("mode", "explicit") != "explicit" or set(marker) - {"mode"}:
+            raise invalid(f"Invalid '{where}': expected {{\"mode\": \"explicit\"}}.", where)
+        offsets.append(at)
+    if len(offsets) > limits.max_cache_breakpoints:
+        raise invalid(f"'{path}' has {len(offsets)} cache breakpoints; the limit is {limits.max_cache_breakpoints}.",
+                      path)
+    return tuple(offsets)
+
+
 # -- items ---------------------------------------------------------------------
 
 
@@ -263,7 +289,8 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
     if isinstance(parsed, MessageIn):
         text = content_text(parsed.content, f"{where}.content", limits)
         _check_text(text, f"{where}.content", limits)
-        return Message(role=parsed.role, text=text, id=parsed.id, phase=parsed.phase)
+        return Message(role=parsed.role, text=text, id=parsed.id, phase=parsed.phase,
+                       breakpoints=content_breakpoints(parsed.content, f"{where}.content", limits))
     if isinstance(parsed, FunctionCallIn):
         return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
                         payload=parsed.arguments, kind="function", namespace=parsed.namespace, id=parsed.id)

@@ -162,3 +162,25 @@ def test_far_edit_with_no_checkpoint_before_it_is_checkpoint_missing(gemma):
     assert cache["miss_reason"] == "checkpoint_missing", cache
     assert cache["divergence"]["item"] == 0 and cache["divergence"]["token"] < 16, cache
     assert cache["reused"] == 0 and cache["prefilled"] > first["usage"]["input_tokens"], cache
+
+
+def test_a_request_diverging_right_after_a_client_breakpoint_resumes_from_it(gemma):
+    """``prompt_cache_breakpoint`` on the developer prompt's content part: the
+    first request's prefill stops there for an exact-state checkpoint, so a
+    second request that shares only that prompt (another question) restores
+    it and prefills only what follows. Without it the first state, whose long
+    question follows the breakpoint by more than a window, cannot be cut
+    back there and the second request would be a cold prefill."""
+    notes = "Answer from these notes. " + document("Ivo", 40)
+    instructions = {"type": "message", "role": "developer", "content": [
+        {"type": "input_text", "text": notes, "prompt_cache_breakpoint": {"mode": "explicit"}}]}
+    first = post(gemma, {"input": [instructions, user(document("Jo", 110) + " Which animal crossed river 7?")],
+                         "max_output_tokens": 2})
+    second = post(gemma, {"input": [instructions, user("Name every colour in the notes, please.")],
+                          "max_output_tokens": 2})
+    line = cache_line(gemma, second["id"])
+    assert line["source"] == "checkpoint" and "at=breakpoint" in line["detail"], line
+    # Everything up to the breakpoint came from the checkpoint: only the
+    # question (and the turn's markup) was prefilled.
+    assert line["reused"] >= 400 and line["prefilled"] < 30, line
+    assert first["usage"]["input_tokens"] > line["reused"] + 1024

@@ -133,3 +133,20 @@ def test_claude_code_billing_nonce_without_the_repair_is_a_system_miss(unrepaire
     assert second["diagnostics"]["cache_miss_reason"]["cache_missed_input_tokens"] > 64
     log = unrepaired.log()
     assert "miss_reason=system_nonce" in log
+
+
+def test_a_state_another_session_evicted_is_named():
+    """One sequence and no RAM or disk to keep a state in: session B's turn
+    takes A's sequence, and A's next turn says so (log line included)."""
+    server = ServerProcess("--ctx", "2048", "--parallel", "1", "--kv-ram-mb", "0", "--kv-disk-space-mb", "0").start()
+    try:
+        items = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Session A: name a river."}]
+        first = post(server, {"input": items})
+        post(server, {"input": "Session B: something else entirely."})
+        again = post(server, {"input": items + first["output"] + [{"role": "user", "content": "Another."}]})
+        cache = cache_of(again)
+        assert cache["miss_reason"] == "state_evicted" and cache["evicted_by"] == "another_session", cache
+        assert cache["divergence"]["token"] > 64 and cache["reused"] < 16, cache  # the template's opening at most
+        assert "miss_reason=state_evicted" in server.log() and "evicted_by=another_session" in server.log()
+    finally:
+        server.stop()

@@ -269,6 +269,12 @@ class LlamaEngine:
         at = text.rfind(marker)
         return text[at + len(marker):] if at >= 0 else None
 
+    def turn_ends_with(self, eog_text: str) -> bool:
+        """Whether the template's turn closer starts with this end token, so
+        a replay renders it where the model sampled it (a template whose
+        closer is unknown keeps every end token: it has no transcript)."""
+        return self._closer is None or self._closer.startswith(eog_text)
+
     def visible_transcript(self, conversation: Conversation, outputs: list[Item], eog_text: str | None) -> str | None:
         """The text a client's replay of this turn renders to, as far as the
         KV covers it (up to the end-of-turn token when one was sampled)."""

@@ -111,9 +111,17 @@ class Generation:
         turn's cache). ``done`` is set once the terminal event is out."""
         try:
             if self.vocab.is_eog(token):
-                self.eog_text = self.vocab.detokenize([token])
                 self.reason = "stop"
-                return self._complete(token)
+                eog_text = self.vocab.detokenize([token])
+                if self.engine.turn_ends_with(eog_text):
+                    self.eog_text = eog_text
+                    return self._complete(token)
+                # An end token the template never writes after a turn (Gemma's
+                # <eos>, the only end a grammar admits, where a replay renders
+                # <end_of_turn>): kept out of the KV, so that the state ends
+                # where the replay's turn closer begins and the next turn
+                # continues it in place.
+                return self._complete(None)
             self.sampled.append(token)
             if self.splitter is not None and self.splitter.in_reasoning:
                 self.usage.reasoning_tokens += 1
@@ -171,7 +179,7 @@ class Generation:
         self.emit(Finished("stop", self.usage))
         self.done = True
 
-    def _complete(self, last_token: int) -> list[int]:
+    def _complete(self, last_token: int | None) -> list[int]:
         if self.stopped_by is None:
             tail = self.decoder.decode(b"", final=True) + self.stops.flush()
             if tail:

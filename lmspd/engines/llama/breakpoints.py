@@ -1,0 +1,48 @@
+"""Client-declared cache breakpoints -> token positions in a rendered prompt.
+
+A breakpoint is an offset in a message's text (or the instructions) where a
+client said a reusable prefix ends (``lmspd.core.conversation.Message.breakpoints``).
+The chat template puts that text somewhere in the prompt, maybe trimmed, maybe
+merged into another turn (Gemma has no system role), so the offset is found
+by its text: the last characters before it, searched in order through the
+rendered prompt. A breakpoint whose text cannot be found is dropped: it only
+ever costs a checkpoint, never a wrong prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lmspd.cache.state import common_prefix
+from lmspd.core.conversation import Conversation, Message
+
+# Characters before a breakpoint that locate it in the prompt.
+ANCHOR_CHARS = 160
+
+
+def token_positions(conversation: Conversation, text: str, tokens: list[int],
+                    tokenize: Callable[[str], list[int]]) -> tuple[int, ...]:
+    """Token positions in ``tokens`` (the tokenized ``text``) where each of the
+    conversation's breakpoints ends, ascending, each inside the prompt."""
+    anchors: list[str] = []
+    if conversation.instructions:
+        anchors += [conversation.instructions[:at] for at in conversation.instructions_breakpoints]
+    for item in conversation.items:
+        if isinstance(item, Message):
+            anchors += [item.text[:at] for at in item.breakpoints]
+    positions: list[int] = []
+    start = 0
+    for before in anchors:
+        anchor = before.strip()[-ANCHOR_CHARS:]
+        if not anchor:
+            continue
+        found = text.find(anchor, start)
+        if found < 0:
+            continue
+        start = found + len(anchor)
+        # The prefix tokenized on its own may end on another BPE boundary:
+        # the position is where it still agrees with the prompt's tokens.
+        pos = common_prefix(tokenize(text[:start]), tokens)
+        if 0 < pos < len(tokens) and (not positions or pos > positions[-1]):
+            positions.append(pos)
+    return tuple(positions)

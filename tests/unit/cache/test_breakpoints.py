@@ -1,0 +1,99 @@
+"""Client-declared cache breakpoints: decoded from both dialects into
+offsets of the neutral text, located as token positions in a rendered
+prompt, and planned as exact-state checkpoints on a non-trimmable KV (the
+prefill stops there; a request diverging after one resumes from it)."""
+
+from __future__ import annotations
+
+import pytest
+from support.cache_rig import INSTRUCTIONS, make_cache, request
+
+from lmspd.core.conversation import Conversation, Message
+from lmspd.core.errors import ApiError
+from lmspd.core.limits import RequestLimits
+from lmspd.dialects import anthropic_messages, openai_responses
+from lmspd.engines.llama.breakpoints import token_positions
+
+LIMITS = RequestLimits()
+MARK = {"mode": "explicit"}
+
+
+def responses(content):
+    body = {"model": "m", "input": [{"type": "message", "role": "developer", "content": content},
+                                    {"role": "user", "content": "q"}]}
+    return openai_responses.decode_request(body, LIMITS).conversation
+
+
+def test_responses_breakpoint_is_the_end_of_its_part():
+    conv = responses([{"type": "input_text", "text": "Rules. ", "prompt_cache_breakpoint": MARK},
+                      {"type": "input_text", "text": "Today is Monday."}])
+    msg = conv.items[0]
+    assert msg.text == "Rules. Today is Monday." and msg.breakpoints == (len("Rules. "),)
+    assert conv.items[1].breakpoints == ()
+
+
+@pytest.mark.parametrize("marker", [{"mode": "implicit"}, "explicit", {"mode": "explicit", "ttl": 5}])
+def test_responses_breakpoint_of_another_shape_is_refused(marker):
+    with pytest.raises(ApiError) as exc:
+        responses([{"type": "input_text", "text": "x", "prompt_cache_breakpoint": marker}])
+    assert exc.value.param == "input[0].content[0].prompt_cache_breakpoint"
+
+
+def test_more_breakpoints_than_the_limit_are_refused():
+    with pytest.raises(ApiError, match="cache breakpoints; the limit is 4"):
+        responses([{"type": "input_text", "text": f"p{i}", "prompt_cache_breakpoint": MARK} for i in range(5)])
+
+
+def test_anthropic_cache_control_on_system_and_text_blocks():
+    body = {"model": "m", "max_tokens": 4,
+            "system": [{"type": "text", "text": "You are terse."},
+                       {"type": "text", "text": "Rules.", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": "Date: today."}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "A long file.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "What is in it?"}]}]}
+    conv = anthropic_messages.decode_request(body, LIMITS).conversation
+    assert conv.instructions[:conv.instructions_breakpoints[0]] == "You are terse.\n\nRules."
+    msg = conv.items[0]
+    assert msg.text[:msg.breakpoints[0]] == "A long file."
+
+
+def test_breakpoint_positions_in_a_rendered_prompt(vocab):
+    cache = make_cache(vocab)
+    tok = cache.ops.tokenize
+    notes = "Notes: the otter crossed river 7. The heron did not.   "  # a template may trim the trailing spaces
+    conv = Conversation(model="m", items=[Message("system", notes, breakpoints=(len(notes),)),
+                                          Message("user", "Which animal?")])
+    text = f"<|im_start|>system\n{notes.strip()}<|im_end|>\n<|im_start|>user\nWhich animal?<|im_end|>\n"
+    tokens = tok(text)
+    (pos,) = token_positions(conv, text, tokens, tok)
+    assert tokens[:pos] == tok(f"<|im_start|>system\n{notes.strip()}")
+    # Text the prompt does not contain locates nothing.
+    missing = Conversation(model="m", items=[Message("user", "elsewhere", breakpoints=(9,))])
+    assert token_positions(missing, text, tokens, tok) == ()
+
+
+def test_a_non_trimmable_prefill_stops_at_a_breakpoint_and_a_divergence_after_it_resumes_there(vocab):
+    cache = make_cache(vocab, n_seq=2, floors={0: 10**6, 1: 10**6})
+    head = INSTRUCTIONS
+    first = request(cache, head + "<|im_start|>user\nFirst question<|im_end|>\n",
+                    breakpoints=(len(cache.ops.tokenize(head)),))
+    plan = cache.apply(cache.plan(first), first)
+    assert cache.breakpoints_ahead(first, plan.seq) == list(first.breakpoints)
+    r = cache.residents[plan.seq]
+    r.tokens.extend(plan.suffix[: first.breakpoints[0]])  # the prefill reached the breakpoint
+    cache.checkpoint(plan.seq, "local", "breakpoint")
+    assert cache.breakpoints_ahead(first, plan.seq) == [], "reached"
+    r.tokens.extend(plan.suffix[first.breakpoints[0]:])
+    # A request with the same breakpoint on another sequence: already checkpointed, no stop needed.
+    assert cache.breakpoints_ahead(first, 1 - plan.seq) == []
+    other = request(cache, head + "<|im_start|>user\nA different question<|im_end|>\n")
+    resume = cache.plan(other)
+    assert resume.source == "checkpoint" and resume.detail.startswith("at=breakpoint from=ram"), resume
+    assert resume.keep == first.breakpoints[0]
+
+
+def test_a_trimmable_kv_takes_no_breakpoint_checkpoints(vocab):
+    cache = make_cache(vocab)
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nq<|im_end|>\n", breakpoints=(5,))
+    assert cache.breakpoints_ahead(req, 0) == []
