@@ -377,7 +377,9 @@ class ContinuationCache:
                 # A branch or an edit: the longest common token prefix still
                 # saves that much prefill.
                 common = min(common_prefix(state.tokens, req.tokens), len(req.tokens) - 1)
-                if common >= MIN_COPY_TOKENS:
+                # Below its floor it cannot serve, and counted as a candidate
+                # it would hide a shorter disk checkpoint that can.
+                if common >= MIN_COPY_TOKENS and common >= state.floor:
                     plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial",
                                      seq=target.seq)
             if plan is not None:

@@ -7,6 +7,13 @@ merged into another turn (Gemma has no system role), so the offset is found
 by its text: the last characters before it, searched in order through the
 rendered prompt. A breakpoint whose text cannot be found is dropped: it only
 ever costs a checkpoint, never a wrong prompt.
+
+With ``implicit`` the end of the instructions and of each leading system or
+developer message is a breakpoint too, declared or not: on a KV that cannot
+be trimmed it is the prefix a new session of the same agent shares (Codex
+and most agents declare none), so without a checkpoint there every new
+session prefills it again. It costs one state capture per distinct prefix
+(the cache skips a position a remembered state already ends at).
 """
 
 from __future__ import annotations
@@ -21,15 +28,25 @@ ANCHOR_CHARS = 160
 
 
 def token_positions(conversation: Conversation, text: str, tokens: list[int],
-                    tokenize: Callable[[str], list[int]]) -> tuple[int, ...]:
+                    tokenize: Callable[[str], list[int]], *, implicit: bool = False) -> tuple[int, ...]:
     """Token positions in ``tokens`` (the tokenized ``text``) where each of the
     conversation's breakpoints ends, ascending, each inside the prompt."""
     anchors: list[str] = []
     if conversation.instructions:
-        anchors += [conversation.instructions[:at] for at in conversation.instructions_breakpoints]
+        ends = conversation.instructions_breakpoints
+        if implicit and len(conversation.instructions) not in ends:
+            ends = (*ends, len(conversation.instructions))
+        anchors += [conversation.instructions[:at] for at in ends]
+    leading = True
     for item in conversation.items:
-        if isinstance(item, Message):
-            anchors += [item.text[:at] for at in item.breakpoints]
+        if not isinstance(item, Message):
+            leading = False
+            continue
+        at_ends = item.breakpoints
+        leading = leading and item.role in ("system", "developer")
+        if implicit and leading and len(item.text) not in at_ends:
+            at_ends = (*at_ends, len(item.text))
+        anchors += [item.text[:at] for at in at_ends]
     positions: list[int] = []
     start = 0
     for before in anchors:

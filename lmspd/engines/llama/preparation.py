@@ -165,8 +165,10 @@ class Preparation:
             needs_reasoning_state=self._needs_reasoning_state(conversation),
         )
         if not self.cache.trimmable:
-            # A trimmable KV is cut back to any breakpoint; this one keeps an exact state there.
-            prepared.breakpoints = breakpoints.token_positions(conversation, text, tokens, self.vocab.tokenize)
+            # A trimmable KV is cut back to any breakpoint; this one keeps an
+            # exact state there, and at the end of the instructions.
+            prepared.breakpoints = breakpoints.token_positions(conversation, text, tokens, self.vocab.tokenize,
+                                                               implicit=True)
         names = [t.name for t in conversation.tools]
         prepared.tool_order = tuple(sorted(names) if self.repairs.canonical_tool_order else names)
         self._constrain(prepared)

@@ -97,3 +97,20 @@ def test_a_trimmable_kv_takes_no_breakpoint_checkpoints(vocab):
     cache = make_cache(vocab)
     req = request(cache, INSTRUCTIONS + "<|im_start|>user\nq<|im_end|>\n", breakpoints=(5,))
     assert cache.breakpoints_ahead(req, 0) == []
+
+
+def test_implicit_breakpoints_end_the_instructions_and_the_leading_developer_messages(vocab):
+    tok = make_cache(vocab).ops.tokenize
+    rules = "You are a coding agent. Follow the repository's conventions."
+    env = "The working directory is /src. The shell is bash."
+    conv = Conversation(model="m", instructions=rules,
+                        items=[Message("developer", env), Message("user", "Fix the bug."),
+                               Message("developer", "Later notes are not a shared prefix.")])
+    text = (f"<|im_start|>system\n{rules}\n\n{env}<|im_end|>\n<|im_start|>user\nFix the bug.<|im_end|>\n"
+            "<|im_start|>system\nLater notes are not a shared prefix.<|im_end|>\n")
+    tokens = tok(text)
+    # Declared only: none here.
+    assert token_positions(conv, text, tokens, tok) == ()
+    ends = token_positions(conv, text, tokens, tok, implicit=True)
+    assert [tokens[:p] for p in ends] == [tok(f"<|im_start|>system\n{rules}"),
+                                          tok(f"<|im_start|>system\n{rules}\n\n{env}")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRequest
 from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
@@ -33,6 +34,24 @@ def test_partial_prefix_below_the_floor_is_not_cut(vocab):
     assert plan.source == "cold", plan
     report = cache.diagnose(req, plan)
     assert report.miss_reason == "checkpoint_missing" and report.divergence_token == report.longest_prefix > 64
+
+
+def test_a_ram_state_below_its_floor_does_not_hide_a_disk_checkpoint_of_the_shared_prefix(vocab, tmp_path):
+    """After a restart a new session of the same agent shares the
+    instructions with a remembered conversation that diverges later: the RAM
+    state cannot be cut there, the disk checkpoint at the end of the
+    instructions can (it used to lose to the longer, unusable prefix)."""
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=1, floors={0: 10**6}, disk=disk)
+    _, text = conversation("a long document " * 20)
+    tok = cache.ops.tokenize
+    head = tok(INSTRUCTIONS)
+    disk.save(SessionState(tokens=head, kv_text=INSTRUCTIONS, owner="local", kv=b"head", floor=len(head)))
+    tokens = tok(text)
+    cache._remember_in_ram(SessionState(tokens=tokens, kv_text=text, owner="local", kv=b"conv", floor=len(tokens) - 4))
+    _, edited = conversation("an edited document " * 20)
+    plan = cache.plan(CacheRequest(text=edited, tokens=tok(edited), items=[]))
+    assert plan.source == "disk" and plan.keep == len(head) and plan.restore.kv == b"head", plan
 
 
 def test_within_the_floor_the_state_is_cut(vocab):
