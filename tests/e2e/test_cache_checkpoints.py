@@ -165,22 +165,44 @@ def test_far_edit_with_no_checkpoint_before_it_is_checkpoint_missing(gemma):
 
 
 def test_a_request_diverging_right_after_a_client_breakpoint_resumes_from_it(gemma):
-    """``prompt_cache_breakpoint`` on the developer prompt's content part: the
-    first request's prefill stops there for an exact-state checkpoint, so a
-    second request that shares only that prompt (another question) restores
-    it and prefills only what follows. Without it the first state, whose long
-    question follows the breakpoint by more than a window, cannot be cut
-    back there and the second request would be a cold prefill."""
+    """``prompt_cache_breakpoint`` on the first content part of the developer
+    prompt: the first request's prefill stops there for an exact-state
+    checkpoint, so a second request whose developer prompt differs after that
+    part restores it and prefills only what follows. Without it the first
+    state, whose long question follows the breakpoint by more than a window,
+    cannot be cut back there (and the developer prompt's own end, an implicit
+    checkpoint, is not shared), so the second request would be a cold prefill."""
     notes = "Answer from these notes. " + document("Ivo", 40)
-    instructions = {"type": "message", "role": "developer", "content": [
-        {"type": "input_text", "text": notes, "prompt_cache_breakpoint": {"mode": "explicit"}}]}
-    first = post(gemma, {"input": [instructions, user(document("Jo", 110) + " Which animal crossed river 7?")],
+
+    def developer(style):
+        return {"type": "message", "role": "developer", "content": [
+            {"type": "input_text", "text": notes, "prompt_cache_breakpoint": {"mode": "explicit"}},
+            {"type": "input_text", "text": f" Answer {style}."}]}
+
+    first = post(gemma, {"input": [developer("tersely"), user(document("Jo", 110) + " Which animal crossed river 7?")],
                          "max_output_tokens": 2})
-    second = post(gemma, {"input": [instructions, user("Name every colour in the notes, please.")],
+    second = post(gemma, {"input": [developer("in one word"), user("Name every colour in the notes, please.")],
                           "max_output_tokens": 2})
     line = cache_line(gemma, second["id"])
     assert line["source"] == "checkpoint" and "at=breakpoint" in line["detail"], line
-    # Everything up to the breakpoint came from the checkpoint: only the
-    # question (and the turn's markup) was prefilled.
+    # Everything up to the breakpoint came from the checkpoint: only the rest
+    # of the developer prompt, the question and the turn's markup were prefilled.
+    assert line["reused"] >= 400 and line["prefilled"] < 40, line
+    assert first["usage"]["input_tokens"] > line["reused"] + 1024
+
+
+def test_a_new_session_sharing_only_the_developer_prompt_resumes_from_its_end(gemma):
+    """No breakpoint declared (Codex and most agents declare none): the end of
+    the developer prompt is an implicit checkpoint on a non-trimmable KV, so a
+    second session with the same developer prompt and another question
+    prefills only its question, though the first state cannot be cut back."""
+    developer = {"type": "message", "role": "developer", "content": [
+        {"type": "input_text", "text": "Answer from these notes. " + document("Una", 40)}]}
+    first = post(gemma, {"input": [developer, user(document("Kai", 110) + " Which animal crossed river 14?")],
+                         "max_output_tokens": 2})
+    second = post(gemma, {"input": [developer, user("Name every animal in the notes, please.")],
+                          "max_output_tokens": 2})
+    line = cache_line(gemma, second["id"])
+    assert line["source"] == "checkpoint" and "at=breakpoint" in line["detail"], line
     assert line["reused"] >= 400 and line["prefilled"] < 30, line
     assert first["usage"]["input_tokens"] > line["reused"] + 1024
