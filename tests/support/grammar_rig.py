@@ -23,6 +23,34 @@ def model_path() -> str:
     return str(Path(spec.submodule_search_locations[0]) / MODEL_FILE)
 
 
+def vocab_only_preparation():
+    """The engine's ``Preparation`` over the bundled model's real template and
+    vocabulary, loaded vocab-only (no context: rendering, tokenizing and
+    grammar compiling only)."""
+    import llama_cpp
+    from llama_cpp import _internals as internals
+
+    from lmspd.cache.manager import ContinuationCache, KvOps
+    from lmspd.core.limits import DEFAULT_LIMITS
+    from lmspd.engines.llama.preparation import Preparation
+    from lmspd.engines.llama.reasoning import ReasoningSyntax
+    from lmspd.engines.llama.template import ChatTemplate
+    from lmspd.engines.llama.tool_formats import detect_tool_format
+    from lmspd.engines.llama.vocab import Vocabulary
+
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = internals.LlamaModel(path_model=model_path(), params=params, verbose=False)
+    vocab = Vocabulary(model)
+    source = model.metadata()["tokenizer.chat_template"]
+    template = ChatTemplate(source, bos_token="", eos_token="")
+    ops = KvOps(capture=lambda s: b"", restore=lambda s, d: True, copy=lambda a, b, n: None,
+                trim=lambda s, k: None, tokenize=vocab.tokenize, detokenize=vocab.detokenize, n_ctx=1024)
+    return Preparation(model_id="m", vocab=vocab, template=template, tool_format=detect_tool_format(source),
+                       reasoning=ReasoningSyntax.detect(template), cache=ContinuationCache(ops), n_ctx=1024,
+                       limits=DEFAULT_LIMITS.request, sealer=None)
+
+
 class GrammarRig:
     def __init__(self) -> None:
         import llama_cpp

