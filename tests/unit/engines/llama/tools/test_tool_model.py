@@ -70,3 +70,27 @@ def test_structured_output_validates(model) -> None:
     prompt = chatml("Reply in JSON.", "Describe a person called Ada, aged 36.")
     text = generate(model, prompt, json_schema_grammar(schema), 80)
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_the_vocabulary_is_masked_only_on_a_rejection(model, monkeypatch) -> None:
+    """Grammar-first rejection: an allowed first try costs what free
+    sampling costs (llama.cpp's own sample call); the Python-side fill of
+    the whole candidate array, with the grammar's mask, runs only for a
+    token the grammar refused."""
+    from lmspd.engines.llama.sampling import GrammarFirstRejection
+
+    picks: list[bool] = []
+    made: list[GrammarFirstRejection] = []
+    pick, init = GrammarFirstRejection._pick, GrammarFirstRejection.__init__
+    monkeypatch.setattr(GrammarFirstRejection, "_pick",
+                        lambda self, logits, allowed=None: picks.append(allowed is not None) or pick(self, logits, allowed))
+    monkeypatch.setattr(GrammarFirstRejection, "__init__",
+                        lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    text = generate(model, chatml("You are a poet.", "Write a poem about the sea."), json_schema_grammar(schema), 40)
+    assert json.loads(text)["city"] in ("Paris", "Rome")
+    [sampler] = made
+    # The model wants prose: the grammar refuses at least its first token.
+    assert sampler.rejections >= 1
+    assert picks == [True] * sampler.rejections
