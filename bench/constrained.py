@@ -29,7 +29,9 @@ Rounds interleave the modes and the two sides (the order rotates each
 round) so that drift in the machine's load hits all alike. Reported per
 side and mode: median decode tokens/s (output tokens over the time after
 prefill) and the ratio to the same side's ``free``, paired per round
-(median and p25-p75): the numbers to quote. Then fresh grammar compile
+(median and p25-p75); then the same ratio from CPU time (every thread's
+CPU per output token, the prefill batches left out), which a shared,
+loaded machine disturbs far less than wall time: the numbers to quote. Then fresh grammar compile
 time: median ``prepare`` ms (render, tokenize, build and compile the
 grammar; a grammar no cache has seen each time) for Codex's apply_patch
 tool and a 50-property schema, minus the median ``prepare`` ms of ``free``;
@@ -150,6 +152,30 @@ def worker(root: Path, threads: int, ctx: int) -> int:
     from lmspd.engines.base import CancelToken
     from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
 
+    # CPU time is what the sampler path costs, and on a shared machine it is
+    # far steadier than wall time: count every thread's CPU over a
+    # generation, less the process CPU spent inside the prefill batches'
+    # decode calls (prefill may use more threads than decoding).
+    import llama_cpp
+    from llama_cpp import llama_cpp as bindings
+
+    prefill_cpu, decode_cpu = [0.0], [0.0]
+    real_decode = bindings.llama_decode
+
+    def timed_decode(ctx: Any, batch: Any) -> int:
+        start = time.process_time()
+        try:
+            return real_decode(ctx, batch)
+        finally:
+            spent = time.process_time() - start
+            if batch.n_tokens > 1:
+                prefill_cpu[0] += spent
+            else:
+                decode_cpu[0] += spent
+
+    # Both names: the package re-exports the binding, and code calls either.
+    bindings.llama_decode = llama_cpp.llama_decode = timed_decode
+
     import lmspd
     assert Path(lmspd.__file__).resolve().is_relative_to(root.resolve()), lmspd.__file__
     engine = LlamaEngine("bench", bundled_model_path(), n_ctx=ctx, n_threads=threads,
@@ -171,14 +197,20 @@ def worker(root: Path, threads: int, ctx: int) -> int:
             async def collect() -> list[Any]:
                 return [e async for e in engine.generate(prepared, CancelToken())]
 
+            cpu0, prefill0, forward0 = time.process_time(), prefill_cpu[0], decode_cpu[0]
             events = loop.run_until_complete(collect())
             t2 = time.perf_counter()
+            cpu = time.process_time() - cpu0 - (prefill_cpu[0] - prefill0)
+            forward = decode_cpu[0] - forward0
             stats = engine.stats_
             decode_s = (t2 - t1) - stats.last_prefill_ms / 1000
             tokens = stats.last_output_tokens
             last = events[-1]
             out.update(decode_s=decode_s, output_tokens=tokens,
                        tps=(tokens / decode_s) if decode_s > 0 and tokens else None,
+                       cpu_ms=(cpu * 1000 / tokens) if tokens else None,
+                       # Everything but the forward passes: sampling, grammar, parsing, events.
+                       host_ms=((cpu - forward) * 1000 / tokens) if tokens else None,
                        end=getattr(last, "reason", None) or getattr(last, "code", None),
                        calls=sum(1 for e in events if type(e).__name__ == "ToolCallDone"),
                        text=engine.detokenize(engine.last_output_token_ids())[:80])
@@ -264,6 +296,36 @@ def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
         print(row + f"   {lengths[0]} / {lengths[1]}", flush=True)
     for line in short:
         print(f"  ended before {tokens} tokens (left out of the ratios): {line}", flush=True)
+    print(f"{'':<6}" + "".join(f"{s + ' cpu ms/tok':>16}{s + ' vs free':>13}{'p25-p75':>12}" for s in ("old", "new"))
+          + "   (all threads' CPU per output token, prefill batches left out;"
+          " 'vs free' = free's CPU / this mode's: the same speed ratio, steadier than wall time)")
+    for mode in MODES:
+        row = f"{mode:<6}"
+        for name in ("old", "new"):
+            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
+            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
+            ratios = [free[s["round"]]["cpu_ms"] / s["cpu_ms"] for s in mine
+                      if s.get("cpu_ms") and s["round"] in free and free[s["round"]].get("cpu_ms")
+                      and s["output_tokens"] == free[s["round"]]["output_tokens"] == tokens]
+            row += (f"{fmt(median([s.get('cpu_ms') for s in mine]), '{:.2f}'):>16}"
+                    f"{fmt(median(ratios), '{:.3f}x'):>13}{quartiles(ratios):>12}")
+        print(row, flush=True)
+    # What the sampler path itself adds, free of the forward passes' noise:
+    # each mode's CPU outside llama_decode per token, and the speed ratio it
+    # implies against free at free's median forward-pass cost.
+    print(f"{'':<6}" + "".join(f"{s + ' host ms/tok':>16}{s + ' implied':>13}" for s in ("old", "new"))
+          + "   (CPU per output token outside llama_decode; implied = (fwd + free host) / (fwd + this host),"
+          " fwd = free's median forward-pass CPU per token)")
+    for mode in MODES:
+        row = f"{mode:<6}"
+        for name in ("old", "new"):
+            mine = [s.get("host_ms") for s in samples if s["side"] == name and s["mode"] == mode]
+            free = [s for s in samples if s["side"] == name and s["mode"] == "free" and s.get("host_ms") is not None]
+            host, free_host = median(mine), median([s["host_ms"] for s in free])
+            fwd = median([s["cpu_ms"] - s["host_ms"] for s in free])
+            implied = (fwd + free_host) / (fwd + host) if None not in (host, free_host, fwd) else None
+            row += f"{fmt(host, '{:.3f}'):>16}{fmt(implied, '{:.3f}x'):>13}"
+        print(row, flush=True)
 
 
 def report_compile(compile_ms: dict[tuple[str, str], list[float]], own: dict[str, list[dict[str, Any]]]) -> None:

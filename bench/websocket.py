@@ -8,11 +8,15 @@ bytes the client sent, and where the engine's prefix came from
 (``cache_source`` from ``/health``). Both loops use ``store: false``,
 temperature 0 and the same instructions; each turn's new input is a user
 message carrying a simulated tool result (~130 tokens), so that the
-history grows as an agent's does. The loops run one after the other
-(HTTP first unless ``--ws-first``), each on its own conversation, so that
-neither evicts the other's KV state mid-loop.
+history grows as an agent's does. The two loops take turns (turn k of
+one, then turn k of the other; which goes first alternates), each on its
+own conversation and KV sequence, so that neither evicts the other's state
+and both see the same load at the same turn. ``--repeat N`` runs the pair
+N times on fresh conversations and compares per-turn medians: one run's
+single TTFT per turn is at the mercy of a shared machine.
 
-    .venv/bin/python bench/websocket.py            # 12 turns
+    .venv/bin/python bench/websocket.py                 # 12 turns, once
+    .venv/bin/python bench/websocket.py --repeat 3      # per-turn medians of 3
     .venv/bin/python bench/websocket.py --turns 6 --max-output 8
 """
 
@@ -25,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 from websockets.sync.client import connect
@@ -53,11 +57,11 @@ def health(client: httpx.Client, model: str) -> dict[str, Any]:
     return client.get("/health").json()["models"][model]
 
 
-def http_loop(client: httpx.Client, model: str, turns: int, max_output: int) -> list[dict[str, Any]]:
+def http_loop(client: httpx.Client, model: str, turns: int, max_output: int,
+              name: str = "http") -> Iterator[dict[str, Any]]:
     history: list[dict[str, Any]] = []
-    rows = []
     for turn in range(1, turns + 1):
-        history.append({"role": "user", "content": tool_result("http", turn)})
+        history.append({"role": "user", "content": tool_result(name, turn)})
         body = json.dumps({**request(model, history, max_output), "stream": True}).encode()
         started = time.perf_counter()
         ttft = None
@@ -65,7 +69,7 @@ def http_loop(client: httpx.Client, model: str, turns: int, max_output: int) -> 
         with client.stream("POST", "/v1/responses", content=body,
                            headers={"Content-Type": "application/json"}) as r:
             r.raise_for_status()
-            for event, data in iter_sse(r.iter_lines()):
+            for _event, data in iter_sse(r.iter_lines()):
                 if data == "[DONE]":
                     break
                 ev = json.loads(data)
@@ -75,17 +79,17 @@ def http_loop(client: httpx.Client, model: str, turns: int, max_output: int) -> 
                     final = ev["response"]
         assert final is not None and final["status"] != "failed", final
         history += final["output"]
-        rows.append(_row(turn, ttft, len(body), final, health(client, model)))
-        print("http", json.dumps(rows[-1]), flush=True)
-    return rows
+        row = _row(turn, ttft, len(body), final, health(client, model))
+        print(name, json.dumps(row), flush=True)
+        yield row
 
 
-def ws_loop(url: str, client: httpx.Client, model: str, turns: int, max_output: int) -> list[dict[str, Any]]:
-    rows = []
+def ws_loop(url: str, client: httpx.Client, model: str, turns: int, max_output: int,
+            name: str = "ws") -> Iterator[dict[str, Any]]:
     previous = None
     with connect(url.replace("http://", "ws://", 1) + "/v1/responses", max_size=2**24) as ws:
         for turn in range(1, turns + 1):
-            new = [{"role": "user", "content": tool_result("ws", turn)}]
+            new = [{"role": "user", "content": tool_result(name, turn)}]
             extra = {"previous_response_id": previous} if previous else {}
             frame = json.dumps({"type": "response.create", **request(model, new, max_output, **extra)})
             started = time.perf_counter()
@@ -102,9 +106,9 @@ def ws_loop(url: str, client: httpx.Client, model: str, turns: int, max_output: 
                     break
             assert final["status"] != "failed", final
             previous = final["id"]
-            rows.append(_row(turn, ttft, len(frame.encode()), final, health(client, model)))
-            print("ws", json.dumps(rows[-1]), flush=True)
-    return rows
+            row = _row(turn, ttft, len(frame.encode()), final, health(client, model))
+            print(name, json.dumps(row), flush=True)
+            yield row
 
 
 def _row(turn: int, ttft: float | None, sent: int, final: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
@@ -120,40 +124,63 @@ def main() -> int:
     parser.add_argument("--max-output", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--ws-first", action="store_true", help="run the WebSocket loop first")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run both loops this many times (fresh conversations) and compare per-turn medians")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
     args = parser.parse_args()
 
     data_dir = Path(tempfile.mkdtemp(prefix="lmspd-bench-ws-"))
     server = lmspd_server(None, args.ctx, args.threads, data_dir, data_dir / "server.log").start()
+    runs: list[dict[str, list[dict[str, Any]]]] = []
     try:
         with httpx.Client(base_url=server.url, timeout=600) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             # Warm-up: load pages, compile graphs; not measured.
             client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
-            order = ["ws", "http"] if args.ws_first else ["http", "ws"]
-            results: dict[str, list[dict[str, Any]]] = {}
-            for name in order:
-                results[name] = (ws_loop(server.url, client, model, args.turns, args.max_output) if name == "ws"
-                                 else http_loop(client, model, args.turns, args.max_output))
+            for r in range(args.repeat):
+                # The two loops take turns, each on its own conversation and
+                # sequence (neither evicts the other's state), so that turn k
+                # of both runs under the same load; which goes first alternates.
+                loops = {"http": http_loop(client, model, args.turns, args.max_output, f"http{r}"),
+                         "ws": ws_loop(server.url, client, model, args.turns, args.max_output, f"ws{r}")}
+                rows: dict[str, list[dict[str, Any]]] = {"http": [], "ws": []}
+                for turn in range(args.turns):
+                    for name in (("http", "ws") if (turn + r) % 2 == 0 else ("ws", "http")):
+                        rows[name].append(next(loops[name]))
+                for loop in loops.values():
+                    loop.close()
+                runs.append(rows)
     finally:
         server.stop()
-    _print(results["http"], results["ws"])
+    _print(_median_rows([run["http"] for run in runs]), _median_rows([run["ws"] for run in runs]), len(runs))
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(runs, indent=2))
     return 0
+
+
+def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Turn by turn, the median TTFT over the runs (the other columns are the
+    same in every run)."""
+    merged = []
+    for rows in zip(*runs, strict=True):
+        ttfts = [r["ttft_ms"] for r in rows if r["ttft_ms"] is not None]
+        merged.append({**rows[0], "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                       "ttft_all": [r["ttft_ms"] for r in rows]})
+    return merged
 
 
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]]) -> None:
+def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]], repeats: int) -> None:
+    if repeats > 1:
+        print(f"TTFT: median of {repeats} runs per turn")
     print("turn | HTTP TTFT ms | WS TTFT ms | WS/HTTP | HTTP sent B | WS sent B | HTTP cache (cached/input) | "
           "WS cache (cached/input)")
     print("---|---|---|---|---|---|---|---")
     ratios = []
-    for h, w in zip(http, ws):
+    for h, w in zip(http, ws, strict=True):
         ratio = w["ttft_ms"] / h["ttft_ms"] if h["ttft_ms"] and w["ttft_ms"] else None
         if ratio is not None:
             ratios.append(ratio)
