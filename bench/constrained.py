@@ -145,19 +145,18 @@ def worker(root: Path, threads: int, ctx: int) -> int:
     sys.path.insert(0, str(HERE))
     import asyncio
 
-    from _common import bundled_model_path
-
-    from lmspd.core.limits import DEFAULT_LIMITS
-    from lmspd.dialects.openai_responses import decode_request
-    from lmspd.engines.base import CancelToken
-    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
-
     # CPU time is what the sampler path costs, and on a shared machine it is
     # far steadier than wall time: count every thread's CPU over a
     # generation, less the process CPU spent inside the prefill batches'
     # decode calls (prefill may use more threads than decoding).
     import llama_cpp
+    from _common import bundled_model_path
     from llama_cpp import llama_cpp as bindings
+
+    from lmspd.core.limits import DEFAULT_LIMITS
+    from lmspd.dialects.openai_responses import decode_request
+    from lmspd.engines.base import CancelToken
+    from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
 
     prefill_cpu, decode_cpu = [0.0], [0.0]
     real_decode = bindings.llama_decode
@@ -194,7 +193,7 @@ def worker(root: Path, threads: int, ctx: int) -> int:
         if compiler is not None and compiles is not None:  # this checkout: llguidance's own numbers
             out.update(matchers=compiler.compiles - compiles, compile_ms=compiler.last_compile_ms)
         if not mode.startswith("compile"):
-            async def collect() -> list[Any]:
+            async def collect(prepared: Any = prepared) -> list[Any]:
                 return [e async for e in engine.generate(prepared, CancelToken())]
 
             cpu0, prefill0, forward0 = time.process_time(), prefill_cpu[0], decode_cpu[0]

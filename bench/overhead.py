@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     Sample,
     bundled_model_path,
-    with_cpu,
     lmspd_server,
     paired,
     stream_chat_completions,
     stream_responses,
     summarize,
+    with_cpu,
     xllamacpp_server,
 )
 
@@ -256,7 +256,7 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
                  for attr in ("ttft_ms", "prefill_ms", "ttft_minus_prefill_ms", "decode_tps", "tail_ms", "total_ms",
                               "cpu_ms", "wait_ms")}
 
-        def values(attr: str) -> str:
+        def values(attr: str, mine: list[Sample] = mine) -> str:
             return "/".join(map(str, sorted({getattr(s, attr) for s in mine if getattr(s, attr) is not None}))) or "?"
 
         label = name + (" (chat)" if name == XLLAMA and meta.get("xllamacpp_endpoint") == "chat" else "")

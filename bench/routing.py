@@ -192,7 +192,7 @@ def run_policy(policy: str, args: argparse.Namespace, model: Path, workdir: Path
         samples: list[Sample] = []
         with httpx.Client(timeout=300) as client, ThreadPoolExecutor(len(sessions)) as pool:
             for turn in range(1, args.turns + 1):
-                samples += pool.map(lambda s: s.send(client, lmspd.url, turn, args.reply_tokens), sessions)
+                samples += pool.map(lambda s, turn=turn: s.send(client, lmspd.url, turn, args.reply_tokens), sessions)
                 print(f"  {policy}: round {turn}/{args.turns} done", file=sys.stderr, flush=True)
             routing = client.get(lmspd.url + "/health").json()["models"][MODEL]["routing"]
         for s in samples:

@@ -162,7 +162,7 @@ def main() -> int:
 
     print(f"\n{args.tasks} concurrent tasks x {args.events} events (+1 terminal) per case; "
           "fan-out = a reader per task on another store instance (PostgreSQL) / the same process (SQLite)\n")
-    print(f"| backend | events/txn | events | appended ev/s | fanned out ev/s | delivery p50 ms | p99 ms |")
+    print("| backend | events/txn | events | appended ev/s | fanned out ev/s | delivery p50 ms | p99 ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, batch, r in rows:
         print(f"| {name} | {batch} | {r['events']} | {r['append_per_s']:.0f} | {r['fanout_per_s']:.0f} | "
