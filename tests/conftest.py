@@ -4,7 +4,16 @@ import sys
 
 import httpx
 import pytest
-from support.server import ALICE, BOB, ServerProcess
+from support.server import ALICE, BOB, LAUNCHES, ServerProcess
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many model-loading ``lmspd serve`` processes this run started:
+    the number that keeps the suite's wall time down (share one where the
+    test allows it)."""
+    if LAUNCHES:
+        terminalreporter.write_line(f"lmspd serve processes started: {len(LAUNCHES)} "
+                                    f"({len(set(LAUNCHES))} distinct flag sets)")
 
 
 @pytest.fixture(scope="session")

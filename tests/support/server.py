@@ -25,7 +25,12 @@ URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
 LAUNCH_LOG_ENV = "LMSPD_TEST_SERVER_LOG"
 
 
+# Every launch in this pytest process (the terminal summary prints the count).
+LAUNCHES: list[tuple[str, ...]] = []
+
+
 def _log_launch(args: list[str]) -> None:
+    LAUNCHES.append(tuple(args))
     path = os.environ.get(LAUNCH_LOG_ENV)
     if not path:
         return
