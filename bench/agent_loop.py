@@ -212,7 +212,7 @@ class Counter:
 
         self._decode = lambda body: openai_responses.decode_request(dict(body), DEFAULT_LIMITS.request).conversation
         self.engine = LlamaEngine(MODEL_ID, model or bundled_model_path(), n_ctx=256, n_threads=1,
-                                  n_batch=N_BATCH, cache=CacheSettings(enabled=False))
+                                  n_batch=N_BATCH, cache=CacheSettings(enabled=False), grammars_at_start=False)
         llm = getattr(self.engine, "_model", None)  # the engine's llama model
         try:
             self.eog_text: str | None = self.engine.detokenize([llm.token_eos()]) if llm is not None else None

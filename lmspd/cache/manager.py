@@ -130,8 +130,8 @@ class KvOps:
     """The engine's KV operations by sequence id (the engine owns the KV;
     the cache only decides)."""
 
-    capture: Callable[[int], bytes]
-    restore: Callable[[int, bytes], bool]
+    capture: Callable[[int], bytes | bytearray]
+    restore: Callable[[int, bytes | bytearray], bool]
     copy: Callable[[int, int, int], None]  # src, dst, n_tokens
     trim: Callable[[int, int], None]  # seq, keep
     tokenize: Callable[[str], list[int]]
@@ -229,6 +229,27 @@ class ContinuationCache:
             if call_ids and call_ids <= state.call_ids:
                 return state
         return None
+
+    def prefetch(self, req: CacheRequest) -> None:
+        """Read the disk checkpoint ``req`` will most likely restore, here
+        (the request's prepare thread) rather than on the scheduler thread
+        while it plans, where every running sequence would wait for the
+        read and its checksum. A guess from the snapshot: nothing resident
+        or in RAM continues the request, a checkpoint's key starts its text
+        (or shares the longest token prefix). ``plan`` takes the read from
+        ``DiskCheckpoints.load``; a guess it does not use is dropped."""
+        disk = self.disk
+        if disk is None or not self.enabled or not req.reuse:
+            return
+        if any(self._continues(req, s) for s in self.states(req.owner)):
+            return
+        hit = disk.best_match(req.text, req.owner, req.previous_response_id)
+        if hit is not None:
+            disk.prefetch(hit[0])
+            return
+        shared = disk.longest_common(req.tokens, req.owner)
+        if shared is not None and shared[1] >= MIN_COPY_TOKENS:
+            disk.prefetch(shared[0])
 
     def _publish(self) -> None:
         resident = [r.state for r in sorted(self.residents, key=lambda r: -r.last_used) if r.state is not None]
