@@ -1,7 +1,8 @@
 """Client-declared cache breakpoints -> token positions in a rendered prompt.
 
-A breakpoint is an offset in a message's text (or the instructions) where a
-client said a reusable prefix ends (``lmspd.core.conversation.Message.breakpoints``).
+A breakpoint is an offset in a message's text, a tool output or the
+instructions where a client said a reusable prefix ends
+(``lmspd.core.conversation.Message.breakpoints``, ``ToolOutput.breakpoints``).
 The chat template puts that text somewhere in the prompt, maybe trimmed, maybe
 merged into another turn (Gemma has no system role), so the offset is found
 by its text: the last characters before it, searched in order through the
@@ -14,6 +15,11 @@ be trimmed it is the prefix a new session of the same agent shares (Codex
 and most agents declare none), so without a checkpoint there every new
 session prefills it again. It costs one state capture per distinct prefix
 (the cache skips a position a remembered state already ends at).
+
+A breakpoint on the tool list (``Conversation.tools_breakpoint``) is not in
+any item's text: the caller renders where the tool definitions end
+(``tools_end``, a prefix of the prompt's text) and it becomes a position
+like the others.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ from __future__ import annotations
 from typing import Callable
 
 from lmspd.cache.state import common_prefix
-from lmspd.core.conversation import Conversation, Message
+from lmspd.core.conversation import Conversation, Message, ToolOutput
 
 # Characters before a breakpoint that locate it in the prompt.
 ANCHOR_CHARS = 160
 
 
 def token_positions(conversation: Conversation, text: str, tokens: list[int],
-                    tokenize: Callable[[str], list[int]], *, implicit: bool = False) -> tuple[int, ...]:
+                    tokenize: Callable[[str], list[int]], *, implicit: bool = False,
+                    tools_end: int | None = None) -> tuple[int, ...]:
     """Token positions in ``tokens`` (the tokenized ``text``) where each of the
-    conversation's breakpoints ends, ascending, each inside the prompt."""
+    conversation's breakpoints ends, ascending, each inside the prompt;
+    ``tools_end``: the character offset in ``text`` where the rendered tool
+    definitions end, for a breakpoint on the tool list."""
     anchors: list[str] = []
     if conversation.instructions:
         ends = conversation.instructions_breakpoints
@@ -39,6 +48,8 @@ def token_positions(conversation: Conversation, text: str, tokens: list[int],
         anchors += [conversation.instructions[:at] for at in ends]
     leading = True
     for item in conversation.items:
+        if isinstance(item, ToolOutput):
+            anchors += [item.output[:at] for at in item.breakpoints]
         if not isinstance(item, Message):
             leading = False
             continue
@@ -49,6 +60,14 @@ def token_positions(conversation: Conversation, text: str, tokens: list[int],
         anchors += [item.text[:at] for at in at_ends]
     positions: list[int] = []
     start = 0
+
+    def add(end: int) -> None:
+        # The prefix tokenized on its own may end on another BPE boundary:
+        # the position is where it still agrees with the prompt's tokens.
+        pos = common_prefix(tokenize(text[:end]), tokens)
+        if 0 < pos < len(tokens) and pos not in positions:
+            positions.append(pos)
+
     for before in anchors:
         anchor = before.strip()[-ANCHOR_CHARS:]
         if not anchor:
@@ -57,9 +76,7 @@ def token_positions(conversation: Conversation, text: str, tokens: list[int],
         if found < 0:
             continue
         start = found + len(anchor)
-        # The prefix tokenized on its own may end on another BPE boundary:
-        # the position is where it still agrees with the prompt's tokens.
-        pos = common_prefix(tokenize(text[:start]), tokens)
-        if 0 < pos < len(tokens) and (not positions or pos > positions[-1]):
-            positions.append(pos)
-    return tuple(positions)
+        add(start)
+    if tools_end:
+        add(tools_end)
+    return tuple(sorted(positions))
