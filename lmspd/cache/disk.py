@@ -27,8 +27,10 @@ log = logging.getLogger("lmspd.cache")
 MAGIC = b"LMSPDKV1"
 SUFFIX = ".kv"
 _DIGEST = 32  # SHA-256 over header and payload, at the end of the file
-# Checkpoints read ahead of their restore, and for how long one is kept.
+# Checkpoints read ahead of their restore: how many, how many bytes in all,
+# and for how long one is kept.
 READ_AHEAD = 2
+READ_AHEAD_BYTES = 512 << 20
 READ_AHEAD_S = 60.0
 
 
@@ -121,7 +123,7 @@ class DiskCheckpoints:
     def prefetch(self, cp: Checkpoint) -> None:
         """Read and verify ``cp`` now (a thread other than the scheduler's),
         for the ``load`` that is likely to follow. At most ``READ_AHEAD``
-        reads are kept, none longer than ``READ_AHEAD_S``."""
+        reads (``READ_AHEAD_BYTES``) are kept, none longer than ``READ_AHEAD_S``."""
         name = cp.path.stem
         with self._lock:
             self._expire_read_ahead()
@@ -132,11 +134,14 @@ class DiskCheckpoints:
             with self._lock:
                 self._index.pop(name, None)
             return
+        if len(header_payload[1]) > READ_AHEAD_BYTES:
+            return  # too big to hold beside the RAM budget: the restore reads it
         with self._lock:
             if name not in self._index:
                 return  # evicted meanwhile
             self._read_ahead[name] = (time.monotonic(), *header_payload)
-            while len(self._read_ahead) > READ_AHEAD:
+            while (len(self._read_ahead) > READ_AHEAD
+                   or sum(len(p) for _, _, p in self._read_ahead.values()) > READ_AHEAD_BYTES):
                 self._read_ahead.popitem(last=False)
 
     def _expire_read_ahead(self) -> None:

@@ -124,3 +124,17 @@ def test_read_ahead_is_bounded_and_forgets_evicted_checkpoints(tmp_path, monkeyp
     monkeypatch.setattr(disk_module, "READ_AHEAD_S", -1.0)
     disk.prefetch(disk.best_match("d", "local")[0])  # expires every older read ahead
     assert len(disk._read_ahead) == 1
+
+
+def test_a_read_ahead_too_big_to_hold_is_not_kept(tmp_path, monkeypatch):
+    import lmspd.cache.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "READ_AHEAD_BYTES", 1000)
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    disk.save(state("big", 3, b"x" * 1001))
+    disk.save(state("small", 5, b"y" * 600))
+    disk.prefetch(disk.best_match("big", "local")[0])
+    assert not disk._read_ahead
+    disk.prefetch(disk.best_match("small", "local")[0])
+    assert len(disk._read_ahead) == 1
+    assert disk.load(disk.best_match("big", "local")[0]).kv == b"x" * 1001  # read when restored
