@@ -14,7 +14,12 @@ developer message is a breakpoint too, declared or not: on a KV that cannot
 be trimmed it is the prefix a new session of the same agent shares (Codex
 and most agents declare none), so without a checkpoint there every new
 session prefills it again. It costs one state capture per distinct prefix
-(the cache skips a position a remembered state already ends at).
+(the cache skips a position a remembered state already ends at). So is the
+end of the item before a closing user message (a tool output, an assistant
+or user message): where an edit of that message, a branch, diverges. A
+turn that continues its state in place has that item in the KV already and
+captures nothing there; one that prefills it (a follow-up after a tool
+output) stops there once.
 
 A breakpoint on the tool list (``Conversation.tools_breakpoint``) is not in
 any item's text: the caller renders where the tool definitions end
@@ -46,16 +51,23 @@ def token_positions(conversation: Conversation, text: str, tokens: list[int],
         if implicit and len(conversation.instructions) not in ends:
             ends = (*ends, len(conversation.instructions))
         anchors += [conversation.instructions[:at] for at in ends]
+    items = conversation.items
+    # The item before a closing user message: where an edit of that message
+    # (a branch) diverges, implicit on a non-trimmable KV.
+    before_last = len(items) - 2 if implicit and len(items) >= 2 and _is_user(items[-1]) else -1
     leading = True
-    for item in conversation.items:
+    for i, item in enumerate(items):
         if isinstance(item, ToolOutput):
-            anchors += [item.output[:at] for at in item.breakpoints]
+            out_ends = item.breakpoints
+            if i == before_last and len(item.output) not in out_ends:
+                out_ends = (*out_ends, len(item.output))
+            anchors += [item.output[:at] for at in out_ends]
         if not isinstance(item, Message):
             leading = False
             continue
         at_ends = item.breakpoints
         leading = leading and item.role in ("system", "developer")
-        if implicit and leading and len(item.text) not in at_ends:
+        if implicit and (leading or i == before_last) and len(item.text) not in at_ends:
             at_ends = (*at_ends, len(item.text))
         anchors += [item.text[:at] for at in at_ends]
     positions: list[int] = []
@@ -80,3 +92,7 @@ def token_positions(conversation: Conversation, text: str, tokens: list[int],
     if tools_end:
         add(tools_end)
     return tuple(sorted(positions))
+
+
+def _is_user(item: object) -> bool:
+    return isinstance(item, Message) and item.role == "user"

@@ -191,3 +191,29 @@ def test_the_end_of_the_tools_is_where_the_rendered_tool_definitions_end():
     assert text[:end].endswith(prep.tool_format.system_block(tools) + "<|im_end|>\n<|im_start|>user\n")
     assert text[end:].startswith("List it.")
     assert prep._tools_end(Conversation(model="m", items=conv.items, tools=tools), text) is None  # not declared
+
+
+def test_the_item_before_a_closing_user_message_ends_at_an_implicit_breakpoint(vocab):
+    """Where an edit of the closing user message (a branch) diverges."""
+    from lmspd.core.conversation import ToolCall, ToolOutput
+
+    tok = make_cache(vocab).ops.tokenize
+    result = "a.txt b.txt c.txt d.txt"
+    conv = Conversation(model="m", items=[Message("user", "List it."), ToolCall("c1", "ls", "{}"),
+                                          ToolOutput("c1", result), Message("user", "Which is newest?")])
+    text = ('<|im_start|>user\nList it.<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "ls"}</tool_call>'
+            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+            "<|im_start|>user\nWhich is newest?<|im_end|>\n")
+    tokens = tok(text)
+    assert token_positions(conv, text, tokens, tok) == ()  # declared only: none
+    (pos,) = token_positions(conv, text, tokens, tok, implicit=True)
+    assert tokens[:pos] == tok(text[:text.index(result) + len(result)])
+    chat = Conversation(model="m", items=[Message("user", "Hi."), Message("assistant", "Hello, how can I help?"),
+                                          Message("user", "Name a colour.")])
+    text = ("<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\nHello, how can I help?<|im_end|>\n"
+            "<|im_start|>user\nName a colour.<|im_end|>\n")
+    tokens = tok(text)
+    (pos,) = token_positions(chat, text, tokens, tok, implicit=True)
+    assert tokens[:pos] == tok(text[:text.index("help?") + 5])
+    # Not when the conversation does not end with a user message.
+    assert token_positions(Conversation(model="m", items=chat.items[:2]), text, tokens, tok, implicit=True) == ()
