@@ -155,8 +155,12 @@ class Resident:
     last_used: float = 0.0
     # The state is already captured in RAM (no second capture on eviction).
     saved: bool = False
-    # While busy: the whole prompt it is prefilling (for shared-prefix waits).
+    # While busy: the whole prompt it is prefilling (for shared-prefix waits),
+    # the request's text, and how many of ``prompt`` it kept (for the visible
+    # transcript of a checkpoint taken during the prefill).
     prompt: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    prompt_keep: int = 0
     # A caller's hint that this sequence belongs to a session (reserved).
     session_key: str | None = None
     # The connection whose session this sequence holds (see ``pinned``).
@@ -645,6 +649,7 @@ class ContinuationCache:
         r.owner = req.owner
         r.pin = req.pin
         r.prompt = r.tokens + plan.suffix
+        r.prompt_text, r.prompt_keep = req.text, len(r.tokens)
         r.last_used = time.monotonic()
         self._publish()
         return plan
@@ -670,7 +675,7 @@ class ContinuationCache:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""
         r = self.residents[seq]
         r.busy = False
-        r.prompt = []
+        r.prompt, r.prompt_text, r.prompt_keep = [], "", 0
         r.last_used = time.monotonic()
         self._publish()
 
@@ -679,6 +684,7 @@ class ContinuationCache:
         r = self.residents[seq]
         self.ops.trim(seq, 0)
         r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
+        r.prompt_text, r.prompt_keep = "", 0
         self._publish()
 
     def _evict(self, r: Resident, boundary: str | None = None) -> None:
@@ -703,16 +709,34 @@ class ContinuationCache:
         later request that diverges after this point resumes from here."""
         if self.trimmable or not self.enabled:
             return
-        tokens = list(self.residents[seq].tokens)
+        r = self.residents[seq]
+        tokens = list(r.tokens)
         if not tokens:
             return
-        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), kv=self.ops.capture(seq),
-                             owner=owner, floor=self.ops.floor(seq, len(tokens)), boundary=boundary)
+        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), visible=self._visible_at(r),
+                             kv=self.ops.capture(seq), owner=owner, floor=self.ops.floor(seq, len(tokens)),
+                             boundary=boundary)
         if state.key in self._ram:
             return
         self.stats.checkpoints += 1
         self._remember_in_ram(state)
         self._publish()
+
+    def _visible_at(self, r: Resident) -> str | None:
+        """The request text ``r``'s KV covers now, mid-prefill: what a later
+        request that shares it starts with. A prefill that continues a
+        sampled turn holds the model's own tokens (and spelling) of it, which
+        neither the prompt's tokens nor its text match; only this transcript
+        lets a later request find a checkpoint taken after such a turn."""
+        n = len(r.tokens)
+        if not r.prompt_text or not r.prompt_keep <= n <= len(r.prompt):
+            return None
+        suffix = r.prompt[r.prompt_keep:]
+        tail = self.ops.detokenize(suffix)
+        if not r.prompt_text.endswith(tail):
+            return None
+        visible = r.prompt_text[:len(r.prompt_text) - len(tail)] + self.ops.detokenize(suffix[:n - r.prompt_keep])
+        return visible if r.prompt_text.startswith(visible) else None
 
     def breakpoints_ahead(self, req: CacheRequest, seq: int) -> list[int]:
         """The breakpoints of ``req`` its prefill on ``seq`` has yet to reach

@@ -217,3 +217,37 @@ def test_the_item_before_a_closing_user_message_ends_at_an_implicit_breakpoint(v
     assert tokens[:pos] == tok(text[:text.index("help?") + 5])
     # Not when the conversation does not end with a user message.
     assert token_positions(Conversation(model="m", items=chat.items[:2]), text, tokens, tok, implicit=True) == ()
+
+
+def test_a_checkpoint_taken_after_a_sampled_turn_is_found_by_its_visible_transcript(vocab):
+    """The KV holds the model's own spelling of its turn (a call's JSON as
+    sampled, ``{"x":1}``; the client replays ``{"x": 1}``): a checkpoint
+    taken while a later prefill continues it matches a branch neither by
+    tokens nor by the KV's text, only by the request text its KV covers."""
+    from support.cache_rig import hold
+
+    from lmspd.cache.state import SessionState
+
+    cache = make_cache(vocab, n_seq=2, floors={0: 10**6, 1: 10**6})
+    tok = cache.ops.tokenize
+    prompt = INSTRUCTIONS + "<|im_start|>user\nCall it<|im_end|>\n<|im_start|>assistant\n"
+    sampled = tok(prompt + '{"x":1}')
+    visible = prompt + '{"x": 1}<|im_end|>\n'
+    hold(cache, 0, SessionState(tokens=sampled, kv_text=prompt + '{"x":1}', visible=visible))
+    result = "<|im_start|>user\n<tool_response>\n" + "a.txt b.txt " * 20 + "\n</tool_response><|im_end|>\n"
+    follow = request(cache, visible + result + "<|im_start|>user\nWhich is newest?<|im_end|>\n")
+    plan = cache.apply(cache.plan(follow), follow)
+    assert plan.source == "visible-prefix" and plan.seq == 0
+    r = cache.residents[0]
+    upto = len(tok(result))  # the breakpoint: the end of the tool result
+    assert plan.suffix[:upto] == tok(result)
+    r.tokens.extend(plan.suffix[:upto])
+    cache.checkpoint(0, "local", "breakpoint")
+    r.tokens.extend(plan.suffix[upto:])
+    cache.finished(0, SessionState(tokens=list(r.tokens), kv_text=cache.ops.detokenize(r.tokens), visible=None))
+    cache.release(0)
+    branch = request(cache, visible + result + "<|im_start|>user\nWhich is oldest?<|im_end|>\n")
+    resume = cache.plan(branch)
+    assert resume.source == "checkpoint" and resume.detail.startswith("at=breakpoint from=ram"), resume
+    assert resume.keep == len(sampled) + upto  # the turn as sampled, then the result
+    assert resume.suffix == tok("<|im_start|>user\nWhich is oldest?<|im_end|>\n")
