@@ -15,9 +15,10 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .state import SessionState, common_prefix
 
@@ -25,6 +26,12 @@ log = logging.getLogger("lmspd.cache")
 
 MAGIC = b"LMSPDKV1"
 SUFFIX = ".kv"
+_DIGEST = 32  # SHA-256 over header and payload, at the end of the file
+# Checkpoints read ahead of their restore: how many, how many bytes in all,
+# and for how long one is kept.
+READ_AHEAD = 2
+READ_AHEAD_BYTES = 512 << 20
+READ_AHEAD_S = 60.0
 
 
 @dataclass
@@ -53,6 +60,9 @@ class DiskCheckpoints:
         self.on_evict = on_evict
         self._lock = threading.Lock()
         self._index: dict[str, Checkpoint] = {}
+        # Checkpoints read ahead of their restore (``prefetch``), by name:
+        # (when read, header, payload); taken by ``load``.
+        self._read_ahead: OrderedDict[str, tuple[float, dict[str, Any], bytearray]] = OrderedDict()
         directory.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -110,14 +120,48 @@ class DiskCheckpoints:
                 best = (cp, common)
         return best
 
-    def load(self, cp: Checkpoint) -> SessionState | None:
+    def prefetch(self, cp: Checkpoint) -> None:
+        """Read and verify ``cp`` now (a thread other than the scheduler's),
+        for the ``load`` that is likely to follow. At most ``READ_AHEAD``
+        reads (``READ_AHEAD_BYTES``) are kept, none longer than ``READ_AHEAD_S``."""
+        name = cp.path.stem
+        with self._lock:
+            self._expire_read_ahead()
+            if name in self._read_ahead:
+                return
         header_payload = self._read(cp.path)
+        if header_payload is None:
+            with self._lock:
+                self._index.pop(name, None)
+            return
+        if len(header_payload[1]) > READ_AHEAD_BYTES:
+            return  # too big to hold beside the RAM budget: the restore reads it
+        with self._lock:
+            if name not in self._index:
+                return  # evicted meanwhile
+            self._read_ahead[name] = (time.monotonic(), *header_payload)
+            while (len(self._read_ahead) > READ_AHEAD
+                   or sum(len(p) for _, _, p in self._read_ahead.values()) > READ_AHEAD_BYTES):
+                self._read_ahead.popitem(last=False)
+
+    def _expire_read_ahead(self) -> None:
+        old = time.monotonic() - READ_AHEAD_S
+        for name in [n for n, (at, _, _) in self._read_ahead.items() if at < old]:
+            del self._read_ahead[name]
+
+    def load(self, cp: Checkpoint) -> SessionState | None:
+        with self._lock:
+            ahead = self._read_ahead.pop(cp.path.stem, None)
+        header_payload = self._read(cp.path) if ahead is None else ahead[1:]
         if header_payload is None:
             with self._lock:
                 self._index.pop(cp.path.stem, None)
             return None
         header, payload = header_payload
-        os.utime(cp.path)  # least-recently-used bookkeeping
+        try:
+            os.utime(cp.path)  # least-recently-used bookkeeping
+        except OSError:
+            pass  # evicted since it was read: the state read is still exact
         return SessionState(
             tokens=header["tokens"], kv_text=header["kv_text"], visible=header.get("visible"),
             call_ids=frozenset(header.get("call_ids", [])), response_id=header.get("response_id"), kv=payload,
@@ -142,7 +186,9 @@ class DiskCheckpoints:
             "boundary": state.boundary,
             "created": time.time(),
         }).encode()
-        digest = hashlib.sha256(header + state.kv).digest()
+        hasher = hashlib.sha256(header)
+        hasher.update(state.kv)  # not header + kv: that copies the whole state once more
+        digest = hasher.digest()
         size = len(MAGIC) + 4 + len(header) + len(state.kv) + len(digest)
         if size > self.budget_bytes:
             if self.on_evict is not None:
@@ -176,6 +222,7 @@ class DiskCheckpoints:
                     break
                 cp.path.unlink(missing_ok=True)
                 self._index.pop(cp.path.stem, None)
+                self._read_ahead.pop(cp.path.stem, None)
                 total -= cp.size
                 removed.append(cp)
         if self.on_evict is not None:
@@ -195,9 +242,18 @@ class DiskCheckpoints:
                     raise ValueError("checkpoint is for another model or build")
                 if header_only:
                     return header
-                rest = fh.read()
-            payload, digest = rest[:-32], rest[-32:]
-            if hashlib.sha256(header_bytes + payload).digest() != digest:
+                # Read into one buffer, hashed and restored in place: every
+                # copy of a state is milliseconds of the turn that waits for it.
+                size = os.fstat(fh.fileno()).st_size - fh.tell() - _DIGEST
+                if size < 0:
+                    raise ValueError("truncated")
+                payload = bytearray(size)
+                if fh.readinto(payload) != size:
+                    raise ValueError("truncated")
+                digest = fh.read(_DIGEST)
+            hasher = hashlib.sha256(header_bytes)
+            hasher.update(payload)
+            if hasher.digest() != digest:
                 raise ValueError("checksum mismatch")
             return header, payload
         except (OSError, ValueError, struct.error, json.JSONDecodeError) as exc:

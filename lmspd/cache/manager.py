@@ -130,8 +130,8 @@ class KvOps:
     """The engine's KV operations by sequence id (the engine owns the KV;
     the cache only decides)."""
 
-    capture: Callable[[int], bytes]
-    restore: Callable[[int, bytes], bool]
+    capture: Callable[[int], bytes | bytearray]
+    restore: Callable[[int, bytes | bytearray], bool]
     copy: Callable[[int, int, int], None]  # src, dst, n_tokens
     trim: Callable[[int, int], None]  # seq, keep
     tokenize: Callable[[str], list[int]]
@@ -155,8 +155,12 @@ class Resident:
     last_used: float = 0.0
     # The state is already captured in RAM (no second capture on eviction).
     saved: bool = False
-    # While busy: the whole prompt it is prefilling (for shared-prefix waits).
+    # While busy: the whole prompt it is prefilling (for shared-prefix waits),
+    # the request's text, and how many of ``prompt`` it kept (for the visible
+    # transcript of a checkpoint taken during the prefill).
     prompt: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    prompt_keep: int = 0
     # A caller's hint that this sequence belongs to a session (reserved).
     session_key: str | None = None
     # The connection whose session this sequence holds (see ``pinned``).
@@ -229,6 +233,27 @@ class ContinuationCache:
             if call_ids and call_ids <= state.call_ids:
                 return state
         return None
+
+    def prefetch(self, req: CacheRequest) -> None:
+        """Read the disk checkpoint ``req`` will most likely restore, here
+        (the request's prepare thread) rather than on the scheduler thread
+        while it plans, where every running sequence would wait for the
+        read and its checksum. A guess from the snapshot: nothing resident
+        or in RAM continues the request, a checkpoint's key starts its text
+        (or shares the longest token prefix). ``plan`` takes the read from
+        ``DiskCheckpoints.load``; a guess it does not use is dropped."""
+        disk = self.disk
+        if disk is None or not self.enabled or not req.reuse:
+            return
+        if any(self._continues(req, s) for s in self.states(req.owner)):
+            return
+        hit = disk.best_match(req.text, req.owner, req.previous_response_id)
+        if hit is not None:
+            disk.prefetch(hit[0])
+            return
+        shared = disk.longest_common(req.tokens, req.owner)
+        if shared is not None and shared[1] >= MIN_COPY_TOKENS:
+            disk.prefetch(shared[0])
 
     def _publish(self) -> None:
         resident = [r.state for r in sorted(self.residents, key=lambda r: -r.last_used) if r.state is not None]
@@ -624,6 +649,7 @@ class ContinuationCache:
         r.owner = req.owner
         r.pin = req.pin
         r.prompt = r.tokens + plan.suffix
+        r.prompt_text, r.prompt_keep = req.text, len(r.tokens)
         r.last_used = time.monotonic()
         self._publish()
         return plan
@@ -649,7 +675,7 @@ class ContinuationCache:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""
         r = self.residents[seq]
         r.busy = False
-        r.prompt = []
+        r.prompt, r.prompt_text, r.prompt_keep = [], "", 0
         r.last_used = time.monotonic()
         self._publish()
 
@@ -658,6 +684,7 @@ class ContinuationCache:
         r = self.residents[seq]
         self.ops.trim(seq, 0)
         r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
+        r.prompt_text, r.prompt_keep = "", 0
         self._publish()
 
     def _evict(self, r: Resident, boundary: str | None = None) -> None:
@@ -682,16 +709,34 @@ class ContinuationCache:
         later request that diverges after this point resumes from here."""
         if self.trimmable or not self.enabled:
             return
-        tokens = list(self.residents[seq].tokens)
+        r = self.residents[seq]
+        tokens = list(r.tokens)
         if not tokens:
             return
-        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), kv=self.ops.capture(seq),
-                             owner=owner, floor=self.ops.floor(seq, len(tokens)), boundary=boundary)
+        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), visible=self._visible_at(r),
+                             kv=self.ops.capture(seq), owner=owner, floor=self.ops.floor(seq, len(tokens)),
+                             boundary=boundary)
         if state.key in self._ram:
             return
         self.stats.checkpoints += 1
         self._remember_in_ram(state)
         self._publish()
+
+    def _visible_at(self, r: Resident) -> str | None:
+        """The request text ``r``'s KV covers now, mid-prefill: what a later
+        request that shares it starts with. A prefill that continues a
+        sampled turn holds the model's own tokens (and spelling) of it, which
+        neither the prompt's tokens nor its text match; only this transcript
+        lets a later request find a checkpoint taken after such a turn."""
+        n = len(r.tokens)
+        if not r.prompt_text or not r.prompt_keep <= n <= len(r.prompt):
+            return None
+        suffix = r.prompt[r.prompt_keep:]
+        tail = self.ops.detokenize(suffix)
+        if not r.prompt_text.endswith(tail):
+            return None
+        visible = r.prompt_text[:len(r.prompt_text) - len(tail)] + self.ops.detokenize(suffix[:n - r.prompt_keep])
+        return visible if r.prompt_text.startswith(visible) else None
 
     def breakpoints_ahead(self, req: CacheRequest, seq: int) -> list[int]:
         """The breakpoints of ``req`` its prefill on ``seq`` has yet to reach

@@ -31,7 +31,7 @@ class SessionState:
     call_ids: frozenset[str] = frozenset()
     response_id: str | None = None
     # The KV bytes, once captured (RAM session or disk checkpoint).
-    kv: bytes | None = None
+    kv: bytes | bytearray | None = None
     # Whose request left this state; only that owner's requests reuse it.
     owner: str = "local"
     # The shortest prefix the KV bytes can be trimmed to and stay exact (0:

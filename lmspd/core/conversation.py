@@ -54,6 +54,10 @@ class ToolOutput:
     output: str
     kind: Literal["function", "custom"] = "function"
     id: str | None = None
+    # Client-declared cache breakpoints (Anthropic ``cache_control`` on a
+    # ``tool_result`` block or its text, Responses ``prompt_cache_breakpoint``
+    # on an ``input_text`` part of the output): offsets in ``output``.
+    breakpoints: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -156,6 +160,10 @@ class Conversation:
     # ends (Anthropic ``cache_control`` on a system block).
     instructions_breakpoints: tuple[int, ...] = ()
     tools: list[Tool] = field(default_factory=list)
+    # A client declared a cache breakpoint on its tool list (Anthropic
+    # ``cache_control`` on a tool): at the end of the rendered tool
+    # definitions, wherever the template puts them.
+    tools_breakpoint: bool = False
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     # None: the request did not say (parallel calls under auto, one forced call).
     parallel_tool_calls: bool | None = None

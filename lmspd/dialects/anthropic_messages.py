@@ -81,7 +81,8 @@ class CreateMessage(Strict):
     extensions: dict[str, Any] | None = None
     # Bookkeeping and hosting hints: accepted, nothing to do for a local model
     # (prompt caching is automatic here; ``cache_control`` on a system or text
-    # block marks where a non-trimmable KV keeps an exact-state checkpoint).
+    # block, a tool or a tool_result marks where a non-trimmable KV keeps an
+    # exact-state checkpoint).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: Any = None
@@ -154,6 +155,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         instructions=_system_text(body.system, limits),
         instructions_breakpoints=_system_breakpoints(body.system, limits),
         tools=tools,
+        tools_breakpoint=_tools_breakpoint(body.tools, limits),
         tool_choice=choice,
         parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         output_format=_output_format(body.output_config),
@@ -367,12 +369,18 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
         return ToolCall(call_id=use.id, name=use.name, payload=json.dumps(use.input, ensure_ascii=False))
     if kind == "tool_result":
         result = ToolResultIn.model_validate(block)
-        text = _check(_result_text(result.content, f"{where}.content"), f"{where}.content", limits)
+        texts, marked = _result_blocks(result.content, f"{where}.content")
+        text = _check(_join(texts), f"{where}.content", limits)
+        breakpoints = _breakpoints(list(zip(texts, marked, strict=True)), f"{where}.content", limits)
+        if block.get("cache_control") is not None and len(text) not in breakpoints:
+            breakpoints = (*breakpoints, len(text))
         if result.is_error:
             # The neutral tool output has no error flag; the model is told in
             # words, the same way on every replay (so the cache still matches).
-            text = f"Error: {text}" if text else "Error"
-        return ToolOutput(call_id=result.tool_use_id, output=text)
+            head = "Error: " if text else "Error"
+            text = head + text
+            breakpoints = tuple(at + len(head) for at in breakpoints)
+        return ToolOutput(call_id=result.tool_use_id, output=text, breakpoints=breakpoints)
     if kind == "thinking":
         thought = ThinkingBlockIn.model_validate(block)
         return Reasoning(text=thought.thinking, encrypted_content=thought.signature or None)
@@ -380,10 +388,13 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
     return Reasoning(encrypted_content=redacted.data)
 
 
-def _result_text(content: str | list[Any] | None, path: str) -> str:
+def _result_blocks(content: str | list[Any] | None, path: str) -> tuple[list[str], list[bool]]:
+    """A tool_result's text blocks (joined by ``_join``), and which of them
+    carry ``cache_control``."""
     if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
+        return [content or ""], [False]
+    texts: list[str] = []
+    marked: list[bool] = []
     for k, block in enumerate(content):
         where = f"{path}[{k}]"
         kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
@@ -394,7 +405,19 @@ def _result_text(content: str | list[Any] | None, path: str) -> str:
         if kind != "text" or not isinstance(block.get("text"), str):
             raise invalid(f"Invalid tool_result content at '{where}': expected text blocks.", where)
         texts.append(block["text"])
-    return _join(texts)
+        marked.append(block.get("cache_control") is not None)
+    return texts, marked
+
+
+def _tools_breakpoint(raw: list[Any] | None, limits: RequestLimits) -> bool:
+    """Whether a tool carries ``cache_control``: one breakpoint at the end of
+    the rendered tool definitions (lmspd renders the list as one block, in
+    its own order, so a mark on any tool ends there)."""
+    marked = [i for i, entry in enumerate(raw or []) if isinstance(entry, dict) and entry.get("cache_control") is not None]
+    if len(marked) > limits.max_cache_breakpoints:
+        raise invalid(f"'tools' has {len(marked)} cache_control entries; the limit is {limits.max_cache_breakpoints}.",
+                      "tools")
+    return bool(marked)
 
 
 # Tools Anthropic runs on its own side; like hosted tools on /v1/responses

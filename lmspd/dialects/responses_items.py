@@ -301,7 +301,8 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
         output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits)
         _check_text(output, f"{where}.output", limits)
         return ToolOutput(call_id=parsed.call_id, output=output, id=parsed.id,
-                          kind="custom" if parsed.type == "custom_tool_call_output" else "function")
+                          kind="custom" if parsed.type == "custom_tool_call_output" else "function",
+                          breakpoints=content_breakpoints(parsed.output, f"{where}.output", limits))
     assert isinstance(parsed, ReasoningIn)
     return Reasoning(
         summary=[p.text for p in parsed.summary or []],

@@ -206,3 +206,83 @@ def test_a_new_session_sharing_only_the_developer_prompt_resumes_from_its_end(ge
     assert line["source"] == "checkpoint" and "at=breakpoint" in line["detail"], line
     assert line["reused"] >= 400 and line["prefilled"] < 30, line
     assert first["usage"]["input_tokens"] > line["reused"] + 1024
+
+
+def post_messages(server, body):
+    r = httpx.post(server.url + "/v1/messages", json={"model": GEMMA, "temperature": 0, "max_tokens": 2, **body},
+                   timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def resumed_at_breakpoint(server, response_id, at_least):
+    """The request restored a breakpoint checkpoint holding ``at_least``
+    tokens and prefilled only its short rest."""
+    line = cache_line(server, response_id)
+    assert line["source"] == "checkpoint" and "at=breakpoint" in line["detail"], line
+    assert line["reused"] >= at_least and line["prefilled"] < 40, line
+    return line
+
+
+LOOKUP = {"name": "lookup", "description": "Looks up the field notes.", "input_schema": {"type": "object"}}
+MARK = {"type": "ephemeral"}
+
+
+def test_a_request_diverging_right_after_a_marked_tool_result_resumes_from_it(gemma):
+    """Anthropic ``cache_control`` on a ``tool_result`` block: the first
+    request's prefill stops at the end of that result for a checkpoint, so a
+    second request with the same result and another question after it
+    prefills only the question. Without the mark the first state, whose long
+    question follows the result by more than a window, cannot be cut back
+    there, and no other checkpoint lies near it: a cold prefill."""
+    notes = "Field notes. " + document("Lev", 40)
+
+    def messages(question, mark=True):
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": notes}
+        if mark:
+            result["cache_control"] = MARK
+        return [{"role": "user", "content": "Look the notes up, then answer."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}]},
+                {"role": "user", "content": [result, {"type": "text", "text": question}]}]
+
+    first = post_messages(gemma, {"tools": [LOOKUP], "messages": messages(document("Mia", 110) + " Which animal?")})
+    second = post_messages(gemma, {"tools": [LOOKUP], "messages": messages("Name every colour in the notes.")})
+    resumed_at_breakpoint(gemma, second["id"], at_least=400)
+    assert first["usage"]["input_tokens"] > second["usage"]["cache_read_input_tokens"] + 1024
+
+
+def test_a_request_diverging_right_after_marked_tools_resumes_from_their_end(gemma):
+    """Anthropic ``cache_control`` on a tool: the end of the rendered tool
+    definitions (in Gemma's first user turn, which has no system role) is a
+    checkpoint, so a request with the same tools and another first message
+    prefills only that message."""
+    tools = [{"name": f"tool_{i}", "description": document(f"T{i}", 12), "input_schema": {"type": "object"}}
+             for i in range(3)]
+    tools[-1] = {**tools[-1], "cache_control": MARK}
+    first = post_messages(gemma, {"tools": tools,
+                                  "messages": [user(document("Ned", 110) + " Which tool fits best?")]})
+    second = post_messages(gemma, {"tools": tools, "messages": [user("Which tool is the first one?")]})
+    resumed_at_breakpoint(gemma, second["id"], at_least=300)
+    assert first["usage"]["input_tokens"] > second["usage"]["cache_read_input_tokens"] + 1024
+
+
+def test_a_request_diverging_right_after_a_marked_function_call_output_resumes_from_it(gemma):
+    """Responses: ``prompt_cache_breakpoint`` on an ``input_text`` part of a
+    ``function_call_output`` (the OpenAI SDK's shape) is a checkpoint too."""
+    notes = "Field notes. " + document("Oda", 40)
+    tool = {"type": "function", "name": "lookup", "description": "Looks up the field notes.",
+            "parameters": {"type": "object", "properties": {}}}
+
+    def items(question):
+        return [user("Look the notes up, then answer."),
+                {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": [
+                    {"type": "input_text", "text": notes, "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+                user(question)]
+
+    first = post(gemma, {"tools": [tool], "input": items(document("Pia", 110) + " Which animal?"),
+                         "max_output_tokens": 2})
+    second = post(gemma, {"tools": [tool], "input": items("Name every colour in the notes."),
+                          "max_output_tokens": 2})
+    line = resumed_at_breakpoint(gemma, second["id"], at_least=400)
+    assert first["usage"]["input_tokens"] > line["reused"] + 1024

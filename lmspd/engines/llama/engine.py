@@ -105,6 +105,7 @@ class LlamaEngine:
         limits: RequestLimits = DEFAULT_LIMITS.request,
         chat_template: str | None = None,
         sealer: Sealer | None = None,
+        grammars_at_start: bool = True,
     ) -> None:
         self.limits = limits
         self.sealer = sealer
@@ -178,6 +179,8 @@ class LlamaEngine:
             repairs=Repairs(strip_billing_header=self.cache_settings.strip_billing_header,
                             canonical_tool_order=self.cache_settings.canonical_tool_order),
         )
+        if grammars_at_start:
+            self.preparation.build_grammars_in_background()
         self._closer = self._turn_closer()
         self.scheduler = Scheduler(self, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
                                    checkpoint_every=self.cache_settings.checkpoint_every)

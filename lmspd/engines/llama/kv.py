@@ -61,19 +61,30 @@ class SequenceKv:
             return n_tokens  # cells gone for a reason we cannot reason about
         return min(n_tokens, pos_min + self.n_swa)
 
-    def capture(self, seq: int) -> bytes:
+    def capture(self, seq: int) -> bytearray:
         """Copy one sequence's KV out of the context (not the logits buffer
-        that a whole-context state would also hold)."""
+        that a whole-context state would also hold). llama.cpp writes
+        straight into the buffer that is returned: at ~12 MB a state (Gemma
+        3 270M at 1k tokens) each further copy costs milliseconds of the
+        turn it runs in (the end-of-input checkpoint precedes the first
+        sampled token)."""
         ctx = self._ctx.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(ctx, buf, size, seq)
-        return bytes(memoryview(buf)[:n])
+        out = bytearray(size)
+        if not size:
+            return out
+        n = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(out), size, seq)
+        if n < size:
+            del out[n:]
+        return out
 
-    def restore(self, seq: int, data: bytes) -> bool:
+    def restore(self, seq: int, data: bytes | bytearray) -> bool:
+        """Put a captured state into ``seq``, read in place (no copy of it)."""
         self.clear(seq)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        ok = llama_cpp.llama_state_seq_set_data(self._ctx.ctx, buf, len(data), seq) == len(data)
+        n = len(data)
+        if not n:
+            return False
+        ok = llama_cpp.llama_state_seq_set_data(self._ctx.ctx, _pointer(data), n, seq) == n
         if not ok:
             self.clear(seq)
         return ok
@@ -118,3 +129,10 @@ class SequenceKv:
 
     def n_tokens(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
+
+
+def _pointer(data: bytes | bytearray) -> "ctypes._Pointer[ctypes.c_uint8]":
+    """A pointer to ``data``'s own buffer: llama.cpp only reads from it."""
+    if isinstance(data, bytearray):
+        return ctypes.cast((ctypes.c_uint8 * len(data)).from_buffer(data), ctypes.POINTER(ctypes.c_uint8))
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))

@@ -76,3 +76,65 @@ def test_checkpoints_match_only_their_owners_requests(tmp_path):
     again = DiskCheckpoints(tmp_path, 10 << 20, "fp")  # the owner survives a restart
     cp, _ = again.best_match("secret prompt and more", "key_alice")
     assert again.load(cp).owner == "key_alice" and again.best_match("secret prompt", "key_bob") is None
+
+
+def count_reads(disk: DiskCheckpoints) -> list[str]:
+    """Names of the checkpoint files ``disk`` reads whole from now on."""
+    reads: list[str] = []
+    original = disk._read
+
+    def read(path, header_only=False):
+        if not header_only:
+            reads.append(path.stem)
+        return original(path, header_only)
+
+    disk._read = read  # type: ignore[method-assign]
+    return reads
+
+
+def test_a_prefetched_checkpoint_is_loaded_without_reading_it_again(tmp_path):
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    disk.save(state("abcd", 4, kv=b"state" * 1000))
+    reads = count_reads(disk)
+    cp, _ = disk.best_match("abcdef", "local")
+    disk.prefetch(cp)
+    disk.prefetch(cp)  # read once
+    assert len(reads) == 1
+    loaded = disk.load(cp)
+    assert loaded.kv == b"state" * 1000 and len(reads) == 1
+    disk.load(cp)  # a read ahead serves one load
+    assert len(reads) == 2
+
+
+def test_read_ahead_is_bounded_and_forgets_evicted_checkpoints(tmp_path, monkeypatch):
+    import lmspd.cache.disk as disk_module
+
+    kv = b"x" * 4000
+    disk = DiskCheckpoints(tmp_path, 13_000, "fp")  # three fit
+    for name, n in (("a", 1), ("b", 2), ("c", 3)):
+        os.utime(disk.save(state(name, n, kv)), (10 - n, 10 - n))  # "c" is the oldest use
+    assert len(disk) == 3
+    for name in "abc":
+        disk.prefetch(disk.best_match(name, "local")[0])
+    assert len(disk._read_ahead) == disk_module.READ_AHEAD
+    ahead = set(disk._read_ahead)
+    disk.save(state("d", 4, kv))  # over budget: the oldest goes, and so does its read ahead
+    gone = ahead - {cp.path.stem for cp in disk._index.values()}
+    assert gone and not gone & set(disk._read_ahead)
+    monkeypatch.setattr(disk_module, "READ_AHEAD_S", -1.0)
+    disk.prefetch(disk.best_match("d", "local")[0])  # expires every older read ahead
+    assert len(disk._read_ahead) == 1
+
+
+def test_a_read_ahead_too_big_to_hold_is_not_kept(tmp_path, monkeypatch):
+    import lmspd.cache.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "READ_AHEAD_BYTES", 1000)
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    disk.save(state("big", 3, b"x" * 1001))
+    disk.save(state("small", 5, b"y" * 600))
+    disk.prefetch(disk.best_match("big", "local")[0])
+    assert not disk._read_ahead
+    disk.prefetch(disk.best_match("small", "local")[0])
+    assert len(disk._read_ahead) == 1
+    assert disk.load(disk.best_match("big", "local")[0]).kv == b"x" * 1001  # read when restored

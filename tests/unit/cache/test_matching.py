@@ -235,3 +235,37 @@ def test_required_state_without_a_visible_transcript_is_matched_like_any_prompt(
     plan = cache.plan(request(cache, head + "<|im_end|>\n<|im_start|>user\nresult<|im_end|>\n",
                               requires_state=state.key))
     assert plan.source == "memory-token" and plan.seq == 0 and plan.keep == len(state.tokens), plan
+
+
+def test_a_prefetched_disk_checkpoint_is_planned_without_a_read_on_the_scheduler_thread(vocab, tmp_path):
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=1, disk=disk)
+    saved = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n")
+    saved.kv = b"saved kv"
+    disk.save(saved)
+    reads: list[str] = []
+    read = disk._read
+    disk._read = lambda path, header_only=False: (reads.append(path.stem) if not header_only else None,  # type: ignore[method-assign]
+                                                  read(path, header_only))[1]
+    req = request(cache, saved.visible + "<|im_start|>user\ntwo<|im_end|>\n")
+    cache.prefetch(req)  # the prepare thread
+    assert reads == [saved.key]
+    plan = cache.plan(req)  # the scheduler thread
+    assert plan.source == "disk" and plan.restore.kv == b"saved kv" and reads == [saved.key]
+    cache.apply(plan, req)
+    assert ("restore", 0, b"saved kv") in cache.kv.calls
+
+
+def test_nothing_is_prefetched_for_a_request_a_resident_state_continues(vocab, tmp_path):
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=1, disk=disk)
+    live = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n")
+    saved = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n")
+    saved.kv = b"saved kv"
+    disk.save(saved)
+    hold(cache, 0, live)
+    cache.prefetch(request(cache, live.visible + "<|im_start|>user\ntwo<|im_end|>\n"))
+    assert not disk._read_ahead
+    cache.prefetch(request(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n<|im_start|>user\nx<|im_end|>\n",
+                           reuse=False))
+    assert not disk._read_ahead

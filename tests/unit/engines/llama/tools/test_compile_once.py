@@ -120,3 +120,20 @@ def test_a_non_strict_tool_llguidance_refuses_falls_back(preparation, validation
         strict = FunctionTool("lookup", "Look up", {**tool.parameters, "description": "strict"}, strict=True)
         preparation.prepare(conversation(tools=[strict], tool_choice=ToolChoice(mode="required")))
     assert info.value.param == "tools.lookup.parameters.properties.code.pattern", info.value.message
+
+
+def test_the_grammar_vocabulary_is_built_at_start_not_by_the_first_request() -> None:
+    """The compiler walks the whole vocabulary once (~5 s for Gemma 3's):
+    started with the engine, the first request with a grammar (the first
+    turn after a restart) finds it built or being built, never starts it."""
+    import time
+
+    fresh = vocab_only_preparation()
+    assert fresh._grammar_compiler is None
+    fresh.build_grammars_in_background()
+    deadline = time.monotonic() + 60
+    while fresh._grammar_compiler is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    built = fresh._grammar_compiler
+    assert built is not None, "built with no request asking for it"
+    assert fresh._grammars() is built
