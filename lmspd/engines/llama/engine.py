@@ -209,8 +209,10 @@ class LlamaEngine:
         return len(self.tokenize(self.render(conversation)))
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
-        with self.preparations.running(conversation):
-            return self.preparation.prepare(conversation)
+        with self.preparations.running(conversation) as landed:
+            prepared = self.preparation.prepare(conversation)
+            landed(prepared)
+            return prepared
 
     # The model is in this process: nothing to reach before generating.
     opens_first = False

@@ -34,3 +34,19 @@ def test_a_big_input_counts_at_once_and_each_counts_once() -> None:
 def test_input_chars_counts_instructions_messages_and_tool_outputs() -> None:
     c = Conversation(model="m", instructions="abc", items=[Message("user", "hello"), ToolOutput(call_id="c", output="12")])
     assert input_chars(c) == 3 + 5 + 2
+
+
+def test_arriving_covers_a_short_running_preparation_and_a_prepared_request_until_it_is_submitted() -> None:
+    preps = Preparations(grace_s=0.05, big_chars=1000, handoff_s=0.01)
+    assert not preps.arriving()
+    prepared = object()
+    with preps.running(conv(10)) as landed:
+        assert preps.arriving(), "a short preparation, just started: about to arrive"
+        assert not preps.arriving(time.monotonic() + 0.06), "past its grace period it is a long one, not waited for"
+        landed(prepared)
+    assert preps.arriving(), "prepared, on its way to the scheduler"
+    assert not preps.arriving(time.monotonic() + 0.02), "not submitted within the hand-off: not waited for"
+    preps.submitted(prepared)
+    assert not preps.arriving()
+    with preps.running(conv(5000)):
+        assert not preps.arriving(), "a big preparation is not waited for"
