@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -43,7 +42,7 @@ from .kv import SequenceKv
 from .models import fallback_template
 from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
-from .scheduler import Job, Scheduler
+from .scheduler import Job, Preparations, Scheduler
 from .template import ChatTemplate
 from .tool_formats import ToolFormat, detect_tool_format
 from .vocab import Vocabulary
@@ -113,10 +112,9 @@ class LlamaEngine:
         threads = n_threads or max(1, (os.cpu_count() or 2))
         self.threads = threads
         # Requests being prepared right now (render, tokenize: CPU-bound,
-        # in the service's worker threads); the scheduler decodes with that
-        # many fewer threads meanwhile (see Scheduler._decode_threads).
-        self.preparing = 0
-        self._preparing_lock = threading.Lock()
+        # in the service's worker threads); the scheduler decodes with one
+        # thread fewer per long one (see Scheduler._decode_threads).
+        self.preparations = Preparations()
         llama_cpp.llama_backend_init()
         self._model = internals.LlamaModel(path_model=str(path), params=llama_cpp.llama_model_default_params(),
                                            verbose=False)
@@ -214,13 +212,10 @@ class LlamaEngine:
         return len(self.tokenize(self.render(conversation)))
 
     def prepare(self, conversation: Conversation) -> LlamaPrepared:
-        with self._preparing_lock:
-            self.preparing += 1
-        try:
-            return self.preparation.prepare(conversation)
-        finally:
-            with self._preparing_lock:
-                self.preparing -= 1
+        with self.preparations.running(conversation) as landed:
+            prepared = self.preparation.prepare(conversation)
+            landed(prepared)
+            return prepared
 
     # The model is in this process: nothing to reach before generating.
     opens_first = False

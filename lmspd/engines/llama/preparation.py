@@ -38,7 +38,7 @@ from . import breakpoints, grammars
 from .matchers import GrammarCompiler
 from .prompt import template_messages
 from .reasoning import ReasoningSyntax
-from .sampling import GrammarFirstRejection
+from .sampling import GrammarFirstRejection, Greedy
 from .template import ChatTemplate
 from .tool_formats import ToolFormat
 from .vocab import Vocabulary
@@ -375,12 +375,14 @@ class Preparation:
             grammar, matcher = checked, compiler.matcher(checked)
         prepared.grammar, prepared.matcher = grammar, matcher
 
-    def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | GrammarFirstRejection:
+    def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | Greedy | GrammarFirstRejection:
         """A fresh sampler for one sequence: ``sample(ctx, idx)`` reads the
         logits of batch row ``idx``."""
         sampling = prepared.conversation.sampling
-        chain = internals.LlamaSampler()
         temperature = 1.0 if sampling.temperature is None else sampling.temperature
+        if temperature <= 0 and prepared.grammar is None:
+            return Greedy(self.vocab.n_vocab)
+        chain = internals.LlamaSampler()
         if temperature <= 0:
             chain.add_greedy()
         else:

@@ -32,9 +32,29 @@ import numpy as np
 from llama_cpp import _internals as internals
 from llama_cpp import llama_cpp
 
-__all__ = ["GrammarFirstRejection"]
+__all__ = ["GrammarFirstRejection", "Greedy"]
 
 _WS = b" \t\r\n"
+
+
+class Greedy:
+    """Temperature 0 without a grammar: the first token of highest logit,
+    read straight off the logits row. llama.cpp's greedy sampler picks the
+    same token (the first maximum), but ``llama_sampler_sample`` first fills
+    a candidate array of the whole vocabulary (~0.2 ms for SmolLM2's 49k
+    tokens, per sequence per step, on the scheduler thread)."""
+
+    __slots__ = ("_n_vocab",)
+
+    def __init__(self, n_vocab: int) -> None:
+        self._n_vocab = n_vocab
+
+    def sample(self, ctx: internals.LlamaContext, idx: int = -1) -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, idx), shape=(self._n_vocab,))
+        return int(logits.argmax())
+
+    def close(self) -> None:
+        pass
 
 
 class GrammarFirstRejection:

@@ -21,6 +21,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
+from lmspd.core.conversation import Conversation
 from lmspd.core.events import EngineEvent, Failed, Finished, Usage
 from lmspd.engines.base import CancelToken
 
@@ -116,6 +119,92 @@ def _deliver(items: list) -> None:
         put(event)
 
 
+class Preparations:
+    """Requests being prepared (render, tokenize, compile: CPU-bound, in the
+    service's worker threads) and those just prepared, on their way to the
+    scheduler, as the scheduler sees them.
+
+    Only a long preparation takes a decode thread away (``long``): one whose
+    input is big, or that has already run for ``grace_s``. The count is read
+    once per step and holds for the whole step, so a few-millisecond
+    preparation that happened to overlap a step's start (every turn of
+    sessions that arrive together) would otherwise halve the threads of a
+    whole prefill step: measured, a 242-token step took 2.8 s on one thread
+    where it took 1.8 s on two.
+
+    ``arriving``: a short preparation still running, or one prepared less
+    than ``handoff_s`` ago and not yet submitted: a request the scheduler,
+    idle, waits for briefly so that it shares the first step
+    (``Scheduler._gather``).
+    """
+
+    def __init__(self, *, grace_s: float = 0.05, big_chars: int = 1 << 18, handoff_s: float = 0.01) -> None:
+        self.grace_s = grace_s
+        self.big_chars = big_chars
+        self.handoff_s = handoff_s
+        self._lock = threading.Lock()
+        # One entry per running preparation: when it starts to count as long.
+        self._long_from: dict[int, float] = {}
+        # Prepared, not yet submitted (by the prepared object's id): until when it is waited for.
+        self._landing: dict[int, float] = {}
+        self._next = 0
+
+    @contextmanager
+    def running(self, conversation: Conversation) -> Iterator[Callable[[object], None]]:
+        """Around one preparation; call what it yields with the prepared
+        request once it is ready."""
+        now = time.monotonic()
+        long_from = now if input_chars(conversation) >= self.big_chars else now + self.grace_s
+        with self._lock:
+            key = self._next
+            self._next += 1
+            self._long_from[key] = long_from
+
+        def landed(prepared: object) -> None:
+            until = time.monotonic() + self.handoff_s
+            with self._lock:
+                for k in [k for k, t in self._landing.items() if t < until - self.handoff_s]:
+                    del self._landing[k]  # never submitted (refused, client gone)
+                self._landing[id(prepared)] = until
+
+        try:
+            yield landed
+        finally:
+            with self._lock:
+                del self._long_from[key]
+
+    def submitted(self, prepared: object) -> None:
+        if self._landing:
+            with self._lock:
+                self._landing.pop(id(prepared), None)
+
+    def long(self, now: float | None = None) -> int:
+        if not self._long_from:
+            return 0
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return sum(1 for t in self._long_from.values() if t <= now)
+
+    def arriving(self, now: float | None = None) -> bool:
+        if not (self._long_from or self._landing):
+            return False
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return (any(t > now for t in self._long_from.values())
+                    or any(t > now for t in self._landing.values()))
+
+
+def input_chars(conversation: Conversation) -> int:
+    """A cheap size of what preparing ``conversation`` renders and tokenizes."""
+    n = len(conversation.instructions or "")
+    for item in conversation.items:
+        for name in ("text", "payload", "output"):
+            value = getattr(item, name, None)
+            if isinstance(value, str):
+                n += len(value)
+    return n
+
+
 class Scheduler:
     def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int) -> None:
         self.engine = engine
@@ -124,6 +213,8 @@ class Scheduler:
         self.n_batch = n_batch
         self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
         self.checkpoint_every = checkpoint_every
+        # The longest an idle scheduler waits for requests arriving together (``_gather``).
+        self.gather_s = 0.03
         batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._batch = batch
         self._tok = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
@@ -145,6 +236,7 @@ class Scheduler:
     # -- other threads ------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        self.engine.preparations.submitted(job.prepared)
         with self._cond:
             self._inbox.append(job)
             self._cond.notify()
@@ -189,6 +281,8 @@ class Scheduler:
                     self._cond.wait(0.5 if self._waiting else None)
                     if self._waiting and not self._inbox:
                         break
+                if self._inbox and not self._running:
+                    self._gather()
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
                 closing = self._closing
@@ -211,6 +305,23 @@ class Scheduler:
                     self._fail(run, "server_error", "Generation failed.")
             # What this step produced, out before the next decode.
             self.outbox.flush()
+
+    def _gather(self) -> None:
+        """Requests that arrive together share their first step. Sessions
+        whose turns end in the same step send their next turns together, and
+        the preparing pool prepares them a couple at a time; started at the
+        first, a prefill step would leave the rest waiting all of it. So,
+        with nothing running, a request about to arrive
+        (``Preparations.arriving``) is waited for, at most ``gather_s``.
+        Called holding ``_cond`` (``submit`` notifies it)."""
+        preps = self.engine.preparations
+        deadline = time.monotonic() + self.gather_s
+        while not self._closing and preps.arriving():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            # Polled too: a preparation's end does not notify.
+            self._cond.wait(min(left, 0.002))
 
     def _admit(self) -> None:
         """Place waiting jobs, in arrival order, on the sequences the cache picks."""
@@ -360,14 +471,15 @@ class Scheduler:
         self.cache.decoded()
 
     def _decode_threads(self) -> None:
-        """One decode thread fewer per request being prepared. llama.cpp's
-        workers meet at a spinning barrier after every operation of the
-        graph; one that shares its core with a thread tokenizing a huge
-        prompt loses a time slice at many of those barriers while the others
-        spin: a 1-token step took ~1.4 s instead of ~10 ms on two cores.
-        Fewer threads, each with a core of its own, keep the step short."""
+        """One decode thread fewer per long preparation (``Preparations``).
+        llama.cpp's workers meet at a spinning barrier after every operation
+        of the graph; one that shares its core with a thread tokenizing a
+        huge prompt loses a time slice at many of those barriers while the
+        others spin: a 1-token step took ~1.4 s instead of ~10 ms on two
+        cores. Fewer threads, each with a core of its own, keep the step
+        short."""
         engine = self.engine
-        n = max(1, engine.threads - engine.preparing)
+        n = max(1, engine.threads - engine.preparations.long())
         if n != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx.ctx, n, n)
             self._threads = n

@@ -1,0 +1,52 @@
+"""Which preparations take a decode thread away (scheduler.Preparations):
+the count is read once per step and holds for the whole step, so a short
+preparation that merely overlaps a step's start must not halve the threads
+of a long prefill step; a long one (big input, or running for a while)
+must, as before."""
+
+from __future__ import annotations
+
+import time
+
+from lmspd.core.conversation import Conversation, Message, ToolOutput
+from lmspd.engines.llama.scheduler import Preparations, input_chars
+
+
+def conv(chars: int) -> Conversation:
+    return Conversation(model="m", items=[Message("user", "x" * chars)])
+
+
+def test_a_short_preparation_counts_only_once_it_has_run_for_the_grace_period() -> None:
+    preps = Preparations(grace_s=0.05, big_chars=1000)
+    with preps.running(conv(10)):
+        assert preps.long() == 0, "a just-started small preparation keeps the threads"
+        assert preps.long(time.monotonic() + 0.06) == 1, "one still running after the grace period takes one"
+    assert preps.long(time.monotonic() + 1) == 0, "a finished one counts no more"
+
+
+def test_a_big_input_counts_at_once_and_each_counts_once() -> None:
+    preps = Preparations(grace_s=10, big_chars=1000)
+    with preps.running(conv(2000)), preps.running(conv(5)), preps.running(conv(3000)):
+        assert preps.long() == 2
+    assert preps.long() == 0
+
+
+def test_input_chars_counts_instructions_messages_and_tool_outputs() -> None:
+    c = Conversation(model="m", instructions="abc", items=[Message("user", "hello"), ToolOutput(call_id="c", output="12")])
+    assert input_chars(c) == 3 + 5 + 2
+
+
+def test_arriving_covers_a_short_running_preparation_and_a_prepared_request_until_it_is_submitted() -> None:
+    preps = Preparations(grace_s=0.05, big_chars=1000, handoff_s=0.01)
+    assert not preps.arriving()
+    prepared = object()
+    with preps.running(conv(10)) as landed:
+        assert preps.arriving(), "a short preparation, just started: about to arrive"
+        assert not preps.arriving(time.monotonic() + 0.06), "past its grace period it is a long one, not waited for"
+        landed(prepared)
+    assert preps.arriving(), "prepared, on its way to the scheduler"
+    assert not preps.arriving(time.monotonic() + 0.02), "not submitted within the hand-off: not waited for"
+    preps.submitted(prepared)
+    assert not preps.arriving()
+    with preps.running(conv(5000)):
+        assert not preps.arriving(), "a big preparation is not waited for"
