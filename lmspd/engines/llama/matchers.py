@@ -1,11 +1,11 @@
 """Compiled grammars for one model: its vocabulary as an llguidance
 tokenizer, and matchers compiled once per grammar and kept by content.
 
-The tokenizer is built from the GGUF's own vocabulary (llguidance's
-``llamacpp.lltokenizer_from_vocab``; every end-of-generation token of the
-model ends a grammar, not only its EOS). Building it walks the whole
-vocabulary (~0.4 s for SmolLM2's 49k tokens), so it happens once, on first
-use.
+The tokenizer is built from the GGUF's own vocabulary (``_tokenizer``;
+every end-of-generation token of the model ends a grammar, not only its
+EOS). Building it walks the whole vocabulary (~0.4 s for SmolLM2's 49k
+tokens, seconds for Gemma 3's 262k), so it happens once, beside the
+server's start-up.
 
 Compiling is bounded twice: the inputs are bounded before they get here
 (``grammars``: schema and grammar bytes, rule count, depth), and
@@ -21,16 +21,15 @@ llguidance refuses is refused, then built again leniently
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import llama_cpp
 import llguidance
-from llguidance.llamacpp import lltokenizer_from_vocab
 
 from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
@@ -43,14 +42,39 @@ __all__ = ["GrammarCompiler"]
 _PARSER_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
 
 
+def _tokenizer(vocab: Any, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's ``llamacpp.lltokenizer_from_vocab``, written out: that
+    helper calls a llama.cpp binding deprecated under a new name once per
+    token, and silencing the warning means ``warnings.catch_warnings``, which
+    swaps process-wide state and is not safe on the background thread this
+    runs on (a test's own warning filters raced it). Same bytes: a control
+    token, or a user-defined one that looks like one, is marked special with
+    a 0xff prefix."""
+    size = 16 * 1024
+    buffer = ctypes.create_string_buffer(size + 1)
+    special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    pieces: list[bytes] = []
+    for token in range(n_vocab):
+        n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+        if n < 0:
+            raise ValueError(f"token {token} does not fit {size} bytes")
+        piece = ctypes.string_at(buffer, n)
+        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+        if attr & special or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        pieces.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    # from_llamacpp is missing from llguidance's type stubs.
+    return llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
+        tokens=pieces, vocab_ptr=vocab, tokenize_fptr=tokenize, eos_token=eos, slices=None)
+
+
 class GrammarCompiler:
     def __init__(self, vocab: Any, limits: RequestLimits = DEFAULT_LIMITS.request) -> None:
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        with warnings.catch_warnings():
-            # The helper calls a llama.cpp function deprecated under a new name, once per token.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.tokenizer = lltokenizer_from_vocab(vocab, eos_token=eog or None)
+        self.tokenizer = _tokenizer(vocab, n_vocab, eog or [llama_cpp.llama_vocab_eos(vocab)])
         self.n_vocab = n_vocab
         self.eog = eog
         self._limits = limits

@@ -137,3 +137,23 @@ def test_the_grammar_vocabulary_is_built_at_start_not_by_the_first_request() -> 
     built = fresh._grammar_compiler
     assert built is not None, "built with no request asking for it"
     assert fresh._grammars() is built
+
+
+def test_building_the_grammar_vocabulary_leaves_the_warning_filters_alone(monkeypatch) -> None:
+    """It runs on a background thread: ``warnings.catch_warnings`` there
+    swaps process-wide filters and raced the test runner's own (a
+    DeprecationWarning turned error in that thread), so the walk must not
+    need it. (It must not warn either: this suite turns warnings into
+    errors.)"""
+    import warnings
+
+    from lmspd.engines.llama.matchers import GrammarCompiler
+
+    vocab = vocab_only_preparation().vocab.vocab
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("catch_warnings swaps process-wide state")
+
+    monkeypatch.setattr(warnings, "catch_warnings", refuse)
+    compiler = GrammarCompiler(vocab)
+    assert compiler.tokenizer.eos_tokens == compiler.eog
