@@ -93,6 +93,6 @@ fi
 case "$cmd" in
   serve) exec "$VENV/bin/lmspd" serve "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
-  lint) "$VENV/bin/ruff" check lmspd && exec "$VENV/bin/mypy" ;;
+  lint) "$VENV/bin/ruff" check lmspd tests bench && exec "$VENV/bin/mypy" ;;
   *) echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2; exit 2 ;;
 esac

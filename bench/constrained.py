@@ -145,19 +145,19 @@ def worker(root: Path, threads: int, ctx: int) -> int:
     sys.path.insert(0, str(HERE))
     import asyncio
 
-    # CPU time is what the sampler path costs, and on a shared machine it is
-    # far steadier than wall time: count every thread's CPU over a
-    # generation, less the process CPU spent inside the prefill batches'
-    # decode calls (prefill may use more threads than decoding).
     import llama_cpp
-    from _common import bundled_model_path
     from llama_cpp import llama_cpp as bindings
 
+    from _common import bundled_model_path
     from lmspd.core.limits import DEFAULT_LIMITS
     from lmspd.dialects.openai_responses import decode_request
     from lmspd.engines.base import CancelToken
     from lmspd.engines.llama.engine import CacheSettings, LlamaEngine
 
+    # CPU time is what the sampler path costs, and on a shared machine it is
+    # far steadier than wall time: count every thread's CPU over a
+    # generation, less the process CPU spent inside the prefill batches'
+    # decode calls (prefill may use more threads than decoding).
     prefill_cpu, decode_cpu = [0.0], [0.0]
     real_decode = bindings.llama_decode
 

@@ -4,6 +4,7 @@ import sys
 
 import httpx
 import pytest
+
 from support.server import ALICE, BOB, LAUNCHES, ServerProcess
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from support.server import MODEL
+
 from support.compat import check_anthropic_message, validate_anthropic_stream
+from support.server import MODEL
 from support.sse import parse_frames
 
 # This SDK version has no ``temperature`` argument; the API still takes it.

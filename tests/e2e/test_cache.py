@@ -13,6 +13,7 @@ import json
 
 import httpx
 import pytest
+
 from support.server import MODEL as SMOLLM2
 from support.server import ServerProcess
 

@@ -13,6 +13,7 @@ import threading
 
 import httpx
 import pytest
+
 from support.server import ServerProcess
 
 GEMMA = "gemma3-270m"

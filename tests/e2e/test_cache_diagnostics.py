@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from support.server import MODEL, ServerProcess
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly. " * 6

@@ -8,9 +8,10 @@ import json
 
 import openai
 import pytest
-from support.server import MODEL
 from pydantic import BaseModel
+
 from support.compat import check_chat_completion, validate_chat_stream
+from support.server import MODEL
 from support.sse import parse_frames
 
 WEATHER = {"type": "function", "function": {

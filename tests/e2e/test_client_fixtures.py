@@ -46,8 +46,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.server import MODEL
-from support.server import ServerProcess
+
+from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream
 

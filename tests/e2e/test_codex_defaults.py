@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.server import MODEL, ServerProcess
-from support.sse import parse_frames
 
 from lmspd.config import DEFAULT_CTX
+from support.server import MODEL, ServerProcess
+from support.sse import parse_frames
 
 CAPTURES = sorted(Path("/work/shared/clients/codex-cli/captured").glob("*/*-request.json"))
 

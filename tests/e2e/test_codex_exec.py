@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from support.server import MODEL, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import validate_openai_stream

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.server import MODEL
+
 from support.compat import (
     check_anthropic_message,
     check_chat_completion,
     validate_anthropic_stream,
     validate_chat_stream,
 )
-from support.server import ServerProcess
+from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 
 TEMPLATE = str(Path(__file__).parent.parent / "fixtures" / "thinking_chatml.jinja")

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+
 from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 from support.validate import validate_openai_stream
@@ -79,7 +80,7 @@ class Stream(threading.Thread):
         return validate_openai_stream(self.events)
 
     def delta_times(self) -> list[float]:
-        return [t for t, e in zip(self.times, self.events) if e["type"] == "response.output_text.delta"]
+        return [t for t, e in zip(self.times, self.events, strict=False) if e["type"] == "response.output_text.delta"]
 
 
 def post(server, body: dict) -> dict:
@@ -101,7 +102,7 @@ def test_two_streams_interleave_and_both_complete(srv):
     # Interleaved in time: each stream had deltas while the other was still streaming.
     assert tb[0] < ta[-1] and ta[0] < tb[-1], "one stream waited for the other"
     both = sorted([(t, "a") for t in ta] + [(t, "b") for t in tb])
-    switches = sum(1 for x, y in zip(both, both[1:]) if x[1] != y[1])
+    switches = sum(1 for x, y in zip(both, both[1:], strict=False) if x[1] != y[1])
     assert switches >= 10, f"deltas of the two streams barely interleave ({switches} switches)"
 
 

@@ -8,9 +8,9 @@ import uuid
 from pathlib import Path
 
 import httpx
-from support.server import MODEL
+
 from support.follow import LONG, SHORT, follow, openai_events, wait_for
-from support.server import ServerProcess
+from support.server import MODEL, ServerProcess
 from support.validate import validate_lmsp_stream, validate_openai_stream
 
 

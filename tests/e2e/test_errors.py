@@ -6,8 +6,9 @@ dialect: tests/unit/routes/test_route_errors.py."""
 from __future__ import annotations
 
 import pytest
-from support.server import MODEL
+
 from support.refusals import assert_openai_error, assert_problem
+from support.server import MODEL
 
 
 def gens(server):

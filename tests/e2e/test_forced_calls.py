@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+
 from support.server import MODEL
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},

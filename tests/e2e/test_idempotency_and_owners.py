@@ -9,6 +9,7 @@ tests/unit/routes/test_route_idempotency.py and test_route_owners.py.
 from __future__ import annotations
 
 import httpx
+
 from support.server import ALICE, BOB, MODEL
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather for a city.",

@@ -10,8 +10,8 @@ import threading
 import time
 
 import httpx
-from support.server import MODEL
-from support.server import ServerProcess
+
+from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 
 LONG = {"model": MODEL, "input": "Write a very long story about a dragon and a knight.", "temperature": 0,

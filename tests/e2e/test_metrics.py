@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
 from support.server import MODEL
 
 

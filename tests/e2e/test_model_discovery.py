@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.server import ServerProcess
 
 from lmspd.engines.llama.models import resolve_model
+from support.server import ServerProcess
 
 DIGEST = "0123456789abcdef" * 4
 

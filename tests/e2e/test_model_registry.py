@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
-from support.server import MODEL, ServerProcess
 
 from lmspd.engines.llama.gguf import read_gguf
 from lmspd.engines.llama.models import resolve_model
 from lmspd.engines.registry import kv_bytes_estimate
+from support.server import MODEL, ServerProcess
 
 CTX = 512
 PARALLEL = 2

@@ -11,6 +11,7 @@ import uuid
 
 import httpx
 import pytest
+
 from support.follow import LONG, follow, wait_for
 from support.postgres import Databases
 from support.server import MODEL, ServerProcess

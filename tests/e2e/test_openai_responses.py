@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
+
 from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream
@@ -16,7 +16,7 @@ def stream_raw(http, body: dict) -> list[dict]:
         frames = list(parse_frames(r.iter_lines()))
     assert frames[-1].data == "[DONE]"
     events = [f.json() for f in frames[:-1]]
-    for f, ev in zip(frames, events):
+    for f, ev in zip(frames, events, strict=False):
         assert f.event == ev["type"], "the event: line must equal the JSON type"
     return events
 

@@ -47,7 +47,7 @@ def test_a_loop_ends_as_incomplete_in_every_dialect(srv):
         "/v1/messages": {"model": MODEL, "messages": user, "temperature": 0, "max_tokens": 1000},
     }
     with ThreadPoolExecutor(4) as pool:  # batched together: one generation's time
-        replies = dict(zip(requests, pool.map(lambda kv: post(srv, *kv), requests.items())))
+        replies = dict(zip(requests, pool.map(lambda kv: post(srv, *kv), requests.items()), strict=False))
     lmsp = replies["/lmsp/v1/responses"]
     assert lmsp["status"] == "incomplete" and lmsp["incomplete_details"] == {"reason": "repetition"}, lmsp
     assert WINDOW < lmsp["usage"]["output_tokens"] < CEILING

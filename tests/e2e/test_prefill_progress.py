@@ -9,6 +9,7 @@ import time
 import uuid
 
 import httpx
+
 from support.server import MODEL
 
 

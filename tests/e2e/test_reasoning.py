@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.server import MODEL
-from support.server import ServerProcess
+
+from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 from support.validate import validate_openai_stream
 

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import pytest
+
 from support.server import MODEL
+
 
 @pytest.fixture(scope="module")
 def sdk(server):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from support.server import MODEL
 from support.follow import SHORT
+from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import validate_lmsp_stream, validate_openai_stream
 

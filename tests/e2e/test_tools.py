@@ -16,8 +16,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from support.server import MODEL
 from pydantic import BaseModel
+
+from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_lmsp_stream, validate_openai_stream
 

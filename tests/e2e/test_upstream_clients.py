@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from support import npm
 from support.provider import Recorded, Reply, ScriptedProvider, text_stream, tool_stream
 from support.server import ServerProcess

@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+
 from support.provider import (
     DONE,
     Reply,
@@ -78,7 +79,7 @@ def stream(http: httpx.Client, body: dict) -> tuple[list[dict], bytes]:
     frames = list(parse_frames(bytes(raw).decode().splitlines(keepends=True)))
     assert frames[-1].data == "[DONE]"
     events = [f.json() for f in frames[:-1]]
-    for f, ev in zip(frames, events):
+    for f, ev in zip(frames, events, strict=False):
         assert f.event == ev["type"]
     validate_openai_stream(events)
     for secret in PRIVATE:

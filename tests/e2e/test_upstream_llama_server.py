@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support.server import ServerProcess
 from support.validate import check_openai_response, validate_openai_stream
 

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from support.server import ServerProcess
 
 pytest.importorskip("xllamacpp")
@@ -203,9 +204,9 @@ def test_three_agent_sessions_keep_their_endpoints_and_one_moves_once(pool_lmspd
                 assert ended == "response.failed" and after < 15, (ended, after)
                 kill_mark = len(pool_lmspd.output)
             started = time.monotonic()
-            results = list(pool.map(lambda s: s.send(http, turn), sessions))
+            results = list(pool.map(lambda s, turn=turn: s.send(http, turn), sessions))
             assert time.monotonic() - started < 60, "a round took too long"
-            for session, (response_id, input_tokens, cached) in zip(sessions, results):
+            for session, (response_id, input_tokens, cached) in zip(sessions, results, strict=False):
                 endpoint = served_by(pool_lmspd, response_id)
                 records.append((session.name, turn, endpoint, input_tokens, cached))
                 if turn == 1:

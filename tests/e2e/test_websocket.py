@@ -12,11 +12,12 @@ import time
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
 from support.server import MODEL, ServerProcess
 from support.sse import parse_frames
 from support.validate import validate_openai_stream
 from support.ws import create, open_ws, read_turn
-from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 NO_REUSE = {"lmspd.cache": {"reuse": False}}
 
@@ -156,7 +157,7 @@ def test_sse_and_websocket_send_the_same_events(server):
         frames = list(parse_frames(r.iter_lines()))
     assert frames[-1].data == "[DONE]"
     sse = [f.json() for f in frames[:-1]]
-    assert all(f.event == e["type"] for f, e in zip(frames, sse))
+    assert all(f.event == e["type"] for f, e in zip(frames, sse, strict=False))
     with open_ws(server.url) as ws:
         wse = create(ws, request)
     assert _normalize(sse) == _normalize(wse)

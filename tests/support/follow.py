@@ -36,7 +36,7 @@ def openai_events(frames: list[Frame]) -> list[dict[str, Any]]:
     """OpenAI stream frames as event dicts; checks the [DONE] trailer."""
     assert frames and frames[-1].data == "[DONE]", "an OpenAI stream ends with [DONE]"
     events = [json.loads(f.data) for f in frames[:-1]]
-    for f, ev in zip(frames, events):
+    for f, ev in zip(frames, events, strict=False):
         assert f.event == ev["type"], "the event: line must equal the JSON type"
     return events
 

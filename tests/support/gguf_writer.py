@@ -26,7 +26,7 @@ def _value(value: Any) -> tuple[int, bytes]:
     if isinstance(value, list):
         if not value:
             return 9, struct.pack("<IQ", 4, 0)
-        types, blobs = zip(*(_value(v) for v in value))
+        types, blobs = zip(*(_value(v) for v in value), strict=False)
         return 9, struct.pack("<IQ", types[0], len(value)) + b"".join(blobs)
     raise TypeError(type(value))
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 from starlette.testclient import TestClient
-from support.engine import MODEL, ScriptedEngine
 
 from lmspd.app import build_app
 from lmspd.config import Settings
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
+from support.engine import MODEL, ScriptedEngine
 
 # One scripted engine for all in-process tests (re-exported here, where the
 # app helpers are).

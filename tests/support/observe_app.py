@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
-from support import engine
 
 from lmspd.app import build_app
 from lmspd.config import Settings
@@ -13,6 +12,7 @@ from lmspd.core.events import Usage
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
+from support import engine
 
 
 class ScriptedEngine(engine.ScriptedEngine):

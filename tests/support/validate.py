@@ -9,10 +9,9 @@ against the ``openai`` SDK's own pydantic types.
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
 import typing
+from typing import Any
 
 from openai.types.responses import Response, ResponseError, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -147,7 +146,7 @@ def validate_lmsp_stream(frames: list[Any]) -> dict[str, Any]:
     items: dict[int, dict] = {}
     done: dict[int, dict] = {}
     text: dict[str, str] = {}
-    for name, d in zip(names, datas):
+    for name, d in zip(names, datas, strict=False):
         if name == "response.output_item.added":
             assert d["output_index"] == len(items)
             items[d["output_index"]] = d["item"]

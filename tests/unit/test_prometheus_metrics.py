@@ -7,9 +7,8 @@ sits behind the same credential check as the rest of the API.
 
 from __future__ import annotations
 
-from support.observe_app import ScriptedEngine, make_client, samples
-
 from lmspd.core.events import Usage
+from support.observe_app import ScriptedEngine, make_client, samples
 
 
 def test_counters_move_by_the_reported_usage(tmp_path):

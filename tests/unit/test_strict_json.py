@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lmspd.bodies import content_encodings, decode_body, decode_json, json_path

@@ -6,13 +6,13 @@ prefill stops there; a request diverging after one resumes from it)."""
 from __future__ import annotations
 
 import pytest
-from support.cache_rig import INSTRUCTIONS, make_cache, request
 
 from lmspd.core.conversation import Conversation, Message
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import RequestLimits
 from lmspd.dialects import anthropic_messages, openai_responses
 from lmspd.engines.llama.breakpoints import token_positions
+from support.cache_rig import INSTRUCTIONS, make_cache, request
 
 LIMITS = RequestLimits()
 MARK = {"mode": "explicit"}
@@ -176,9 +176,8 @@ def test_a_tool_output_breakpoint_and_the_end_of_the_tools_are_positions(vocab):
 
 
 def test_the_end_of_the_tools_is_where_the_rendered_tool_definitions_end():
-    from support.grammar_rig import vocab_only_preparation
-
     from lmspd.core.conversation import FunctionTool
+    from support.grammar_rig import vocab_only_preparation
 
     prep = vocab_only_preparation()
     tools = [FunctionTool(name="ls", description="Lists a directory.", parameters={"type": "object"})]
@@ -224,9 +223,8 @@ def test_a_checkpoint_taken_after_a_sampled_turn_is_found_by_its_visible_transcr
     sampled, ``{"x":1}``; the client replays ``{"x": 1}``): a checkpoint
     taken while a later prefill continues it matches a branch neither by
     tokens nor by the KV's text, only by the request text its KV covers."""
-    from support.cache_rig import hold
-
     from lmspd.cache.state import SessionState
+    from support.cache_rig import hold
 
     cache = make_cache(vocab, n_seq=2, floors={0: 10**6, 1: 10**6})
     tok = cache.ops.tokenize

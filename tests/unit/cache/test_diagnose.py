@@ -4,9 +4,8 @@ request would have continued."""
 
 from __future__ import annotations
 
-from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
-
 from lmspd.cache.disk import DiskCheckpoints
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 TURN = "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\nMars.<|im_end|>"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.compat import check_anthropic_message, validate_anthropic_stream
 
 from lmspd.core.conversation import Message, Reasoning, ToolCall, ToolChoice, ToolOutput
 from lmspd.core.errors import ApiError
@@ -23,6 +22,7 @@ from lmspd.core.events import (
 from lmspd.core.limits import RequestLimits
 from lmspd.dialects.anthropic_messages import AnthropicEncoder, decode_count_tokens, decode_request, message_json
 from lmspd.streaming.session import ResponseState, StreamSession
+from support.compat import check_anthropic_message, validate_anthropic_stream
 
 LIMITS = RequestLimits()
 WEATHER = {"name": "get_weather", "description": "Weather for a city.", "cache_control": {"type": "ephemeral"},

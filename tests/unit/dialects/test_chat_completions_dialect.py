@@ -4,7 +4,6 @@ scripted engine events encoded as chunks / a completion object."""
 from __future__ import annotations
 
 import pytest
-from support.compat import check_chat_completion, validate_chat_stream
 
 from lmspd.core.conversation import Message, Reasoning, ToolCall, ToolChoice, ToolOutput
 from lmspd.core.errors import ApiError, RequestField
@@ -21,6 +20,7 @@ from lmspd.core.events import (
 from lmspd.core.limits import RequestLimits
 from lmspd.dialects.chat_completions import ChatEncoder, completion_json, decode_request
 from lmspd.streaming.session import ResponseState, StreamSession
+from support.compat import check_chat_completion, validate_chat_stream
 
 LIMITS = RequestLimits()
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",

@@ -5,6 +5,7 @@ real SQLite store. Nothing here loads a model."""
 from __future__ import annotations
 
 import pytest
+
 from support.engine import ScriptedEngine
 from support.inprocess import InProcess, serving
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from support.observe_app import ScriptedEngine, make_client
-
 from lmspd.core.events import Usage
+from support.observe_app import ScriptedEngine, make_client
 
 
 def test_the_view_lists_queue_cache_and_recent_generations(tmp_path):

@@ -6,9 +6,9 @@ stay in tests/e2e/test_errors.py.)"""
 from __future__ import annotations
 
 import pytest
+
 from support.engine import MODEL
 from support.refusals import assert_openai_error, assert_problem
-
 
 CASES = [
     # (description, request kwargs, status, code)

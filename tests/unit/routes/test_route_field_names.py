@@ -7,11 +7,11 @@ output format and ``text.format`` for OpenAI's."""
 from __future__ import annotations
 
 import pytest
-from support.engine import MODEL, ScriptedEngine
-from support.inprocess import serving
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import FIELD, ApiError, RequestField
+from support.engine import MODEL, ScriptedEngine
+from support.inprocess import serving
 
 
 class RefusesLastItem(ScriptedEngine):

@@ -10,13 +10,13 @@ import threading
 import time
 
 from openai import OpenAI
+
+from lmspd.store.base import Retention
 from support.engine import MODEL, ScriptedEngine
 from support.follow import follow, openai_events, wait_for
 from support.inprocess import serving
 from support.sse import parse_frames
 from support.validate import validate_lmsp_stream, validate_openai_stream
-
-from lmspd.store.base import Retention
 
 # Long enough to be cancelled while it runs, short enough to wait for.
 LONG = tuple(f" w{i}" for i in range(2000))

@@ -11,12 +11,12 @@ import time
 
 import httpx
 import openai
-from support.engine import MODEL, ScriptedEngine
-from support.inprocess import ThreadedServer, make_app
 
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.streaming.coalesce import CoalescingMiddleware
 from lmspd.streaming.sse import SSE_KEEPALIVE
+from support.engine import MODEL, ScriptedEngine
+from support.inprocess import ThreadedServer, make_app
 
 EVERY_S = 0.05
 SILENCE_S = 0.4
@@ -52,7 +52,7 @@ def test_a_silent_stream_gets_comments_until_its_first_event(tmp_path):
     # response.created and the first delta, none once events flow again.
     assert len(during) >= 3, texts
     assert all(created < i < first_delta for i in during), texts
-    gaps = [b[0] - a[0] for a, b in zip(lines[created:first_delta], lines[created + 1:first_delta + 1])]
+    gaps = [b[0] - a[0] for a, b in zip(lines[created:first_delta], lines[created + 1:first_delta + 1], strict=False)]
     assert max(gaps) < SILENCE_S / 2, f"the stream was silent for {max(gaps):.2f} s: {lines}"
 
 

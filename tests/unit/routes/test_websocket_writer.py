@@ -9,10 +9,10 @@ import asyncio
 import json
 
 from starlette.websockets import WebSocketState
-from support.engine import MODEL, ScriptedEngine
-from support.inprocess import make_app
 
 from lmspd.routes.websocket import Connection
+from support.engine import MODEL, ScriptedEngine
+from support.inprocess import make_app
 
 WRITE_S = 0.05
 

@@ -10,8 +10,6 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.sse import Frame
-from support.validate import validate_lmsp_stream, validate_openai_stream
 
 from lmspd.core.events import (
     Failed,
@@ -24,9 +22,11 @@ from lmspd.core.events import (
     ToolCallStarted,
     Usage,
 )
-from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI
 from lmspd.core.lifecycle import TERMINAL_STATUSES
+from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI
 from lmspd.streaming.session import ResponseState, StreamSession
+from support.sse import Frame
+from support.validate import validate_lmsp_stream, validate_openai_stream
 
 TERMINALS = {"completed": "response.completed", "incomplete": "response.incomplete",
              "failed": "response.failed", "cancelled": "response.cancelled"}

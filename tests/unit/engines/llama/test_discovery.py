@@ -3,16 +3,15 @@ with the bundled model linked in the way each tool links its files."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
-from support.gguf_writer import gguf_bytes, model_metadata
 
 from lmspd.engines.llama.discovery import Roots, discover, find
 from lmspd.engines.llama.models import ModelNotFound, resolve_model
+from support.gguf_writer import gguf_bytes, model_metadata
 
 DIGEST = "a" * 64
 

@@ -8,10 +8,10 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.gguf_writer import gguf_bytes, model_metadata
 
 from lmspd.engines.llama.gguf import MAX_STRING_BYTES, GGUFError, SkippedArray, parse, read_gguf
 from lmspd.engines.llama.models import resolve_model
+from support.gguf_writer import gguf_bytes, model_metadata
 
 QWEN_LIKE = ("{% if tools %}<|im_start|>system\n# Tools{% for t in tools %}{{ t | tojson }}{% endfor %}"
              "<tool_call>{% endif %}{% for m in messages %}<think>{{ m.content }}{% endfor %}")
@@ -99,9 +99,9 @@ def test_corrupted_headers_parse_or_fail_cleanly(data):
         return
     # Whatever parsed is well-typed enough to describe.
     assert isinstance(info.metadata, dict)
-    info.capabilities
+    _ = info.capabilities
     info.quantization("x.gguf")
-    info.context_length
+    _ = info.context_length
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,14 +8,6 @@ import socket
 import time
 
 import pytest
-from support.provider import (
-    Reply,
-    ScriptedProvider,
-    error_reply_body,
-    text_chunk,
-    text_stream,
-    tool_stream,
-)
 
 from lmspd.core.conversation import Conversation, FunctionTool, Message
 from lmspd.core.errors import ApiError
@@ -25,6 +17,14 @@ from lmspd.engines.base import CancelToken
 from lmspd.engines.upstream.credentials import Secret
 from lmspd.engines.upstream.engine import UpstreamEngine, UpstreamSpec
 from lmspd.service import Service
+from support.provider import (
+    Reply,
+    ScriptedProvider,
+    error_reply_body,
+    text_chunk,
+    text_stream,
+    tool_stream,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+
 import pytest
 
 from lmspd.config import Settings

@@ -15,8 +15,8 @@ from lmspd.engines.upstream.pool import EndpointPool
 from lmspd.engines.upstream.routing import (
     PinMap,
     PrefixIndex,
-    RouteRequest,
     Router,
+    RouteRequest,
     RoutingSettings,
     block_chain,
     response_anchor,

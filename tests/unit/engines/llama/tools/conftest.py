@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+
 from support.grammar_rig import GrammarRig
 
 

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from lmspd.core.errors import ApiError
 from lmspd.engines.llama.grammars import json_schema_grammar
-
 from support.grammar_rig import ModelRig
 
 _strings = st.builds(

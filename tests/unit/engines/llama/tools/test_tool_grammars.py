@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
+from test_lark_grammar import APPLY_PATCH, PATCHES
 
 from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall
 from lmspd.core.errors import ApiError
@@ -33,8 +34,6 @@ from lmspd.engines.llama.tool_formats import (
     MistralFormat,
     ToolFormat,
 )
-
-from test_lark_grammar import APPLY_PATCH, PATCHES
 
 # --- JSON Schema -----------------------------------------------------------
 

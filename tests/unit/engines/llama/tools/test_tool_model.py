@@ -12,7 +12,6 @@ from lmspd.core.conversation import FunctionTool
 from lmspd.core.events import ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.grammars import json_schema_grammar, tool_call_grammar
 from lmspd.engines.llama.tool_formats import detect_tool_format
-
 from support.grammar_rig import ModelRig
 
 WEATHER = {
