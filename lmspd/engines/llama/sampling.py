@@ -6,8 +6,8 @@ sampler: more than a small model's forward pass). Most tokens a model
 samples under a grammar are allowed anyway, so ``GrammarFirstRejection``
 does what llama.cpp's ``common_sampler`` does: sample from the
 unconstrained distribution (llama.cpp's own sampler call, as free decoding
-does), ask the matcher about that one token (about a microsecond), and only when it is rejected mask the full vocabulary and
-sample again.
+does), ask the matcher about that one token (about a microsecond), and
+only when it is rejected mask the full vocabulary and sample again.
 
 The result has the same distribution as applying the grammar first (an
 allowed token is kept with probability p; a rejection resamples from the
