@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -274,6 +274,26 @@ def fmt(v: float | None, spec: str = "{:.1f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+def side(samples: list[dict[str, Any]], name: str, mode: str) -> list[dict[str, Any]]:
+    return [s for s in samples if s["side"] == name and s["mode"] == mode]
+
+
+def speed_ratios(samples: list[dict[str, Any]], name: str, mode: str, tokens: int,
+                 speed: Callable[[dict[str, Any]], float | None]) -> list[float]:
+    """Each round's speed of ``mode`` over free's on the same side, like with
+    like only: rounds where both generations wrote all their tokens."""
+    free = {s["round"]: s for s in side(samples, name, "free")}
+    ratios = []
+    for s in side(samples, name, mode):
+        f = free.get(s["round"])
+        if f is None or not s["output_tokens"] == f["output_tokens"] == tokens:
+            continue
+        mine, theirs = speed(s), speed(f)
+        if mine and theirs:
+            ratios.append(mine / theirs)
+    return ratios
+
+
 def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
     print(f"{'mode':<6}" + "".join(f"{s + ' tok/s':>13}{s + ' vs free':>13}{'p25-p75':>12}" for s in ("old", "new"))
           + "   tokens (old / new)")
@@ -282,12 +302,8 @@ def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
         row = f"{mode:<6}"
         lengths = []
         for name in ("old", "new"):
-            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
-            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
-            # Only like with like: both generations wrote all their tokens.
-            ratios = [s["tps"] / free[s["round"]]["tps"] for s in mine
-                      if s["tps"] and s["round"] in free and free[s["round"]]["tps"]
-                      and s["output_tokens"] == free[s["round"]]["output_tokens"] == tokens]
+            mine = side(samples, name, mode)
+            ratios = speed_ratios(samples, name, mode, tokens, lambda s: s["tps"])
             row += f"{fmt(median([s['tps'] for s in mine])):>13}{fmt(median(ratios), '{:.2f}x'):>13}{quartiles(ratios):>12}"
             lengths.append(",".join(sorted({str(s["output_tokens"]) for s in mine})))
             short += [f"{name} {mode}: {s['output_tokens']} tokens, {s['end']} ({s['text']!r})"
@@ -301,11 +317,9 @@ def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
     for mode in MODES:
         row = f"{mode:<6}"
         for name in ("old", "new"):
-            mine = [s for s in samples if s["side"] == name and s["mode"] == mode]
-            free = {s["round"]: s for s in samples if s["side"] == name and s["mode"] == "free"}
-            ratios = [free[s["round"]]["cpu_ms"] / s["cpu_ms"] for s in mine
-                      if s.get("cpu_ms") and s["round"] in free and free[s["round"]].get("cpu_ms")
-                      and s["output_tokens"] == free[s["round"]]["output_tokens"] == tokens]
+            mine = side(samples, name, mode)
+            ratios = speed_ratios(samples, name, mode, tokens,
+                                  lambda s: 1 / s["cpu_ms"] if s.get("cpu_ms") else None)
             row += (f"{fmt(median([s.get('cpu_ms') for s in mine]), '{:.2f}'):>16}"
                     f"{fmt(median(ratios), '{:.3f}x'):>13}{quartiles(ratios):>12}")
         print(row, flush=True)
@@ -318,8 +332,8 @@ def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
     for mode in MODES:
         row = f"{mode:<6}"
         for name in ("old", "new"):
-            mine = [s.get("host_ms") for s in samples if s["side"] == name and s["mode"] == mode]
-            free = [s for s in samples if s["side"] == name and s["mode"] == "free" and s.get("host_ms") is not None]
+            mine = [s.get("host_ms") for s in side(samples, name, mode)]
+            free = [s for s in side(samples, name, "free") if s.get("host_ms") is not None]
             host, free_host = median(mine), median([s["host_ms"] for s in free])
             fwd = median([s["cpu_ms"] - s["host_ms"] for s in free])
             implied = (fwd + free_host) / (fwd + host) if None not in (host, free_host, fwd) else None

@@ -14,17 +14,13 @@ import pytest
 from lmspd.core.conversation import Conversation, Message, Sampling
 from lmspd.core.events import Finished
 from lmspd.engines.base import CancelToken
+from support.llama_engine import bundled_engine
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from lmspd.engines.llama.engine import LlamaEngine
-    from lmspd.engines.llama.models import resolve_model
-
-    model_id, path = resolve_model("smollm2-135m-instruct")
-    eng = LlamaEngine(model_id, path, n_ctx=512, n_threads=1, parallel=2)
-    yield eng
-    asyncio.run(eng.aclose())
+    with bundled_engine(parallel=2) as eng:
+        yield eng
 
 
 def conv(text: str) -> Conversation:

@@ -5,8 +5,6 @@ every row of a batch. The bundled model, in process."""
 
 from __future__ import annotations
 
-import asyncio
-
 import llama_cpp
 import numpy as np
 import pytest
@@ -14,17 +12,13 @@ from llama_cpp import _internals as internals
 
 from lmspd.core.conversation import Conversation, Message, Sampling
 from lmspd.engines.llama.sampling import Greedy
+from support.llama_engine import bundled_engine
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from lmspd.engines.llama.engine import LlamaEngine
-    from lmspd.engines.llama.models import resolve_model
-
-    model_id, path = resolve_model("smollm2-135m-instruct")
-    eng = LlamaEngine(model_id, path, n_ctx=512, n_threads=1, parallel=1)
-    yield eng
-    asyncio.run(eng.aclose())
+    with bundled_engine(parallel=1) as eng:
+        yield eng
 
 
 def test_greedy_picks_what_llama_cpps_greedy_sampler_picks_on_every_row(engine):
