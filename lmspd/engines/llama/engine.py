@@ -330,6 +330,7 @@ class LlamaEngine:
         # The scheduler thread owns the KV: it writes the shutdown checkpoints.
         await loop.run_in_executor(None, self.scheduler.close)
         await loop.run_in_executor(None, self.cache.flush)
+        await loop.run_in_executor(None, self.preparation.close)
         with suppress_stdout_stderr(disable=False):
             self.ctx.close()
             self._model.close()

@@ -34,7 +34,7 @@ import llguidance
 from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 
-__all__ = ["GrammarCompiler"]
+__all__ = ["GrammarCompiler", "VocabularyWalkCancelled"]
 
 # About 20 ms of lexer construction (llguidance builds ~50k fuel/ms) and a
 # grammar of at most this many symbols; beyond that a request is refused
@@ -42,7 +42,17 @@ __all__ = ["GrammarCompiler"]
 _PARSER_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=1_000_000, max_grammar_size=200_000, step_lexer_fuel=200_000)
 
 
-def _tokenizer(vocab: Any, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
+class VocabularyWalkCancelled(Exception):
+    """The engine closed while its grammar tokenizer was being built: the
+    vocabulary it walks is about to be freed."""
+
+
+# Tokens walked between checks of ``cancel``: a few milliseconds.
+_CANCEL_EVERY = 4096
+
+
+def _tokenizer(vocab: Any, n_vocab: int, eos: list[int],
+               cancel: threading.Event | None = None) -> llguidance.LLTokenizer:
     """llguidance's ``llamacpp.lltokenizer_from_vocab``, written out: that
     helper calls a llama.cpp binding deprecated under a new name once per
     token, and silencing the warning means ``warnings.catch_warnings``, which
@@ -56,6 +66,8 @@ def _tokenizer(vocab: Any, n_vocab: int, eos: list[int]) -> llguidance.LLTokeniz
     user = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
     pieces: list[bytes] = []
     for token in range(n_vocab):
+        if cancel is not None and token % _CANCEL_EVERY == 0 and cancel.is_set():
+            raise VocabularyWalkCancelled
         n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
         if n < 0:
             raise ValueError(f"token {token} does not fit {size} bytes")
@@ -71,10 +83,13 @@ def _tokenizer(vocab: Any, n_vocab: int, eos: list[int]) -> llguidance.LLTokeniz
 
 
 class GrammarCompiler:
-    def __init__(self, vocab: Any, limits: RequestLimits = DEFAULT_LIMITS.request) -> None:
+    def __init__(self, vocab: Any, limits: RequestLimits = DEFAULT_LIMITS.request,
+                 cancel: threading.Event | None = None) -> None:
+        """``cancel``: set, the vocabulary walk stops with
+        ``VocabularyWalkCancelled`` (the engine is closing)."""
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        self.tokenizer = _tokenizer(vocab, n_vocab, eog or [llama_cpp.llama_vocab_eos(vocab)])
+        self.tokenizer = _tokenizer(vocab, n_vocab, eog or [llama_cpp.llama_vocab_eos(vocab)], cancel)
         self.n_vocab = n_vocab
         self.eog = eog
         self._limits = limits

@@ -35,7 +35,7 @@ from lmspd.core.limits import Limits, RequestLimits
 from lmspd.core.sealing import Sealer
 
 from . import breakpoints, grammars
-from .matchers import GrammarCompiler
+from .matchers import GrammarCompiler, VocabularyWalkCancelled
 from .prompt import template_messages
 from .reasoning import ReasoningSyntax
 from .sampling import GrammarFirstRejection, Greedy
@@ -126,6 +126,8 @@ class Preparation:
         self.sealer = sealer
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._grammar_thread: threading.Thread | None = None
+        self._closing = threading.Event()
 
     def render(self, conversation: Conversation, *, add_generation_prompt: bool = True) -> str:
         if self.repairs.canonical_tool_order and len(conversation.tools) > 1:
@@ -347,13 +349,28 @@ class Preparation:
         for Gemma 3's 262k on the shared 2-core machine), which the first
         request with a grammar — the first turn after a restart, in an agent
         loop — would otherwise wait for."""
-        threading.Thread(target=self._grammars, name="lmspd-grammar-vocab", daemon=True).start()
+        self._grammar_thread = threading.Thread(target=self._build_grammars, name="lmspd-grammar-vocab", daemon=True)
+        self._grammar_thread.start()
+
+    def _build_grammars(self) -> None:
+        try:
+            self._grammars()
+        except VocabularyWalkCancelled:
+            pass
+
+    def close(self) -> None:
+        """Stop a background build and wait for it (blocking, a few ms):
+        it reads the model's vocabulary, which the engine frees next (a
+        server stopped in its first seconds crashed there)."""
+        self._closing.set()
+        if self._grammar_thread is not None:
+            self._grammar_thread.join()
 
     def _grammars(self) -> GrammarCompiler:
         # Built once; a request that needs it while it is being built waits.
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits)
+                self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits, cancel=self._closing)
             return self._grammar_compiler
 
     def _compile(self, prepared: LlamaPrepared, build: Callable[..., str]) -> None:
