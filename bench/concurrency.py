@@ -33,6 +33,12 @@ Every system gets the same streaming ``/v1/chat/completions`` bodies
    ``--decode-tokens`` gets no ratio.
 4. ``short`` — a short request alone (median of 3), then the same while a
    ``--decode-tokens`` generation streams: its TTFT against its TTFT alone.
+5. ``decode-paired`` — scenario 3 again, ``--decode-rounds`` rounds with
+   ``lmspd-p4`` and ``llama-4`` both started (each idle while the other
+   runs) and taking turns, first one then the other: the per-round ratio,
+   median. One run of scenario 3 per system swings by ±10% between runs on
+   the 2-core machine (0.91× and 1.05× on the same code), more than the
+   difference it measures.
 
 Ratios are printed against ``llama-4`` (and scenario 4 against itself).
 The development machine is 2 shared cores: quote numbers with the load they
@@ -99,6 +105,10 @@ def tool_result(tokens: int, session: int, turn: int) -> str:
 
 
 # -- systems ------------------------------------------------------------------------------
+
+
+def served_name(system: str, url: str) -> str:
+    return "bench" if system == "llama-4" else httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
 def start(system: str, args: argparse.Namespace, model: Path, tmp: Path) -> ChildServer:
@@ -215,6 +225,23 @@ def decode(url: str, model: str, system: str, args: argparse.Namespace) -> dict[
             "stream_tps_mean": statistics.fmean(rates) if rates else None, "wall_s": wall}
 
 
+def decode_paired(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict[str, Any]:
+    """``servers``: system -> (url, model name), ``lmspd-p4`` and ``llama-4``."""
+    rounds: dict[str, list[float]] = {system: [] for system in servers}
+    order = list(servers)
+    for system, (url, name) in servers.items():
+        decode(url, name, system, args)  # warm-up
+    for i in range(args.decode_rounds):
+        for system in order if i % 2 == 0 else order[::-1]:
+            url, name = servers[system]
+            r = decode(url, name, system, args)
+            # Like with like only: a stream cut short did less work.
+            rounds[system].append(r["agg_tps"] if r["full"] else float("nan"))
+    mine, base = rounds["lmspd-p4"], rounds["llama-4"]
+    ratios = [a / b for a, b in zip(mine, base, strict=True) if a == a and b == b]
+    return {"rounds": rounds, "ratios": ratios, "median_ratio": statistics.median(ratios) if ratios else None}
+
+
 def short(url: str, model: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
     msgs = [{"role": "user", "content": "Name one colour."}]
     with httpx.Client(timeout=600) as client:
@@ -289,6 +316,16 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                   f"| {fmt(x.get('stream_tps_mean'))} "
                   f"| {ratio(x.get('stream_tps_mean'), b.get('stream_tps_mean')) if same else '—'} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {ratio(x['ttft_mean'], b.get('ttft_mean'))} |")
+    paired = results.get("paired", {}).get("decode-paired")
+    if paired:
+        print(f"\n### 3p. decode-heavy, paired: {len(paired['ratios'])} rounds taking turns, both servers up\n")
+        print("| round | lmspd-p4 tok/s | llama-4 tok/s | ratio |")
+        print("|---|---|---|---|")
+        for i, (a, b) in enumerate(zip(paired["rounds"]["lmspd-p4"], paired["rounds"]["llama-4"], strict=True)):
+            print(f"| {i + 1} | {fmt(a)} | {fmt(b)} | {ratio(a, b) if a == a and b == b else '—'} |")
+        q = sorted(paired["ratios"])
+        if q:
+            print(f"\nmedian ratio {paired['median_ratio']:.3f} (min {q[0]:.3f}, max {q[-1]:.3f})")
     print("\n### 4. a short request during a long generation\n")
     print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
     print("|---|---|---|---|---|")
@@ -305,7 +342,8 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=4096, help="context window per sequence / slot")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--scenarios", default="agents,shared,decode,short")
+    parser.add_argument("--scenarios", default="agents,shared,decode,short,decode-paired")
+    parser.add_argument("--decode-rounds", type=int, default=6, help="rounds of decode-paired (quick 3)")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--dev-tokens", type=int, default=1500)
     parser.add_argument("--tool-tokens", type=int, default=250)
@@ -317,6 +355,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.turns, args.dev_tokens, args.tool_tokens, args.decode_tokens = 3, 600, 120, 128
+        args.decode_rounds = 3
     model = args.model or bundled_model_path()
     # SIGTERM unwinds like Ctrl-C, so that the servers started here are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -328,9 +367,9 @@ def main() -> int:
         for system in args.systems.split(","):
             srv = start(system, args, model, tmp)
             try:
-                name = "bench" if system == "llama-4" else httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
+                name = served_name(system, srv.url)
                 r: dict[str, Any] = {}
-                for scen in scenarios:
+                for scen in (s for s in scenarios if s != "decode-paired"):
                     print(f"[{system}] {scen} ...", file=sys.stderr, flush=True)
                     if scen in ("agents", "shared"):
                         r[scen] = agents(srv.url, name, system, args, shared=scen == "shared")
@@ -343,6 +382,19 @@ def main() -> int:
                 results[system] = r
             finally:
                 srv.stop()
+        pair = ("lmspd-p4", "llama-4")
+        if "decode-paired" in scenarios and set(pair) <= set(args.systems.split(",")):
+            print("[paired] decode-paired ...", file=sys.stderr, flush=True)
+            (tmp / "paired").mkdir()
+            started = [start(system, args, model, tmp / "paired") for system in pair]
+            try:
+                servers = {system: (srv.url, served_name(system, srv.url)) for system, srv in zip(pair, started,
+                                                                                                  strict=True)}
+                results["paired"] = {"decode-paired": decode_paired(servers, args)}
+                print(f"[paired] decode-paired: {json.dumps(results['paired'])}", file=sys.stderr, flush=True)
+            finally:
+                for srv in started:
+                    srv.stop()
     print(f"\n## concurrency — {model.name}, ctx {args.ctx}/sequence, {args.threads} threads, {args.turns} turns, "
           f"dev {args.dev_tokens} / tool {args.tool_tokens} / reply {args.reply_tokens} tokens"
           f"{' (--quick)' if args.quick else ''}; load average at start {load[0]:.1f}")
