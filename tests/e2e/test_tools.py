@@ -326,12 +326,13 @@ def custom_events(events: list[dict]) -> tuple[list[str], dict]:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "the bundled 135M model, not the grammar or the prompt: greedy decoding writes the opener, then "
-    "'<tool_name>Hi!</tool_name>' and a newline again and again (whether or not the grammar also lets "
-    "end-of-turn close the input; llguidance's fast-forward tokens are what it already picks). The "
-    "fallback syntax's '<tool name>'/'<raw input>' placeholders look like tags, but written without "
-    "angle brackets the model rambles on without closing, and given a worked example it closes only by "
-    "copying the example's input verbatim (tried 2026-12-01, session 5)"))
+    "the bundled 135M model, not the grammar or the prompt (the rendered prompt is byte for byte the one "
+    "the GBNF code, which passed, rendered): the GBNF path let the model spell the forced opener its own "
+    "way ('not' 'e' '\"' '>'), llguidance's forced tokens spell it canonically ('note' '\">'); from that "
+    "KV greedy decoding writes '<tool_name>Hi!</tool_name>' and a newline again and again and never "
+    "closes the input, where before it wrote '<raw input>\n<text>Hi!</text>' and closed (token dumps of "
+    "both, 2026-12-01, session 7). Without angle-bracket placeholders the model rambles on without "
+    "closing, and given a worked example it closes only by copying the example's input (session 5)"))
 def test_custom_tool_free_text(http):
     note = {"type": "custom", "name": "note", "description": "Write a short note."}
     body = {"model": MODEL, "input": "Write a note saying hi.", "tools": [note],
