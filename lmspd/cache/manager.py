@@ -35,8 +35,12 @@ state short (a partial token prefix, a partial RAM or disk state, a copy)
 is allowed only down to that state's ``floor``; below it the request falls
 back to the nearest **exact-state checkpoint** at or before the divergence
 (``checkpoint``), which the cache keeps for such models at the end of every
-prompt and at the end of every turn that a later turn extends. Checkpoints
-are RAM states like the others: same budget, spilled to disk.
+prompt (``input``), at client-declared and implicit breakpoints
+(``breakpoint``), at the end of a generation's reasoning section
+(``reasoning``: a sealed replay that keeps the reasoning but edits what
+followed it) and at the end of every turn that a later turn extends
+(``response``). Checkpoints are RAM states like the others: same budget,
+spilled to disk.
 
 A request that is no continuation goes to a free sequence, else to the
 least recently used idle one, whose state moves to RAM first; the
@@ -703,17 +707,26 @@ class ContinuationCache:
             r.saved = True
         r.state = None
 
-    def checkpoint(self, seq: int, owner: str, boundary: str) -> None:
+    def checkpoint(self, seq: int, owner: str, boundary: str, *, at: int | None = None,
+                   generated: str | None = None) -> None:
         """An exact-state checkpoint of what ``seq`` holds now (the end of a
-        prompt, of reasoning), for a model whose KV cannot be trimmed: a
-        later request that diverges after this point resumes from here."""
+        prompt, a breakpoint, the end of reasoning), for a model whose KV
+        cannot be trimmed: a later request that diverges after this point
+        resumes from here. ``generated``: past the end of the prompt, the
+        sampled text the KV holds (the reasoning), which a replay that
+        renders it (sealed reasoning) has right after the prompt's text;
+        ``at``: how many tokens the KV must hold for that to be true."""
         if self.trimmable or not self.enabled:
             return
         r = self.residents[seq]
         tokens = list(r.tokens)
-        if not tokens:
+        if not tokens or (at is not None and len(tokens) != at):
             return
-        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), visible=self._visible_at(r),
+        if generated is None:
+            visible = self._visible_at(r)
+        else:
+            visible = r.prompt_text + generated if r.prompt_text and len(tokens) >= len(r.prompt) else None
+        state = SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), visible=visible,
                              kv=self.ops.capture(seq), owner=owner, floor=self.ops.floor(seq, len(tokens)),
                              boundary=boundary)
         if state.key in self._ram:

@@ -38,8 +38,10 @@ class SessionState:
     # any; ``len(tokens)``: none, e.g. a recurrent state). Set at capture.
     floor: int = 0
     # An exact-state checkpoint kept at a semantic boundary (``input``: the
-    # end of a prompt; ``response``: the end of a turn a later one extended)
-    # for a model whose KV cannot be trimmed; None for an ordinary state.
+    # end of a prompt; ``breakpoint``: a client-declared or implicit one;
+    # ``reasoning``: the end of a generation's reasoning section;
+    # ``response``: the end of a turn a later one extended) for a model
+    # whose KV cannot be trimmed; None for an ordinary state.
     boundary: str | None = None
     # The request's tool names and system text (lmspd.cache.diagnostics.Signature),
     # to name what changed when a later prompt parts from this state.

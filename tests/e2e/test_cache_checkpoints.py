@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import httpx
+import llama_cpp
 import pytest
 
+from lmspd.engines.llama.models import resolve_model
 from support.server import ServerProcess
 
 GEMMA = "gemma3-270m"
+# Gemma 3's template with a <think> block opened by the generation prompt.
+THINKING_GEMMA = str(Path(__file__).parent.parent / "fixtures" / "thinking_gemma3.jinja")
 LINE = re.compile(r"generation response=(\S+) seq=\d+ cache_source=(\S+)(.*?) reused=(\d+) prefilled=(\d+)")
 COLOURS = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
 ANIMALS = ["otter", "heron", "badger", "lynx", "marten", "ibis", "vole", "wren"]
@@ -287,3 +292,58 @@ def test_a_request_diverging_right_after_a_marked_function_call_output_resumes_f
                           "max_output_tokens": 2})
     line = resumed_at_breakpoint(gemma, second["id"], at_least=400)
     assert first["usage"]["input_tokens"] > line["reused"] + 1024
+
+
+def test_a_sealed_replay_with_an_edited_answer_resumes_from_the_end_of_reasoning():
+    """Gemma under a thinking-style template (a fixture derived from its own).
+    Turn 1 reasons until effort ``minimal``'s budget runs out (lmspd writes
+    the close), then answers at length: the state ends far more than a
+    window past the end of the reasoning, so it cannot be cut back there.
+    Turn 2 replays turn 1 with its sealed reasoning (which renders exactly
+    what the model saw) but an edited answer, and a new question: it
+    restores the end-of-reasoning checkpoint and prefills only the edited
+    answer and what follows. Without that checkpoint the nearest one is the
+    end of turn 1's input, and the reasoning would be prefilled again.
+    The repetition guard is off so that the answer's length depends on the
+    model's own end of turn only (a small model at temperature 0 may fall
+    into a loop, which the guard would end early)."""
+    srv = ServerProcess("--model", GEMMA, "--ctx", "4096", "--parallel", "1", "--kv-disk-space-mb", "0",
+                        "--chat-template", THINKING_GEMMA, "--repetition-window", "0").start(timeout=180)
+    try:
+        items = [{"role": "developer", "content": "Answer from these notes. " + document("Rex", 40)},
+                 user("Count from 1 to 300, one number per line.")]
+        think = {"reasoning": {"effort": "minimal"}, "include": ["reasoning.encrypted_content"]}
+        first = post(srv, {"input": items, "max_output_tokens": 660, **think})
+        reasoning, answer = first["output"][0], first["output"][1]
+        assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"], first["output"]
+        assert answer["type"] == "message" and answer["content"][0]["text"], first["output"]
+        usage = first["usage"]
+        assert usage["output_tokens_details"]["reasoning_tokens"] == 16, usage  # minimal's budget: lmspd closed it
+        # Over 512 tokens of answer, in a state over the 1024 cells a
+        # sliding-window stream keeps: it can be cut back 512 tokens at
+        # most, so its floor lies past the end of the reasoning.
+        assert usage["output_tokens"] > 16 + 600 and usage["total_tokens"] > 1024 + 100, usage
+        turn1 = cache_line(srv, first["id"])
+        assert turn1["reused"] + turn1["prefilled"] == usage["input_tokens"]
+
+        edited = {"type": "message", "role": "assistant",
+                  "content": [{"type": "output_text", "text": "1, 2, 3 and so on up to 300."}]}
+        second = post(srv, {"input": items + [reasoning, edited, user("Now count down from 5.")],
+                            "max_output_tokens": 4, **think})
+        line = cache_line(srv, second["id"])
+        assert line["source"] == "checkpoint" and "at=reasoning" in line["detail"], line
+        # The checkpoint holds turn 1's prompt, its 16 reasoning tokens and
+        # the close lmspd wrote: everything before the edited answer.
+        vocab = llama_cpp.Llama(str(resolve_model(GEMMA)[1]), vocab_only=True, verbose=False)
+
+        def count(text):
+            return len(vocab.tokenize(text.encode(), add_bos=False, special=True))
+
+        assert line["reused"] == usage["input_tokens"] + 16 + count("\n</think>\n\n"), (line, usage)
+        assert second["usage"]["input_tokens_details"]["cached_tokens"] == line["reused"]
+        # Prefilled: the rest of the replay as the fixture renders it, tokenized on its own.
+        rest = ("1, 2, 3 and so on up to 300.<end_of_turn>\n<start_of_turn>user\nNow count down from 5.<end_of_turn>\n"
+                "<start_of_turn>model\n<think>\n")
+        assert line["prefilled"] == count(rest) == second["usage"]["input_tokens"] - line["reused"], line
+    finally:
+        srv.stop()

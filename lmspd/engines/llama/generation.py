@@ -3,6 +3,9 @@ stop matcher, tool-call parser) -> events on that sequence's own stream.
 
 The scheduler drives it a token at a time (``on_token``) and evaluates what
 it returns; nothing here touches the context except through the sampler.
+It also says where the reasoning section ended (``take_reasoning_end``), for
+the exact-state checkpoint the cache keeps there on a KV that cannot be
+trimmed.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class Generation:
         syntax = engine.reasoning
         self.splitter = ReasoningSplitter(syntax) if syntax is not None else None
         self.reasoning_open = False
+        # Where the reasoning section ended, once, until the scheduler takes
+        # it (``take_reasoning_end``): the KV's token count there and the
+        # text sampled (and forced) past the prompt that those tokens hold.
+        self._reasoning_end: tuple[int, str] | None = None
+        # How much of ``raw`` the KV holds: all of it but the token being taken.
+        self._raw_evaluated = 0
         self.forced = 0
         conv = prepared.conversation
         self.budget = BUDGETS.get(conv.reasoning_effort, BUDGETS[None])
@@ -109,6 +118,7 @@ class Generation:
         """Take one sampled token; returns the tokens to evaluate next (the
         token itself, which after the terminal event only serves the next
         turn's cache). ``done`` is set once the terminal event is out."""
+        self._raw_evaluated = len(self.raw)
         try:
             if self.vocab.is_eog(token):
                 self.reason = "stop"
@@ -145,6 +155,15 @@ class Generation:
             return [token]
         except ToolCallError as exc:
             return self._invalid_call(exc, token)
+
+    def take_reasoning_end(self) -> tuple[int, str] | None:
+        """Once, right after the token that showed the reasoning section is
+        over (the first visible text, or the end of the turn): how many
+        tokens the KV holds at its end and the sampled text they hold past
+        the prompt. The KV is still exactly there: the token that showed it
+        is evaluated after this call. None when there is nothing to take."""
+        end, self._reasoning_end = self._reasoning_end, None
+        return end
 
     def cancelled(self, pending: list[int]) -> list[int]:
         """The client left or the server is shutting down. The state keeps
@@ -239,6 +258,7 @@ class Generation:
         if not self.reasoning_open:
             return
         self.reasoning_open = False
+        self._mark_reasoning_end()
         sealed = None
         engine = self.engine
         if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
@@ -246,6 +266,24 @@ class Generation:
             sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
                                         owner=self.prepared.conversation.owner)
         self.emit(ReasoningDone(sealed))
+
+    def _mark_reasoning_end(self) -> None:
+        """Where a sealed replay that keeps this reasoning but parts after it
+        (an edited answer, a re-serialized call) can resume: the KV as it is
+        now, if all it holds past the prompt is hidden text. Not when the KV
+        already holds visible text too (a stop matcher held the close back),
+        nor when nothing was sampled in the block (the end of the input is
+        a checkpoint already, a few forced tokens before)."""
+        splitter = self.splitter
+        if splitter is None or self.usage.reasoning_tokens == 0:
+            return
+        evaluated = bytes(self.raw[:self._raw_evaluated])
+        if not splitter.hidden[len(splitter.syntax.prompt_tail):].encode().startswith(evaluated):
+            return
+        try:
+            self._reasoning_end = (len(self.kv_tokens), evaluated.decode())
+        except UnicodeDecodeError:  # the KV ends inside a character: no text prefix to match
+            return
 
     def _visible(self, text: str) -> None:
         if self.parser is None:

@@ -534,6 +534,13 @@ class Scheduler:
                 return
             token = gen.sampler.sample(self._ctx, row)
             run.pending = gen.on_token(token)
+            end = gen.take_reasoning_end()
+            if end is not None:
+                # The end of reasoning: where a sealed replay that keeps it
+                # but parts after it (an edited answer) resumes on a model
+                # whose KV cannot be trimmed back to it. The token just
+                # taken is not evaluated yet: the KV ends right there.
+                self.cache.checkpoint(run.seq, run.job.request.owner, "reasoning", at=end[0], generated=end[1])
         if gen.done and not run.pending:
             self._release(run)
 

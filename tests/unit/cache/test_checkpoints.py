@@ -13,7 +13,7 @@ from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRequest
 from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
-from support.cache_rig import INSTRUCTIONS, hold, make_cache
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request
 
 
 def conversation(user2):
@@ -84,6 +84,66 @@ def test_a_turn_extended_in_place_leaves_a_checkpoint_that_a_branch_restores(voc
     branch = cache.plan(CacheRequest(text=edited, tokens=cache.ops.tokenize(edited), items=[]))
     assert branch.source == "checkpoint" and branch.detail.startswith("at=response from=ram"), branch
     assert branch.keep == len(t1.tokens) and branch.restore is t1
+
+
+PROMPT = INSTRUCTIONS + "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\n"
+REASONING = "The user greets me; greet back.\n</think>\n\n"
+
+
+def reasoned_turn(cache):
+    """One turn on sequence 0 as the scheduler runs it: the prompt's prefill
+    (its end checkpointed), the reasoning (its end checkpointed with the
+    text sampled past the prompt), then a long answer."""
+    req = request(cache, PROMPT)
+    plan = cache.plan(req)
+    cache.apply(plan, req)
+    r = cache.residents[0]
+    r.tokens.extend(plan.suffix)
+    cache.checkpoint(0, "local", "input")
+    r.tokens.extend(cache.ops.tokenize(REASONING))
+    cache.checkpoint(0, "local", "reasoning", at=len(r.tokens), generated=REASONING)
+    answer = "Hello! " * 40 + "<|im_end|>"
+    r.tokens.extend(cache.ops.tokenize(answer))
+    text = PROMPT + REASONING + answer
+    cache.finished(0, SessionState(tokens=list(r.tokens), kv_text=text, visible=text, owner="local"))
+    cache.release(0)
+    return req
+
+
+def test_a_sealed_replay_with_an_edited_answer_restores_the_end_of_reasoning(vocab):
+    cache = make_cache(vocab, n_seq=1, floors={0: 10**6})
+    turn1 = reasoned_turn(cache)
+    assert cache.stats.checkpoints == 2
+    replay = (PROMPT + REASONING + "Hi.<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n"
+              "<|im_start|>assistant\n<think>\n")
+    plan = cache.plan(request(cache, replay))
+    assert plan.source == "checkpoint" and plan.detail == "at=reasoning from=ram visible", plan
+    assert plan.keep == len(turn1.tokens) + len(cache.ops.tokenize(REASONING))
+    assert plan.restore.visible == PROMPT + REASONING and plan.restore.boundary == "reasoning"
+    # A replay that drops the reasoning parts before it: the end of the input serves.
+    stripped = PROMPT + "Hi.<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    plan = cache.plan(request(cache, stripped))
+    assert plan.source == "checkpoint" and plan.detail.startswith("at=input") and plan.keep == len(turn1.tokens)
+
+
+def test_a_reasoning_checkpoint_is_taken_only_where_the_generation_said_the_kv_is(vocab):
+    """``at``: the KV must hold exactly the tokens its text was sampled into."""
+    cache = make_cache(vocab, n_seq=1, floors={0: 10**6})
+    req = request(cache, PROMPT)
+    plan = cache.plan(req)
+    cache.apply(plan, req)
+    r = cache.residents[0]
+    r.tokens.extend(plan.suffix + cache.ops.tokenize(REASONING))
+    cache.checkpoint(0, "local", "reasoning", at=len(r.tokens) - 1, generated=REASONING)
+    assert cache.stats.checkpoints == 0
+    cache.checkpoint(0, "local", "reasoning", at=len(r.tokens), generated=REASONING)
+    assert cache.stats.checkpoints == 1
+
+
+def test_a_trimmable_kv_takes_no_reasoning_checkpoint(vocab):
+    cache = make_cache(vocab, n_seq=1)
+    reasoned_turn(cache)
+    assert cache.stats.checkpoints == 0 and not any(c[0] == "capture" for c in cache.kv.calls)
 
 
 @given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))

@@ -1,0 +1,140 @@
+"""Where a generation's reasoning section ends, for the exact-state
+checkpoint a non-trimmable KV keeps there (``Generation.take_reasoning_end``):
+the KV's token count at the last token boundary that holds hidden text only,
+and the sampled text past the prompt those tokens hold. Driven token by
+token as the scheduler does (a token is evaluated after ``on_token``
+returns it), over a toy vocabulary whose tokens are whole strings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lmspd.cache.manager import CachePlan
+from lmspd.core.conversation import Conversation, Message, Sampling
+from lmspd.core.events import Usage
+from lmspd.core.limits import RequestLimits
+from lmspd.engines.base import CancelToken
+from lmspd.engines.llama.generation import Generation
+from lmspd.engines.llama.preparation import LlamaPrepared
+from lmspd.engines.llama.reasoning import BUDGETS, ReasoningSyntax
+
+PROMPT = [1, 2, 3]  # what the KV holds before the first sampled token
+EOG = 0
+
+
+class ToyVocab:
+    """Token ids for whole strings, allocated on first use."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[int, bytes] = {EOG: b""}
+
+    def id(self, text: str) -> int:
+        for token, piece in self.pieces.items():
+            if piece == text.encode() and token != EOG:
+                return token
+        token = len(self.pieces) + 100
+        self.pieces[token] = text.encode()
+        return token
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token]
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.pieces[t] for t in tokens).decode()
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.id(ch) for ch in text]  # one token a character: the forced close is several
+
+
+def generation(vocab: ToyVocab, *, effort: str | None = "high", stop: list[str] | None = None) -> Generation:
+    engine = SimpleNamespace(
+        vocab=vocab, preparation=SimpleNamespace(sampler=lambda prepared: None), tool_format=None,
+        parse_always=False, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
+        limits=RequestLimits(repetition_window=0), sealer=None, stats_=SimpleNamespace(),
+        turn_ends_with=lambda text: True, visible_transcript=lambda conversation, outputs, eog: None)
+    conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop or []),
+                        reasoning_effort=effort)
+    prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
+                             stop=stop or [])
+    plan = CachePlan("cold", 0, list(PROMPT), "PROMPT<think>\n")
+    return Generation(engine, prepared, plan, CancelToken(), lambda event: None, Usage(), response_id=None,  # type: ignore[arg-type]
+                      kv_tokens=list(PROMPT), remember=lambda state: None)
+
+
+def drive(gen: Generation, vocab: ToyVocab, pieces: list[str]) -> list[tuple[int, str]]:
+    """Sample ``pieces`` in order (forced tokens first where the budget is
+    spent); every reasoning end taken, as the scheduler takes it."""
+    ends = []
+    for text in pieces:
+        forced = gen.before_sample()
+        gen.kv_tokens.extend(forced)
+        if gen.done:
+            break
+        pending = gen.on_token(vocab.id(text) if text else EOG)
+        end = gen.take_reasoning_end()
+        if end is not None:
+            # The scheduler checkpoints here: the KV is exactly ``end[0]`` tokens.
+            assert len(gen.kv_tokens) == end[0]
+            ends.append(end)
+        gen.kv_tokens.extend(pending)
+        if gen.done:
+            break
+    return ends
+
+
+def test_the_end_is_the_token_boundary_before_the_first_visible_text():
+    vocab = ToyVocab()
+    gen = generation(vocab)
+    ends = drive(gen, vocab, ["Hmm", " fine", "</think>", "\n\n", "Hello", " there", ""])
+    assert ends == [(len(PROMPT) + 4, "Hmm fine</think>\n\n")]
+    assert gen.splitter is not None and gen.splitter.hidden == "<think>\nHmm fine</think>\n\n"
+
+
+def test_a_token_that_closes_the_block_and_starts_the_answer_ends_before_it():
+    """No boundary lies at the close itself: the last one before it holds
+    hidden text only (a replay restores there and prefills the close too)."""
+    vocab = ToyVocab()
+    ends = drive(generation(vocab), vocab, ["Hmm", "</think>\n\nHello", ""])
+    assert ends == [(len(PROMPT) + 1, "Hmm")]
+
+
+def test_a_close_lmspd_forces_is_in_the_kv_before_the_end():
+    vocab = ToyVocab()
+    budget = BUDGETS["minimal"]
+    gen = generation(vocab, effort="minimal")
+    ends = drive(gen, vocab, ["x"] * budget + ["Hello", ""])
+    forced = ReasoningSyntax("<think>", "</think>", "<think>\n").forced_close
+    assert ends == [(len(PROMPT) + budget + len(forced), "x" * budget + forced)]
+    assert gen.usage.reasoning_tokens == budget
+
+
+def test_no_end_when_the_kv_already_holds_visible_text():
+    """A stop sequence held the answer's first piece back: by the time the
+    text shows, the KV holds it too, so no prefix of the KV is hidden text
+    only past the last boundary the splitter saw."""
+    vocab = ToyVocab()
+    assert drive(generation(vocab, stop=["Hello!"]), vocab, ["Hmm", "</think>", "Hel", "lo", " there", ""]) == []
+
+
+def test_no_end_when_nothing_was_sampled_in_the_block():
+    """Effort none: lmspd closes the block before the first sample; the end
+    of the input is a checkpoint already, a few forced tokens before."""
+    vocab = ToyVocab()
+    gen = generation(vocab, effort="none")
+    assert drive(gen, vocab, ["Hello", ""]) == []
+
+
+def test_a_turn_that_ends_right_after_its_reasoning_ends_there():
+    vocab = ToyVocab()
+    ends = drive(generation(vocab), vocab, ["Hmm", "</think>", ""])
+    assert ends == [(len(PROMPT) + 2, "Hmm</think>")]
+
+
+def test_the_end_is_taken_once():
+    vocab = ToyVocab()
+    gen = generation(vocab)
+    drive(gen, vocab, ["Hmm", "</think>", "Hello"])
+    assert gen.take_reasoning_end() is None
