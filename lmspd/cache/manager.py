@@ -556,6 +556,9 @@ class ContinuationCache:
             report.longest_prefix = plan.keep
             return report
         best, best_floor, longest = self._longest_remembered(req)
+        # What the plan keeps is shared too: after sampled turns a branch
+        # keeps more through alignment points than any token prefix shows.
+        longest = max(longest, plan.keep)
         report.longest_prefix = longest
         evicted = self.evictions.longest(req.tokens, req.owner)
         if evicted is not None and evicted[0] > max(longest, plan.keep + 1):

@@ -63,6 +63,8 @@ def test_an_edit_of_the_last_message_keeps_the_turns_before_it(vocab):
     assert plan.keep == len(state1.tokens)
     assert plan.suffix == cache.ops.tokenize(USER.format("Which file did you change?"))
     assert plan.base_text == state1.kv_text + USER.format("Which file did you change?")
+    # The diagnosis names what was shared: the whole first turn, not the token prefix.
+    assert cache.diagnose(edited, plan).longest_prefix == len(state1.tokens)
     applied = cache.apply(plan, edited)
     assert ("trim", applied.seq, len(state1.tokens)) in cache.kv.calls
 
