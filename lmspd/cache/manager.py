@@ -26,7 +26,12 @@ then whichever reuses the most of: the sessions kept in RAM (``ram``), the
 longest disk checkpoint (``disk``), the longest common token prefix with a
 resident sequence — kept in place, or copied into a free sequence when the
 one holding it should stay (``copy``, e.g. agents sharing instructions);
-and finally a cold prefill (``cold``). Rules 2-5 run against every idle
+and finally a cold prefill (``cold``). A partial reuse of a finished turn
+(a branch: an edited message, a re-run tool) may also keep up to the last
+of its *alignment points* (``SessionState.aligned``, ``aligned`` in the
+log) before the request's text parts from that turn's prompt: where each
+turn's prompt began and ended, in tokens and characters, which after
+sampled turns reach further than any common token prefix. Rules 2-5 run against every idle
 resident sequence of the request's owner; the longest continuation wins.
 
 On a model whose KV cannot be trimmed exactly (sliding-window layers that
