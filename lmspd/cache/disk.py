@@ -166,6 +166,7 @@ class DiskCheckpoints:
             tokens=header["tokens"], kv_text=header["kv_text"], visible=header.get("visible"),
             call_ids=frozenset(header.get("call_ids", [])), response_id=header.get("response_id"), kv=payload,
             owner=header.get("owner", ""), floor=header.get("floor", 0), boundary=header.get("boundary"),
+            aligned=tuple((t, c) for t, c in header.get("aligned", [])), aligned_text=header.get("aligned_text", ""),
         )
 
     # -- writing ---------------------------------------------------------------
@@ -184,6 +185,8 @@ class DiskCheckpoints:
             "owner": state.owner,
             "floor": state.floor,
             "boundary": state.boundary,
+            "aligned": state.aligned,
+            "aligned_text": state.aligned_text,
             "created": time.time(),
         }).encode()
         hasher = hashlib.sha256(header)

@@ -26,7 +26,12 @@ then whichever reuses the most of: the sessions kept in RAM (``ram``), the
 longest disk checkpoint (``disk``), the longest common token prefix with a
 resident sequence — kept in place, or copied into a free sequence when the
 one holding it should stay (``copy``, e.g. agents sharing instructions);
-and finally a cold prefill (``cold``). Rules 2-5 run against every idle
+and finally a cold prefill (``cold``). A partial reuse of a finished turn
+(a branch: an edited message, a re-run tool) may also keep up to the last
+of its *alignment points* (``SessionState.aligned``, ``aligned`` in the
+log) before the request's text parts from that turn's prompt: where each
+turn's prompt began and ended, in tokens and characters, which after
+sampled turns reach further than any common token prefix. Rules 2-5 run against every idle
 resident sequence of the request's owner; the longest continuation wins.
 
 On a model whose KV cannot be trimmed exactly (sliding-window layers that
@@ -83,6 +88,9 @@ WAIT_FOR_SHARED_PREFIX = 32
 # state moves all of it: for a partial prefix, only worth it when the prefix
 # is at least this long (a chat template's default system prompt is not).
 MIN_COPY_TOKENS = 64
+# Alignment points a state keeps (two a turn): a branch resumes from one of
+# the last few turns.
+MAX_ALIGNED = 64
 
 
 @dataclass
@@ -165,6 +173,9 @@ class Resident:
     prompt: list[int] = field(default_factory=list)
     prompt_text: str = ""
     prompt_keep: int = 0
+    # While busy: the alignment points (``SessionState.aligned``) of the
+    # state it continues that still hold for this prompt.
+    prompt_aligned: tuple[tuple[int, int], ...] = ()
     # A caller's hint that this sequence belongs to a session (reserved).
     session_key: str | None = None
     # The connection whose session this sequence holds (see ``pinned``).
@@ -411,6 +422,8 @@ class ContinuationCache:
                 if common >= MIN_COPY_TOKENS and common >= state.floor:
                     plan = CachePlan("ram", common, req.tokens[common:], req.text, restore=state, detail="partial",
                                      seq=target.seq)
+                plan = self._aligned_plan(req, state, "ram", target.seq, floor=state.floor,
+                                          beyond=plan.keep if plan else 0, restore=state) or plan
             if plan is not None:
                 candidates.append(plan)
         if self.disk is None:
@@ -444,16 +457,25 @@ class ContinuationCache:
             if r.owner != req.owner or not r.tokens:
                 continue
             common = min(common_prefix(r.tokens, req.tokens), len(req.tokens) - 1)
-            if common <= 0:
-                continue
+            # A finished turn may share more through its alignment points.
+            state = r.state if r.state is not None and not r.busy else None
+            floor = self.ops.floor(r.seq, len(r.tokens)) if state is not None else 0
             if target is not None and r.seq != target.seq:
-                if common < MIN_COPY_TOKENS:
-                    continue
-                candidates.append(CachePlan("copy", common, req.tokens[common:], req.text, detail=f"from=seq{r.seq}",
-                                            seq=target.seq, copy_from=r.seq))
+                aligned = state and self._aligned_plan(req, state, "copy", target.seq, floor=floor, beyond=common,
+                                                       copy_from=r.seq)
+                if aligned:
+                    aligned.detail = f"from=seq{r.seq} aligned"
+                    candidates.append(aligned)
+                elif common >= MIN_COPY_TOKENS:
+                    candidates.append(CachePlan("copy", common, req.tokens[common:], req.text,
+                                                detail=f"from=seq{r.seq}", seq=target.seq, copy_from=r.seq))
             elif not r.busy and r.seq not in self._copying:
-                candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text, detail="partial",
-                                            seq=r.seq))
+                aligned = state and self._aligned_plan(req, state, "memory-token", r.seq, floor=floor, beyond=common)
+                if aligned:
+                    candidates.append(aligned)
+                elif common > 0:
+                    candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text,
+                                                detail="partial", seq=r.seq))
         return candidates
 
     def _worth_waiting(self, req: CacheRequest, best: int) -> bool:
@@ -543,6 +565,9 @@ class ContinuationCache:
             report.longest_prefix = plan.keep
             return report
         best, best_floor, longest = self._longest_remembered(req)
+        # What the plan keeps is shared too: after sampled turns a branch
+        # keeps more through alignment points than any token prefix shows.
+        longest = max(longest, plan.keep)
         report.longest_prefix = longest
         evicted = self.evictions.longest(req.tokens, req.owner)
         if evicted is not None and evicted[0] > max(longest, plan.keep + 1):
@@ -606,6 +631,9 @@ class ContinuationCache:
         """Make ``plan.seq`` hold the plan's kept tokens and mark it busy.
         Returns the plan that was applied (cold when a restore failed)."""
         r = self.residents[plan.seq]
+        base = (plan.restore if plan.restore is not None
+                else self.residents[plan.copy_from].state if plan.copy_from is not None
+                else r.state if plan.keep else None)
         if plan.copy_from is not None:
             src = self.residents[plan.copy_from]
             self._evict(r)
@@ -654,6 +682,7 @@ class ContinuationCache:
         r.pin = req.pin
         r.prompt = r.tokens + plan.suffix
         r.prompt_text, r.prompt_keep = req.text, len(r.tokens)
+        r.prompt_aligned = _still_aligned(base, req.text, r.prompt_keep) if plan.source != "cold" else ()
         r.last_used = time.monotonic()
         self._publish()
         return plan
@@ -671,15 +700,54 @@ class ContinuationCache:
         """The turn on ``seq`` is over; its state is set before the client
         gets the terminal event (its next request may look up its calls)."""
         r = self.residents[seq]
+        state.aligned, state.aligned_text = self._aligned(r), r.prompt_text
         r.state = state
         r.saved = False
         self._publish()
+
+    def _aligned(self, r: Resident) -> tuple[tuple[int, int], ...]:
+        """The alignment points of the turn that ran on ``r``, in characters
+        of its prompt: those of the state the prompt continued, where the
+        prompt's new suffix began, and the prompt's end."""
+        if not r.prompt_text:
+            return ()
+        points = list(r.prompt_aligned)
+        tail = self.ops.detokenize(r.prompt[r.prompt_keep:])
+        if r.prompt_keep and r.prompt_text.endswith(tail):
+            points.append((r.prompt_keep, len(r.prompt_text) - len(tail)))
+        points.append((len(r.prompt), len(r.prompt_text)))
+        # Strictly increasing; the latest few are the ones a branch resumes from.
+        out: list[tuple[int, int]] = []
+        for t, c in points:
+            if not out or (t > out[-1][0] and c > out[-1][1]):
+                out.append((t, c))
+        return tuple(out[-MAX_ALIGNED:])
+
+    def _aligned_plan(self, req: CacheRequest, state: SessionState, source: str, seq: int, *,
+                      floor: int, beyond: int, **fields: object) -> CachePlan | None:
+        """A branch of ``state`` (an edit of a message it holds) through its
+        alignment points: keep the KV up to the last point before the
+        request's text parts from the state's visible transcript, and prefill
+        the rest of the text from there. None unless it keeps more than
+        ``beyond`` tokens (what a common token prefix keeps)."""
+        if not state.aligned:
+            return None
+        shared = common_prefix(req.text, state.aligned_text)
+        # Something is left to prefill (the request's next-token logits).
+        points = [(t, c) for t, c in state.aligned
+                  if c <= shared and c < len(req.text) and t >= floor and t > max(beyond, MIN_COPY_TOKENS - 1)]
+        if not points:
+            return None
+        t, c = points[-1]
+        rest = req.text[c:]
+        return CachePlan(source, t, self.ops.tokenize(rest), self.ops.detokenize(state.tokens[:t]) + rest,
+                         detail="partial aligned", seq=seq, **fields)  # type: ignore[arg-type]
 
     def release(self, seq: int) -> None:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""
         r = self.residents[seq]
         r.busy = False
-        r.prompt, r.prompt_text, r.prompt_keep = [], "", 0
+        r.prompt, r.prompt_text, r.prompt_keep, r.prompt_aligned = [], "", 0, ()
         r.last_used = time.monotonic()
         self._publish()
 
@@ -688,7 +756,7 @@ class ContinuationCache:
         r = self.residents[seq]
         self.ops.trim(seq, 0)
         r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
-        r.prompt_text, r.prompt_keep = "", 0
+        r.prompt_text, r.prompt_keep, r.prompt_aligned = "", 0, ()
         self._publish()
 
     def _evict(self, r: Resident, boundary: str | None = None) -> None:
@@ -844,3 +912,13 @@ class ContinuationCache:
             self.stats.disk_checkpoints = len(self.disk)
         except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)
+
+
+def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tuple[int, int], ...]:
+    """The alignment points of ``base`` that hold for a prompt ``text`` which
+    keeps ``keep`` of its tokens: inside both the kept tokens and the text
+    the two share."""
+    if base is None or not base.aligned:
+        return ()
+    shared = common_prefix(text, base.aligned_text)
+    return tuple((t, c) for t, c in base.aligned if t <= keep and c <= shared)

@@ -10,6 +10,7 @@ what it was shown, the KV holds what the model produced.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,16 @@ class SessionState:
     # The request's tool names and system text (lmspd.cache.diagnostics.Signature),
     # to name what changed when a later prompt parts from this state.
     signature: Any = None
+    # (tokens, characters), ascending: points where the KV's first ``tokens``
+    # hold exactly the first ``characters`` of ``aligned_text``, the prompt
+    # of the turn that left this state (where each turn's prompt started and
+    # ended). After a sampled turn the KV holds the model's own tokens of
+    # it, which no tokenization of the replayed text reproduces, so a branch
+    # (an edit of the last message or tool result) shares only a short token
+    # prefix with the state; through these it keeps all the turns before the
+    # edit.
+    aligned: tuple[tuple[int, int], ...] = ()
+    aligned_text: str = ""
 
     @property
     def key(self) -> str:
@@ -54,13 +65,14 @@ class SessionState:
 
     @property
     def nbytes(self) -> int:
-        return len(self.kv or b"") + 4 * len(self.tokens) + 2 * len(self.kv_text) + 2 * len(self.visible or "")
+        return (len(self.kv or b"") + 4 * len(self.tokens) + 2 * len(self.kv_text) + 2 * len(self.visible or "")
+                + 2 * len(self.aligned_text))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share. Bisects with slice
-    comparisons (C speed): the cache compares every request with every
-    remembered state, checkpoints included, on the scheduler thread."""
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading tokens (or characters) two sequences share. Bisects
+    with slice comparisons (C speed): the cache compares every request with
+    every remembered state, checkpoints included, on the scheduler thread."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

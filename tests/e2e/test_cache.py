@@ -83,6 +83,31 @@ def test_tool_loop_continues_by_call_ids(srv):
     assert second["usage"]["input_tokens_details"]["cached_tokens"] == stats["last_reused_tokens"]
 
 
+def test_a_branch_after_a_sampled_call_keeps_the_whole_call_turn(srv):
+    # The client re-runs the tool and replays the call with another result:
+    # a branch that parts from the live state after the call. The KV holds
+    # the model's own tokens of the call, which a re-tokenized replay does
+    # not reproduce (SmolLM2: the token prefix ends inside the call); the
+    # point where the tool-result turn began still lets the branch keep it
+    # all (Gemma 3: the checkpoint at the end of the call turn).
+    items = [{"role": "user", "content": "What is the weather in Bergen?"}]
+    first = post(srv, {"input": items, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    call = first["output"][-1]
+    assert call["type"] == "function_call"
+
+    def result(temp_c):
+        return replay(items, first) + [{"type": "function_call_output", "call_id": call["call_id"],
+                                        "output": json.dumps({"temp_c": temp_c})}]
+
+    post(srv, {"input": result(3), "tools": [WEATHER], "max_output_tokens": 8})
+    whole_call_turn = last(srv)["last_reused_tokens"]
+    branch = post(srv, {"input": result(-12), "tools": [WEATHER], "max_output_tokens": 8})
+    stats = last(srv)
+    assert stats["last_reused_tokens"] == whole_call_turn, stats
+    assert branch["usage"]["input_tokens_details"]["cached_tokens"] == whole_call_turn
+    assert stats["last_prefilled_tokens"] < 100, stats  # only the tool-result turn
+
+
 def test_tool_output_only_request_continues_live_state(srv):
     first = post(srv, {"input": "Weather in Lima?", "tools": [WEATHER], "tool_choice": "required",
                        "parallel_tool_calls": False})

@@ -138,3 +138,12 @@ def test_a_read_ahead_too_big_to_hold_is_not_kept(tmp_path, monkeypatch):
     disk.prefetch(disk.best_match("small", "local")[0])
     assert len(disk._read_ahead) == 1
     assert disk.load(disk.best_match("big", "local")[0]).kv == b"x" * 1001  # read when restored
+
+
+def test_alignment_points_survive_the_disk(tmp_path):
+    saved = state("abcd", 4)
+    saved.aligned, saved.aligned_text = ((1, 2), (3, 4)), "abcd"
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    disk.save(saved)
+    loaded = disk.load(disk.best_match("abcdef", "local")[0])
+    assert loaded.aligned == ((1, 2), (3, 4)) and loaded.aligned_text == "abcd"
