@@ -12,8 +12,11 @@ history grows as an agent's does. The two loops take turns (turn k of
 one, then turn k of the other; which goes first alternates), each on its
 own conversation and KV sequence, so that neither evicts the other's state
 and both see the same load at the same turn. ``--repeat N`` runs the pair
-N times on fresh conversations and compares per-turn medians: one run's
-single TTFT per turn is at the mercy of a shared machine.
+N times, each run on a fresh server (so that both loops' first turns start
+from the same cache state), and prints per-turn medians; the WS/HTTP ratio
+of a turn is the median of the runs' paired ratios (one run's single TTFT
+per turn is at the mercy of a shared machine). A turn where the two loops
+did not prefill the same tokens is named below the table.
 
     .venv/bin/python bench/websocket.py                 # 12 turns, once
     .venv/bin/python bench/websocket.py --repeat 3      # per-turn medians of 3
@@ -125,42 +128,55 @@ def main() -> int:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run both loops this many times (fresh conversations) and compare per-turn medians")
+                        help="run both loops this many times (each on a fresh server) and compare per-turn medians")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
     args = parser.parse_args()
 
-    data_dir = Path(tempfile.mkdtemp(prefix="lmspd-bench-ws-"))
-    server = lmspd_server(None, args.ctx, args.threads, data_dir, data_dir / "server.log").start()
-    runs: list[dict[str, list[dict[str, Any]]]] = []
-    try:
-        with httpx.Client(base_url=server.url, timeout=600) as client:
-            model = client.get("/v1/models").json()["data"][0]["id"]
-            # Warm-up: load pages, compile graphs; not measured.
-            client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
-            for r in range(args.repeat):
-                # The two loops take turns, each on its own conversation and
-                # sequence (neither evicts the other's state), so that turn k
-                # of both runs under the same load; which goes first alternates.
-                loops = {"http": http_loop(client, model, args.turns, args.max_output, f"http{r}"),
-                         "ws": ws_loop(server.url, client, model, args.turns, args.max_output, f"ws{r}")}
-                rows: dict[str, list[dict[str, Any]]] = {"http": [], "ws": []}
-                for turn in range(args.turns):
-                    for name in (("http", "ws") if (turn + r) % 2 == 0 else ("ws", "http")):
-                        rows[name].append(next(loops[name]))
-                for loop in loops.values():
-                    loop.close()
-                runs.append(rows)
-    finally:
-        server.stop()
-    _print(_median_rows([run["http"] for run in runs]), _median_rows([run["ws"] for run in runs]), len(runs))
+    runs = [_run_pair(args, r) for r in range(args.repeat)]
+    http = _median_rows([run["http"] for run in runs])
+    ws = _median_rows([run["ws"] for run in runs])
+    _print(http, ws, _paired_ratios(runs), len(runs))
+    _check_same_work(runs)
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=2))
     return 0
 
 
+def _run_pair(args: argparse.Namespace, r: int) -> dict[str, list[dict[str, Any]]]:
+    """One run of both loops on a server of its own. A fresh server per run
+    puts both loops' first turns on the same footing: after the warm-up,
+    each conversation gets an empty sequence and prefills its first turn
+    cold. On one server kept across runs the sequences run out: in a later
+    run the loop that went first took the last empty sequence (cold, 167
+    tokens) and the other reused an earlier conversation's sequence in place
+    (a 30-token shared prefix, 137 tokens prefilled), so turn 1 compared
+    unequal work."""
+    data_dir = Path(tempfile.mkdtemp(prefix="lmspd-bench-ws-"))
+    server = lmspd_server(None, args.ctx, args.threads, data_dir, data_dir / "server.log").start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            # Warm-up: load pages, compile graphs; not measured.
+            client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
+            # The two loops take turns, each on its own conversation and
+            # sequence (neither evicts the other's state), so that turn k
+            # of both runs under the same load; which goes first alternates.
+            loops = {"http": http_loop(client, model, args.turns, args.max_output, f"http{r}"),
+                     "ws": ws_loop(server.url, client, model, args.turns, args.max_output, f"ws{r}")}
+            rows: dict[str, list[dict[str, Any]]] = {"http": [], "ws": []}
+            for turn in range(args.turns):
+                for name in (("http", "ws") if (turn + r) % 2 == 0 else ("ws", "http")):
+                    rows[name].append(next(loops[name]))
+            for loop in loops.values():
+                loop.close()
+            return rows
+    finally:
+        server.stop()
+
+
 def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Turn by turn, the median TTFT over the runs (the other columns are the
-    same in every run)."""
+    """Turn by turn, the median TTFT over the runs (``_check_same_work``
+    says where the other columns differ between runs)."""
     merged = []
     for rows in zip(*runs, strict=True):
         ttfts = [r["ttft_ms"] for r in rows if r["ttft_ms"] is not None]
@@ -169,28 +185,52 @@ def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
+def _paired_ratios(runs: list[dict[str, list[dict[str, Any]]]]) -> list[list[float]]:
+    """Turn by turn, WS/HTTP TTFT of each run: the two turns of a pair ran
+    one right after the other, so their ratio cancels what drifts between
+    runs. (The ratio of the two medians can divide one run's WebSocket turn
+    by another run's HTTP turn.)"""
+    ratios: list[list[float]] = []
+    for turn in range(len(runs[0]["http"])):
+        pairs = [(run["ws"][turn]["ttft_ms"], run["http"][turn]["ttft_ms"]) for run in runs]
+        ratios.append([w / h for w, h in pairs if w and h])
+    return ratios
+
+
+def _check_same_work(runs: list[dict[str, list[dict[str, Any]]]]) -> None:
+    """Both loops should prefill the same tokens on the same turn in every
+    run; say where they did not (the TTFTs then compare unequal work)."""
+    for turn in range(len(runs[0]["http"])):
+        work = {path: [(run[path][turn]["cached_tokens"], run[path][turn]["prefilled"]) for run in runs]
+                for path in ("http", "ws")}
+        if len({w for per_run in work.values() for w in per_run}) > 1:
+            print(f"note: turn {turn + 1} prefilled unequal work (cached, prefilled) per run: "
+                  f"HTTP {work['http']}, WS {work['ws']}")
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]], repeats: int) -> None:
+def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]], ratios: list[list[float]], repeats: int) -> None:
     if repeats > 1:
-        print(f"TTFT: median of {repeats} runs per turn")
+        print(f"TTFT: median of {repeats} runs per turn; WS/HTTP: median of the {repeats} runs' paired ratios")
     print("turn | HTTP TTFT ms | WS TTFT ms | WS/HTTP | HTTP sent B | WS sent B | HTTP cache (cached/input) | "
-          "WS cache (cached/input)")
-    print("---|---|---|---|---|---|---|---")
-    ratios = []
-    for h, w in zip(http, ws, strict=True):
-        ratio = w["ttft_ms"] / h["ttft_ms"] if h["ttft_ms"] and w["ttft_ms"] else None
+          "WS cache (cached/input)" + (" | WS/HTTP per run" if repeats > 1 else ""))
+    print("---|---|---|---|---|---|---|---" + ("|---" if repeats > 1 else ""))
+    medians = []
+    for h, w, rs in zip(http, ws, ratios, strict=True):
+        ratio = statistics.median(rs) if rs else None
         if ratio is not None:
-            ratios.append(ratio)
+            medians.append(ratio)
+        per_run = " | " + " ".join(f"{r:.2f}" for r in rs) if repeats > 1 else ""
         print(f"{h['turn']} | {_fmt(h['ttft_ms'])} | {_fmt(w['ttft_ms'])} | "
               f"{'-' if ratio is None else f'{ratio:.2f}'} | {h['sent_bytes']} | {w['sent_bytes']} | "
               f"{h['cache_source']} {h['cached_tokens']}/{h['input_tokens']} | "
-              f"{w['cache_source']} {w['cached_tokens']}/{w['input_tokens']}")
-    if ratios:
-        print(f"\nWS/HTTP TTFT: median {statistics.median(ratios):.2f}x, "
-              f"turns where WS <= HTTP: {sum(r <= 1 for r in ratios)}/{len(ratios)}")
+              f"{w['cache_source']} {w['cached_tokens']}/{w['input_tokens']}{per_run}")
+    if medians:
+        print(f"\nWS/HTTP TTFT: median {statistics.median(medians):.2f}x, "
+              f"turns where WS <= HTTP: {sum(r <= 1 for r in medians)}/{len(medians)}")
     print(f"client bytes: HTTP {sum(h['sent_bytes'] for h in http)} total "
           f"(turn 1 {http[0]['sent_bytes']}, turn {http[-1]['turn']} {http[-1]['sent_bytes']}); "
           f"WS {sum(w['sent_bytes'] for w in ws)} total "
