@@ -283,7 +283,8 @@ class ContinuationCache:
         plan = self._plan(req)
         if plan is None:
             return None
-        if req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail in ("partial", "text")):
+        if req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail == "text"
+                                          or "partial" in plan.detail.split()):
             raise CacheRefused(
                 "This replay is missing reasoning state: a tool-call turn of this reasoning model comes without "
                 "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
@@ -566,9 +567,9 @@ class ContinuationCache:
             return report
         best, best_floor, longest = self._longest_remembered(req)
         # What the plan keeps is shared too: after sampled turns a branch
-        # keeps more through alignment points than any token prefix shows.
-        longest = max(longest, plan.keep)
-        report.longest_prefix = longest
+        # keeps more through alignment points than any token prefix shows
+        # (the divergence below stays the token prefix of the state named).
+        report.longest_prefix = max(longest, plan.keep)
         evicted = self.evictions.longest(req.tokens, req.owner)
         if evicted is not None and evicted[0] > max(longest, plan.keep + 1):
             # More of it was remembered once: say what pushed that state out.
@@ -712,9 +713,10 @@ class ContinuationCache:
         if not r.prompt_text:
             return ()
         points = list(r.prompt_aligned)
-        tail = self.ops.detokenize(r.prompt[r.prompt_keep:])
-        if r.prompt_keep and r.prompt_text.endswith(tail):
-            points.append((r.prompt_keep, len(r.prompt_text) - len(tail)))
+        if r.prompt_keep:
+            tail = self.ops.detokenize(r.prompt[r.prompt_keep:])
+            if r.prompt_text.endswith(tail):
+                points.append((r.prompt_keep, len(r.prompt_text) - len(tail)))
         points.append((len(r.prompt), len(r.prompt_text)))
         # Strictly increasing; the latest few are the ones a branch resumes from.
         out: list[tuple[int, int]] = []

@@ -355,8 +355,8 @@ class Preparation:
     def _build_grammars(self) -> None:
         try:
             self._grammars()
-        except VocabularyWalkCancelled:
-            pass
+        except ApiError:
+            pass  # the engine is closing
 
     def close(self) -> None:
         """Stop a background build and wait for it (blocking, a few ms):
@@ -365,12 +365,21 @@ class Preparation:
         self._closing.set()
         if self._grammar_thread is not None:
             self._grammar_thread.join()
+        # A request's own build (no background one, or it was cancelled
+        # under the request) holds the lock until it stops too.
+        with self._grammar_lock:
+            pass
 
     def _grammars(self) -> GrammarCompiler:
         # Built once; a request that needs it while it is being built waits.
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits, cancel=self._closing)
+                try:
+                    if self._closing.is_set():
+                        raise VocabularyWalkCancelled
+                    self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits, cancel=self._closing)
+                except VocabularyWalkCancelled:
+                    raise ApiError("server_shutting_down", "The server is shutting down.") from None
             return self._grammar_compiler
 
     def _compile(self, prepared: LlamaPrepared, build: Callable[..., str]) -> None:

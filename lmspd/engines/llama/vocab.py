@@ -29,6 +29,8 @@ class Vocabulary:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._special_pieces: dict[int, bytes] = {}
+        self._bos = llama_cpp.llama_vocab_bos(self.vocab)
         #: Special tokens whose text the output path keeps (``show_markers``).
         self.shown: frozenset[int] = frozenset()
 
@@ -39,7 +41,25 @@ class Vocabulary:
         return tokenize_marked(text, lambda piece: llama_tokenize(self.vocab, piece))
 
     def detokenize(self, tokens: list[int]) -> str:
-        return self._model.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+        """The text of ``tokens``, special tokens spelled out (the cache's KV
+        text). llama-cpp-python's ``detokenize`` appends each piece to a
+        growing ``bytes``, quadratic in the length: the cache detokenizes
+        whole states (100k tokens) on the scheduler thread. Same bytes,
+        from a per-token cache, joined once."""
+        pieces = self._special_pieces
+        out = []
+        buf: ctypes.Array[ctypes.c_char] | None = None
+        for token in tokens:
+            piece = pieces.get(token)
+            if piece is None:
+                # A buffer of this call's own: the scheduler and prepare threads both detokenize.
+                buf = buf or ctypes.create_string_buffer(256)
+                piece = pieces[token] = self._render(token, special=True, buf=buf)
+            out.append(piece)
+        data = b"".join(out)
+        if tokens and tokens[0] == self._bos and data[:1] == b" ":
+            data = data[1:]  # as llama-cpp-python's detokenize (a Llama 1 BOS leading space)
+        return data.decode("utf-8", errors="replace")
 
     def show_markers(self, markers: Iterable[str]) -> frozenset[int]:
         """Render these markers' special tokens as their text in ``piece``.
@@ -73,8 +93,8 @@ class Vocabulary:
         tokens = llama_tokenize(self.vocab, text)
         return tokens[0] if len(tokens) == 1 else None
 
-    def _render(self, token: int, *, special: bool) -> bytes:
-        buf = self._piece_buf
+    def _render(self, token: int, *, special: bool, buf: ctypes.Array[ctypes.c_char] | None = None) -> bytes:
+        buf = buf or self._piece_buf
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:  # longer than the buffer (a long user-defined token)
             buf = ctypes.create_string_buffer(-n)

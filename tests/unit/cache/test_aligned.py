@@ -104,3 +104,15 @@ def test_points_survive_a_restore_from_ram(cache):
     plan = cache.plan(edited)
     assert plan.source == "ram" and "aligned" in plan.detail.split(), plan
     assert plan.keep == len(state1.tokens) and plan.restore is state2
+
+
+def test_a_replay_missing_its_reasoning_is_refused_on_an_aligned_branch_too(vocab):
+    import pytest
+
+    from lmspd.cache.manager import CacheRefused
+
+    cache = make_cache(vocab, n_seq=1)  # in place (memory-token), not a copy (refused by its source)
+    _, state1, _ = three_turns(cache)
+    edited = request(cache, state1.visible + USER.format("Which file did you change?"), needs_reasoning_state=True)
+    with pytest.raises(CacheRefused, match="missing reasoning state"):
+        cache.plan(edited)
