@@ -1089,9 +1089,12 @@ class Bench:
             src = (t.source or "").split(" ")[0]
             partial_ok = False
             if t.label[0] in "UE":
-                # The edit (E) may trim U's state back (a trimmable KV) or
-                # restore the checkpoint at the end of A's last call turn.
+                # The edit (E) may trim U's state back (a trimmable KV), copy
+                # its turns before the edit into a free sequence (``aligned``),
+                # or restore the checkpoint at the end of A's last call turn.
                 ok = {"tool-output-ids", "visible-prefix", "ram", "checkpoint", "memory-token", "memory-text"}
+                if t.label[0] == "E":
+                    ok.add("copy")
                 partial_ok = t.label[0] == "E"
             elif t.turn == 1 and t.session in "AB":
                 # B1 shares A1's developer prompt: copied from A's sequence.
