@@ -31,8 +31,9 @@ and finally a cold prefill (``cold``). A partial reuse of a finished turn
 of its *alignment points* (``SessionState.aligned``, ``aligned`` in the
 log) before the request's text parts from that turn's prompt: where each
 turn's prompt began and ended, in tokens and characters, which after
-sampled turns reach further than any common token prefix. Rules 2-5 run against every idle
-resident sequence of the request's owner; the longest continuation wins.
+sampled turns reach further than any common token prefix. Rules 2-5 run
+against every idle resident sequence of the request's owner; the longest
+continuation wins.
 
 On a model whose KV cannot be trimmed exactly (sliding-window layers that
 keep only their last window, recurrent layers), every rule that would cut a
@@ -729,8 +730,8 @@ class ContinuationCache:
                       floor: int, beyond: int, **fields: object) -> CachePlan | None:
         """A branch of ``state`` (an edit of a message it holds) through its
         alignment points: keep the KV up to the last point before the
-        request's text parts from the state's visible transcript, and prefill
-        the rest of the text from there. None unless it keeps more than
+        request's text parts from the prompt of the turn that left the state
+        (``aligned_text``), and prefill the rest of the text from there. None unless it keeps more than
         ``beyond`` tokens (what a common token prefix keeps)."""
         if not state.aligned:
             return None
