@@ -497,6 +497,9 @@ class ContinuationCache:
         suffix_text = req.text[len(state.visible):]
         plan = CachePlan(source, len(state.tokens), self.ops.tokenize(suffix_text),
                          state.kv_text + suffix_text, restore=state if restore else None, seq=seq)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("join %s: KV ends %r (visible %r), suffix starts %r", source, state.kv_text[-48:],
+                      state.visible[-48:], suffix_text[:48])
         if source == "tool-output-ids":
             plan.detail = f"ids={sum(isinstance(i, ToolOutput) for i in self._new_items(req, state))}"
         return plan
