@@ -1167,7 +1167,9 @@ def kv_holds_end(before: Turn, turn: Turn) -> bool | None:
     prefilled tokens), its output tokens, and the end token when it was
     kept. One token more than the first three means the end token was
     kept. Anything else means a partial reuse."""
-    if None in (before.reused, before.prefilled, before.output_tokens, turn.reused):
+    words = (turn.source or "").split()
+    if None in (before.reused, before.prefilled, before.output_tokens, turn.reused) or not words \
+            or words[0] in ("cold", "copy") or "partial" in words:
         return None
     extra = turn.reused - (before.reused + before.prefilled + before.output_tokens)  # type: ignore[operator]
     return {0: False, 1: True}.get(extra)

@@ -106,6 +106,17 @@ class CachePlan:
     # The sequence the request runs on, and the one it copies ``keep`` tokens from.
     seq: int = -1
     copy_from: int | None = None
+    # ``suffix`` and ``base_text``, worked out only for a candidate that is
+    # tried (``resolved``): an aligned branch tokenizes the rest of the
+    # prompt and detokenizes the kept KV, and every remembered state of the
+    # owner may offer one.
+    lazy: Callable[[], tuple[list[int], str]] | None = None
+
+    def resolved(self) -> CachePlan:
+        if self.lazy is not None:
+            self.suffix, self.base_text = self.lazy()
+            self.lazy = None
+        return self
 
 
 @dataclass
@@ -536,6 +547,7 @@ class ContinuationCache:
         return self.ops.floor(r.seq, len(r.tokens)) if r.tokens else 0
 
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
+        plan.resolved()
         if not plan.suffix:
             # Fresh logits need at least one evaluated token.
             if plan.keep == 0:
@@ -745,9 +757,11 @@ class ContinuationCache:
         if not points:
             return None
         t, c = points[-1]
-        rest = req.text[c:]
-        return CachePlan(source, t, self.ops.tokenize(rest), self.ops.detokenize(state.tokens[:t]) + rest,
-                         detail="partial aligned", seq=seq, **fields)  # type: ignore[arg-type]
+        rest, kept = req.text[c:], state.tokens[:t]
+        ops = self.ops
+        return CachePlan(source, t, [], "", detail="partial aligned", seq=seq,
+                         lazy=lambda: (ops.tokenize(rest), ops.detokenize(kept) + rest),
+                         **fields)  # type: ignore[arg-type]
 
     def release(self, seq: int) -> None:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""
