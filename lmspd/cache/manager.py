@@ -44,7 +44,8 @@ back to the nearest **exact-state checkpoint** at or before the divergence
 prompt (``input``), at client-declared and implicit breakpoints
 (``breakpoint``), at the end of a generation's reasoning section
 (``reasoning``: a sealed replay that keeps the reasoning but edits what
-followed it) and at the end of every turn that a later turn extends
+followed it; only when the response carries its reasoning sealed, the one
+form a replay renders) and at the end of every turn that a later turn extends
 (``response``). Checkpoints are RAM states like the others: same budget,
 spilled to disk.
 
