@@ -67,7 +67,10 @@ tokens of what is new in the request — lmspd's own ``LlamaEngine`` (loaded in
 this process) renders the new request and the previous turn's visible
 transcript (``LlamaEngine.visible_transcript``: previous prompt + the call as
 the client replays it, up to the end-of-turn token) and tokenizes the
-difference, as lmspd does for a visible-prefix match.
+difference, as lmspd does for a visible-prefix match. Whether the previous
+turn's KV holds its end-of-turn token (Gemma ends a call with ``<eos>`` or
+with ``<end_of_turn>``, and lmspd keeps only the latter) is read from the
+next turn's reused count (``kv_holds_end``).
 
 Targets: steady-state prefill == the new suffix; interleaved TTFT within 1.3×
 of the single session's at the same turn (paired per turn); first turn after
@@ -233,6 +236,13 @@ class Counter:
             # Gemma's <eos> (the end a call's grammar admits) is not its turn
             # closer: lmspd keeps it out of the KV and the visible transcript.
             self.eog_text = None
+        # The end token the template's turn closer starts with (Gemma's
+        # <end_of_turn>, SmolLM2's <|im_end|>): a grammar admits every end
+        # token, and where the model samples this one lmspd keeps it in the KV.
+        closer = getattr(self.engine, "_closer", None) or ""
+        first = self.engine.tokenize(closer)[:1]
+        self.closer_end: str | None = (self.engine.detokenize(first)
+                                       if first and self.engine.vocab.is_eog(first[0]) else None)
 
     def count(self, text: str) -> int:
         return len(self.engine.tokenize(text))
@@ -250,18 +260,22 @@ class Counter:
         return len(self.engine.tokenize(self.engine.render(self._decode(body))))
 
     def new_suffix(self, prev_body: dict[str, Any], outputs: list[dict[str, Any]],
-                   new_body: dict[str, Any]) -> tuple[int | None, str]:
+                   new_body: dict[str, Any], end_in_kv: bool | None = None) -> tuple[int | None, str]:
         """Tokens of what ``new_body`` adds to the previous turn's visible
-        transcript (previous prompt + its output up to the end-of-turn token)."""
+        transcript (previous prompt + its output up to the end-of-turn token).
+        ``end_in_kv``: whether the previous turn's KV holds the turn closer's
+        end token (``kv_holds_end``); None: assume the model's EOS ended it."""
         engine = self.engine
         try:
             new_text = engine.render(self._decode(new_body))
             prev = self._decode(prev_body)
             after = self._decode({**prev_body, "input": list(prev_body["input"]) + outputs})
             outs = list(after.items[len(prev.items):])
-            visible = engine.visible_transcript(prev, outs, self.eog_text)
+            eog = self.eog_text if end_in_kv is None else self.closer_end if end_in_kv else None
+            visible = engine.visible_transcript(prev, outs, eog)
             if visible is not None and new_text.startswith(visible):
-                return len(engine.tokenize(new_text[len(visible):])), "visible"
+                how = "visible" + (f", {eog} in KV" if eog and end_in_kv else "")
+                return len(engine.tokenize(new_text[len(visible):])), how
             # Fallback: the token difference of the two renders.
             before = engine.render(after, add_generation_prompt=False)
             return len(engine.tokenize(new_text)) - len(engine.tokenize(before)), "token-diff"
@@ -600,6 +614,8 @@ class Bench:
         self.notes: list[str] = []
         # What lmspd was sent and answered, per turn label: the other systems replay it.
         self.ref: dict[str, dict[str, Any]] = {}
+        # Per lmspd turn label: whether its KV kept the end-of-turn token (``kv_holds_end``).
+        self.kv_end: dict[str, bool] = {}
         self.client = httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0))
 
     def note(self, text: str) -> None:
@@ -713,7 +729,7 @@ class Bench:
                 turn.after_synth = session in synthesized
                 if session in prev:
                     pb, pout = prev[session]
-                    turn.expected_suffix, turn.expected_how = self.counter.new_suffix(pb, pout, body)
+                    self.expect(turn, f"{session}{k - 1}", (pb, pout), body)
                 outputs = [o for o in resp.get("output") or [] if o.get("type") != "reasoning"]
                 turn.call = " | ".join(str(o.get("arguments", o.get("type")))[:160] for o in outputs)
                 calls = [o for o in outputs if o.get("type") == "function_call" and o.get("status") == "completed"]
@@ -741,6 +757,19 @@ class Bench:
         finally:
             srv.stop()
 
+    def expect(self, turn: Turn, prev_label: str, prev: tuple[dict[str, Any], list[dict[str, Any]]],
+               body: dict[str, Any]) -> None:
+        """``turn``'s expected new suffix over lmspd's turn ``prev_label``.
+        Whether that turn's KV holds its end token is learnt from the first
+        later turn that continued it whole (``kv_holds_end``)."""
+        end = self.kv_end.get(prev_label)
+        before = next((t for t in self.turns if t.system == turn.system and t.label == prev_label), None)
+        if end is None and before is not None:
+            end = kv_holds_end(before, turn)
+            if end is not None:
+                self.kv_end[prev_label] = end
+        turn.expected_suffix, turn.expected_how = self.counter.new_suffix(prev[0], prev[1], body, end)
+
     def run_branch(self, srv: ChildServer, items: list[dict[str, Any]],
                    prev: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
         """Session A, after the single session ran: a follow-up user turn
@@ -757,7 +786,7 @@ class Bench:
             body["tool_choice"] = "none"  # the tools stay listed: the same prompt
             turn, _resp = self.lmspd_turn(srv, "lmspd", f"{tag}{k}", body)
             turn.session, turn.own_call = "A", True
-            turn.expected_suffix, turn.expected_how = self.counter.new_suffix(prev[0], prev[1], body)
+            self.expect(turn, f"A{a.turns}", prev, body)
             self.add(turn)
 
     def run_nocache(self) -> None:
@@ -1123,6 +1152,27 @@ class Bench:
                            f"prompt={t.prompt_tokens} cached_tokens={t.cached_tokens} ttft={_fmt(t.ttft_ms)}ms | "
                            f"log: {t.log}")
         return out
+
+
+def kv_holds_end(before: Turn, turn: Turn) -> bool | None:
+    """Whether lmspd's KV after turn ``before`` holds an end-of-turn token,
+    from ``turn``, which continued it: None unless ``turn`` kept all of it.
+
+    A forced call's grammar admits every end token. Gemma ends a call with
+    <eos> on some turns and <end_of_turn> (its turn closer) on others, and
+    no API field tells the client which. lmspd keeps <end_of_turn> in the KV,
+    so the next prompt's suffix starts after it, but it leaves <eos> out,
+    because a replay renders <end_of_turn> there instead. The next turn's
+    ``reused`` is the whole state: the previous prompt (its reused and
+    prefilled tokens), its output tokens, and the end token when it was
+    kept. One token more than the first three means the end token was
+    kept. Anything else means a partial reuse."""
+    words = (turn.source or "").split()
+    if None in (before.reused, before.prefilled, before.output_tokens, turn.reused) or not words \
+            or words[0] in ("cold", "copy") or "partial" in words:
+        return None
+    extra = turn.reused - (before.reused + before.prefilled + before.output_tokens)  # type: ignore[operator]
+    return {0: False, 1: True}.get(extra)
 
 
 def _as_expected(t: Turn) -> bool:

@@ -44,7 +44,8 @@ back to the nearest **exact-state checkpoint** at or before the divergence
 prompt (``input``), at client-declared and implicit breakpoints
 (``breakpoint``), at the end of a generation's reasoning section
 (``reasoning``: a sealed replay that keeps the reasoning but edits what
-followed it) and at the end of every turn that a later turn extends
+followed it; only when the response carries its reasoning sealed, the one
+form a replay renders) and at the end of every turn that a later turn extends
 (``response``). Checkpoints are RAM states like the others: same budget,
 spilled to disk.
 
@@ -106,6 +107,17 @@ class CachePlan:
     # The sequence the request runs on, and the one it copies ``keep`` tokens from.
     seq: int = -1
     copy_from: int | None = None
+    # ``suffix`` and ``base_text``, worked out only for a candidate that is
+    # tried (``resolved``): an aligned branch tokenizes the rest of the
+    # prompt and detokenizes the kept KV, and every remembered state of the
+    # owner may offer one.
+    lazy: Callable[[], tuple[list[int], str]] | None = None
+
+    def resolved(self) -> CachePlan:
+        if self.lazy is not None:
+            self.suffix, self.base_text = self.lazy()
+            self.lazy = None
+        return self
 
 
 @dataclass
@@ -497,6 +509,9 @@ class ContinuationCache:
         suffix_text = req.text[len(state.visible):]
         plan = CachePlan(source, len(state.tokens), self.ops.tokenize(suffix_text),
                          state.kv_text + suffix_text, restore=state if restore else None, seq=seq)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("join %s: KV ends %r (visible %r), suffix starts %r", source, state.kv_text[-48:],
+                      state.visible[-48:], suffix_text[:48])
         if source == "tool-output-ids":
             plan.detail = f"ids={sum(isinstance(i, ToolOutput) for i in self._new_items(req, state))}"
         return plan
@@ -533,6 +548,7 @@ class ContinuationCache:
         return self.ops.floor(r.seq, len(r.tokens)) if r.tokens else 0
 
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
+        plan.resolved()
         if not plan.suffix:
             # Fresh logits need at least one evaluated token.
             if plan.keep == 0:
@@ -742,9 +758,11 @@ class ContinuationCache:
         if not points:
             return None
         t, c = points[-1]
-        rest = req.text[c:]
-        return CachePlan(source, t, self.ops.tokenize(rest), self.ops.detokenize(state.tokens[:t]) + rest,
-                         detail="partial aligned", seq=seq, **fields)  # type: ignore[arg-type]
+        rest, kept = req.text[c:], state.tokens[:t]
+        ops = self.ops
+        return CachePlan(source, t, [], "", detail="partial aligned", seq=seq,
+                         lazy=lambda: (ops.tokenize(rest), ops.detokenize(kept) + rest),
+                         **fields)  # type: ignore[arg-type]
 
     def release(self, seq: int) -> None:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""

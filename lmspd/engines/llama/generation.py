@@ -258,10 +258,12 @@ class Generation:
         if not self.reasoning_open:
             return
         self.reasoning_open = False
-        self._mark_reasoning_end()
         sealed = None
         engine = self.engine
         if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
+            # Only a sealed replay renders this reasoning again (prompt.py),
+            # so only then can a later request resume at its end.
+            self._mark_reasoning_end()
             assert self.splitter is not None  # reasoning_open: a splitter opened it
             sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
                                         owner=self.prepared.conversation.owner)

@@ -116,3 +116,38 @@ def test_a_replay_missing_its_reasoning_is_refused_on_an_aligned_branch_too(voca
     edited = request(cache, state1.visible + USER.format("Which file did you change?"), needs_reasoning_state=True)
     with pytest.raises(CacheRefused, match="missing reasoning state"):
         cache.plan(edited)
+
+
+def test_only_the_aligned_branch_that_is_tried_detokenizes_its_kv(vocab):
+    """Every remembered state of the owner may offer an aligned branch; its
+    suffix (a tokenization of the rest of the prompt) and text (a
+    detokenization of the kept KV, thousands of tokens) are worked out only
+    for the candidate the plan tries, not for every one that competes."""
+    cache = make_cache(vocab, n_seq=1)
+    _, state1, state2 = three_turns(cache)
+    # Two branches of turn 1 in RAM, both able to resume at its end.
+    cache._evict(cache.residents[0])
+    cache.residents[0].tokens = []
+    cache._publish()
+    plan, state3 = run_turn(cache, request(cache, state1.visible + USER.format("Where is it?")), REPLY2)
+    assert "aligned" in plan.detail.split()
+    cache._evict(cache.residents[0])
+    cache.residents[0].tokens = []
+    cache._publish()
+    assert {state2.key, state3.key} <= set(cache._ram)
+
+    kept: list[int] = []
+    detokenize = cache.ops.detokenize
+
+    def counting(tokens: list[int]) -> str:
+        kept.append(len(tokens))
+        return detokenize(tokens)
+
+    cache.ops.detokenize = counting
+    edited = request(cache, state1.visible + USER.format("Which file did you change?"))
+    plan = cache.plan(edited)
+    assert plan.source == "ram" and "aligned" in plan.detail.split() and plan.keep == len(state1.tokens), plan
+    assert plan.restore in (state2, state3)
+    assert plan.base_text == state1.kv_text + USER.format("Which file did you change?")
+    assert plan.suffix == cache.ops.tokenize(USER.format("Which file did you change?"))
+    assert kept == [len(state1.tokens)], "one detokenization of the kept KV, for the plan that was tried"

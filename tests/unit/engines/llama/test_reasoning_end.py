@@ -49,14 +49,18 @@ class ToyVocab:
         return [self.id(ch) for ch in text]  # one token a character: the forced close is several
 
 
-def generation(vocab: ToyVocab, *, effort: str | None = "high", stop: list[str] | None = None) -> Generation:
+def generation(vocab: ToyVocab, *, effort: str | None = "high", stop: list[str] | None = None,
+               include: bool = True, sealer: bool = True) -> Generation:
+    """``include``: the request asks for the sealed reasoning; ``sealer``: the
+    server can seal it. Both are needed for a replay to render it again."""
     engine = SimpleNamespace(
         vocab=vocab, preparation=SimpleNamespace(sampler=lambda prepared: None), tool_format=None,
         parse_always=False, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
-        limits=RequestLimits(repetition_window=0), sealer=None, stats_=SimpleNamespace(),
+        limits=RequestLimits(repetition_window=0), stats_=SimpleNamespace(), info=SimpleNamespace(id="m"),
+        sealer=SimpleNamespace(seal=lambda model, hidden, owner: "sealed") if sealer else None,
         turn_ends_with=lambda text: True, visible_transcript=lambda conversation, outputs, eog: None)
     conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop or []),
-                        reasoning_effort=effort)
+                        reasoning_effort=effort, include_encrypted_reasoning=include)
     prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
                              stop=stop or [])
     plan = CachePlan("cold", 0, list(PROMPT), "PROMPT<think>\n")
@@ -138,3 +142,14 @@ def test_the_end_is_taken_once():
     gen = generation(vocab)
     drive(gen, vocab, ["Hmm", "</think>", "Hello"])
     assert gen.take_reasoning_end() is None
+
+
+def test_no_end_when_no_replay_can_render_the_reasoning():
+    """Only sealed reasoning is rendered in a replay (``prompt.py``): without
+    ``include`` of it, or with no sealer on the server, no request can
+    resume at the end of this reasoning, so none is taken (each one
+    costs the scheduler a KV capture)."""
+    for include, sealer in ((False, True), (True, False)):
+        vocab = ToyVocab()
+        gen = generation(vocab, include=include, sealer=sealer)
+        assert drive(gen, vocab, ["Hmm", " fine", "</think>", "\n\n", "Hello", ""]) == [], (include, sealer)
