@@ -14,8 +14,8 @@ from support.server import MODEL
 
 
 def long_prompt(lines: int = 200) -> str:
-    """About 16 tokens a line (3,200 for 200 lines), never seen before (the
-    nonce defeats the cache)."""
+    """About 13-16 tokens a line (1,352 for 100 lines on SmolLM2), never seen
+    before (the nonce defeats the cache)."""
     nonce = uuid.uuid4().hex
     return f"{nonce}\n" + "\n".join(f"line {i}: the quick brown fox {nonce[:4]}." for i in range(lines)) + \
         "\nHow many lines were there?"
@@ -42,9 +42,9 @@ def watch_prefill(url: str, body: dict) -> tuple[httpx.Response, list[dict]]:
 
 
 def test_a_running_prefill_reports_tokens_done(server):
-    # ~1,600 tokens: six 256-token prefill chunks or more, plenty for a
-    # 50 ms poll to catch one mid-prefill, at half the cost of the console
-    # test's ~3,200 (which its page, refreshed once a second, needs).
+    # ~1,350 tokens: six 256-token prefill chunks, plenty for a 50 ms poll
+    # to catch one mid-prefill, at half the cost of the console test's 200
+    # lines (which its page, refreshed once a second, needs).
     body = {"model": MODEL, "input": long_prompt(lines=100), "max_output_tokens": 1, "temperature": 0}
     r, seen = watch_prefill(server.url, body)
     assert r.status_code == 200, r.text
