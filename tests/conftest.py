@@ -40,6 +40,21 @@ def http(server):
 
 
 @pytest.fixture(scope="session")
+def default_server():
+    """One process started as ``./dev.sh serve`` starts it: no flags but its
+    port and data dir (the default context window, sequences and KV
+    budgets), for the Codex tests, whose point is that Codex works against
+    those defaults. Shared so that Codex's ~9k-token instructions are
+    prefilled once per run, not once per module: a cold prefill of them
+    takes minutes on two cores, and on a fresh machine (CI) every one is
+    cold. Each test stays correct whichever of them runs first; only the
+    time depends on the order."""
+    srv = ServerProcess().start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
 def small_server():
     """A second process with a tiny context window, one sequence and a
     one-deep queue, for tests about limits and queueing (cheap to fill,

@@ -29,25 +29,23 @@ Codex's requests carry a ~20k-character developer prompt and ~8k characters
 of tool schemas: 8.2k-9.1k tokens in this model's fallback tool format, more
 than the shared server's 4096-token window and more than the model's 8192
 (llama.cpp runs past the trained length; only acceptance is checked). They
-run on their own server with the default context window (no ``--ctx``: what
-``./dev.sh serve`` gives Codex out of the box), paired so that the
-second request of each pair reuses the first one's prefix from the KV cache,
-and that server keeps its disk checkpoints between runs (``CODEX_KV_DIR``).
+run on the server with every default (no ``--ctx``: what ``./dev.sh serve``
+gives Codex out of the box) that the Codex CLI's tests share, paired so
+that the second request of each pair reuses the first one's prefix from the
+KV cache.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from support.server import MODEL, ServerProcess
+from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream
 
@@ -211,29 +209,13 @@ def test_replay_as_a_chain(http, path):
 # -- Codex: prompts larger than the shared server's window -------------------------------
 
 
-# Where the Codex server keeps its KV checkpoints between test runs: a cold
-# 9k-token prefill takes minutes on a loaded 2-core machine (15 on the
-# shared development machine), a restore from disk a second. The first run
-# on a machine pays; LMSPD_TEST_FRESH_KV=1 forces a cold run.
-CODEX_KV_DIR = Path(tempfile.gettempdir()) / "lmspd-test-kv" / "codex-fixtures"
-
-
 @pytest.fixture(scope="module")
-def codex_http():
-    if os.environ.get("LMSPD_TEST_FRESH_KV"):
-        kv_dir = Path(tempfile.mkdtemp(prefix="lmspd-test-kv-"))
-    else:
-        kv_dir = CODEX_KV_DIR
-        kv_dir.mkdir(parents=True, exist_ok=True)
-    # No periodic checkpoints while prefilling (each would be up to ~200 MB):
-    # the states saved when one is replaced and at shutdown are enough.
-    srv = ServerProcess("--kv-disk-dir", str(kv_dir), "--kv-disk-space-mb", "2048",
-                        "--kv-checkpoint-every", "0").start()
-    try:
-        with httpx.Client(base_url=srv.url, timeout=1800) as client:
-            yield client
-    finally:
-        srv.stop()
+def codex_http(default_server):
+    """The server with every default (tests/conftest.py), which the other
+    Codex tests share: Codex's instructions are prefilled there once per
+    run. No ``--ctx``: what ``./dev.sh serve`` gives Codex out of the box."""
+    with httpx.Client(base_url=default_server.url, timeout=1800) as client:
+        yield client
 
 
 @pytest.mark.slow

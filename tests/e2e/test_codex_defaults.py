@@ -7,6 +7,8 @@ Acceptance is checked up to the stream's start (200 and
 ``response.created``, after every refusal would have happened); the whole
 replay, prefill and all, is ``test_client_fixtures.py::test_replay_codex``
 (slow: a cold ~9k-token prefill takes many minutes on a loaded machine).
+``default_server`` (tests/conftest.py) is started with no flags at all, so
+the context window is the default.
 """
 
 from __future__ import annotations
@@ -18,17 +20,10 @@ import httpx
 import pytest
 
 from lmspd.config import DEFAULT_CTX
-from support.server import MODEL, ServerProcess
+from support.server import MODEL
 from support.sse import parse_frames
 
 CAPTURES = sorted(Path("/work/shared/clients/codex-cli/captured").glob("*/*-request.json"))
-
-
-@pytest.fixture(scope="module")
-def default_server():
-    srv = ServerProcess().start()  # no --ctx: the default
-    yield srv
-    srv.stop()
 
 
 def codex_body(path: Path) -> dict:

@@ -1,6 +1,7 @@
 """The Codex CLI itself (``codex exec``, the version ../shared/clients
 captured) against a server started with no flags but its port and data
-dir, as ``./dev.sh serve`` runs: one turn over HTTP, then one with the
+dir, as ``./dev.sh serve`` runs (``default_server``, tests/conftest.py,
+shared with the other Codex tests): one turn over HTTP, then one with the
 provider's WebSocket transport on, asserting from the server log which
 transport carried it.
 
@@ -33,16 +34,22 @@ pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"the Codex CLI is no
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    srv = ServerProcess().start()
-    yield srv
-    srv.stop()
-
-
-def codex_exec(server: ServerProcess, tmp_path: Path, *, websockets: bool) -> list[dict]:
-    home, work = tmp_path / "codex-home", tmp_path / "work"
+def codex_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """One CODEX_HOME and one working directory for both runs. Codex writes
+    their paths into its prompt (the skill roots, the cwd), so with the same
+    ones the second run's prompt is the first one's up to the user's message
+    and continues from the first run's KV on the shared ``default_server``
+    instead of prefilling ~9k tokens again. Each run still starts Codex
+    afresh (``--ephemeral``: no session is kept) with its own config."""
+    root = tmp_path_factory.mktemp("codex")
+    home, work = root / "codex-home", root / "work"
     home.mkdir()
     work.mkdir()
+    return home, work
+
+
+def codex_exec(server: ServerProcess, dirs: tuple[Path, Path], *, websockets: bool) -> list[dict]:
+    home, work = dirs
     (home / "config.toml").write_text(f"""
 model = "{MODEL}"
 model_provider = "lmspd"
@@ -72,16 +79,16 @@ stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
     return events
 
 
-def test_codex_exec_over_http(default_server, tmp_path):
+def test_codex_exec_over_http(default_server, codex_dirs):
     before = default_server.log()
-    codex_exec(default_server, tmp_path, websockets=False)
+    codex_exec(default_server, codex_dirs, websockets=False)
     new = default_server.log()[len(before):]
     assert re.search(r"generation response=resp_\w+ seq=\d+ cache_source=", new), new[-3000:]
     assert "websocket connection=" not in new
 
 
-def test_codex_exec_over_websocket(default_server, tmp_path):
+def test_codex_exec_over_websocket(default_server, codex_dirs):
     before = default_server.log()
-    codex_exec(default_server, tmp_path, websockets=True)
+    codex_exec(default_server, codex_dirs, websockets=True)
     new = default_server.log()[len(before):]
     assert re.search(r"websocket connection=ws_\w+ response=resp_\w+ status=(completed|incomplete)", new), new[-3000:]

@@ -25,6 +25,9 @@ URL_LINE = re.compile(r"lmspd serving .* at (http://\S+)")
 # Set to a file path to get one line per ``lmspd serve`` launch (its flags
 # and the test that asked for it): how the suite's process count is measured.
 LAUNCH_LOG_ENV = "LMSPD_TEST_SERVER_LOG"
+# Set to a directory to keep each server's log there when it stops (one file
+# per launch): what each test prefilled and reused, for profiling the suite.
+OUTPUT_DIR_ENV = "LMSPD_TEST_SERVER_OUTPUT"
 
 
 # Every launch in this pytest process (the terminal summary prints the count).
@@ -132,3 +135,8 @@ class ServerProcess:
         pumping = self._pump_thread is not None and self._pump_thread.is_alive()
         if self.proc.stdout is not None and not self.proc.stdout.closed and not pumping:
             self.proc.stdout.close()
+        if out_dir := os.environ.get(OUTPUT_DIR_ENV):
+            os.makedirs(out_dir, exist_ok=True)
+            name = f"{time.time():.3f}-{self.proc.pid}.log"
+            with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+                f.write(" ".join(self.args) + "\n" + self.log())
