@@ -422,4 +422,5 @@ class Preparation:
             return chain
         compiler = self._grammars()
         matcher, prepared.matcher = prepared.matcher or compiler.matcher(prepared.grammar), None
-        return GrammarFirstRejection(matcher, compiler.tokenizer, self.vocab.n_vocab, chain, prepared.lazy_patterns)
+        return GrammarFirstRejection(matcher, compiler.tokenizer, self.vocab.n_vocab, chain, prepared.lazy_patterns,
+                                     greedy=temperature <= 0)
