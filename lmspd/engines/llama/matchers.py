@@ -17,27 +17,11 @@ so a client that sends the same schema or tools every turn pays the
 compile once. A refusal is cached too: a non-strict tool whose schema
 llguidance refuses is refused, then built again leniently
 (``Preparation._compile``) on every turn, and pays for the refusal once.
-
-The model spells forced text its own way (``_model_spells``). Where a
-grammar leaves only one byte sequence (a call's opening tag, a JSON key),
-llguidance's mask by default admits only the first token of that text's
-canonical tokenization, while a sampled token that spells it differently
-passes the one-token check: the grammar-first sampler kept the model's
-own spelling when its first choice fitted and imposed the canonical one
-after a rejection. With forcing off, the mask admits every token that
-continues the grammar (``not`` as well as ``note`` before ``note">``),
-the rejection resamples from all of them, as the sampler's docstring
-promises, and the model keeps the spelling it prefers, as it did under
-the GBNF grammars before llguidance. It mattered on the bundled model:
-forced into ``note`` ``">`` instead of its own ``not`` ``e`` ``"`` ``>``,
-greedy decoding of a free-text custom tool's input looped on
-``<tool_name>Hi!</tool_name>`` and never closed the call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -138,7 +122,7 @@ class GrammarCompiler:
                 return cached.deep_copy()
         started = time.perf_counter()
         # Constructing drops the GIL: other requests keep being served.
-        compiled = llguidance.LLMatcher(self.tokenizer, _model_spells(grammar), log_level=0,
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
                                         limits=llguidance.LLParserLimits(**_PARSER_LIMITS))
         self.last_compile_ms = (time.perf_counter() - started) * 1000
         refused = None
@@ -154,31 +138,6 @@ class GrammarCompiler:
         if refused is not None:
             raise _refused(refused)
         return compiled.deep_copy()
-
-
-_NO_FORCING = '%llguidance {"no_forcing": true}\n'
-
-
-def _model_spells(grammar: str) -> str:
-    """``grammar`` with llguidance's forcing off (module docstring): the
-    option goes on the top grammar, where llguidance reads it for the
-    whole lexer; a JSON-schema top grammar becomes the same schema as
-    Lark's ``%json``, which can carry it."""
-    try:
-        top = json.loads(grammar)
-    except ValueError:
-        return _NO_FORCING + grammar  # plain Lark
-    if not isinstance(top, dict) or not isinstance(top.get("grammars"), list) or not top["grammars"]:
-        return grammar  # not a grammar llguidance takes: its own error, unchanged
-    first = top["grammars"][0]
-    if isinstance(first, dict) and first.get("lark_grammar"):
-        first = {**first, "lark_grammar": _NO_FORCING + first["lark_grammar"]}
-    elif isinstance(first, dict) and first.get("json_schema") is not None:
-        lark = _NO_FORCING + "start: %json " + json.dumps(first["json_schema"], ensure_ascii=False)
-        first = {"name": first.get("name"), "lark_grammar": lark}
-    else:
-        return grammar
-    return json.dumps({**top, "grammars": [first, *top["grammars"][1:]]}, ensure_ascii=False)
 
 
 def _refused(message: str) -> ApiError:

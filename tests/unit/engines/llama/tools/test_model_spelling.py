@@ -1,16 +1,21 @@
-"""Forced text, spelled the model's way: where a grammar leaves one byte
-sequence, the mask the sampler resamples from after a rejection admits
-every token that continues it, not only the first token of its canonical
-tokenization (matchers: ``_model_spells``). The bundled model's free-text
-custom tool depends on it (tests/e2e/test_tools.py::test_custom_tool_free_text)."""
+"""Forced text, canonical or the model's own spelling (grammars:
+``_NO_FORCING``): in a grammar whose every call is a free-text custom tool
+the mask the sampler resamples from after a rejection admits every token
+that continues the forced markup; elsewhere llguidance's canonical first
+token alone. The bundled model's free-text custom tool depends on the
+first (tests/e2e/test_tools.py::test_custom_tool_free_text)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
+from lmspd.core.conversation import CustomTool, FunctionTool
 from lmspd.engines.llama import grammars
+from lmspd.engines.llama.tool_formats.fallback import FallbackFormat
 from support.grammar_rig import GrammarRig
+
+NOTE = CustomTool("note", "Write a short note.")
+NOTEBOOK = FunctionTool("notebook", "Open a notebook.", {"type": "object", "properties": {}})
 
 
 def allowed(rig: GrammarRig, matcher) -> set[bytes]:
@@ -18,35 +23,25 @@ def allowed(rig: GrammarRig, matcher) -> set[bytes]:
     return {rig.compiler.tokenizer.decode_bytes([int(t)]) for t in np.flatnonzero(mask[: rig.compiler.n_vocab])}
 
 
-def token(rig: GrammarRig, piece: str) -> int:
-    [t] = rig.tokens(piece)
-    return t
+def opened(rig: GrammarRig, tools, text: str):
+    matcher = rig.compiler.matcher(grammars.tool_call_grammar(FallbackFormat(), tools, check=False))
+    assert matcher.consume_tokens(rig.tokens(text))
+    return matcher
 
 
-def test_a_forced_tag_admits_every_spelling(rig):
-    lark = 'start: "<tool_call name=\\"note\\">\\n" /(?s:.*)<\\/tool_call>/\n'
-    matcher = rig.compiler.matcher(lark)
-    assert matcher.consume_tokens([token(rig, p) for p in ("<", "tool", "_", "call", " name", '="')])
+def test_a_free_text_custom_tools_tag_admits_every_spelling(rig):
+    matcher = opened(rig, [NOTE], '<tool_call name="')
     # Canonically "note" then '">'; the model's own spelling was "not" "e" '"' ">".
     assert {b"note", b"not", b"no", b"n"} <= allowed(rig, matcher)
-    assert matcher.consume_tokens([token(rig, "not"), token(rig, "e")])
+    assert matcher.consume_tokens(rig.tokens("not") + rig.tokens("e"))
     assert {b'">', b'"'} <= allowed(rig, matcher)
     assert b"x" not in allowed(rig, matcher)
 
 
-def test_a_forced_json_key_admits_every_spelling(rig):
-    schema = {"type": "object", "properties": {"notebook": {"type": "string"}}, "required": ["notebook"],
-              "additionalProperties": False}
+def test_a_function_call_keeps_the_canonical_spelling(rig):
+    matcher = opened(rig, [NOTEBOOK], '<tool_call>\n{"name": "')
+    assert allowed(rig, matcher) == {b"note"}
+    schema = {"type": "object", "properties": {"notebook": {"type": "string"}}, "required": ["notebook"]}
     matcher = rig.compiler.matcher(grammars.json_schema_grammar(schema, check=False))
     assert matcher.consume_tokens(rig.tokens('{"'))
-    assert {b"note", b"not"} <= allowed(rig, matcher)
-
-
-@pytest.mark.parametrize("text", ['{"notebook": "a"}', '{"notebook":"a"}'])
-def test_the_schema_still_holds(rig, text):
-    schema = {"type": "object", "properties": {"notebook": {"type": "string"}}, "required": ["notebook"],
-              "additionalProperties": False}
-    matcher = rig.compiler.matcher(grammars.json_schema_grammar(schema, check=False))
-    assert matcher.consume_tokens(rig.tokens(text)) and matcher.is_accepting()
-    other = rig.compiler.matcher(grammars.json_schema_grammar(schema, check=False))
-    assert other.validate_tokens(rig.tokens('{"other": "a"}')) < len(rig.tokens('{"other": "a"}'))
+    assert allowed(rig, matcher) == {b"note"}
