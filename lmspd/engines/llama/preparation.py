@@ -375,8 +375,6 @@ class Preparation:
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 try:
-                    if self._closing.is_set():
-                        raise VocabularyWalkCancelled
                     self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits, cancel=self._closing)
                 except VocabularyWalkCancelled:
                     raise ApiError("server_shutting_down", "The server is shutting down.") from None
