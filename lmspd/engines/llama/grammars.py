@@ -687,7 +687,7 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be at least 1")
     calls = _call_rules(fmt, tools, allowed_names, specials, limits, check)
-    by_name = {t.name: t for t in tools}
+    by_name = {t.name: t for t in tools if isinstance(t, (FunctionTool, CustomTool))}
     names = list(by_name) if allowed_names is None else list(dict.fromkeys(allowed_names))
     # Free-text custom tools only: the model spells the forced markup its
     # own way (see _NO_FORCING).
