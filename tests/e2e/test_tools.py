@@ -325,15 +325,11 @@ def custom_events(events: list[dict]) -> tuple[list[str], dict]:
     return types, done
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the bundled 135M model, not the grammar or the prompt (the rendered prompt is byte for byte the one "
-    "the GBNF code, which passed, rendered): the GBNF path let the model spell the forced opener its own "
-    "way ('not' 'e' '\"' '>'), llguidance's forced tokens spell it canonically ('note' '\">'); from that "
-    "KV greedy decoding writes '<tool_name>Hi!</tool_name>' and a newline again and again and never "
-    "closes the input, where before it wrote '<raw input>\n<text>Hi!</text>' and closed (token dumps of "
-    "both, 2026-12-01, session 7). Without angle-bracket placeholders the model rambles on without "
-    "closing, and given a worked example it closes only by copying the example's input (session 5)"))
 def test_custom_tool_free_text(http):
+    """A free-text custom tool, forced: one call whose input closes. It
+    needs the model's own spelling of the forced opening tag (matchers:
+    ``_model_spells``); forced into llguidance's canonical tokens, greedy
+    decoding looped on ``<tool_name>Hi!</tool_name>`` until the budget ran out."""
     note = {"type": "custom", "name": "note", "description": "Write a short note."}
     body = {"model": MODEL, "input": "Write a note saying hi.", "tools": [note],
             "tool_choice": {"type": "custom", "name": "note"}, "parallel_tool_calls": False,

@@ -474,6 +474,32 @@ def regex_escape(text: str) -> str:
     return "".join(out)
 
 
+# Where a grammar leaves one byte sequence (a call's opening tag, a JSON
+# key), llguidance's mask admits only the first token of that text's
+# canonical tokenization, while a sampled token that spells it otherwise
+# passes the one-token check: the grammar-first sampler keeps the model's
+# own spelling when its first choice fits and imposes the canonical one
+# after a rejection. With forcing off the mask admits every token that
+# continues the text (``not`` as well as ``note`` before ``note">``), as
+# the GBNF grammars before llguidance did. Measured on the bundled model,
+# each way helps one kind of call:
+# - a free-text custom tool, forced: canonical ``note`` ``">`` and greedy
+#   decoding loops on ``<tool_name>Hi!</tool_name>`` until the budget runs
+#   out; its own ``not`` ``e`` ``"`` ``>`` and it writes one line and
+#   closes the call (tests/e2e/test_tools.py::test_custom_tool_free_text);
+# - a JSON call, forced off its own answer: with forcing off it spells
+#   ``get_time`` ``g`` ``et`` ``_`` ``t`` ``im`` ``e`` and then writes a
+#   worse argument (``"Paris"`` where canonical forcing gives
+#   ``"Europe/Paris"``).
+# So forcing stays on everywhere but in grammars whose every call is a
+# free-text custom tool (there the only forced text is the call markup).
+_NO_FORCING = '%llguidance {"no_forcing": true}\n'
+
+
+def _free_text(tool: Tool) -> bool:
+    return isinstance(tool, CustomTool) and not (tool.grammar or {}).get("definition")
+
+
 def _top(lark: str, subgrammars: list[tuple[str, str]]) -> str:
     grammars: list[dict[str, Any]] = [{"lark_grammar": lark}]
     grammars += [{"name": name, "lark_grammar": body} for name, body in subgrammars]
@@ -661,6 +687,11 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be at least 1")
     calls = _call_rules(fmt, tools, allowed_names, specials, limits, check)
+    by_name = {t.name: t for t in tools if isinstance(t, (FunctionTool, CustomTool))}
+    names = list(by_name) if allowed_names is None else list(dict.fromkeys(allowed_names))
+    # Free-text custom tools only: the model spells the forced markup its
+    # own way (see _NO_FORCING).
+    free_text = fmt.raw_custom and fmt.param_blocks is None and all(_free_text(by_name[n]) for n in names)
     layout = fmt.layout
     more = f"({literal(layout.separator, specials)} call)"
     seq = "call" if max_calls == 1 else f"call {more}*" if max_calls is None else f"call {more}{{0,{max_calls - 1}}}"
@@ -668,7 +699,7 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     if prefix and layout.prefix_optional:
         prefix = f"({prefix})?"
     suffix = literal(layout.suffix, specials) if layout.suffix else ""
-    lark = "\n".join([
+    lark = (_NO_FORCING if free_text else "") + "\n".join([
         f"start: {prefix} {seq} {suffix}".rstrip(),
         "call: " + " | ".join(calls.alternatives),
         *calls.rules,

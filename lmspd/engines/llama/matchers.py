@@ -87,9 +87,10 @@ class GrammarCompiler:
                  cancel: threading.Event | None = None) -> None:
         """``cancel``: set, the vocabulary walk stops with
         ``VocabularyWalkCancelled`` (the engine is closing)."""
-        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        # Before anything reads ``vocab``: once the engine closes it may be freed.
         if cancel is not None and cancel.is_set():
             raise VocabularyWalkCancelled
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         eog = [t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)]
         self.tokenizer = _tokenizer(vocab, n_vocab, eog or [llama_cpp.llama_vocab_eos(vocab)], cancel)
         self.n_vocab = n_vocab

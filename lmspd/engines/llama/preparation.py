@@ -375,8 +375,6 @@ class Preparation:
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 try:
-                    if self._closing.is_set():
-                        raise VocabularyWalkCancelled
                     self._grammar_compiler = GrammarCompiler(self.vocab.vocab, self.limits, cancel=self._closing)
                 except VocabularyWalkCancelled:
                     raise ApiError("server_shutting_down", "The server is shutting down.") from None
@@ -422,4 +420,5 @@ class Preparation:
             return chain
         compiler = self._grammars()
         matcher, prepared.matcher = prepared.matcher or compiler.matcher(prepared.grammar), None
-        return GrammarFirstRejection(matcher, compiler.tokenizer, self.vocab.n_vocab, chain, prepared.lazy_patterns)
+        return GrammarFirstRejection(matcher, compiler.tokenizer, self.vocab.n_vocab, chain, prepared.lazy_patterns,
+                                     greedy=temperature <= 0)

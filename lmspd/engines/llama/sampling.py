@@ -59,8 +59,12 @@ class Greedy:
 
 class GrammarFirstRejection:
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, n_vocab: int,
-                 chain: internals.LlamaSampler, triggers: list[str] | None = None) -> None:
+                 chain: internals.LlamaSampler, triggers: list[str] | None = None, *, greedy: bool = False) -> None:
+        """``greedy``: ``chain`` is llama.cpp's greedy sampler alone
+        (temperature 0), so the first try reads the highest logit straight
+        off the row, as ``Greedy`` does."""
         self._matcher = matcher
+        self._greedy = greedy
         self._tokenizer = tokenizer
         self._chain = chain
         self._n_vocab = n_vocab
@@ -83,12 +87,19 @@ class GrammarFirstRejection:
         self._scanned = 0
 
     def sample(self, ctx: internals.LlamaContext, idx: int = -1) -> int:
-        # The first try is llama.cpp's own sample-and-accept, the free
-        # path's exact cost (filling the candidate array from Python costs
-        # ~0.4 ms a token on a 49k vocabulary). The chain's accept of a
-        # token the grammar then rejects is harmless: greedy, temperature,
-        # top-p and dist keep no per-token state.
-        token = self._chain.sample(ctx, idx)
+        # The first try is the free path's own: greedy, the first highest
+        # logit (``Greedy``); else llama.cpp's sample-and-accept (filling
+        # the candidate array from Python costs ~0.4 ms a token on a 49k
+        # vocabulary). llama.cpp's greedy sampler would pick the same token
+        # but first writes a 49k-entry candidate array (~0.6 MB, more than
+        # a core's L2 here) every token, which free decoding never does.
+        # The chain's accept of a token the grammar then rejects is
+        # harmless: greedy, temperature, top-p and dist keep no per-token state.
+        if self._greedy:
+            token = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, idx),
+                                              shape=(self._n_vocab,)).argmax())
+        else:
+            token = self._chain.sample(ctx, idx)
         if not self.allows(token):
             self.rejections += 1
             allowed = self._allowed()
