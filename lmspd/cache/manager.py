@@ -306,7 +306,9 @@ class ContinuationCache:
         # holds its state a step from now: a next turn that continues it
         # waits that step. Any other request of the owner goes on (one API
         # key often drives several sessions at once).
-        if any(r.busy and r.state is not None and r.owner == req.owner and self._continues(req, r.state)
+        # So does one that would be cut back in place there (``_shared_candidates``).
+        if any(r.busy and r.state is not None and r.owner == req.owner
+               and (self._continues(req, r.state) or _mostly(req.tokens, r.state.tokens))
                for r in self.residents):
             return None
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
@@ -453,7 +455,8 @@ class ContinuationCache:
     def _shared_candidates(self, req: CacheRequest, idle: list[Resident], target: Resident | None) -> list[CachePlan]:
         """A common token prefix with a sequence of the same owner: kept in
         place when that sequence is the target anyway, else copied into the
-        target (the sequence holding it stays as it is)."""
+        target (the sequence holding it stays as it is); too short to copy
+        but most of that sequence, kept in place there."""
         candidates: list[CachePlan] = []
         for r in self.residents:
             if r.owner != req.owner or not r.tokens:
@@ -471,6 +474,14 @@ class ContinuationCache:
                 elif common >= MIN_COPY_TOKENS:
                     candidates.append(CachePlan("copy", common, req.tokens[common:], req.text,
                                                 detail=f"from=seq{r.seq}", seq=target.seq, copy_from=r.seq))
+                elif state is not None and r.seq not in self._copying and _mostly(req.tokens, r.tokens):
+                    # Too short to copy, but most of what this sequence holds
+                    # (the same short prompt sent again, a regenerated turn):
+                    # cut it back in place. Prefilling on the least recently
+                    # used sequence instead would evict another state and
+                    # prefill what is here again.
+                    candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text,
+                                                detail="partial", seq=r.seq))
             elif not r.busy and r.seq not in self._copying:
                 aligned = state and self._aligned_plan(req, state, "memory-token", r.seq, floor=floor, beyond=common)
                 if aligned:
@@ -915,6 +926,13 @@ class ContinuationCache:
             self.stats.disk_checkpoints = len(self.disk)
         except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)
+
+
+def _mostly(tokens: list[int], held: list[int]) -> bool:
+    """``tokens`` (a prompt) starts with most of ``held`` (a sequence's KV),
+    one token of the prompt left to evaluate."""
+    common = min(common_prefix(held, tokens), len(tokens) - 1)
+    return common > 0 and 2 * common >= len(held)
 
 
 def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tuple[int, int], ...]:
