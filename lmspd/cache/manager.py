@@ -306,9 +306,7 @@ class ContinuationCache:
         # holds its state a step from now: a next turn that continues it
         # waits that step. Any other request of the owner goes on (one API
         # key often drives several sessions at once).
-        # So does one that would be cut back in place there (``_shared_candidates``).
-        if any(r.busy and r.state is not None and r.owner == req.owner
-               and (self._continues(req, r.state) or _mostly(req.tokens, r.state.tokens))
+        if any(r.busy and r.state is not None and r.owner == req.owner and self._continues(req, r.state)
                for r in self.residents):
             return None
         mine = [r for r in idle if r.state is not None and r.state.owner == req.owner]
@@ -353,6 +351,11 @@ class ContinuationCache:
             fitted = self._fits(req, plan)
             if fitted.source != "cold":
                 return fitted
+        # So does a request that would be cut back in place there
+        # (``_shared_candidates``: the same short prompt sent again).
+        if any(r.busy and r.state is not None and r.owner == req.owner and _mostly(req.tokens, r.state.tokens)
+               for r in self.residents):
+            return None
 
         candidates = self._saved_candidates(req, target) + self._shared_candidates(req, idle, target)
         best = max((c.keep for c in candidates), default=0)
@@ -930,9 +933,10 @@ class ContinuationCache:
 
 def _mostly(tokens: list[int], held: list[int]) -> bool:
     """``tokens`` (a prompt) starts with most of ``held`` (a sequence's KV),
-    one token of the prompt left to evaluate."""
+    one token of the prompt left to evaluate, and too little of it to be
+    worth a copy."""
     common = min(common_prefix(held, tokens), len(tokens) - 1)
-    return common > 0 and 2 * common >= len(held)
+    return 0 < common < MIN_COPY_TOKENS and 2 * common >= len(held)
 
 
 def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tuple[int, int], ...]:
