@@ -17,7 +17,17 @@ the same ``--threads`` and ``--ctx`` for every system:
   ``--restart-after``: the server is stopped with SIGTERM and started again
   on the same ``--data-dir`` / ``--kv-disk-dir`` between B_R and A_{R+1}.
 * **One single session** S with the same shape, run alone afterwards on the
-  same lmspd server: the reference for "interleaving costs at most 1.3×".
+  same lmspd server (cache checks: a new session after the restart).
+* **The paired reference M** (``--no-paired``: none): session A's very
+  requests, sent to a second lmspd server that serves nothing else, each
+  M_k right before A_k (even k) or right after it (odd k). A_k and M_k
+  evaluate the same prompt on the same KV (the table checks prompt,
+  prefilled and output tokens), close together in time, so the median of
+  A_k / M_k is what interleaving with B costs, with the machine's load
+  drift paired out. (S's prompts differ from A's and B's by hundreds of
+  tokens, and S runs minutes later: its ratio is printed too, unpaired.)
+  Every lmspd turn also shows the KV it moved (/health's eviction, restore
+  and copy counters): none on a turn of a session that stayed resident.
 
 Systems:
 
@@ -69,9 +79,9 @@ transcript (``LlamaEngine.visible_transcript``: previous prompt + the call as
 the client replays it, up to the end-of-turn token) and tokenizes the
 difference, as lmspd does for a visible-prefix match.
 
-Targets: steady-state prefill == the new suffix; interleaved TTFT within 1.3×
-of the single session's at the same turn (paired per turn); first turn after
-the restart ≥ 5× faster than ``lmspd-nocache`` on the same request.
+Targets: steady-state prefill == the new suffix; interleaved TTFT within
+1.05× of the same request alone (A_k / M_k, median over turns; #11); first
+turn after the restart ≥ 5× faster than ``lmspd-nocache`` on the same request.
 
     .venv/bin/python bench/agent_loop.py --quick            # ~3-5 min on the shared 2-core machine
     .venv/bin/python bench/agent_loop.py --json out.json    # the full run: ~23 min there (load ~10);
