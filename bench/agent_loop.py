@@ -1192,7 +1192,7 @@ class Bench:
             # A session that stayed on its sequence moves no KV (checkpoints
             # of a non-trimmable KV are captures by design, not moves).
             moved = [m for m in t.moves.split() if not m.startswith("checkpoints+")]
-            if moved and t.turn > 1 and t.session in "ABM" and not t.after_restart:
+            if moved and t.turn > 1 and t.label[0] in "ABM" and not t.after_restart:
                 out.append(f"{t.label}: KV moved on a resident session's turn: {' '.join(moved)} (src={t.source})")
             bad = src not in ok or (t.turn > 1 and "partial" in (t.source or "") and not partial_ok)
             over = (t.turn > 1 and t.expected_suffix is not None and t.prefilled is not None
