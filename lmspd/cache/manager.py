@@ -932,11 +932,14 @@ class ContinuationCache:
 
 
 def _mostly(tokens: list[int], held: list[int]) -> bool:
-    """``tokens`` (a prompt) starts with most of ``held`` (a sequence's KV),
-    one token of the prompt left to evaluate, and too little of it to be
-    worth a copy."""
+    """``tokens`` (a prompt) is the text ``held`` (a sequence's KV) starts
+    with (the same short prompt sent again, a regenerated turn: all of it
+    but the token left to evaluate), that prompt is too short to be worth a
+    copy, and it is most of the sequence. The whole prompt, not a share of
+    it: a short prompt is mostly the template's header, and a new one that
+    shared only the header took another short session's sequence over."""
     common = min(common_prefix(held, tokens), len(tokens) - 1)
-    return 0 < common < MIN_COPY_TOKENS and 2 * common >= len(held)
+    return 0 < common < MIN_COPY_TOKENS and common == len(tokens) - 1 and 2 * common >= len(held)
 
 
 def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tuple[int, int], ...]:

@@ -119,3 +119,24 @@ def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine
     asyncio.run(asyncio.wait_for(go(), 120))
     gap = times["started"] - times["released"]
     assert 0 <= gap < 0.3, f"placed {gap * 1000:.0f} ms after the sequence it waited for was released"
+
+
+def test_a_new_short_prompt_leaves_another_short_sessions_sequence_alone(engine4):
+    """A short prompt is mostly the template's header. A new one that shares
+    only that header with the sequence of another short session goes where
+    any new conversation goes, and that sequence keeps what it holds: cutting
+    it back to the header (scenario 4's long request did) sent the session's
+    next request to another sequence, evicting a third conversation."""
+
+    async def go():
+        prompt = await run_text(engine4, "Name one colour.")
+        own = [r.seq for r in engine4.cache.residents if r.tokens[:len(prompt)] == prompt]
+        await run_text(engine4, "Write a poem about the sea, with rhymes.")
+        return prompt, own
+
+    # (The sequence's last sampled token may land a step after the reply:
+    # what must stay is the prompt.)
+    prompt, own = asyncio.run(asyncio.wait_for(go(), 120))
+    held = {r.seq: list(r.tokens) for r in engine4.cache.residents}
+    assert own and all(held[seq][:len(prompt)] == prompt for seq in own), (
+        engine4.stats_.last_cache_source, engine4.stats_.last_cache_detail, engine4.stats_.last_reused_tokens)
