@@ -17,7 +17,17 @@ the same ``--threads`` and ``--ctx`` for every system:
   ``--restart-after``: the server is stopped with SIGTERM and started again
   on the same ``--data-dir`` / ``--kv-disk-dir`` between B_R and A_{R+1}.
 * **One single session** S with the same shape, run alone afterwards on the
-  same lmspd server: the reference for "interleaving costs at most 1.3×".
+  same lmspd server (cache checks: a new session after the restart).
+* **The paired reference M** (``--no-paired``: none): session A's very
+  requests, sent to a second lmspd server that serves nothing else, each
+  M_k right before A_k (even k) or right after it (odd k). A_k and M_k
+  evaluate the same prompt on the same KV (the table checks prompt,
+  prefilled and output tokens), close together in time, so the median of
+  A_k / M_k is what interleaving with B costs, with the machine's load
+  drift paired out. (S's prompts differ from A's and B's by hundreds of
+  tokens, and S runs minutes later: its ratio is printed too, unpaired.)
+  Every lmspd turn also shows the KV it moved (/health's eviction, restore
+  and copy counters): none on a turn of a session that stayed resident.
 
 Systems:
 
@@ -72,9 +82,9 @@ turn's KV holds its end-of-turn token (Gemma ends a call with ``<eos>`` or
 with ``<end_of_turn>``, and lmspd keeps only the latter) is read from the
 next turn's reused count (``kv_holds_end``).
 
-Targets: steady-state prefill == the new suffix; interleaved TTFT within 1.3×
-of the single session's at the same turn (paired per turn); first turn after
-the restart ≥ 5× faster than ``lmspd-nocache`` on the same request.
+Targets: steady-state prefill == the new suffix; interleaved TTFT within
+1.05× of the same request alone (A_k / M_k, median over turns; #11); first
+turn after the restart ≥ 5× faster than ``lmspd-nocache`` on the same request.
 
     .venv/bin/python bench/agent_loop.py --quick            # ~3-5 min on the shared 2-core machine
     .venv/bin/python bench/agent_loop.py --json out.json    # the full run: ~23 min there (load ~10);
@@ -116,6 +126,9 @@ MODEL_ID = "smollm2-135m-instruct"
 ALL_SYSTEMS = ["lmspd", "lmspd-nocache", "xllamacpp-responses", "xllamacpp-chat", "xllamacpp-swa-full",
                "llama-cpp-server"]
 N_BATCH = 512
+# /health cache counters that mean KV moved between a sequence and RAM/disk:
+# none should move on a turn whose session stayed resident.
+MOVES = ("evictions", "checkpoints", "ram_restores", "disk_restores", "checkpoint_restores", "copies")
 # A new connection per request: xllamacpp's server sometimes drops a kept-alive
 # connection between two streams ("Server disconnected without sending a response").
 FRESH = {"Connection": "close"}
@@ -177,6 +190,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="send no warm-up request to the restarted lmspd nor to lmspd-nocache: the restart turn "
                         "and its cold reference both pay a fresh process's first-request costs")
     p.add_argument("--json", type=Path, default=None, help="also write every turn, the ratios and the notes here")
+    p.add_argument("--no-paired", dest="paired", action="store_false",
+                   help="no mirror of session A on a second lmspd server (the paired interleaving reference)")
     args = p.parse_args(argv)
     q = args.quick
     args.turns = args.turns or (4 if q else 12)
@@ -486,6 +501,7 @@ class Turn:
     cpu_ms: float | None = None
     wait_ms: float | None = None
     call: str = ""  # the call's arguments as the system returned them (truncated)
+    moves: str = ""  # lmspd: KV moved by this turn (captures to RAM, restores), from /health's counters
     log: str = ""
     note: str = ""
 
@@ -629,8 +645,8 @@ class Bench:
 
     # -- lmspd --------------------------------------------------------------------------------------
 
-    def lmspd(self, nocache: bool = False) -> ChildServer:
-        name = "lmspd-nocache" if nocache else "lmspd"
+    def lmspd(self, nocache: bool = False, name: str | None = None) -> ChildServer:
+        name = name or ("lmspd-nocache" if nocache else "lmspd")
         base = self.work / name
         base.mkdir(exist_ok=True)
         n = len(list(base.glob("server*.log")))
@@ -660,12 +676,16 @@ class Bench:
                    after_restart: bool = False) -> tuple[Turn, dict[str, Any]]:
         session, k = label[0], int(label[1:])
         turn = Turn(system, label, session, k, after_restart=after_restart)
+        moved_before = self.health(srv).get("cache") or {}
         before = sched_ns(srv.pid) if srv.pid else None
         r = stream_responses_turn(self.client, srv.url + "/v1/responses", body)
         after = sched_ns(srv.pid) if srv.pid else None
         resp = r["response"] or {}
         usage = resp.get("usage") or {}
         h = self.health(srv)
+        moved = h.get("cache") or {}
+        turn.moves = " ".join(f"{k}+{moved[k] - moved_before.get(k, 0)}" for k in MOVES
+                              if isinstance(moved.get(k), int) and moved[k] != moved_before.get(k, 0))
         logs = LMSPD_GEN_LINE.findall(srv.new_log_text())
         turn.ttft_ms = None if r["ttft"] is None else r["ttft"] * 1000
         turn.total_ms = r["total"] * 1000
@@ -693,8 +713,16 @@ class Bench:
         print(f"\n== lmspd: interleaved A/B x {a.turns} turns, restart after turn {a.restart_after}, "
               f"then single session S x {a.turns}", flush=True)
         srv = self.lmspd()
+        # The paired reference: session A's very requests on a server of its
+        # own (M, "mirror"), sent right before or right after A_k, alternating:
+        # the same prompt, KV and batches, so A_k / M_k is the interleaving
+        # cost alone, under the same machine load.
+        mirror = None
         try:
+            mirror = self.lmspd(name="lmspd-single") if a.paired else None
             self.warmup_responses(srv)
+            if mirror is not None:
+                self.warmup_responses(mirror)
             items = {s: self.wl.start_items(s) for s in "ABS"}
             prev: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
             schedule = self.interleaved(a.turns) + [("S", k) for k in range(1, a.turns + 1)]
@@ -725,6 +753,10 @@ class Bench:
                     restarted_for.discard(session)
                 label = f"{session}{k}"
                 body = self.wl.responses_body(session, list(items[session]), a.max_call_tokens)
+                paired = mirror is not None and session == "A"
+                prev_a = prev.get("A")
+                if paired and k % 2 == 0:
+                    self.mirror_turn(mirror, k, body, prev_a)
                 turn, resp = self.lmspd_turn(srv, "lmspd", label, body, after_restart)
                 turn.after_synth = session in synthesized
                 if session in prev:
@@ -751,11 +783,26 @@ class Bench:
                 items[session] += outputs + [{"type": "function_call_output", "id": f"fco_bench_{label}",
                                               "call_id": call["call_id"], "output": self.wl.tool_output(session, k)}]
                 self.add(turn)
+                if paired and k % 2 == 1:
+                    self.mirror_turn(mirror, k, body, prev_a)
             self.run_branch(srv, items["A"], prev["A"])
             h = self.health(srv)
             self.note(f"lmspd cache at the end: {json.dumps(h.get('cache'))}")
         finally:
             srv.stop()
+            if mirror is not None:
+                mirror.stop()
+
+    def mirror_turn(self, srv: ChildServer, k: int, body: dict[str, Any],
+                    prev: tuple[dict[str, Any], list[dict[str, Any]]] | None) -> None:
+        turn, resp = self.lmspd_turn(srv, "lmspd", f"M{k}", body)
+        turn.session, turn.turn = "M", k
+        if prev is not None:
+            turn.expected_suffix, turn.expected_how = self.counter.new_suffix(prev[0], prev[1], body)
+        outputs = [o for o in resp.get("output") or [] if o.get("type") != "reasoning"]
+        turn.call = " | ".join(str(o.get("arguments", o.get("type")))[:160] for o in outputs)
+        turn.own_call = True
+        self.add(turn)
 
     def expect(self, turn: Turn, prev_label: str, prev: tuple[dict[str, Any], list[dict[str, Any]]],
                body: dict[str, Any]) -> None:
@@ -959,6 +1006,7 @@ class Bench:
         print(f"  {turn.system:<20} {turn.label:<4}{'R' if turn.after_restart else ' '} ttft_ms={ttft} "
               f"prompt={turn.prompt_tokens} prefilled={turn.prefilled}{exp} reused={turn.reused} "
               f"src={turn.source or '-'} call={'own' if turn.own_call else 'synth' if turn.own_call is False else '-'}"
+              f"{' moved=' + turn.moves.replace(' ', ',') if turn.moves else ''}"
               f"{' ' + turn.note if turn.note else ''}{' args=' + turn.call[:90] if turn.call else ''}", flush=True)
 
     def run(self) -> dict[str, Any]:
@@ -991,7 +1039,7 @@ class Bench:
         a = self.args
         systems = [s for s in ALL_SYSTEMS if s in a.systems and any(t.system == s for t in self.turns)]
         labels = ([f"{s}{k}" for s, k in self.interleaved(a.turns)] + [f"S{k}" for k in range(1, a.turns + 1)]
-                  + [f"U{a.turns + 1}", f"E{a.turns + 1}"])
+                  + [f"U{a.turns + 1}", f"E{a.turns + 1}"] + [f"M{k}" for k in range(1, a.turns + 1)])
         print("\nper turn: TTFT ms / tokens prefilled (lmspd: + expected new suffix, cache source). "
               "* = the bench synthesized the assistant turn; R = first turn after the restart")
         head = f"{'turn':<6}{'prompt':>7}  {'lmspd ttft/prefilled (expect) source':<52}"
@@ -1008,6 +1056,8 @@ class Bench:
                 print(f"{'-- restart (SIGTERM; same --data-dir and --kv-disk-dir) --':^{len(head)}}")
             if label == "S1":
                 print(f"{'-- single session S, alone on the restarted lmspd --':^{len(head)}}")
+            if label == "M1":
+                print(f"{'-- M: session A mirrored on a server of its own, paired with A (same requests) --':^{len(head)}}")
             if label == f"U{a.turns + 1}":
                 print(f"{'-- session A: a follow-up user turn (U), then a branch that edits it (E) --':^{len(head)}}")
             prompt = lm.prompt_tokens if lm else next((t.prompt_tokens for t in rest if t), None)
@@ -1067,7 +1117,32 @@ class Bench:
                             f"({t.expected_how}) src={t.source}" for t in steady if not _as_expected(t)],
                 "turns": {t.label: [t.prefilled, t.expected_suffix] for t in steady},
             }
-        # 2. interleaved vs single, paired per turn
+        # 2. interleaved vs single: A_k against its mirror M_k, the same
+        # request on a server that serves only it, sent next to A_k in time.
+        mirrored = []
+        for k in range(2, a.turns + 1):
+            if k == a.restart_after + 1:
+                continue  # the post-restart turn is measured by ratio 3
+            ta, tm = self.get("lmspd", f"A{k}"), self.get("lmspd", f"M{k}")
+            if ta and tm and ta.ttft_ms and tm.ttft_ms:
+                mirrored.append((k, ta, tm))
+        if mirrored:
+            rs = [ta.ttft_ms / tm.ttft_ms for _, ta, tm in mirrored]  # type: ignore[operator]
+            med = statistics.median(rs)
+            q = statistics.quantiles(rs, n=4, method="inclusive") if len(rs) > 1 else [rs[0], rs[0], rs[0]]
+            unequal = [k for k, ta, tm in mirrored if _work(ta) != _work(tm)]
+            out["interleave_paired"] = {
+                "name": "lmspd interleaved A_k TTFT / the same request alone on its own server (M_k), paired per turn",
+                "value": f"median {med:.3f} (p25-p75 {q[0]:.2f}-{q[2]:.2f}); n={len(rs)} turns; "
+                         f"{len(rs) - len(unequal)}/{len(rs)} pairs did equal work (prompt, prefilled, output tokens)",
+                "target": "<= 1.05", "verdict": "met" if med <= 1.05 else "NOT met",
+                "details": [f"turn {k}{' (A first)' if k % 2 else ' (M first)'}: A {ta.ttft_ms:.0f} ms, "
+                            f"M {tm.ttft_ms:.0f} ms -> {ta.ttft_ms / tm.ttft_ms:.3f}; "  # type: ignore[operator]
+                            f"work A {_work(ta)} M {_work(tm)}; A moved [{ta.moves}] src={ta.source}"
+                            for k, ta, tm in mirrored],
+            }
+        # 2b. the same against session S (a different session, run later
+        # alone on the restarted server): unpaired in time, unequal work.
         pairs = []
         for k in range(2, a.turns + 1):
             if k == a.restart_after + 1:
@@ -1081,7 +1156,8 @@ class Bench:
             q = statistics.quantiles(rs, n=4, method="inclusive") if len(rs) > 1 else [rs[0], rs[0], rs[0]]
             ratio_of_medians = statistics.median(i for _, i, _ in pairs) / statistics.median(s for _, _, s in pairs)
             out["interleave"] = {
-                "name": "lmspd interleaved TTFT / single-session TTFT (paired per turn, mean of A_k and B_k over S_k)",
+                "name": "lmspd interleaved TTFT / session S's TTFT (unpaired: S runs later, other prompts; "
+                        "mean of A_k and B_k over S_k)",
                 "value": f"median {med:.2f} (p25-p75 {q[0]:.2f}-{q[2]:.2f}); ratio of medians {ratio_of_medians:.2f}; "
                          f"n={len(rs)} turns",
                 "target": "<= 1.30", "verdict": "met" if med <= 1.3 else "NOT met",
@@ -1125,6 +1201,9 @@ class Bench:
                 if t.label[0] == "E":
                     ok.add("copy")
                 partial_ok = t.label[0] == "E"
+            elif t.session == "M":
+                # Alone on its server: cold, then each turn continues the last.
+                ok = {"cold"} if t.turn == 1 else {"tool-output-ids", "visible-prefix"}
             elif t.turn == 1 and t.session in "AB":
                 # B1 shares A1's developer prompt: copied from A's sequence.
                 ok = {"cold", "memory-token", "ram", "copy"}
@@ -1139,6 +1218,11 @@ class Bench:
             else:
                 # Resident on its own sequence (--parallel > 1) or restored from RAM.
                 ok = {"tool-output-ids", "visible-prefix", "ram"}
+            # A session that stayed on its sequence moves no KV (checkpoints
+            # of a non-trimmable KV are captures by design, not moves).
+            moved = [m for m in t.moves.split() if not m.startswith("checkpoints+")]
+            if moved and t.turn > 1 and t.label[0] in "ABM" and not t.after_restart:
+                out.append(f"{t.label}: KV moved on a resident session's turn: {' '.join(moved)} (src={t.source})")
             bad = src not in ok or (t.turn > 1 and "partial" in (t.source or "") and not partial_ok)
             over = (t.turn > 1 and t.expected_suffix is not None and t.prefilled is not None
                     and not _as_expected(t))
@@ -1173,6 +1257,11 @@ def kv_holds_end(before: Turn, turn: Turn) -> bool | None:
         return None
     extra = turn.reused - (before.reused + before.prefilled + before.output_tokens)  # type: ignore[operator]
     return {0: False, 1: True}.get(extra)
+
+
+def _work(t: Turn) -> tuple[int | None, int | None, int | None]:
+    """What a turn evaluated: prompt tokens, tokens prefilled, output tokens."""
+    return (t.prompt_tokens, t.prefilled, t.output_tokens)
 
 
 def _as_expected(t: Turn) -> bool:

@@ -106,6 +106,10 @@ def _serve(trace_path: str, argv: list[str]) -> int:
     around(engine.LlamaEngine, "prepare", "prepare_start", "prepare_end")
     around(scheduler.Scheduler, "submit", "submit")
     around(scheduler.Scheduler, "_start", "start")
+    import lmspd.cache.manager as manager
+    around(scheduler.Scheduler, "_gather", "gather_start", "gather_end")
+    around(scheduler.Scheduler, "_admit", "admit_start", "admit_end")
+    around(manager.ContinuationCache, "plan", "plan_start", "plan_end")
     around(llama_cpp, "llama_decode", "decode_start", "decode_end")
     around(scheduler, "_deliver", "deliver")
     around(coalesce._Coalescer, "_write", None, "written")
@@ -142,6 +146,8 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None, help="also write the per-request hops here")
+    parser.add_argument("--events", action="store_true",
+                        help="also print every request's marks (ms from its send), the scheduler's included")
     args = parser.parse_args()
 
     import httpx
@@ -194,6 +200,8 @@ def main() -> int:
                 row[label] = (end - at[a]) * 1000
         row["TTFT"] = (first - t0) * 1000
         rows.append(row)
+        if args.events:
+            print(f"request {len(rows)}: " + " ".join(f"{e['ev']}@{(e['t'] - t0) * 1000:.1f}" for e in window))
     print(f"\n## request_trace — {args.requests} short requests, --threads {args.threads} --parallel {args.parallel} "
           f"--ctx {args.ctx}; load average at start {load[0]:.1f}\n")
     print("| hop | median ms | p90 ms |")

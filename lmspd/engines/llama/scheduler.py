@@ -275,9 +275,13 @@ class Scheduler:
     # -- the scheduler thread -------------------------------------------------------
 
     def _loop(self) -> None:
+        stepped = False
         while True:
             with self._cond:
-                while not (self._inbox or self._running or self._closing):
+                # A request left waiting for a step (its sequence evaluating
+                # the last token of the turn it continues) is placed as soon
+                # as that step is done, not at the next poll.
+                while not (self._inbox or self._running or self._closing or (stepped and self._waiting)):
                     self._cond.wait(0.5 if self._waiting else None)
                     if self._waiting and not self._inbox:
                         break
@@ -292,13 +296,16 @@ class Scheduler:
                 finally:
                     self.outbox.flush()
                 return
+            stepped = False
             try:
                 self._admit()
                 self._reap()
                 if self._running:
                     self._step()
+                    stepped = True
                 elif self.cache.unsettled_copies():
                     self._settle_copies()
+                    stepped = True
             except Exception:  # never leave the thread dead with streams open
                 log.exception("scheduler step failed")
                 for run in list(self._running):
