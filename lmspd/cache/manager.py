@@ -363,11 +363,6 @@ class ContinuationCache:
             fitted = self._fits(req, plan)
             if fitted.source != "cold":
                 return fitted
-        # So does a request that would be cut back in place there
-        # (``_shared_candidates``: the same short prompt sent again).
-        if any(r.busy and r.state is not None and r.owner == req.owner and _mostly(req.tokens, r.state.tokens)
-               for r in self.residents):
-            return None
 
         candidates = self._saved_candidates(req, target) + self._shared_candidates(req, idle, target)
         best = max((c.keep for c in candidates), default=0)
@@ -470,8 +465,7 @@ class ContinuationCache:
     def _shared_candidates(self, req: CacheRequest, idle: list[Resident], target: Resident | None) -> list[CachePlan]:
         """A common token prefix with a sequence of the same owner: kept in
         place when that sequence is the target anyway, else copied into the
-        target (the sequence holding it stays as it is); too short to copy
-        but most of that sequence, kept in place there."""
+        target (the sequence holding it stays as it is)."""
         candidates: list[CachePlan] = []
         for r in self.residents:
             if r.owner != req.owner or not r.tokens:
@@ -489,14 +483,6 @@ class ContinuationCache:
                 elif common >= MIN_COPY_TOKENS:
                     candidates.append(CachePlan("copy", common, req.tokens[common:], req.text,
                                                 detail=f"from=seq{r.seq}", seq=target.seq, copy_from=r.seq))
-                elif state is not None and r.seq not in self._copying and _mostly(req.tokens, r.tokens):
-                    # Too short to copy, but most of what this sequence holds
-                    # (the same short prompt sent again, a regenerated turn):
-                    # cut it back in place. Prefilling on the least recently
-                    # used sequence instead would evict another state and
-                    # prefill what is here again.
-                    candidates.append(CachePlan("memory-token", common, req.tokens[common:], req.text,
-                                                detail="partial", seq=r.seq))
             elif not r.busy and r.seq not in self._copying:
                 aligned = state and self._aligned_plan(req, state, "memory-token", r.seq, floor=floor, beyond=common)
                 if aligned:
@@ -947,17 +933,6 @@ class ContinuationCache:
             self.stats.disk_checkpoints = len(self.disk)
         except Exception as exc:  # a failed checkpoint must never fail a generation
             log.warning("could not write KV checkpoint: %s", exc)
-
-
-def _mostly(tokens: list[int], held: list[int]) -> bool:
-    """``tokens`` (a prompt) is the text ``held`` (a sequence's KV) starts
-    with (the same short prompt sent again, a regenerated turn: all of it
-    but the token left to evaluate), that prompt is too short to be worth a
-    copy, and it is most of the sequence. The whole prompt, not a share of
-    it: a short prompt is mostly the template's header, and a new one that
-    shared only the header took another short session's sequence over."""
-    common = min(common_prefix(held, tokens), len(tokens) - 1)
-    return 0 < common < MIN_COPY_TOKENS and common == len(tokens) - 1 and 2 * common >= len(held)
 
 
 def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tuple[int, int], ...]:

@@ -53,34 +53,6 @@ async def run_text(engine, text: str, n: int = 4):
     return list(prepared.tokens)
 
 
-def test_a_short_prompt_sent_again_is_cut_back_in_place_on_its_own_sequence(engine4):
-    """With every sequence holding another conversation, the same short
-    prompt sent twice (a regenerated turn, scenario 4 of
-    bench/concurrency.py): the second keeps all of it but the last token on
-    the sequence the first left it in. Below the length worth a copy, it
-    used to go to the least recently used sequence instead, evicting that
-    conversation and prefilling the prompt again from the template's
-    header (44 ms alone on --parallel 1, 100 ms on --parallel 4)."""
-
-    async def go():
-        await asyncio.gather(*[run_text(engine4, f"Story {i}: once upon a time there was a {w}.")
-                               for i, w in enumerate(("fox", "cat", "owl", "bee"))])
-        prompt = await run_text(engine4, "Name one colour.")
-        before = {r.seq: list(r.tokens) for r in engine4.cache.residents}
-        await run_text(engine4, "Name one colour.")
-        return prompt, before
-
-    prompt, before = asyncio.run(asyncio.wait_for(go(), 120))
-    n = len(prompt)
-    own = [seq for seq, tokens in before.items() if tokens[:n] == prompt]
-    stats = engine4.stats_
-    assert (stats.last_reused_tokens, stats.last_prefilled_tokens) == (n - 1, 1), (
-        stats.last_cache_source, stats.last_cache_detail, stats.last_reused_tokens, stats.last_prefilled_tokens)
-    after = {r.seq: list(r.tokens) for r in engine4.cache.residents}
-    touched = [seq for seq, tokens in before.items() if after[seq] != tokens]
-    assert len(own) == 1 and set(touched) <= set(own), f"changed {touched}, the prompt's own sequence {own}"
-
-
 def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine4, monkeypatch):
     """The cache may answer "not now" while a sequence evaluates the last
     token of a turn the request continues (or would be cut back on). That
@@ -119,24 +91,3 @@ def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine
     asyncio.run(asyncio.wait_for(go(), 120))
     gap = times["started"] - times["released"]
     assert 0 <= gap < 0.3, f"placed {gap * 1000:.0f} ms after the sequence it waited for was released"
-
-
-def test_a_new_short_prompt_leaves_another_short_sessions_sequence_alone(engine4):
-    """A short prompt is mostly the template's header. A new one that shares
-    only that header with the sequence of another short session goes where
-    any new conversation goes, and that sequence keeps what it holds: cutting
-    it back to the header (scenario 4's long request did) sent the session's
-    next request to another sequence, evicting a third conversation."""
-
-    async def go():
-        prompt = await run_text(engine4, "Name one colour.")
-        own = [r.seq for r in engine4.cache.residents if r.tokens[:len(prompt)] == prompt]
-        await run_text(engine4, "Write a poem about the sea, with rhymes.")
-        return prompt, own
-
-    # (The sequence's last sampled token may land a step after the reply:
-    # what must stay is the prompt.)
-    prompt, own = asyncio.run(asyncio.wait_for(go(), 120))
-    held = {r.seq: list(r.tokens) for r in engine4.cache.residents}
-    assert own and all(held[seq][:len(prompt)] == prompt for seq in own), (
-        engine4.stats_.last_cache_source, engine4.stats_.last_cache_detail, engine4.stats_.last_reused_tokens)
