@@ -6,13 +6,11 @@ every row. The bundled model, in process."""
 
 from __future__ import annotations
 
-import llama_cpp
 import pytest
-from llama_cpp import _internals as internals
 
 from lmspd.core.conversation import Conversation, FunctionTool, Message, Sampling, ToolChoice
 from lmspd.engines.llama.sampling import GrammarFirstRejection
-from support.llama_engine import bundled_engine
+from support.llama_engine import bundled_engine, every_row_decoded
 
 
 @pytest.fixture(scope="module")
@@ -33,27 +31,15 @@ def test_the_first_try_is_the_highest_logit_without_llama_cpps_sampler(engine):
     real = sampler._chain.sample
     sampler._chain.sample = lambda *a: chain_calls.append(a) or real(*a)  # type: ignore[method-assign]
     tokens = prepared.tokens
-    assert engine.scheduler.active == 0  # the scheduler's context, while it idles
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    chain = internals.LlamaSampler()
-    chain.add_greedy()
     try:
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
-            batch.seq_id[i][0] = 0
-        batch.n_tokens = len(tokens)
-        engine.kv.clear(0)
-        assert llama_cpp.llama_decode(engine.ctx.ctx, batch) == 0
-        # Asleep (no call trigger written), the lazy grammar allows every token.
-        rows = range(len(tokens) - 40, len(tokens))
-        picks = []
-        for i in rows:
-            picks.append(sampler.sample(engine.ctx, i))
-        assert picks == [chain.sample(engine.ctx, i) for i in rows]
-        assert len(set(picks)) > 5, "rows with different answers"
-        assert chain_calls == [], "llama.cpp's sampler ran for a first try"
+        with every_row_decoded(engine, tokens) as chain:
+            # Asleep (no call trigger written), the lazy grammar allows every token.
+            rows = range(len(tokens) - 40, len(tokens))
+            picks = []
+            for i in rows:
+                picks.append(sampler.sample(engine.ctx, i))
+            assert picks == [chain.sample(engine.ctx, i) for i in rows]
+            assert len(set(picks)) > 5, "rows with different answers"
+            assert chain_calls == [], "llama.cpp's sampler ran for a first try"
     finally:
-        chain.close()
         sampler.close()
-        llama_cpp.llama_batch_free(batch)
-        engine.kv.clear(0)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 import pytest
-from llama_cpp import _internals as internals
 
 from lmspd.core.conversation import Conversation, Message, Sampling
 from lmspd.engines.llama.sampling import Greedy
-from support.llama_engine import bundled_engine
+from support.llama_engine import bundled_engine, every_row_decoded
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +26,7 @@ def test_greedy_picks_what_llama_cpps_greedy_sampler_picks_on_every_row(engine):
     prepared = engine.prepare(conv)
     assert isinstance(engine.preparation.sampler(prepared), Greedy)
     tokens = prepared.tokens
-    # Run on the scheduler's context from this thread only while it idles: a
-    # scratch sequence would race it, so take the KV while nothing runs.
-    assert engine.scheduler.active == 0
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    chain = internals.LlamaSampler()
-    chain.add_greedy()
-    try:
-        for i, t in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
-            batch.seq_id[i][0] = 0
-        batch.n_tokens = len(tokens)
-        engine.kv.clear(0)
-        assert llama_cpp.llama_decode(engine.ctx.ctx, batch) == 0
+    with every_row_decoded(engine, tokens) as chain:
         greedy = Greedy(engine.vocab.n_vocab)
         picks = [greedy.sample(engine.ctx, i) for i in range(len(tokens))]
         assert picks == [chain.sample(engine.ctx, i) for i in range(len(tokens))]
@@ -48,7 +35,3 @@ def test_greedy_picks_what_llama_cpps_greedy_sampler_picks_on_every_row(engine):
         row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx.ctx, 0), shape=(engine.vocab.n_vocab,))
         row[[7, 9]] = row.max() + 1
         assert greedy.sample(engine.ctx, 0) == chain.sample(engine.ctx, 0) == 7
-    finally:
-        chain.close()
-        llama_cpp.llama_batch_free(batch)
-        engine.kv.clear(0)
