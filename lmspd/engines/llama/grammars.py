@@ -496,10 +496,6 @@ def regex_escape(text: str) -> str:
 _NO_FORCING = '%llguidance {"no_forcing": true}\n'
 
 
-def _free_text(tool: Tool) -> bool:
-    return isinstance(tool, CustomTool) and not (tool.grammar or {}).get("definition")
-
-
 def _top(lark: str, subgrammars: list[tuple[str, str]]) -> str:
     grammars: list[dict[str, Any]] = [{"lark_grammar": lark}]
     grammars += [{"name": name, "lark_grammar": body} for name, body in subgrammars]
@@ -561,6 +557,8 @@ class _Calls:
     rules: list[str]
     subgrammars: list[tuple[str, str]]
     alternatives: list[str]
+    # Every call a free-text custom tool written raw (see _NO_FORCING).
+    free_text: bool = True
 
 
 def _function_args(tool: FunctionTool, limits: Limits, check: bool) -> str:
@@ -661,14 +659,16 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
     calls = _Calls([], [], [])
     for i, name in enumerate(names):
         tool = by_name[name]
+        free = False
         if fmt.param_blocks is not None:
             before, after = fmt.call_parts(name, raw=False)
             args = _block_args(fmt.param_blocks, tool, i, specials, calls)
             rule = f"{literal(before, specials)} {args} {literal(after, specials)}"
         elif isinstance(tool, CustomTool) and fmt.raw_custom:
             before, after = fmt.call_parts(name, raw=True)
+            free = not (tool.grammar or {}).get("definition")
             # The newline before the closing tag belongs to the input when it is free text.
-            body = _custom_raw(tool, i, after.lstrip("\n") if not (tool.grammar or {}).get("definition") else after,
+            body = _custom_raw(tool, i, after.lstrip("\n") if free else after,
                                calls, limits, check, fmt.result_markers)
             rule = f"{literal(before, specials)} {body}"
         elif isinstance(tool, CustomTool):
@@ -679,6 +679,7 @@ def _call_rules(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequence[
             rule = f"{literal(before, specials)} {_function_args(tool, limits, check)} {literal(after, specials)}"
         calls.rules.append(f"call_{i}: {rule}")
         calls.alternatives.append(f"call_{i}")
+        calls.free_text = calls.free_text and free
     return calls
 
 
@@ -687,11 +688,6 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be at least 1")
     calls = _call_rules(fmt, tools, allowed_names, specials, limits, check)
-    by_name = {t.name: t for t in tools if isinstance(t, (FunctionTool, CustomTool))}
-    names = list(by_name) if allowed_names is None else list(dict.fromkeys(allowed_names))
-    # Free-text custom tools only: the model spells the forced markup its
-    # own way (see _NO_FORCING).
-    free_text = fmt.raw_custom and fmt.param_blocks is None and all(_free_text(by_name[n]) for n in names)
     layout = fmt.layout
     more = f"({literal(layout.separator, specials)} call)"
     seq = "call" if max_calls == 1 else f"call {more}*" if max_calls is None else f"call {more}{{0,{max_calls - 1}}}"
@@ -699,7 +695,9 @@ def _tool_grammar(fmt: ToolFormat, tools: Sequence[Tool], allowed_names: Sequenc
     if prefix and layout.prefix_optional:
         prefix = f"({prefix})?"
     suffix = literal(layout.suffix, specials) if layout.suffix else ""
-    lark = (_NO_FORCING if free_text else "") + "\n".join([
+    # Free-text custom tools only: the model spells the forced markup its
+    # own way (see _NO_FORCING).
+    lark = (_NO_FORCING if calls.free_text else "") + "\n".join([
         f"start: {prefix} {seq} {suffix}".rstrip(),
         "call: " + " | ".join(calls.alternatives),
         *calls.rules,
