@@ -255,6 +255,16 @@ class ContinuationCache:
     def states(self, owner: str) -> list[SessionState]:
         return [s for s in self._snapshot if s.owner == owner]
 
+    def continued_state(self, response_id: str, owner: str, text: str) -> SessionState | None:
+        """The remembered state of ``owner``'s response ``response_id`` whose
+        visible transcript ``text`` extends (the response-id and connection
+        rules, read off the snapshot): its tokens are the KV's own for that
+        prefix of ``text``."""
+        for state in self.states(owner):
+            if state.response_id == response_id and state.visible and text.startswith(state.visible):
+                return state
+        return None
+
     def state_for_calls(self, call_ids: set[str], owner: str) -> SessionState | None:
         """A remembered state of ``owner`` whose last turn produced all of ``call_ids``."""
         for state in self.states(owner):

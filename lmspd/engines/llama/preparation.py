@@ -145,7 +145,7 @@ class Preparation:
         # A prefill-only prompt stops before the assistant's header: it is
         # the prefix of the next turn's prompt, whatever that turn adds.
         text = self.render(conversation, add_generation_prompt=not conversation.prefill_only)
-        tokens = self.vocab.tokenize(text)
+        tokens = self._tokenize(conversation, text)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
             text, tokens = self._truncate(conversation, n_ctx - (requested or 1))
@@ -184,6 +184,24 @@ class Preparation:
             # the scheduler thread (ContinuationCache.prefetch).
             self.cache.prefetch(prepared.cache_request())
         return prepared
+
+    def _tokenize(self, conversation: Conversation, text: str) -> list[int]:
+        """The prompt's tokens. A turn that continues a response the engine
+        still holds (a WebSocket connection's latest response, a
+        ``previous_response_id`` chain) tokenizes only what follows that
+        response's transcript: the KV's own tokens stand for the rest, as
+        the cache keeps them (``ContinuationCache._continue``), hidden
+        reasoning included, so the context check counts what the sequence
+        will hold. Re-tokenizing the whole history costs ~2 µs a token
+        every turn (tens of ms at an agent's context sizes). Not on a KV
+        that cannot be trimmed: its breakpoints are found by tokenizing
+        prefixes of the text, which must agree with the prompt's tokens."""
+        previous = conversation.previous_response_id
+        if previous and conversation.cache_reuse and self.cache.enabled and self.cache.trimmable:
+            state = self.cache.continued_state(previous, conversation.owner, text)
+            if state is not None and state.visible is not None:
+                return state.tokens + self.vocab.tokenize(text[len(state.visible):])
+        return self.vocab.tokenize(text)
 
     def _tools_end(self, conversation: Conversation, text: str) -> int | None:
         """Where the rendered tool definitions end in the prompt ``text``, for
