@@ -8,13 +8,42 @@ import pytest
 from support.server import ALICE, BOB, LAUNCHES, ServerProcess
 
 
+# Launches reported back by pytest-xdist's workers (pytest_testnodedown).
+_WORKER_LAUNCHES: list[tuple[str, ...]] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (README: Tests) a group runs
+    on one worker: each module is one group, so that a module-scoped server
+    starts once, and every test of ``default_server`` is the group
+    ``codex``, so that Codex's ~9k-token instructions are prefilled once a
+    run, not once a worker. Runs before xdist reads the marks."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            fixtures = getattr(item, "fixturenames", ())
+            group = "codex" if "default_server" in fixtures else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["lmspd_launches"] = [list(args) for args in LAUNCHES]
+
+
+def pytest_testnodedown(node, error):
+    _WORKER_LAUNCHES.extend(tuple(args) for args in getattr(node, "workeroutput", {}).get("lmspd_launches", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     """How many model-loading ``lmspd serve`` processes this run started:
     the number that keeps the suite's wall time down (share one where the
     test allows it)."""
-    if LAUNCHES:
-        terminalreporter.write_line(f"lmspd serve processes started: {len(LAUNCHES)} "
-                                    f"({len(set(LAUNCHES))} distinct flag sets)")
+    launches = LAUNCHES + _WORKER_LAUNCHES
+    if launches:
+        terminalreporter.write_line(f"lmspd serve processes started: {len(launches)} "
+                                    f"({len(set(launches))} distinct flag sets)")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ same. Without npm the caller skips; an install that fails is a failure.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -43,13 +44,18 @@ def install(timeout: float = 900) -> Path:
     if stamp.exists():
         return prefix
     prefix.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", str(prefix), *specs],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"npm install failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    stamp.touch()
+    # Two test workers (pytest-xdist) may both get here: one installs.
+    with open(prefix / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists():
+            return prefix
+        result = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--loglevel=error", "--prefix", str(prefix), *specs],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"npm install failed ({result.returncode}):\n{result.stderr[-3000:]}")
+        stamp.touch()
     return prefix
 
 

@@ -44,6 +44,16 @@ def _log_launch(args: list[str]) -> None:
         f.write(f"{time.time():.3f}\t{test}\t{' '.join(args)}\n")
 
 
+def _threads(args: list[str]) -> list[str]:
+    """Under pytest-xdist the workers' servers share the cores: each gets its
+    share, since llama.cpp's threads spin at every barrier and a server
+    with a thread per core beside another such server starves both."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "--threads" in args:
+        return []
+    return ["--threads", str(max(1, (os.cpu_count() or 2) // workers))]
+
+
 class ServerProcess:
     def __init__(self, *args: str, data_dir: str | None = None, env: dict[str, str] | None = None) -> None:
         if data_dir is None:
@@ -64,7 +74,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
-               "--log-level", "info", *self.args]
+               "--log-level", "info", *self.args, *_threads(self.args)]
         _log_launch(self.args)
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
