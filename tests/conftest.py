@@ -7,7 +7,6 @@ import pytest
 
 from support.server import ALICE, BOB, LAUNCHES, ServerProcess
 
-
 # Launches reported back by pytest-xdist's workers (pytest_testnodedown).
 _WORKER_LAUNCHES: list[tuple[str, ...]] = []
 
