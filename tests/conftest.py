@@ -11,18 +11,35 @@ from support.server import ALICE, BOB, LAUNCHES, ServerProcess
 _WORKER_LAUNCHES: list[tuple[str, ...]] = []
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` (README: Tests) a group runs
-    on one worker: each module is one group, so that a module-scoped server
-    starts once, and every test of ``default_server`` is the group
-    ``codex``, so that Codex's ~9k-token instructions are prefilled once a
-    run, not once a worker. Runs before xdist reads the marks."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            fixtures = getattr(item, "fixturenames", ())
-            group = "codex" if "default_server" in fixtures else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+# The modules whose tests use ``default_server``: one pytest-xdist group.
+CODEX_MODULES = frozenset({"tests/e2e/test_client_fixtures.py", "tests/e2e/test_codex_defaults.py",
+                           "tests/e2e/test_codex_exec.py"})
+
+
+def _scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "codex" if path in CODEX_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The suite's two workers (README: Tests) take whole groups: each module
+    is one, so that a module-scoped server starts once, and the modules of
+    ``default_server`` are one (``codex``), so that Codex's ~9k-token
+    instructions are prefilled once a run, not once a worker. (xdist's own
+    ``xdist_group`` marks rename node ids, which pytest 9 no longer allows.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByModule(config, log)
+
+
+def pytest_itemcollected(item):
+    if "default_server" in getattr(item, "fixturenames", ()) and _scope(item.nodeid) != "codex":
+        raise pytest.UsageError(f"{item.nodeid} uses default_server: add its module to CODEX_MODULES (conftest.py)")
 
 
 def pytest_sessionfinish(session):
