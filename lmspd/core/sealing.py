@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,30 @@ class Sealer:
         try:
             key = path.read_bytes()
         except FileNotFoundError:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            key = AESGCM.generate_key(bit_length=256)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(key)
+            key = cls._make_key(path)
         if len(key) != 32:
             raise ValueError(f"{path} is not a 32-byte key")
         return cls(key)
+
+    @staticmethod
+    def _make_key(path: Path) -> bytes:
+        """Written whole under another name, then linked into place: two
+        servers starting on one data dir at once both end with the key
+        that got there first, never with a half-written file."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = AESGCM.generate_key(bit_length=256)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".reasoning.key.")
+        try:
+            with os.fdopen(fd, "wb") as fh:  # mkstemp: 0600
+                fh.write(key)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(tmp, path)
+        except FileExistsError:
+            return path.read_bytes()
+        finally:
+            os.unlink(tmp)
+        return key
 
     def seal(self, model: str, hidden: str, owner: str = "local") -> str:
         nonce = os.urandom(12)

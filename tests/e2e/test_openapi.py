@@ -4,6 +4,9 @@ describes every route the app serves, and a fuzzer driven by it finds no
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import httpx
 import pytest
 import schemathesis
@@ -36,13 +39,7 @@ def test_the_document_is_valid_openapi_3_1(spec):
 
 
 def test_every_route_of_the_app_is_described(spec):
-    from lmspd.app import build_app
-    from lmspd.config import Settings
-    from lmspd.core.limits import DEFAULT_LIMITS
-    from lmspd.service import Service
-
-    app = build_app(Settings(), Service(DEFAULT_LIMITS), None)  # type: ignore[arg-type]
-    served = routed_operations(app.routes)
+    served = routed_operations(_app_routes())
     assert len(served) > 30
     described = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
     assert set(served) == described
@@ -66,13 +63,20 @@ def test_an_undescribed_route_is_refused():
 def operation_keys() -> list[str]:
     """Every operation the document describes (built in process: the
     parametrize list is needed before the server starts)."""
+    return [f"{m} {p}" for m, p in routed_operations(_app_routes())]
+
+
+def _app_routes() -> list:
+    """The app's routes, built in process with a data dir of its own: the
+    default (~/.lmspd) is the user's, and two test workers collect this
+    module at the same time."""
     from lmspd.app import build_app
     from lmspd.config import Settings
     from lmspd.core.limits import DEFAULT_LIMITS
     from lmspd.service import Service
 
-    app = build_app(Settings(), Service(DEFAULT_LIMITS), None)  # type: ignore[arg-type]
-    return [f"{m} {p}" for m, p in routed_operations(app.routes)]
+    with tempfile.TemporaryDirectory(prefix="lmspd-test-openapi-") as data_dir:
+        return list(build_app(Settings(data_dir=Path(data_dir)), Service(DEFAULT_LIMITS), None).routes)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
