@@ -38,6 +38,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_itemcollected(item):
+    """A test that uses ``default_server`` outside ``CODEX_MODULES`` would
+    start a second one on the other worker: refused, saying where to add it."""
     if "default_server" in getattr(item, "fixturenames", ()) and _scope(item.nodeid) != "codex":
         raise pytest.UsageError(f"{item.nodeid} uses default_server: add its module to CODEX_MODULES (conftest.py)")
 

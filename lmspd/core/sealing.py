@@ -58,7 +58,15 @@ class Sealer:
                 fh.write(key)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.link(tmp, path)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:
+                # A filesystem without hard links: created exclusively instead.
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(key)
         except FileExistsError:
             return path.read_bytes()
         finally:
