@@ -28,8 +28,14 @@ cache planning and the first sample cost, which is where the two paths
 differ. Its WS - HTTP difference per turn is the median of the runs' paired
 differences.
 
+``--control`` adds a third loop, a second HTTP full replay on a sequence of
+its own (an A/A control): the same path and the same work as the first, so
+its paired ratios against HTTP show how often "at or below HTTP" holds for
+two paths that cannot differ, on this machine, in this run.
+
     .venv/bin/python bench/websocket.py                 # 12 turns, once
     .venv/bin/python bench/websocket.py --repeat 3      # per-turn medians of 3
+    .venv/bin/python bench/websocket.py --repeat 6 --control   # and HTTP against HTTP
     .venv/bin/python bench/websocket.py --turns 6 --max-output 8
 """
 
@@ -143,6 +149,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run both loops this many times (each on a fresh server) and compare per-turn medians")
+    parser.add_argument("--control", action="store_true",
+                        help="add a second HTTP full-replay loop (A/A): the noise floor of the paired ratios")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
     args = parser.parse_args()
 
@@ -150,6 +158,8 @@ def main() -> int:
     http = _median_rows([run["http"] for run in runs])
     ws = _median_rows([run["ws"] for run in runs])
     _print(http, ws, _paired_ratios(runs), _paired_overheads(runs), len(runs))
+    if args.control:
+        _print_control(_paired_ratios(runs, "control"), _paired_ratios(runs), _paired_overheads(runs, "control"))
     _check_same_work(runs)
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=2))
@@ -174,12 +184,20 @@ def _run_pair(args: argparse.Namespace, r: int) -> dict[str, list[dict[str, Any]
             client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
             # The two loops take turns, each on its own conversation and
             # sequence (neither evicts the other's state), so that turn k
-            # of both runs under the same load; which goes first alternates.
+            # of both runs under the same load; which goes first rotates.
             loops = {"http": http_loop(client, model, args.turns, args.max_output, f"http{r}"),
                      "ws": ws_loop(server.url, client, model, args.turns, args.max_output, f"ws{r}")}
-            rows: dict[str, list[dict[str, Any]]] = {"http": [], "ws": []}
+            if args.control:
+                # "api0" tokenizes like "http0" and "ws0" on SmolLM2 ("ctl0"
+                # takes one token more), so the control does the same work.
+                loops["control"] = http_loop(client, model, args.turns, args.max_output, f"api{r}")
+            rows: dict[str, list[dict[str, Any]]] = {name: [] for name in loops}
+            names = list(loops)
             for turn in range(args.turns):
-                for name in (("http", "ws") if (turn + r) % 2 == 0 else ("ws", "http")):
+                # Rotate who goes first: over len(names) consecutive turns
+                # (or runs) each loop leads once.
+                lead = (turn + r) % len(names)
+                for name in names[lead:] + names[:lead]:
                     rows[name].append(next(loops[name]))
             for loop in loops.values():
                 loop.close()
@@ -202,24 +220,25 @@ def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
-def _paired_ratios(runs: list[dict[str, list[dict[str, Any]]]]) -> list[list[float]]:
-    """Turn by turn, WS/HTTP TTFT of each run: the two turns of a pair ran
-    one right after the other, so their ratio cancels what drifts between
+def _paired_ratios(runs: list[dict[str, list[dict[str, Any]]]], path: str = "ws") -> list[list[float]]:
+    """Turn by turn, ``path``/HTTP TTFT of each run: the two turns of a pair
+    ran one right after the other, so their ratio cancels what drifts between
     runs. (The ratio of the two medians can divide one run's WebSocket turn
     by another run's HTTP turn.)"""
     ratios: list[list[float]] = []
     for turn in range(len(runs[0]["http"])):
-        pairs = [(run["ws"][turn]["ttft_ms"], run["http"][turn]["ttft_ms"]) for run in runs]
+        pairs = [(run[path][turn]["ttft_ms"], run["http"][turn]["ttft_ms"]) for run in runs]
         ratios.append([w / h for w, h in pairs if w and h])
     return ratios
 
 
-def _paired_overheads(runs: list[dict[str, list[dict[str, Any]]]]) -> list[list[float]]:
-    """Turn by turn, WS - HTTP of each run's TTFT less the engine's prefill
-    (ms): what the two paths do differently, without the prefill they share."""
+def _paired_overheads(runs: list[dict[str, list[dict[str, Any]]]], path: str = "ws") -> list[list[float]]:
+    """Turn by turn, ``path`` - HTTP of each run's TTFT less the engine's
+    prefill (ms): what the two paths do differently, without the prefill
+    they share."""
     diffs: list[list[float]] = []
     for turn in range(len(runs[0]["http"])):
-        pairs = [(run["ws"][turn]["overhead_ms"], run["http"][turn]["overhead_ms"]) for run in runs]
+        pairs = [(run[path][turn]["overhead_ms"], run["http"][turn]["overhead_ms"]) for run in runs]
         diffs.append([w - h for w, h in pairs if w is not None and h is not None])
     return diffs
 
@@ -229,10 +248,10 @@ def _check_same_work(runs: list[dict[str, list[dict[str, Any]]]]) -> None:
     run; say where they did not (the TTFTs then compare unequal work)."""
     for turn in range(len(runs[0]["http"])):
         work = {path: [(run[path][turn]["cached_tokens"], run[path][turn]["prefilled"]) for run in runs]
-                for path in ("http", "ws")}
+                for path in runs[0]}
         if len({w for per_run in work.values() for w in per_run}) > 1:
             print(f"note: turn {turn + 1} prefilled unequal work (cached, prefilled) per run: "
-                  f"HTTP {work['http']}, WS {work['ws']}")
+                  + ", ".join(f"{path} {w}" for path, w in work.items()))
 
 
 def _fmt(v: float | None) -> str:
@@ -273,6 +292,28 @@ def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]], ratios: list[li
           f"(turn 1 {http[0]['sent_bytes']}, turn {http[-1]['turn']} {http[-1]['sent_bytes']}); "
           f"WS {sum(w['sent_bytes'] for w in ws)} total "
           f"(turn 1 {ws[0]['sent_bytes']}, turn {ws[-1]['turn']} {ws[-1]['sent_bytes']})")
+
+
+def _print_control(control: list[list[float]], ws: list[list[float]], control_overheads: list[list[float]]) -> None:
+    """The A/A control beside WS/HTTP, turn by turn: how often two loops
+    doing the same work on the same path land at or below each other."""
+    print("\nturn | control/HTTP (median of paired) | WS/HTTP (median of paired) | control/HTTP per run")
+    print("---|---|---|---")
+    medians = []
+    for turn, (cs, ws_) in enumerate(zip(control, ws, strict=True), 1):
+        c = statistics.median(cs) if cs else None
+        w = statistics.median(ws_) if ws_ else None
+        if c is not None:
+            medians.append(c)
+        print(f"{turn} | {'-' if c is None else f'{c:.2f}'} | {'-' if w is None else f'{w:.2f}'} | "
+              + " ".join(f"{r:.2f}" for r in cs))
+    if medians:
+        print(f"\ncontrol (HTTP against HTTP, same work) TTFT: median {statistics.median(medians):.2f}x, "
+              f"turns where control <= HTTP: {sum(r <= 1 for r in medians)}/{len(medians)}")
+    diffs = [statistics.median(ds) for ds in control_overheads if ds]
+    if diffs:
+        print(f"control TTFT less prefill, control - HTTP: median {statistics.median(diffs):+.1f} ms, "
+              f"turns where control <= HTTP: {sum(d <= 0 for d in diffs)}/{len(diffs)}")
 
 
 if __name__ == "__main__":
