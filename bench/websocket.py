@@ -37,6 +37,7 @@ two paths that cannot differ, on this machine, in this run.
     .venv/bin/python bench/websocket.py --repeat 3      # per-turn medians of 3
     .venv/bin/python bench/websocket.py --repeat 6 --control   # and HTTP against HTTP
     .venv/bin/python bench/websocket.py --turns 6 --max-output 8
+    .venv/bin/python bench/websocket.py --ctx 16384 --instructions-lines 300 --lines 1   # ~9k-token history, as Codex
 """
 
 from __future__ import annotations
@@ -57,9 +58,17 @@ from websockets.sync.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import iter_sse, lmspd_server  # noqa: E402
 
-# Lines of simulated tool output per turn (~30 tokens each).
+# Lines of simulated tool output per turn (~30 tokens each; --lines).
 LINES = 4
 INSTRUCTIONS = "You are a coding agent. Read the tool results and say in one short sentence what you will do next."
+
+
+def agent_rules(lines: int) -> str:
+    """``lines`` of simulated agent instructions (~29 tokens each on
+    SmolLM2), so that the history a turn continues is as long as an agent's
+    (Codex's first request is ~9k tokens, most of it its instructions)."""
+    return "\n".join(f"- Rule {i}: before you edit src/module_{i}.py, read its tests and keep its public names."
+                     for i in range(lines))
 
 
 def tool_result(loop: str, turn: int) -> str:
@@ -149,10 +158,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1,
                         help="run both loops this many times (each on a fresh server) and compare per-turn medians")
+    parser.add_argument("--lines", type=int, default=4, help="lines of tool output per turn (~30 tokens each)")
+    parser.add_argument("--instructions-lines", type=int, default=0,
+                        help="add this many lines of agent rules to the instructions (~29 tokens each)")
     parser.add_argument("--control", action="store_true",
                         help="add a second HTTP full-replay loop (A/A): the noise floor of the paired ratios")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
     args = parser.parse_args()
+    global LINES, INSTRUCTIONS
+    LINES = args.lines
+    if args.instructions_lines:
+        INSTRUCTIONS = f"{INSTRUCTIONS}\n{agent_rules(args.instructions_lines)}"
 
     runs = [_run_pair(args, r) for r in range(args.repeat)]
     http = _median_rows([run["http"] for run in runs])
@@ -180,7 +196,8 @@ def _run_pair(args: argparse.Namespace, r: int) -> dict[str, list[dict[str, Any]
     try:
         with httpx.Client(base_url=server.url, timeout=600) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
-            # Warm-up: load pages, compile graphs; not measured.
+            # Warm-up: load pages, compile graphs, prefill the instructions
+            # (each loop then copies them: the same start for all); not measured.
             client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
             # The two loops take turns, each on its own conversation and
             # sequence (neither evicts the other's state), so that turn k
