@@ -8,8 +8,8 @@ bytes the client sent, and where the engine's prefix came from
 (``cache_source`` from ``/health``). Both loops use ``store: false``,
 temperature 0 and the same instructions; each turn's new input is a user
 message carrying a simulated tool result (~130 tokens), so that the
-history grows as an agent's does. The two loops take turns (turn k of
-one, then turn k of the other; which goes first alternates), each on its
+history grows as an agent's does. The loops take turns (turn k of one,
+then turn k of the other; which goes first rotates), each on its
 own conversation and KV sequence, so that neither evicts the other's state
 and both see the same load at the same turn. ``--repeat N`` runs the pair
 N times, each run on a fresh server (so that both loops' first turns start
@@ -199,9 +199,9 @@ def _run_pair(args: argparse.Namespace, r: int) -> dict[str, list[dict[str, Any]
             # Warm-up: load pages, compile graphs, prefill the instructions
             # (each loop then copies them: the same start for all); not measured.
             client.post("/v1/responses", json=request(model, "Hello.", 4)).raise_for_status()
-            # The two loops take turns, each on its own conversation and
-            # sequence (neither evicts the other's state), so that turn k
-            # of both runs under the same load; which goes first rotates.
+            # The loops take turns, each on its own conversation and
+            # sequence (none evicts another's state), so that turn k of
+            # each runs under the same load; which goes first rotates.
             loops = {"http": http_loop(client, model, args.turns, args.max_output, f"http{r}"),
                      "ws": ws_loop(server.url, client, model, args.turns, args.max_output, f"ws{r}")}
             if args.control:
