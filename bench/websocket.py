@@ -173,9 +173,10 @@ def main() -> int:
     runs = [_run_pair(args, r) for r in range(args.repeat)]
     http = _median_rows([run["http"] for run in runs])
     ws = _median_rows([run["ws"] for run in runs])
-    _print(http, ws, _paired_ratios(runs), _paired_overheads(runs), len(runs))
+    ratios = _paired_ratios(runs)
+    _print(http, ws, ratios, _paired_overheads(runs), len(runs))
     if args.control:
-        _print_control(_paired_ratios(runs, "control"), _paired_ratios(runs), _paired_overheads(runs, "control"))
+        _print_control(_paired_ratios(runs, "control"), ratios, _paired_overheads(runs, "control"))
     _check_same_work(runs)
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=2))
@@ -284,27 +285,17 @@ def _print(http: list[dict[str, Any]], ws: list[dict[str, Any]], ratios: list[li
           "HTTP sent B | WS sent B | HTTP cache (cached/input) | "
           "WS cache (cached/input)" + (" | WS/HTTP per run" if repeats > 1 else ""))
     print("---|---|---|---|---|---|---|---|---|---|---" + ("|---" if repeats > 1 else ""))
-    medians = []
-    diffs = []
     for h, w, rs, ds in zip(http, ws, ratios, overheads, strict=True):
         ratio = statistics.median(rs) if rs else None
-        if ratio is not None:
-            medians.append(ratio)
         diff = statistics.median(ds) if ds else None
-        if diff is not None:
-            diffs.append(diff)
         per_run = " | " + " ".join(f"{r:.2f}" for r in rs) if repeats > 1 else ""
         print(f"{h['turn']} | {_fmt(h['ttft_ms'])} | {_fmt(w['ttft_ms'])} | "
               f"{'-' if ratio is None else f'{ratio:.2f}'} | {_fmt(h['overhead_ms'])} | {_fmt(w['overhead_ms'])} | "
               f"{'-' if diff is None else f'{diff:+.1f}'} | {h['sent_bytes']} | {w['sent_bytes']} | "
               f"{h['cache_source']} {h['cached_tokens']}/{h['input_tokens']} | "
               f"{w['cache_source']} {w['cached_tokens']}/{w['input_tokens']}{per_run}")
-    if medians:
-        print(f"\nWS/HTTP TTFT: median {statistics.median(medians):.2f}x, "
-              f"turns where WS <= HTTP: {sum(r <= 1 for r in medians)}/{len(medians)}")
-    if diffs:
-        print(f"TTFT less prefill, WS - HTTP: median {statistics.median(diffs):+.1f} ms, "
-              f"turns where WS <= HTTP: {sum(d <= 0 for d in diffs)}/{len(diffs)}")
+    print()
+    _print_tallies(ratios, overheads, "WS/HTTP TTFT", "TTFT less prefill, WS - HTTP", "WS")
     print(f"client bytes: HTTP {sum(h['sent_bytes'] for h in http)} total "
           f"(turn 1 {http[0]['sent_bytes']}, turn {http[-1]['turn']} {http[-1]['sent_bytes']}); "
           f"WS {sum(w['sent_bytes'] for w in ws)} total "
@@ -316,21 +307,29 @@ def _print_control(control: list[list[float]], ws: list[list[float]], control_ov
     doing the same work on the same path land at or below each other."""
     print("\nturn | control/HTTP (median of paired) | WS/HTTP (median of paired) | control/HTTP per run")
     print("---|---|---|---")
-    medians = []
     for turn, (cs, ws_) in enumerate(zip(control, ws, strict=True), 1):
         c = statistics.median(cs) if cs else None
         w = statistics.median(ws_) if ws_ else None
-        if c is not None:
-            medians.append(c)
         print(f"{turn} | {'-' if c is None else f'{c:.2f}'} | {'-' if w is None else f'{w:.2f}'} | "
               + " ".join(f"{r:.2f}" for r in cs))
+    print()
+    _print_tallies(control, control_overheads, "control (HTTP against HTTP, same work) TTFT",
+                   "control TTFT less prefill, control - HTTP", "control")
+
+
+def _print_tallies(ratios: list[list[float]], overheads: list[list[float]], ttft: str, less_prefill: str,
+                   path: str) -> None:
+    """The two verdicts over all turns: the median of the per-turn medians
+    of paired TTFT ratios and of paired differences of TTFT less prefill,
+    and on how many turns ``path`` was at or below HTTP by each."""
+    medians = [statistics.median(rs) for rs in ratios if rs]
     if medians:
-        print(f"\ncontrol (HTTP against HTTP, same work) TTFT: median {statistics.median(medians):.2f}x, "
-              f"turns where control <= HTTP: {sum(r <= 1 for r in medians)}/{len(medians)}")
-    diffs = [statistics.median(ds) for ds in control_overheads if ds]
+        print(f"{ttft}: median {statistics.median(medians):.2f}x, "
+              f"turns where {path} <= HTTP: {sum(r <= 1 for r in medians)}/{len(medians)}")
+    diffs = [statistics.median(ds) for ds in overheads if ds]
     if diffs:
-        print(f"control TTFT less prefill, control - HTTP: median {statistics.median(diffs):+.1f} ms, "
-              f"turns where control <= HTTP: {sum(d <= 0 for d in diffs)}/{len(diffs)}")
+        print(f"{less_prefill}: median {statistics.median(diffs):+.1f} ms, "
+              f"turns where {path} <= HTTP: {sum(d <= 0 for d in diffs)}/{len(diffs)}")
 
 
 if __name__ == "__main__":
