@@ -283,15 +283,37 @@ class ContinuationCache:
         disk = self.disk
         if disk is None or not self.enabled or not req.reuse:
             return
-        if any(self._continues(req, s) for s in self.states(req.owner)):
+        states = self.states(req.owner)
+        if any(self._continues(req, s) for s in states):
             return
+        held = self._held(req, states)
         hit = disk.best_match(req.text, req.owner, req.previous_response_id)
         if hit is not None:
-            disk.prefetch(hit[0])
+            if hit[0].n_tokens > held:
+                disk.prefetch(hit[0])
             return
         shared = disk.longest_common(req.tokens, req.owner)
-        if shared is not None and shared[1] >= MIN_COPY_TOKENS:
+        if shared is not None and shared[1] >= MIN_COPY_TOKENS and shared[1] > held:
             disk.prefetch(shared[0])
+
+    def _held(self, req: CacheRequest, states: list[SessionState]) -> int:
+        """How much of ``req`` a state in memory (resident, or in RAM)
+        already holds, as the snapshot shows it: a disk checkpoint no longer
+        than that is never the plan. A new session that shares an agent's
+        instructions with a resident one copies them from there; reading
+        (and hashing) a mid-prefill checkpoint of them first (141 MB for 6k
+        of Codex-sized instructions) cost its first turn 0.3-1.0 s on two
+        cores."""
+        held = 0
+        for s in states:
+            common = min(common_prefix(s.tokens, req.tokens), len(req.tokens) - 1)
+            # A resident state's floor is known only once captured: on a
+            # model whose KV cannot be trimmed, count whole states only.
+            exact = common == len(s.tokens) or (self.trimmable and common >= MIN_COPY_TOKENS) or (
+                s.kv is not None and common >= max(s.floor, MIN_COPY_TOKENS))
+            if exact:
+                held = max(held, common)
+        return held
 
     def _publish(self) -> None:
         resident = [r.state for r in sorted(self.residents, key=lambda r: -r.last_used) if r.state is not None]
@@ -374,7 +396,9 @@ class ContinuationCache:
             if fitted.source != "cold":
                 return fitted
 
-        candidates = self._saved_candidates(req, target) + self._shared_candidates(req, idle, target)
+        shared = self._shared_candidates(req, idle, target)
+        held = max((p.keep for p in shared if self._serves(req, p)), default=0)
+        candidates = self._saved_candidates(req, target, held) + shared
         best = max((c.keep for c in candidates), default=0)
         if self._worth_waiting(req, best):
             return None
@@ -430,8 +454,10 @@ class ContinuationCache:
             return CachePlan("memory-text", n, self.ops.tokenize(suffix_text), req.text, seq=r.seq)
         return None
 
-    def _saved_candidates(self, req: CacheRequest, target: Resident | None) -> list[CachePlan]:
-        """RAM sessions and disk checkpoints, restored into ``target``."""
+    def _saved_candidates(self, req: CacheRequest, target: Resident | None, held: int = 0) -> list[CachePlan]:
+        """RAM sessions and disk checkpoints, restored into ``target``. A
+        checkpoint no longer than ``held`` (what a resident sequence shares
+        with ``req``, copied for less than a restore costs) is not read."""
         if target is None:
             return []
         candidates: list[CachePlan] = []
@@ -455,7 +481,7 @@ class ContinuationCache:
         hit = self.disk.best_match(req.text, req.owner, req.previous_response_id)
         if hit is not None:
             cp, kind = hit
-            if not any(c.keep >= cp.n_tokens for c in candidates):
+            if cp.n_tokens > held and not any(c.keep >= cp.n_tokens for c in candidates):
                 loaded = self.disk.load(cp)
                 if loaded is not None:
                     plan = self._match_saved(req, loaded, "disk", target.seq)
@@ -464,7 +490,7 @@ class ContinuationCache:
                         candidates.append(plan)
         best = max((c.keep for c in candidates), default=0)
         shared = self.disk.longest_common(req.tokens, req.owner)
-        if shared is not None and min(shared[1], len(req.tokens) - 1) > max(best, MIN_COPY_TOKENS - 1):
+        if shared is not None and min(shared[1], len(req.tokens) - 1) > max(best, held, MIN_COPY_TOKENS - 1):
             loaded = self.disk.load(shared[0])
             if loaded is not None:
                 keep = min(shared[1], len(req.tokens) - 1)
@@ -557,6 +583,15 @@ class ContinuationCache:
         r = self.residents[plan.copy_from if plan.copy_from is not None else plan.seq]
         return self.ops.floor(r.seq, len(r.tokens)) if r.tokens else 0
 
+    def _below_floor(self, plan: CachePlan) -> bool:
+        """The plan cuts its base state where it would not stay exact."""
+        return bool(plan.keep) and plan.keep < len(self._base_tokens(plan)) and plan.keep < self._floor(plan)
+
+    def _serves(self, req: CacheRequest, plan: CachePlan) -> bool:
+        """``_fits`` would take ``plan`` as it is (its suffix known now)."""
+        return (plan.lazy is None and bool(plan.suffix) and not self._below_floor(plan)
+                and plan.keep + len(plan.suffix) + req.max_new_tokens <= self.ops.n_ctx)
+
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         plan.resolved()
         if not plan.suffix:
@@ -565,7 +600,7 @@ class ContinuationCache:
                 return self._cold(req, plan.seq)
             plan.keep -= 1
             plan.suffix = [self._base_tokens(plan)[plan.keep]]
-        if plan.keep and plan.keep < len(self._base_tokens(plan)) and plan.keep < self._floor(plan):
+        if self._below_floor(plan):
             # A cut below the floor would leave a window or a recurrent state
             # inexact: the next candidate (a checkpoint) must serve it.
             return self._cold(req, plan.seq)

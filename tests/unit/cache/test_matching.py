@@ -256,6 +256,59 @@ def test_a_prefetched_disk_checkpoint_is_planned_without_a_read_on_the_scheduler
     assert ("restore", 0, b"saved kv") in cache.kv.calls
 
 
+def _counting_reads(disk: DiskCheckpoints) -> list[str]:
+    """The checkpoints whose payload ``disk`` reads (and hashes) from now on."""
+    reads: list[str] = []
+    read = disk._read
+    disk._read = lambda path, header_only=False: (reads.append(path.stem) if not header_only else None,  # type: ignore[method-assign]
+                                                  read(path, header_only))[1]
+    return reads
+
+
+def _instructions_checkpoint(cache, disk: DiskCheckpoints, n: int) -> SessionState:
+    """A mid-prefill checkpoint (``checkpoint_prefix``) of the first ``n`` tokens of the instructions."""
+    tokens = cache.ops.tokenize(INSTRUCTIONS)[:n]
+    state = SessionState(tokens=tokens, kv_text=cache.ops.detokenize(tokens), kv=b"prefix kv")
+    disk.save(state)
+    return state
+
+
+def test_a_checkpoint_shorter_than_what_a_resident_sequence_shares_is_never_read(vocab, tmp_path):
+    """A second session with the same instructions copies them from the
+    sequence of the first: the mid-prefill checkpoint of those instructions
+    (on a Codex-sized prompt, ~140 MB read and hashed) is read neither ahead
+    on the prepare thread nor by the plan on the scheduler thread."""
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=2, disk=disk)
+    first = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n<|im_start|>assistant\nOK.<|im_end|>")
+    hold(cache, 0, first)
+    n_instructions = len(cache.ops.tokenize(INSTRUCTIONS))
+    _instructions_checkpoint(cache, disk, n_instructions - 8)
+    reads = _counting_reads(disk)
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nanother task<|im_end|>\n<|im_start|>assistant\n")
+    cache.prefetch(req)
+    assert reads == [] and not disk._read_ahead
+    plan = cache.plan(req)
+    assert (plan.source, plan.seq, plan.copy_from) == ("copy", 1, 0) and plan.keep >= n_instructions, plan
+    assert reads == []
+
+
+def test_a_checkpoint_longer_than_what_a_resident_sequence_shares_is_read_ahead_and_restored(vocab, tmp_path):
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=2, disk=disk)
+    n_instructions = len(cache.ops.tokenize(INSTRUCTIONS))
+    # Resident: a session that shares only the first 70 tokens of the instructions.
+    head = cache.ops.detokenize(cache.ops.tokenize(INSTRUCTIONS)[:70])
+    hold(cache, 0, turn(cache, head + "something else entirely<|im_end|>\n"))
+    saved = _instructions_checkpoint(cache, disk, n_instructions)
+    reads = _counting_reads(disk)
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nanother task<|im_end|>\n<|im_start|>assistant\n")
+    cache.prefetch(req)
+    assert reads == [saved.key]
+    plan = cache.plan(req)
+    assert plan.source == "disk" and plan.keep == n_instructions and reads == [saved.key], plan
+
+
 def test_nothing_is_prefetched_for_a_request_a_resident_state_continues(vocab, tmp_path):
     disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
     cache = make_cache(vocab, n_seq=1, disk=disk)
