@@ -37,6 +37,7 @@ from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.sealing import Sealer
 from lmspd.engines.base import CancelToken, ModelInfo
 
+from . import native_log
 from .client_text import ClientText
 from .kv import SequenceKv
 from .models import fallback_template
@@ -116,6 +117,7 @@ class LlamaEngine:
         # thread fewer per long one (see Scheduler._decode_threads).
         self.preparations = Preparations()
         llama_cpp.llama_backend_init()
+        native_log.install()
         self._model = internals.LlamaModel(path_model=str(path), params=llama_cpp.llama_model_default_params(),
                                            verbose=False)
         model = self._model

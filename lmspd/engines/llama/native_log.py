@@ -1,0 +1,54 @@
+"""llama.cpp's own log lines, through Python logging (``lmspd.llama_cpp``).
+
+llama-cpp-python installs a log callback that prints every line to stderr
+unless its logger's level says otherwise, and lmspd drives llama.cpp below
+``Llama``, which is where that level is set. A running server then wrote
+llama.cpp's graph dumps (~60 lines each time a new batch shape reserves a
+graph) and "copying KV buffer" notes into its log between requests. Here
+llama.cpp's warnings and errors are warnings and errors of the server's
+log; its info and debug lines are debug lines, shown by ``--log-level debug``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import llama_cpp
+
+log = logging.getLogger("lmspd.llama_cpp")
+
+# ggml_log_level in the ggml.h this build ships: 0 none, 1 debug, 2 info,
+# 3 warn, 4 error, 5 cont (the previous line goes on). llama-cpp-python's
+# own table is an older order (1 info ... 4 debug).
+_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+_CONT = 5
+# A line's pieces until its newline (llama.cpp writes some lines in parts),
+# per thread: a decode on the scheduler thread and a load elsewhere may log at once.
+_lines = threading.local()
+
+
+def route(level: int, text: bytes) -> None:
+    """One call of llama.cpp's callback: emit each finished line at its level."""
+    if level != _CONT or not hasattr(_lines, "level"):
+        _lines.level = _LEVELS.get(level, logging.DEBUG)
+    buffered: str = getattr(_lines, "text", "") + text.decode("utf-8", errors="replace")
+    *done, rest = buffered.split("\n")
+    _lines.text = rest
+    for line in done:
+        if line.strip():
+            log.log(_lines.level, "%s", line.rstrip())
+
+
+@llama_cpp.llama_log_callback
+def _callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    try:
+        route(level, text)
+    except Exception:  # noqa: BLE001 - an exception must never cross into C
+        pass
+
+
+def install() -> None:
+    """Send llama.cpp's log here (for the whole process; idempotent)."""
+    llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))

@@ -1,0 +1,45 @@
+"""llama.cpp's log lines reach Python logging at their level, never raw stderr."""
+
+from __future__ import annotations
+
+import logging
+
+import llama_cpp
+from llama_cpp import _internals as internals
+
+from lmspd.engines.llama import native_log
+from support.grammar_rig import model_path
+
+# ggml_log_level, as ggml.h of this build numbers them
+DEBUG, INFO, WARN, ERROR, CONT = 1, 2, 3, 4, 5
+
+
+def test_lines_written_in_pieces_are_logged_whole_at_their_level(caplog):
+    caplog.set_level(logging.DEBUG, logger="lmspd.llama_cpp")
+    native_log.route(WARN, b"model has no chat ")
+    native_log.route(CONT, b"template\nsecond ")
+    native_log.route(CONT, b"line\n")
+    native_log.route(INFO, b"update: copying KV buffer: stream 0 to stream 1\n")
+    native_log.route(ERROR, b"decode: failed\n")
+    native_log.route(DEBUG, b"graph_reserve: reserving a graph\n\n")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "model has no chat template"),
+        (logging.WARNING, "second line"),
+        (logging.DEBUG, "update: copying KV buffer: stream 0 to stream 1"),
+        (logging.ERROR, "decode: failed"),
+        (logging.DEBUG, "graph_reserve: reserving a graph"),
+    ]
+
+
+def test_a_model_load_logs_through_python_logging_not_stderr(caplog, capfd):
+    """llama-cpp-python's own callback printed these to stderr (its logger
+    level unset below ``Llama``): a server's log filled with them."""
+    native_log.install()
+    caplog.set_level(logging.DEBUG, logger="lmspd.llama_cpp")
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = internals.LlamaModel(path_model=model_path(), params=params, verbose=True)
+    model.close()
+    loader = [r for r in caplog.records if r.name == "lmspd.llama_cpp" and "llama_model_loader" in r.getMessage()]
+    assert loader and all(r.levelno == logging.DEBUG for r in loader)
+    assert "llama_model_loader" not in capfd.readouterr().err
