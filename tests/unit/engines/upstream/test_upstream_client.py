@@ -14,16 +14,6 @@ from lmspd.engines.upstream.client import ProviderClient, Timeouts
 from lmspd.engines.upstream.errors import UpstreamConnectionLost, UpstreamHTTPError, UpstreamTimeout
 from lmspd.engines.upstream.pool import EndpointPool
 
-# Allow-listed (see pyproject's filterwarnings): these raw-socket providers
-# break the connection mid-reply on purpose, and the sockets of a connection
-# aiohttp gave up on are closed by the garbage collector after the test's
-# loop has closed, which Python reports as ResourceWarnings.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning"),
-    pytest.mark.filterwarnings("ignore:loop is closed:ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
-
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 EVENT = b'data: {"choices":[]}\n\n'
 GOOD_CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
@@ -37,18 +27,21 @@ BODIES = {
 
 async def _serve(head: bytes, body: bytes, *, close: bool):
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += await reader.read(65536)
-        writer.write(head + GOOD_CHUNK)
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(body)
-        await writer.drain()
-        if close:
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await reader.read(65536)
+            writer.write(head + GOOD_CHUNK)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(body)
+            await writer.drain()
+            if not close:
+                await asyncio.sleep(30)
+        finally:
+            # A silent one is cancelled when the test's loop ends: its socket
+            # is closed here, not by the garbage collector later.
             writer.close()
-        else:
-            await asyncio.sleep(30)
 
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
