@@ -587,10 +587,14 @@ class ContinuationCache:
         """The plan cuts its base state where it would not stay exact."""
         return bool(plan.keep) and plan.keep < len(self._base_tokens(plan)) and plan.keep < self._floor(plan)
 
+    def _too_long(self, req: CacheRequest, plan: CachePlan) -> bool:
+        """The kept tokens, the suffix and the output exceed a sequence."""
+        return plan.keep + len(plan.suffix) + req.max_new_tokens > self.ops.n_ctx
+
     def _serves(self, req: CacheRequest, plan: CachePlan) -> bool:
         """``_fits`` would take ``plan`` as it is (its suffix known now)."""
         return (plan.lazy is None and bool(plan.suffix) and not self._below_floor(plan)
-                and plan.keep + len(plan.suffix) + req.max_new_tokens <= self.ops.n_ctx)
+                and not self._too_long(req, plan))
 
     def _fits(self, req: CacheRequest, plan: CachePlan) -> CachePlan:
         plan.resolved()
@@ -604,7 +608,7 @@ class ContinuationCache:
             # A cut below the floor would leave a window or a recurrent state
             # inexact: the next candidate (a checkpoint) must serve it.
             return self._cold(req, plan.seq)
-        if plan.keep + len(plan.suffix) + req.max_new_tokens > self.ops.n_ctx:
+        if self._too_long(req, plan):
             # Hidden tokens made the continuation longer than a cold prompt;
             # the cold prompt was already checked to fit.
             return self._cold(req, plan.seq)

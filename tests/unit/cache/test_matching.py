@@ -237,25 +237,6 @@ def test_required_state_without_a_visible_transcript_is_matched_like_any_prompt(
     assert plan.source == "memory-token" and plan.seq == 0 and plan.keep == len(state.tokens), plan
 
 
-def test_a_prefetched_disk_checkpoint_is_planned_without_a_read_on_the_scheduler_thread(vocab, tmp_path):
-    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
-    cache = make_cache(vocab, n_seq=1, disk=disk)
-    saved = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n")
-    saved.kv = b"saved kv"
-    disk.save(saved)
-    reads: list[str] = []
-    read = disk._read
-    disk._read = lambda path, header_only=False: (reads.append(path.stem) if not header_only else None,  # type: ignore[method-assign]
-                                                  read(path, header_only))[1]
-    req = request(cache, saved.visible + "<|im_start|>user\ntwo<|im_end|>\n")
-    cache.prefetch(req)  # the prepare thread
-    assert reads == [saved.key]
-    plan = cache.plan(req)  # the scheduler thread
-    assert plan.source == "disk" and plan.restore.kv == b"saved kv" and reads == [saved.key]
-    cache.apply(plan, req)
-    assert ("restore", 0, b"saved kv") in cache.kv.calls
-
-
 def _counting_reads(disk: DiskCheckpoints) -> list[str]:
     """The checkpoints whose payload ``disk`` reads (and hashes) from now on."""
     reads: list[str] = []
@@ -271,6 +252,22 @@ def _instructions_checkpoint(cache, disk: DiskCheckpoints, n: int) -> SessionSta
     state = SessionState(tokens=tokens, kv_text=cache.ops.detokenize(tokens), kv=b"prefix kv")
     disk.save(state)
     return state
+
+
+def test_a_prefetched_disk_checkpoint_is_planned_without_a_read_on_the_scheduler_thread(vocab, tmp_path):
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    cache = make_cache(vocab, n_seq=1, disk=disk)
+    saved = turn(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n")
+    saved.kv = b"saved kv"
+    disk.save(saved)
+    reads = _counting_reads(disk)
+    req = request(cache, saved.visible + "<|im_start|>user\ntwo<|im_end|>\n")
+    cache.prefetch(req)  # the prepare thread
+    assert reads == [saved.key]
+    plan = cache.plan(req)  # the scheduler thread
+    assert plan.source == "disk" and plan.restore.kv == b"saved kv" and reads == [saved.key]
+    cache.apply(plan, req)
+    assert ("restore", 0, b"saved kv") in cache.kv.calls
 
 
 def test_a_checkpoint_shorter_than_what_a_resident_sequence_shares_is_never_read(vocab, tmp_path):
