@@ -174,14 +174,14 @@ class ProviderClient:
         self._health_interval_s = health_interval_s
         self._http: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._drains: set[asyncio.Task[None]] = set()
+        self._drains: dict[asyncio.Task[None], ProviderStream] = {}
 
     def release(self, stream: ProviderStream) -> None:
         """Drain a cleanly finished stream in the background (the client has
         its terminal event already), keeping the connection for reuse."""
         task = asyncio.get_running_loop().create_task(stream.drain())
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        self._drains[task] = stream
+        task.add_done_callback(lambda done: self._drains.pop(done, None))
 
     def _session(self) -> aiohttp.ClientSession:
         # An aiohttp session belongs to a running loop, so it starts with the
@@ -308,10 +308,13 @@ class ProviderClient:
         return healthy
 
     async def aclose(self) -> None:
-        for task in list(self._drains):
+        drains = dict(self._drains)
+        for task in drains:
             task.cancel()
-        if self._drains:
-            await asyncio.gather(*self._drains, return_exceptions=True)
+        await asyncio.gather(*drains, return_exceptions=True)
+        # A drain cancelled before it ran never reached its own close.
+        for stream in drains.values():
+            await stream.aclose()
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

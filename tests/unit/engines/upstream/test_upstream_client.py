@@ -129,3 +129,29 @@ def test_a_connection_closed_without_an_answer_is_tried_once_more():
     data, endpoint = asyncio.run(go())
     assert b"[DONE]" in data and len(connections) == 2
     assert endpoint.healthy and endpoint.outstanding == 0
+
+
+def test_closing_the_client_closes_a_stream_whose_drain_had_not_started():
+    """A stream handed back for draining just before the client closes (the
+    server shutting down right after a turn): cancelling its drain before it
+    ran must still close it, not leave its connection to the collector."""
+
+    async def go():
+        # First chunk, then a body that ends only much later: the drain
+        # would wait for it.
+        server = await _serve(HEAD, b"0\r\n\r\n", close=False)
+        port = server.sockets[0].getsockname()[1]
+        pool = EndpointPool([f"http://127.0.0.1:{port}/v1"])
+        client = ProviderClient(pool, health_interval_s=0)
+        try:
+            stream = await client.open(b"{}")
+            assert await stream.next_chunk() == EVENT
+            client.release(stream)  # its drain is scheduled, not yet run
+        finally:
+            await client.aclose()
+            server.close()
+        return stream, pool.endpoints[0]
+
+    stream, endpoint = asyncio.run(go())
+    assert endpoint.outstanding == 0
+    assert stream.response.connection is None  # released or closed, not left open
