@@ -152,7 +152,15 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
         if lead is not None:
             conversation = lead.conversation
         window = list(conversation.items)
-        run = await _begun(app.service.begin(conversation, owner)) if lead is None or lead.run is None else lead.run
+        if lead is not None and lead.run is not None:
+            run = lead.run
+        elif prefill_only and not compaction.supports_prefill(app, model):
+            # A warm-up on an engine that cannot prefill without generating
+            # (the upstream engine): asking the provider would generate and
+            # bill; the next turn sends the whole context anyway.
+            run = compaction.FinishedRun()
+        else:
+            run = await _begun(app.service.begin(conversation, owner))
     except ApiError as exc:
         # The core names neutral fields; the client hears its own.
         raise dialect.names(req, conversation.items).name(exc) from None

@@ -18,7 +18,10 @@ Another connection never sees that state: a ``store: false`` id from
 elsewhere is ``previous_response_not_found`` (stored responses are found in
 the store as over HTTP). A continuation that fails evicts the response it
 named. ``generate: false`` prefills the input and keeps it (an empty
-completed response whose id the next turn continues). Codex's
+completed response whose id the next turn continues; on an engine that
+cannot prefill without generating, the upstream one, nothing is sent). An
+upstream provider's refusal is an ``error`` frame with the status the HTTP
+reply would have, as over HTTP. Codex's
 ``response.processed`` acknowledgements are accepted silently. After
 ``websocket_max_age_s`` (60 minutes) the connection ends with
 ``websocket_connection_limit_reached``.
@@ -239,6 +242,17 @@ class Connection:
             self._evict(previous)
             await self._error(ApiError("server_error", "Internal server error."))
             return
+        if turn.run.opens_first:
+            # As over HTTP: an engine that must reach its provider first does
+            # it before any event, so that a refusal is an error frame with
+            # the status the HTTP reply would have (clients retry on it),
+            # not a response.failed.
+            try:
+                await turn.run.open()
+            except ApiError as exc:
+                self._evict(previous)
+                await self._error(turn.dialect.names(turn.req, turn.window).name(exc))
+                return
         state = turn.session.state
         async for _seq, _name, data in turn_events(turn):
             await self._send(event_frame(data))

@@ -406,3 +406,49 @@ def test_key_never_appears_in_listings_health_or_logs(http, lmspd, provider):
     log = lmspd.log()
     assert "upstream_http_error" in log and "invalid key ****" in log
     assert KEY not in log
+
+
+# -- over WebSocket -------------------------------------------------------------------
+
+
+def test_websocket_refusal_is_an_error_frame_with_the_http_status(lmspd, provider):
+    """The same refusal as over HTTP: an ``error`` frame whose status and
+    code are what the HTTP reply carries (Codex retries on the status), not
+    a ``response.failed``; the connection stays usable."""
+    from support.ws import create, open_ws
+
+    provider.clear()
+    provider.push(error_reply(429, {"error": {"message": "slow down", "type": "rate_limit_error"}},
+                              **{"Retry-After": "7"}),
+                  error_reply(400, {"error": {"message": "too long", "code": "context_length_exceeded"}}),
+                  Reply(parts=text_stream("fine")))
+    with open_ws(lmspd.url) as ws:
+        for status, code in ((429, "rate_limited"), (400, "context_length_exceeded")):
+            events = create(ws, {"model": MODEL, "input": "Hi"})
+            assert [e["type"] for e in events] == ["error"], events
+            assert events[0]["status"] == status and events[0]["error"]["code"] == code
+        events = create(ws, {"model": MODEL, "input": "Hi"})
+        assert events[-1]["type"] == "response.completed"
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == "fine"
+    assert len(provider.requests) == 3
+
+
+def test_websocket_warm_up_does_not_call_the_provider(lmspd, provider):
+    """``generate: false`` on a model lmspd cannot prefill: an empty completed
+    response at once, nothing sent to the provider (which would generate
+    and bill); the next turn continues it with the whole context."""
+    from support.ws import create, open_ws
+
+    provider.clear()
+    provider.push(Reply(parts=text_stream("answer")))
+    with open_ws(lmspd.url) as ws:
+        warm = create(ws, {"model": MODEL, "input": "Context: the sky is blue.", "generate": False})
+        assert warm[-1]["type"] == "response.completed", warm
+        assert warm[-1]["response"]["output"] == []
+        assert provider.requests == []
+        events = create(ws, {"model": MODEL, "previous_response_id": warm[-1]["response"]["id"],
+                             "input": "What colour is the sky?"})
+        assert events[-1]["type"] == "response.completed", events
+    (request,) = provider.requests
+    sent = json.dumps(request.body["messages"])
+    assert "the sky is blue" in sent and "What colour is the sky?" in sent
