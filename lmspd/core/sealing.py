@@ -90,7 +90,7 @@ class Sealer:
 
     def open_value(self, purpose: str, blob: str, param: str, owner: str = "local") -> dict[str, Any]:
         try:
-            raw = base64.urlsafe_b64decode(blob.encode())
+            raw = _unb64(blob)
             if not raw.startswith(_VERSION):
                 raise ValueError("unknown version")
             nonce, sealed = raw[2:14], raw[14:]
@@ -107,7 +107,7 @@ class Sealer:
 
     def open(self, model: str, blob: str, param: str, owner: str = "local") -> str:
         try:
-            raw = base64.urlsafe_b64decode(blob.encode())
+            raw = _unb64(blob)
             if not raw.startswith(_VERSION):
                 raise ValueError("unknown version")
             nonce, sealed = raw[2:14], raw[14:]
@@ -121,6 +121,17 @@ class Sealer:
                 "key, model or API key.",
                 param=param,
             ) from None
+
+
+def _unb64(blob: str) -> bytes:
+    """The bytes of a blob this server issued, only from the exact string
+    it issued: base64 decoders skip characters outside the alphabet and
+    bits past the last byte, so many strings decode alike and an edited
+    blob would still open."""
+    raw = base64.urlsafe_b64decode(blob.encode())
+    if base64.urlsafe_b64encode(raw).decode() != blob:
+        raise ValueError("not in the form this server writes")
+    return raw
 
 
 def _bound_to(model: str, owner: str) -> bytes:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lmspd.core.errors import ApiError
 from lmspd.core.sealing import Sealer
@@ -47,3 +51,60 @@ def test_a_server_that_makes_the_key_while_another_does_both_end_with_the_first_
     blob = other[0].seal("m", "made by the first")
     assert sealer.open("m", blob, "p") == "made by the first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reasoning.key"], "no temporary file is left"
+
+
+_BLOB_SEALER: list[Sealer] = []
+
+
+def _sealer(tmp_path_factory) -> Sealer:
+    if not _BLOB_SEALER:
+        _BLOB_SEALER.append(Sealer.from_data_dir(tmp_path_factory.mktemp("seal")))
+    return _BLOB_SEALER[0]
+
+
+@given(cut=st.integers(min_value=0), text=st.text(max_size=4))
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+def test_only_the_exact_blob_opens(tmp_path_factory, cut: int, text: str) -> None:
+    """Base64 decoders skip characters outside the alphabet and bits past the
+    last byte, so a string inserted anywhere (a stray '.', '==' after the
+    padding, '+' for '-') used to open as the original: "authenticated"
+    means the exact string the server issued, nothing else."""
+    sealer = _sealer(tmp_path_factory)
+    blob = sealer.seal("m", "thoughts")
+    value = sealer.seal_value("compaction", {"summary": "s"})
+    for original, opener in ((blob, lambda b: sealer.open("m", b, "p")),
+                             (value, lambda b: sealer.open_value("compaction", b, "p"))):
+        at = cut % (len(original) + 1)
+        edited = original[:at] + text + original[at:]
+        if edited == original:
+            continue
+        with pytest.raises(ApiError) as info:
+            opener(edited)
+        assert info.value.status == 400 and info.value.param == "p"
+
+
+_ALPHABET = string.ascii_uppercase + string.ascii_lowercase + string.digits + "-_"
+
+
+def _flip_a_bit_past_the_data(blob: str) -> str:
+    # In a padded blob the last character's lowest bit carries no data.
+    body = blob.rstrip("=")
+    return body[:-1] + _ALPHABET[_ALPHABET.index(body[-1]) ^ 1] + "=" * (len(blob) - len(body))
+
+
+@pytest.mark.parametrize("edit", [lambda b: b + "==", lambda b: b[:5] + "." + b[5:], lambda b: " " + b,
+                                  lambda b: b.replace("-", "+").replace("_", "/"), _flip_a_bit_past_the_data])
+def test_a_blob_edited_where_base64_is_lenient_is_refused(tmp_path, edit) -> None:
+    sealer = Sealer.from_data_dir(tmp_path)
+    # Summaries of every length mod 3, so that some blob has padding and
+    # some has '-' or '_' in it.
+    edits = 0
+    for summary in ("s", "ss", "sss") * 8:
+        blob = sealer.seal_value("compaction", {"summary": summary})
+        edited = edit(blob)
+        if edited == blob:
+            continue
+        edits += 1
+        with pytest.raises(ApiError):
+            sealer.open_value("compaction", edited, "p")
+    assert edits
