@@ -6,7 +6,7 @@ import string
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmspd.core.errors import ApiError
@@ -53,23 +53,18 @@ def test_a_server_that_makes_the_key_while_another_does_both_end_with_the_first_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["reasoning.key"], "no temporary file is left"
 
 
-_BLOB_SEALER: list[Sealer] = []
-
-
-def _sealer(tmp_path_factory) -> Sealer:
-    if not _BLOB_SEALER:
-        _BLOB_SEALER.append(Sealer.from_data_dir(tmp_path_factory.mktemp("seal")))
-    return _BLOB_SEALER[0]
+@pytest.fixture(scope="module")
+def sealer(tmp_path_factory) -> Sealer:
+    return Sealer.from_data_dir(tmp_path_factory.mktemp("seal"))
 
 
 @given(cut=st.integers(min_value=0), text=st.text(max_size=4))
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
-def test_only_the_exact_blob_opens(tmp_path_factory, cut: int, text: str) -> None:
+@settings(max_examples=300, deadline=None)
+def test_only_the_exact_blob_opens(sealer: Sealer, cut: int, text: str) -> None:
     """Base64 decoders skip characters outside the alphabet and bits past the
     last byte, so a string inserted anywhere (a stray '.', '==' after the
     padding, '+' for '-') used to open as the original: "authenticated"
     means the exact string the server issued, nothing else."""
-    sealer = _sealer(tmp_path_factory)
     blob = sealer.seal("m", "thoughts")
     value = sealer.seal_value("compaction", {"summary": "s"})
     for original, opener in ((blob, lambda b: sealer.open("m", b, "p")),
