@@ -257,7 +257,9 @@ class Connection:
         async for _seq, _name, data in turn_events(turn):
             await self._send(event_frame(data))
         if state.status in ("completed", "incomplete"):
-            self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store)
+            # Stored only if the write succeeded: a later turn must not
+            # name a predecessor the store does not have.
+            self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store and turn.stored)
         else:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,

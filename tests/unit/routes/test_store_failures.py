@@ -79,3 +79,54 @@ def test_stored_responses_still_say_store_true(tmp_path) -> None:
 
     asyncio.run(go())
     store.close()
+
+
+class FailingWhileSet(SQLiteStore):
+    """Every write of a response fails while ``failing`` is set."""
+
+    failing = False
+
+    def put_response(self, *args, **kwargs):
+        if self.failing:
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().put_response(*args, **kwargs)
+
+    def update_response(self, *args, **kwargs):
+        if self.failing:
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().update_response(*args, **kwargs)
+
+
+def test_a_websocket_turn_after_an_unstored_one_is_stored_whole(tmp_path) -> None:
+    """The connection still continues a response whose write failed (it holds
+    it in memory), and the next stored response carries that history itself:
+    it must not name a predecessor the store does not have."""
+    from starlette.testclient import TestClient
+
+    from support.ws import TERMINAL
+
+    store = FailingWhileSet(tmp_path / "lmspd.sqlite3")
+    app, _ = make_app(tmp_path, store=store)
+
+    def turn(ws, body: dict) -> dict:
+        ws.send_text(json.dumps({"type": "response.create", "model": MODEL, **body}))
+        while (event := json.loads(ws.receive_text()))["type"] not in TERMINAL:
+            pass
+        return event
+
+    with TestClient(app, base_url="http://lmspd.test") as http:
+        with http.websocket_connect("/v1/responses") as ws:
+            store.failing = True
+            first = turn(ws, {"input": "one"})
+            assert first["type"] == "response.completed" and first["response"]["store"] is False
+            store.failing = False
+            second = turn(ws, {"input": "two", "previous_response_id": first["response"]["id"]})
+            assert second["type"] == "response.completed" and second["response"]["store"] is True
+        second_id = second["response"]["id"]
+        items = http.get(f"/v1/responses/{second_id}/input_items", params={"order": "asc"}).json()["data"]
+        texts = [part.get("text") for item in items for part in item.get("content", [])]
+        assert texts[0] == "one" and texts[-1] == "two", texts
+        # And it continues over HTTP, from another connection.
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "three", "previous_response_id": second_id})
+        assert r.status_code == 200, r.text
+    store.close()
