@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from pydantic import Field, ValidationError
 
+from lmspd.core import compaction
 from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, Sampling, ToolCall
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
@@ -108,7 +109,9 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     extensions = decode_extensions(body.extensions)
     conversation = Conversation(
         model=body.model,
-        items=history + items,
+        # A chain may pass through a compaction made over /v1: it stands
+        # for the turns before it here too.
+        items=compaction.effective_items(history + items),
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,

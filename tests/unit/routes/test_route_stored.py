@@ -165,3 +165,28 @@ def test_item_reference_resolves_stored_items(app, http):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "input[0]" and "msg_unknown" in err["message"]
+
+
+def test_a_chain_through_a_compaction_is_the_reduced_window_in_both_dialects(app, http):
+    """A stored chain holding a compaction item continues as the window it
+    stands for (the client's own messages, the summary, what came after),
+    whichever dialect continues it; never the turns it replaced."""
+    from lmspd.core import compaction
+
+    blob = compaction.seal(app.app.state.lmspd.sealer, "They asked about Oslo.")
+    compacted = http.post("/v1/responses", json=body([
+        {"role": "user", "content": "Tell me about Oslo."},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "OLD ANSWER"}]},
+        {"type": "compaction", "encrypted_content": blob},
+        {"role": "user", "content": "And Bergen?"},
+    ]))
+    assert compacted.status_code == 200, compacted.text
+    first = compacted.json()["id"]
+    for path in ("/v1/responses", "/lmsp/v1/responses"):
+        extra = {"store": True} if path.startswith("/lmsp") else {}
+        r = http.post(path, json=body("And Tromsø?", previous_response_id=first, **extra))
+        assert r.status_code == 200, (path, r.text)
+        seen = texts(app.engine.conversations[-1])
+        assert ("assistant", "OLD ANSWER") not in seen, (path, seen)
+        assert ("user", "Tell me about Oslo.") in seen and seen[-1] == ("user", "And Tromsø?")
+        assert any(text.endswith("They asked about Oslo.") for _, text in seen)
