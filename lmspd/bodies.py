@@ -136,6 +136,17 @@ def _unzstd(raw: bytes, limit: int) -> bytes:
             out += chunk
             if len(out) > limit:
                 raise _too_large_decoded(limit)
+    # The reader stops quietly where the data is cut (a body it decoded to
+    # nothing would be blamed on the JSON). Within the bound, so the whole
+    # output is known to be small: decode again frame by frame to see each
+    # one end.
+    data = raw
+    while data:
+        frame = zstandard.ZstdDecompressor().decompressobj()
+        frame.decompress(data)
+        if not frame.eof:
+            raise ApiError("invalid_request", "The body is not valid zstd data: it ends early.")
+        data = frame.unused_data
     return bytes(out)
 
 

@@ -134,6 +134,23 @@ def test_corrupt_compressed_bodies_are_400(coding) -> None:
     assert info.value.status == 400
 
 
+@pytest.mark.parametrize("coding", ["gzip", "zstd"])
+@pytest.mark.parametrize("cut", [1, 4, 40])
+def test_a_compressed_body_cut_short_says_so(coding, cut) -> None:
+    """Not an empty or half body handed to the JSON decoder (whose error
+    would blame the JSON): the compressed data itself ends early."""
+    import zstandard
+
+    body = json.dumps({"input": "hi " * 300, "n": list(range(200))}).encode()
+    packed = gzip.compress(body) if coding == "gzip" else zstandard.ZstdCompressor().compress(body)
+    # Also when a whole first frame or member came before the cut one.
+    for data in (packed[:-cut], packed + packed[:-cut]):
+        with pytest.raises(ApiError) as info:
+            decode_body(data, [coding], LIMITS)
+        assert info.value.status == 400 and info.value.code == "invalid_request"
+        assert f"not valid {coding} data" in info.value.message and "ends early" in info.value.message
+
+
 def test_unknown_encodings_are_415() -> None:
     for header in ("br", "deflate, gzip", "compress"):
         with pytest.raises(ApiError) as info:
