@@ -17,7 +17,7 @@ sequences run out the least recently used connection's is the first to go.
 Another connection never sees that state: a ``store: false`` id from
 elsewhere is ``previous_response_not_found`` (stored responses are found in
 the store as over HTTP). A continuation that fails evicts the response it
-named. ``generate: false`` prefills the input and keeps it (an empty
+named: on this connection it is not found again, stored or not. ``generate: false`` prefills the input and keeps it (an empty
 completed response whose id the next turn continues; on an engine that
 cannot prefill without generating, the upstream one, nothing is sent). An
 upstream provider's refusal is an ``error`` frame with the status the HTTP
@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,9 @@ _INLINE_CHARS = 64 * 1024
 _OUTBOX_FRAMES = 256
 # How long the last frames may take to leave before a connection closes.
 _FLUSH_S = 5.0
+# Evicted ids a connection remembers (beyond them the oldest may be found
+# in the store again).
+_MAX_EVICTED = 1024
 
 
 @dataclass
@@ -82,14 +86,20 @@ class Latest:
 
 class ConnectionContext:
     """``StoredContext`` for one connection: its latest response first, the
-    store (this credential's stored responses) otherwise."""
+    store (this credential's stored responses) otherwise; a response a
+    failed continuation evicted is not found on this connection at all."""
 
-    def __init__(self, stored: StoredContext, latest: Latest | None) -> None:
+    def __init__(self, stored: StoredContext, latest: Latest | None, evicted: Container[str] = ()) -> None:
         self._stored = stored
         self._latest = latest
+        self._evicted = evicted
         self.continued: Latest | None = None
 
     def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]:
+        if previous_response_id is not None and previous_response_id in self._evicted:
+            raise ApiError("previous_response_not_found", f"Previous response {previous_response_id!r} not "
+                           "found on this connection: a continuation of it failed. Send the full context.",
+                           param="previous_response_id")
         latest = self._latest
         if previous_response_id is not None and latest is not None and previous_response_id == latest.response_id:
             self.continued = latest
@@ -139,6 +149,9 @@ class Connection:
         # HTTP the coalescing middleware does the same).
         self._frames: asyncio.Queue[str] = asyncio.Queue(maxsize=_OUTBOX_FRAMES)
         self._gone = False
+        # Ids a failed continuation evicted (oldest first): not found here
+        # even where the store still has them.
+        self._evicted: dict[str, None] = {}
         self._deadline = time.monotonic() + app.settings.limits.websocket_max_age_s
 
     async def serve(self) -> None:
@@ -219,7 +232,8 @@ class Connection:
 
     async def _turn_body(self, frame: dict[str, Any]) -> None:
         body = {k: v for k, v in frame.items() if k not in ("type", "generate", *_AGREEING, *_DROPPED)}
-        context = ConnectionContext(StoredContext(self.app.store, self.owner, self.app.sealer), self.latest)
+        context = ConnectionContext(StoredContext(self.app.store, self.owner, self.app.sealer), self.latest,
+                                    self._evicted)
         previous = body.get("previous_response_id")
         try:
             for name, agreeing in _AGREEING.items():
@@ -266,8 +280,13 @@ class Connection:
                  state.status, context.continued is not None)
 
     def _evict(self, previous: Any) -> None:
+        if not isinstance(previous, str):
+            return
         if self.latest is not None and previous == self.latest.response_id:
             self.latest = None
+        self._evicted[previous] = None
+        while len(self._evicted) > _MAX_EVICTED:
+            del self._evicted[next(iter(self._evicted))]
 
     async def _error(self, exc: ApiError) -> None:
         await self._send(error_frame(exc))

@@ -91,6 +91,17 @@ def test_failed_continuation_evicts_the_response_it_named(server):
         assert "call_nowhere" in error["error"]["message"]
         (again,) = create(ws, body(input="Hello?", previous_response_id=first["id"], store=False))
         assert again["error"]["code"] == "previous_response_not_found"
+        # A stored response too: on this connection it is gone, although
+        # the store still has it (another connection may continue it).
+        stored = validate_openai_stream(create(ws, body(input="Say hi.")))
+        (error,) = create(ws, body(previous_response_id=stored["id"],
+                                   input=[{"type": "function_call_output", "call_id": "call_nowhere", "output": "1"}]))
+        assert error["type"] == "error" and error["status"] == 400, error
+        (again,) = create(ws, body(input="Hello?", previous_response_id=stored["id"]))
+        assert again["error"]["code"] == "previous_response_not_found", again
+    with open_ws(server.url) as ws:
+        events = create(ws, body(input="Hello?", previous_response_id=stored["id"]))
+        assert events[-1]["type"] == "response.completed", events[-1]
 
 
 def test_generate_false_prefills_and_the_next_turn_appends_only_new_input(server):
