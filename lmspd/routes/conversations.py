@@ -21,6 +21,7 @@ from lmspd.core.ids import new_id
 from lmspd.core.limits import MAX_CONVERSATION_ITEMS_PER_CALL
 from lmspd.dialects.openai_responses import input_item_json
 from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.history import StoredContext
 from lmspd.http import LmspdApp, app_state, json_reply, principal
 from lmspd.idempotency import Reply
 from lmspd.routes.stored import list_json, page_params
@@ -71,8 +72,11 @@ def _metadata(app: LmspdApp, metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
-def _items(app: LmspdApp, raw: list[Any] | None) -> list[JSON]:
-    items = decode_items(raw or [], app.limits, path="items")
+def _items(app: LmspdApp, raw: list[Any] | None, owner: str) -> list[JSON]:
+    # A compaction item is opened here (a tampered one is refused now, not
+    # on the conversation's next turn) and stored as it came.
+    items = decode_items(raw or [], app.limits, path="items",
+                         open_compaction=StoredContext(app.store, owner, app.sealer).open_compaction)
     return ensure_item_ids([input_item_json(i) for i in items])
 
 
@@ -84,7 +88,7 @@ async def create_conversation(request: Request) -> Response:
     async def create() -> Reply:
         body = _parse(raw, CreateConversation)
         record = app.store.create_conversation(owner, new_id("conv"), metadata=_metadata(app, body.metadata),
-                                               items=_items(app, body.items))
+                                               items=_items(app, body.items, owner))
         return Reply(json_reply(conversation_json(record)))
 
     return await idempotency.once(app.store, owner, request, raw, create)
@@ -128,7 +132,7 @@ async def add_items(request: Request) -> Response:
 
     async def add() -> Reply:
         body = _parse(raw, AddItems)
-        stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items))
+        stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items, owner))
         if stored is None:
             raise not_found(conversation_id)
         return Reply(json_reply({"object": "list", "data": stored, "has_more": False,

@@ -190,3 +190,27 @@ def test_a_chain_through_a_compaction_is_the_reduced_window_in_both_dialects(app
         assert ("assistant", "OLD ANSWER") not in seen, (path, seen)
         assert ("user", "Tell me about Oslo.") in seen and seen[-1] == ("user", "And Tromsø?")
         assert any(text.endswith("They asked about Oslo.") for _, text in seen)
+
+
+def test_a_conversation_takes_a_compaction_item(app, http):
+    """Conversation items are input items: a compaction item is accepted
+    (opened with the server key, so a tampered one is a 400 naming it) and
+    the conversation's next turn sees the window it stands for."""
+    from lmspd.core import compaction
+
+    blob = compaction.seal(app.app.state.lmspd.sealer, "They asked about Oslo.")
+    items = [{"role": "user", "content": "Tell me about Oslo."},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "OLD ANSWER"}]},
+             {"type": "compaction", "encrypted_content": blob}]
+    r = http.post("/v1/conversations", json={"items": [*items[:2], {**items[2], "encrypted_content": blob[:-4]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "items[2].encrypted_content", r.text
+    conv = http.post("/v1/conversations", json={"items": items[:2]}).json()
+    added = http.post(f"/v1/conversations/{conv['id']}/items", json={"items": items[2:]})
+    assert added.status_code == 200, added.text
+    assert added.json()["data"][0]["type"] == "compaction"
+    assert added.json()["data"][0]["encrypted_content"] == blob
+    r = http.post("/v1/responses", json=body("And Bergen?", conversation=conv["id"]))
+    assert r.status_code == 200, r.text
+    seen = texts(app.engine.conversations[-1])
+    assert ("assistant", "OLD ANSWER") not in seen and seen[0] == ("user", "Tell me about Oslo.")
+    assert seen[1][1].endswith("They asked about Oslo.") and seen[-1] == ("user", "And Bergen?")
