@@ -17,12 +17,13 @@ sequences run out the least recently used connection's is the first to go.
 Another connection never sees that state: a ``store: false`` id from
 elsewhere is ``previous_response_not_found`` (stored responses are found in
 the store as over HTTP). A continuation that fails evicts the response it
-named: on this connection it is not found again, stored or not. ``generate: false`` prefills the input and keeps it (an empty
-completed response whose id the next turn continues; on an engine that
-cannot prefill without generating, the upstream one, nothing is sent). An
+named: on this connection it is not found again, stored or not.
+``generate: false`` prefills the input and keeps it (an empty completed
+response whose id the next turn continues; on an engine that cannot
+prefill without generating, the upstream one, nothing is sent). An
 upstream provider's refusal is an ``error`` frame with the status the HTTP
-reply would have, as over HTTP. Codex's
-``response.processed`` acknowledgements are accepted silently. After
+reply would have, as over HTTP. Codex's ``response.processed``
+acknowledgements are accepted silently. After
 ``websocket_max_age_s`` (60 minutes) the connection ends with
 ``websocket_connection_limit_reached``.
 """
