@@ -138,6 +138,31 @@ def test_compaction_trigger_streams_exactly_one_compaction_item(http):
     assert r.status_code == 200, r.text
 
 
+def test_compaction_over_websocket_trigger_then_auto(server, http):
+    """Both in-stream forms over WebSocket: a ``compaction_trigger`` turn
+    streams exactly one compaction item and the next turn, continuing it by
+    ``previous_response_id`` with only new input, starts from the prefilled
+    window; ``context_management`` compacts inside a turn's stream."""
+    with open_ws(server.url) as ws:
+        events = create(ws, timeout=900, body={"model": MODEL, "temperature": 0, "store": False,
+                                               "input": WINDOW + [{"type": "compaction_trigger"}]})
+        final = validate_openai_stream(events)
+        assert [i["type"] for i in final["output"]] == ["compaction"], final["output"]
+        assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["compaction"]
+        window = input_tokens(http, [WINDOW[0], WINDOW[2], *final["output"]])
+        after = validate_openai_stream(create(ws, timeout=900, body={
+            "model": MODEL, "temperature": 0, "max_output_tokens": 8, "store": False,
+            "previous_response_id": final["id"], "input": "Where am I going?"}))
+        assert after["usage"]["input_tokens_details"]["cached_tokens"] >= window - 4, (after["usage"], window)
+
+        auto = validate_openai_stream(create(ws, timeout=900, body={
+            "model": MODEL, "temperature": 0, "max_output_tokens": 8, "store": False,
+            "context_management": [{"type": "compaction", "compact_threshold": 40}],
+            "input": WINDOW + [{"role": "user", "content": "What should I see first?"}]}))
+        types = [i["type"] for i in auto["output"]]
+        assert types[0] == "compaction" and "message" in types[1:], types
+
+
 def test_compaction_trigger_only_as_the_last_item(http):
     r = http.post("/v1/responses", json={"model": MODEL, "input": [{"type": "compaction_trigger"}, *WINDOW]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type"
