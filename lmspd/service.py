@@ -6,12 +6,13 @@ queueing, generation and the one terminal event — shared by every dialect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
@@ -165,6 +166,22 @@ class Run:
             self.ticket.release()
             raise
 
+    async def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+        """The session's heartbeat every ``sse_keepalive_s`` until ``work``
+        is done (cancelled with this generator if it is not)."""
+        every = self._service.limits.sse_keepalive_s
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=every if every > 0 else None)
+                if not work.done():
+                    for wire in session.heartbeat():
+                        yield wire
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+
     async def events(
         self, session: StreamSession, on_start: Callable[[], None] | None = None
     ) -> AsyncIterator[WireEvent]:
@@ -187,6 +204,11 @@ class Run:
                 yield wire
             if refused is not None:
                 raise refused
+            # Queued: the client hears that the response is alive.
+            admitted = asyncio.ensure_future(self.ticket.wait())
+            async for wire in self._quiet(admitted, session):
+                yield wire
+            admitted.result()
             async with self.ticket:
                 self.started = True
                 if service.shutting_down:
@@ -204,9 +226,19 @@ class Run:
                 # The engine remembers which response its KV state belongs to
                 # (previous_response_id continues from it).
                 generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
-                async for event in service.metrics.observe(self.engine, lambda: session.state.id, generation):
+                events = service.metrics.observe(self.engine, lambda: session.state.id, generation)
+                # Until the first event (the prompt is evaluating), the
+                # client hears that the response is alive; then events flow.
+                first = asyncio.ensure_future(anext(events, None))
+                async for wire in self._quiet(first, session):
+                    yield wire
+                event = first.result()
+                if event is not None:
                     for wire in session.handle(event):
                         yield wire
+                    async for event in events:
+                        for wire in session.handle(event):
+                            yield wire
         except asyncio.CancelledError:
             self.cancel.cancel()
             raise

@@ -98,9 +98,12 @@ class Limits:
     prepare_timeout_s: float = 30.0
     # An SSE stream silent this long gets a comment line (lmspd.http.SseResponse):
     # a long prefill or a wait in the queue sends nothing between
-    # response.created and the first delta, and clients give up on an idle
-    # stream (Codex's stream_idle_timeout: 300 s; proxies often 60 s).
-    # 0 sends none. Over WebSocket, uvicorn's ping frames do this (20 s).
+    # response.created and the first delta, and proxies give up on an idle
+    # stream (often after 60 s). Codex times out on silence between events
+    # (its stream_idle_timeout, 300 s), comments and pings or not: until the
+    # first event the Responses and Messages dialects also repeat an event
+    # this often (lmspd.service.Run._quiet, steps.Heartbeat), over SSE and
+    # WebSocket. 0 sends neither. WebSocket pings: uvicorn's, every 20 s.
     sse_keepalive_s: float = 15.0
 
 

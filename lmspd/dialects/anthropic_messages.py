@@ -565,7 +565,7 @@ class AnthropicEncoder:
                 message = message_json(state)
                 message["content"] = []
                 return "message_start", {"type": "message_start", "message": message}
-            case steps.ResponseInProgress():
+            case steps.ResponseInProgress() | steps.Heartbeat():
                 # Anthropic sends a ping early; it also tells a queued client
                 # that the stream is alive.
                 return "ping", {"type": "ping"}

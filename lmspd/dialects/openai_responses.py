@@ -491,6 +491,10 @@ class OpenAIEncoder:
                 # OpenAI's Responses has no cancelled event: a failed one.
                 return "response.failed", {"type": "response.failed", "sequence_number": seq,
                                            "response": response_json(state)}
+            case steps.Heartbeat():
+                # The event that says so again (response.queued while queued).
+                name = "response.queued" if state.status == "queued" else "response.in_progress"
+                return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
             case (steps.ResponseCreated() | steps.ResponseInProgress() | steps.ResponseCompleted()
                   | steps.ResponseIncomplete() | steps.ResponseFailed()):
                 return step.event, {"type": step.event, "sequence_number": seq, "response": response_json(state)}

@@ -120,6 +120,15 @@ class StreamSession:
         self._emit_lead(out)
         return out
 
+    def heartbeat(self) -> list[WireEvent]:
+        """The stream's keep-alive event, where its dialect has one
+        (``steps.Heartbeat``); none before the start or after the end."""
+        if self.terminated or self._seq == 0:
+            return []
+        out: list[WireEvent] = []
+        self._emit(out, steps.Heartbeat())
+        return out
+
     def _emit_lead(self, out: list[WireEvent]) -> None:
         for item in self._lead:
             item.status = "completed"

@@ -40,6 +40,17 @@ class ResponseInProgress:
 
 
 @dataclass(slots=True)
+class Heartbeat:
+    """Nothing to say for a while (a wait in the queue, a long prefill).
+    SSE comments and WebSocket pings keep a connection open, but some
+    clients time out on silence between *events* (Codex: its
+    ``stream_idle_timeout``, 300 s, over SSE and WebSocket alike): a
+    dialect whose protocol has an event for it sends that event."""
+
+    event: ClassVar[str] = "response.in_progress"
+
+
+@dataclass(slots=True)
 class ResponseCompleted:
     event: ClassVar[str] = "response.completed"
 
@@ -59,7 +70,7 @@ class ResponseCancelled:
     event: ClassVar[str] = "response.cancelled"
 
 
-ResponseStep = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete
+ResponseStep = (ResponseCreated | ResponseInProgress | Heartbeat | ResponseCompleted | ResponseIncomplete
                 | ResponseFailed | ResponseCancelled)
 # The steps that end a response: exactly one per session.
 TerminalStep = ResponseCompleted | ResponseIncomplete | ResponseFailed | ResponseCancelled

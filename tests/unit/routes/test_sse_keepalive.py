@@ -1,12 +1,15 @@
 """A stream with nothing to say (a long prefill, a wait in the queue) sends
 an SSE comment every ``limits.sse_keepalive_s``, so that clients and proxies
-do not give up on it; SDK parsing is unaffected. Served by uvicorn as
+do not give up on it; SDK parsing is unaffected. A dialect with an event for
+it also sends that event (``response.in_progress``, Anthropic's ``ping``):
+Codex times out on silence between events, comments or not. Served by uvicorn as
 ``lmspd serve`` serves it (coalescing middleware included), over a scripted
 engine that stays silent before its first event."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import httpx
@@ -73,3 +76,56 @@ def test_sdks_parse_a_stream_with_comments(tmp_path):
         chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
+
+
+def events_of(lines: list[tuple[float, str]]) -> list[dict]:
+    return [json.loads(text[len("data: "):]) for _, text in lines
+            if text.startswith("data: ") and text != "data: [DONE]"]
+
+
+def test_a_silent_responses_stream_repeats_in_progress_until_its_first_event(tmp_path):
+    from support.validate import validate_openai_stream
+
+    with serve(tmp_path) as url:
+        events = events_of(lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True}))
+    final = validate_openai_stream(events)  # sequence numbers stay contiguous
+    kinds = [e["type"] for e in events]
+    first_delta = kinds.index("response.output_text.delta")
+    # 0.4 s of silence at one per 0.05 s: several, all before the first delta.
+    assert kinds[:first_delta].count("response.in_progress") >= 4, kinds
+    assert "response.in_progress" not in kinds[first_delta:]
+    assert final["output"][0]["content"][0]["text"] == "Hello there"
+
+
+def test_a_queued_request_hears_in_progress_while_it_waits(tmp_path):
+    """The model is busy with another request: the second one's stream is
+    not silent while it waits for it."""
+    import threading
+
+    from support.validate import validate_openai_stream
+
+    with serve(tmp_path) as url:
+        first = threading.Thread(target=lines_of, args=(url, "/v1/responses", {"model": MODEL, "input": "a"}))
+        first.start()
+        time.sleep(0.1)
+        events = events_of(lines_of(url, "/v1/responses", {"model": MODEL, "input": "b", "stream": True}))
+        first.join()
+    validate_openai_stream(events)
+    kinds = [e["type"] for e in events]
+    # Its own 0.4 s of prefill silence and the first one's 0.3 s left.
+    assert kinds[:kinds.index("response.output_text.delta")].count("response.in_progress") >= 8, kinds
+
+
+def test_other_dialects_hear_their_own_keep_alive(tmp_path):
+    with serve(tmp_path) as url:
+        messages = events_of(lines_of(url, "/v1/messages", {
+            "model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
+        lmsp = lines_of(url, "/lmsp/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
+        chat = events_of(lines_of(url, "/v1/chat/completions", {
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
+    kinds = [e["type"] for e in messages]
+    assert kinds[0] == "message_start" and kinds.count("ping") >= 4, kinds
+    # LMSP and Chat Completions have no such event: comments only.
+    assert not any(text.startswith("event: response.in_progress") for _, text in lmsp)
+    assert [text for _, text in lmsp].count(SSE_KEEPALIVE.decode().strip()) >= 3
+    assert all(c.get("object") == "chat.completion.chunk" for c in chat)

@@ -24,10 +24,11 @@ from lmspd.tasks.manager import TaskManager, task_request
 from support.engine import ScriptedEngine
 
 
-def CountingEngine(n: int) -> ScriptedEngine:
-    """Emits ``n`` text deltas as fast as the consumer takes them."""
-    return ScriptedEngine(tuple(f"t{i} " for i in range(n)), model="m", context_window=100, max_concurrency=4,
-                          capabilities={"streaming": True})
+def CountingEngine(n: int, delay_s: float = 0.0) -> ScriptedEngine:
+    """Emits ``n`` text deltas as fast as the consumer takes them (or
+    ``delay_s`` apart)."""
+    return ScriptedEngine(tuple(f"t{i} " for i in range(n)), delay_s, model="m", context_window=100,
+                          max_concurrency=4, capabilities={"streaming": True})
 
 
 class WatchedStore:
@@ -124,7 +125,8 @@ def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_
         store_a = WatchedStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.005)
         store_b = SQLiteStore(tmp_path / "s.db")
         service = Service(DEFAULT_LIMITS)
-        service.add_engine(CountingEngine(60))
+        # Paced, so that the task is still running when B starts following.
+        service.add_engine(CountingEngine(60, delay_s=0.002))
         on_a, on_b = TaskManager(store_a), TaskManager(store_b)  # type: ignore[arg-type]
         on_a.attach()
         on_b.attach()
