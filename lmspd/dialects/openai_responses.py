@@ -303,7 +303,11 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
         "status": item.status,
     }
     if item.text is not None:
-        out["content"] = [{"type": "reasoning_text", "text": item.text}]
+        # As a message: an item just added has no part yet; its
+        # content_part.added brings the first (else a client that adds
+        # parts as announced ends up with two).
+        empty = item.status == "in_progress" and not item.text
+        out["content"] = [] if empty else [{"type": "reasoning_text", "text": item.text}]
     if item.encrypted_content is not None:
         out["encrypted_content"] = item.encrypted_content
     return out

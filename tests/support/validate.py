@@ -88,6 +88,7 @@ def validate_openai_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     args: dict[int, str] = {}
     custom: dict[int, str] = {}
     parts: set[int] = set()
+    announced: dict[int, int] = {}
     for ev in events:
         kind = ev["type"]
         idx = ev.get("output_index")
@@ -101,6 +102,11 @@ def validate_openai_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
             done[idx] = ev["item"]
         elif kind == "response.content_part.added":
             assert idx < len(added) and idx not in done
+            # Each part is announced once: the item as added holds the parts
+            # before it (a client appends each announced part).
+            had = len(added[idx].get("content") or []) + announced.get(idx, 0)
+            assert ev["content_index"] == had, f"content_index {ev['content_index']} announced after {had} parts"
+            announced[idx] = announced.get(idx, 0) + 1
             parts.add(idx)
         elif kind == "response.output_text.delta":
             assert idx in parts, "output_text.delta before content_part.added"
