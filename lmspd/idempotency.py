@@ -118,6 +118,10 @@ async def once(store: Store, owner: str, request: Request, body: dict[str, Any],
         if attempt.follow_task is None or follow is None:
             return attempt.replayed()
         reply = follow(attempt.follow_task)
+        # The first reply's own headers (Location: where the task is).
+        for name, value in (attempt.replay.headers or {}).items():
+            if name not in (FOLLOW, "content-type"):
+                reply.headers[name] = value
         reply.headers[REPLAYED] = "true"
         return reply
     try:

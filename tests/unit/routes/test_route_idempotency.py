@@ -96,8 +96,19 @@ def test_background_and_task_retries_return_the_same_work(app, http):
         assert r.headers["idempotent-replayed"] == "true"
         replayed = openai_events(list(parse_frames(r.iter_lines())))
     assert replayed == original
+
+    # A streamed task's retry says where the task is, as the first reply did
+    # (its events name only the response, and /events needs the task id).
+    k = key()
+    with http.stream("POST", "/lmsp/v1/tasks", json=body(stream=True), headers=k) as r:
+        where = r.headers["location"]
+        r.read()
+    with http.stream("POST", "/lmsp/v1/tasks", json=body(stream=True), headers=k) as r:
+        assert r.headers["idempotent-replayed"] == "true" and r.headers.get("location") == where
+        r.read()
     wait_for(lambda: http.get(task.headers["location"]).json()["finished_at"], timeout=10)
-    assert app.generations() == 2
+    wait_for(lambda: http.get(where).json()["finished_at"], timeout=10)
+    assert app.generations() == 3
 
 
 def test_concurrent_first_attempts_run_once(tmp_path):
