@@ -18,7 +18,7 @@ from typing import Callable
 
 from lmspd.dialects.registry import DIALECTS
 from lmspd.store.base import ClosedLog, Store, TaskEvent, TaskRecord, default_terminal_event
-from lmspd.streaming.session import StreamSession
+from lmspd.streaming.session import ResponseState, StreamSession
 
 log = logging.getLogger("lmspd.recovery")
 
@@ -31,16 +31,21 @@ def close_interrupted(task: TaskRecord, seq: int, events: list[TaskEvent]) -> Cl
     would have sent."""
     dialect = DIALECTS.get(str(task.request.get("dialect")))
     error = task.error or {"code": "server_restarted", "message": RESTART_MESSAGE}
-    if dialect is None or not events:
+    if dialect is None:
         name, data = default_terminal_event(task, seq)
         return ClosedLog([(name, data)])
+    model = str(task.request.get("model", ""))
+    open_index: int | None = None
     try:
-        state, open_index = dialect.rebuild([(e.event, e.data) for e in events],
-                                            str(task.request.get("model", "")), int(task.created_at))
-    except Exception:
-        log.exception("task %s: its log cannot be replayed; closing it with a bare failure", task.id)
-        name, data = default_terminal_event(task, seq)
-        return ClosedLog([(name, data)])
+        if not events:
+            raise LookupError("no events")
+        state, open_index = dialect.rebuild([(e.event, e.data) for e in events], model, int(task.created_at))
+    except Exception as exc:
+        if not isinstance(exc, LookupError):
+            log.exception("task %s: its log cannot be replayed; closing it with a bare failure", task.id)
+        # Still the dialect's own failure event (LMSP's carries a problem
+        # object), for a response of which nothing is known.
+        state = ResponseState(id=task.response_id or task.id, model=model, created_at=int(task.created_at))
     session = StreamSession.resume(state, dialect.encoder(), next_seq=dialect.wire_seq(seq), open_index=open_index)
     wires = session.fail(error["code"], error["message"])
     return ClosedLog([(name, data) for _, name, data in wires], dialect.response_json(state))

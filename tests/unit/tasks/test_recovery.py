@@ -64,9 +64,17 @@ def test_every_cut_point_closes_into_a_valid_stream(name: str) -> None:
             assert final == closed.result and final["error"]["code"] == "server_restarted"
 
 
-def test_a_log_without_events_gets_a_bare_failure() -> None:
+def test_a_log_without_events_gets_a_bare_failure_in_its_dialect() -> None:
     closed = close_interrupted(task(LMSP, 0), 1, [])
-    assert closed.events == [("response.failed", {"response_id": "resp_1", "status": "failed",
-                                                  "error": {"code": "server_restarted", "message": RESTART_MESSAGE}})]
+    ((name, data),) = closed.events
+    assert name == "response.failed" and data["response_id"] == "resp_1" and data["status"] == "failed"
+    # LMSP §6.3: the error is a problem object.
+    problem = data["error"]
+    assert problem["code"] == "server_restarted" and problem["detail"] == RESTART_MESSAGE
+    assert {"type", "title", "status"} <= set(problem)
+    closed = close_interrupted(task(OPENAI, 0), 1, [])
+    ((name, data),) = closed.events
+    assert name == "response.failed" and data["type"] == "response.failed"
+    assert data["response"]["id"] == "resp_1" and data["response"]["error"]["code"] == "server_restarted"
 
 
