@@ -35,17 +35,16 @@ def close_interrupted(task: TaskRecord, seq: int, events: list[TaskEvent]) -> Cl
         name, data = default_terminal_event(task, seq)
         return ClosedLog([(name, data)])
     model = str(task.request.get("model", ""))
-    open_index: int | None = None
-    try:
-        if not events:
-            raise LookupError("no events")
-        state, open_index = dialect.rebuild([(e.event, e.data) for e in events], model, int(task.created_at))
-    except Exception as exc:
-        if not isinstance(exc, LookupError):
+    rebuilt: tuple[ResponseState, int | None] | None = None
+    if events:
+        try:
+            rebuilt = dialect.rebuild([(e.event, e.data) for e in events], model, int(task.created_at))
+        except Exception:
             log.exception("task %s: its log cannot be replayed; closing it with a bare failure", task.id)
-        # Still the dialect's own failure event (LMSP's carries a problem
-        # object), for a response of which nothing is known.
-        state = ResponseState(id=task.response_id or task.id, model=model, created_at=int(task.created_at))
+    # With nothing to replay, still the dialect's own failure event (LMSP's
+    # carries a problem object), for a response of which nothing is known.
+    state, open_index = rebuilt or (
+        ResponseState(id=task.response_id or task.id, model=model, created_at=int(task.created_at)), None)
     session = StreamSession.resume(state, dialect.encoder(), next_seq=dialect.wire_seq(seq), open_index=open_index)
     wires = session.fail(error["code"], error["message"])
     return ClosedLog([(name, data) for _, name, data in wires], dialect.response_json(state))

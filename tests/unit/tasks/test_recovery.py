@@ -72,6 +72,11 @@ def test_a_log_without_events_gets_a_bare_failure_in_its_dialect() -> None:
     problem = data["error"]
     assert problem["code"] == "server_restarted" and problem["detail"] == RESTART_MESSAGE
     assert {"type", "title", "status"} <= set(problem)
+    # A log that cannot be replayed closes the same way.
+    closed = close_interrupted(task(LMSP, 1), 2, [TaskEvent(1, "response.output_item.added", {"bad": 1})])
+    ((name, data),) = closed.events
+    assert name == "response.failed" and data["error"]["code"] == "server_restarted"
+    assert {"type", "title", "status"} <= set(data["error"])
     closed = close_interrupted(task(OPENAI, 0), 1, [])
     ((name, data),) = closed.events
     assert name == "response.failed" and data["type"] == "response.failed"
