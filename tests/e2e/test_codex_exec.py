@@ -28,11 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CODEX = Path(os.environ.get("LMSPD_CODEX", ROOT / ".tools/codex/node_modules/.bin/codex"))
 # Codex's first request is ~9k tokens, prefilled on two CPU cores.
 TURN_TIMEOUT_S = 900
-# Codex gives up on a stream silent between events this long (its default
-# is 300 s). Shorter than that cold prefill (100-280 s on CI), so the run
-# that pays it passes only because the server repeats response.in_progress
-# while the prompt evaluates; still 4x the server's keep-alive interval.
-IDLE_TIMEOUT_S = 60
 
 pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"the Codex CLI is not installed at {CODEX} "
                                                            "(./dev.sh test installs it when npm is available)")
@@ -69,7 +64,7 @@ wire_api = "responses"
 supports_websockets = {str(websockets).lower()}
 request_max_retries = 0
 stream_max_retries = 0
-stream_idle_timeout_ms = {IDLE_TIMEOUT_S * 1000}
+stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
 """)
     env = {**os.environ, "CODEX_HOME": str(home), "LMSPD_API_KEY": "unused-on-loopback"}
     done = subprocess.run(
