@@ -148,12 +148,13 @@ def test_a_huge_request_does_not_stall_a_running_stream():
         streaming = threading.Event()
 
         def stream() -> None:
-            # A schema that forces a long answer: the model cannot stop early.
+            # A schema that forces a long answer: the model cannot stop early
+            # (seeded: unseeded it can fall into a cycle the repetition guard ends).
             schema = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"},
                                                              "minItems": 600}},
                       "required": ["n"], "additionalProperties": False}
             body = {"model": MODEL, "input": "List numbers.", "stream": True, "max_output_tokens": 1900,
-                    "temperature": 0.8, "store": False,
+                    "temperature": 0.8, "store": False, "extensions": {"lmspd.sampling": {"seed": 1}},
                     "text": {"format": {"type": "json_schema", "name": "numbers", "schema": schema}}}
             with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=600) as r:
                 for line in r.iter_lines():
