@@ -158,6 +158,11 @@ def error_json(state: ResponseState) -> dict[str, Any] | None:
     return ApiError(state.error["code"], state.error["message"]).problem()
 
 
+def error_event(exc: ApiError) -> dict[str, Any]:
+    """The ``error`` event (§6.3): a problem after which the stream cannot go on."""
+    return {"error": exc.problem()}
+
+
 def response_json(state: ResponseState) -> dict[str, Any]:
     body = {
         "id": state.id,

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError
 
 from lmspd.core import compaction
 from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Sampling, ToolCall, ToolOutput
-from lmspd.core.errors import invalid, unsupported
+from lmspd.core.errors import ApiError, invalid, unsupported
 from lmspd.core.events import Usage
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming import steps
@@ -311,6 +311,11 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
     if item.encrypted_content is not None:
         out["encrypted_content"] = item.encrypted_content
     return out
+
+
+def error_event(exc: ApiError, seq: int) -> dict[str, Any]:
+    """The stream's ``error`` event (the SDK's ``ResponseErrorEvent``)."""
+    return {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "sequence_number": seq}
 
 
 def compaction_json(item: Message) -> dict[str, Any]:

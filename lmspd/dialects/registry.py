@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from lmspd.core.conversation import Item
-from lmspd.core.errors import RequestField
+from lmspd.core.errors import ApiError, RequestField
 from lmspd.streaming.session import Encoder, ResponseState
 from lmspd.streaming.sse import SSE_DONE, sse_event
 
@@ -41,6 +41,9 @@ class Dialect:
     frame: Callable[[int, str, dict[str, Any]], bytes]
     # What ends a stream after its terminal event (OpenAI's [DONE]).
     trailer: bytes | None
+    # The stream-level ``error`` event, for a follower whose stream cannot
+    # reach the terminal event: (error, wire seq it would take) -> bytes.
+    stream_error: Callable[[ApiError, int], bytes]
     headers: dict[str, str]
     rebuild: Rebuild
     # Wire seq of the first event; a task's log numbers from 1 whatever the
@@ -72,6 +75,7 @@ OPENAI = Dialect(
     response_json=openai_responses.response_json,
     frame=lambda seq, name, data: sse_event(name, data),
     trailer=SSE_DONE,
+    stream_error=lambda exc, seq: sse_event("error", openai_responses.error_event(exc, seq)),
     headers={},
     rebuild=lambda events, model, created_at: openai_responses.state_from_log(events),
     first_seq=openai_responses.OpenAIEncoder.first_sequence_number,
@@ -86,6 +90,8 @@ LMSP = Dialect(
     response_json=lmsp.response_json,
     frame=lambda seq, name, data: sse_event(name, data, seq),
     trailer=None,
+    # No id: it is not one of the response's events, so Last-Event-ID never names it.
+    stream_error=lambda exc, seq: sse_event("error", lmsp.error_event(exc)),
     headers={"LMSP-Version": lmsp.VERSION},
     rebuild=lambda events, model, created_at: lmsp.state_from_log(events, model=model, created_at=created_at),
     first_seq=lmsp.LmspEncoder.first_sequence_number,

@@ -3,6 +3,7 @@ followed as SSE (LMSP task events, OpenAI background streams)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
@@ -48,6 +49,14 @@ def check_after(task: TaskRecord, after: int, dialect: Dialect, param: str) -> N
                       f"{dialect.wire_seq(task.last_seq)}.", param)
 
 
+def cut_short(task_id: str, gone: bool) -> ApiError:
+    """Why a task's events ended before its terminal event."""
+    if gone:
+        return ApiError("task_not_found", f"Task {task_id!r} was deleted while its events were followed.")
+    return ApiError("store_unavailable", f"The events of task {task_id!r} could not all be stored; its final "
+                    "state is what reading the task returns.")
+
+
 def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
                  not_found: ApiError) -> StreamingResponse:
     """The task's events after store seq ``after`` as SSE, live until its
@@ -64,13 +73,22 @@ def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, afte
         raise not_found
 
     async def frames() -> AsyncIterator[bytes]:
-        ended = False
+        ended, last = False, after
         # aclosing: a reader that leaves unsubscribes at once, not at GC.
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
-                ended = event.event in TERMINAL_EVENT_NAMES
-        if ended and dialect.trailer is not None:
-            yield dialect.trailer
+                ended, last = event.event in TERMINAL_EVENT_NAMES, event.seq
+        if ended:
+            if dialect.trailer is not None:
+                yield dialect.trailer
+            return
+        task = await asyncio.to_thread(app.store.get_task, owner, task_id)
+        if task is not None and task.terminal and task.last_seq <= last:
+            return  # asked for what comes after the last event: nothing
+        # The log stopped short of its terminal event: the stream says why
+        # instead of just ending, which a client would read as a dropped
+        # connection and retry forever.
+        yield dialect.stream_error(cut_short(task_id, gone=task is None), dialect.wire_seq(last + 1))
 
     return sse_reply(frames(), headers=dialect.headers, keepalive_s=app.settings.limits.sse_keepalive_s)

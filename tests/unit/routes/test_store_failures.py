@@ -130,3 +130,50 @@ def test_a_websocket_turn_after_an_unstored_one_is_stored_whole(tmp_path) -> Non
         r = http.post("/v1/responses", json={"model": MODEL, "input": "three", "previous_response_id": second_id})
         assert r.status_code == 200, r.text
     store.close()
+
+
+class EventsFailAfter(SQLiteStore):
+    """Stores the first ``keep`` events of a task, then refuses to store more."""
+
+    keep = 4
+
+    def append_events(self, task_id, events):
+        if events and events[-1][0] > self.keep:
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().append_events(task_id, events)
+
+
+def test_a_follower_of_a_task_whose_log_is_cut_short_gets_an_error_event(tmp_path) -> None:
+    """LMSP §6.3: a problem after which the stream cannot go on is an
+    ``error`` event; a stream that just ended would be read as a dropped
+    connection and resumed forever."""
+    from starlette.testclient import TestClient
+
+    from support.engine import ScriptedEngine
+    from support.follow import follow
+    from support.sse import parse_frames
+
+    store = EventsFailAfter(tmp_path / "lmspd.sqlite3")
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(400)), delay_s=0.01)
+    app, _ = make_app(tmp_path, store=store, engine=engine)
+    with TestClient(app, base_url="http://lmspd.test") as http:
+        r = http.post("/lmsp/v1/tasks", json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 202, r.text
+        status, got, _ = follow(http, f"/lmsp/v1/tasks/{r.json()['id']}/events")
+        assert status == 200
+        *events, last = got
+        assert [f.id for f in events] == [str(i) for i in range(1, len(events) + 1)]
+        assert last.event == "error" and last.id is None, "not one of the response's numbered events"
+        problem = last.json()["error"]
+        assert problem["code"] == "store_unavailable" and problem["status"] == 503
+
+        # OpenAI's background stream: its own error event, numbered next.
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True, "store": True})
+        assert r.status_code == 200, r.text
+        with http.stream("GET", f"/v1/responses/{r.json()['id']}", params={"stream": "true"}) as reply:
+            frames = list(parse_frames(reply.iter_lines()))
+        data = [json.loads(f.data) for f in frames]
+        assert frames[-1].event == "error" and data[-1]["type"] == "error", "no [DONE] after an error"
+        assert data[-1]["code"] == "store_unavailable" and data[-1]["param"] is None
+        assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    store.close()
