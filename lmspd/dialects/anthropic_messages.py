@@ -38,7 +38,7 @@ from lmspd.streaming.steps import Step
 
 from .common import check_answered, decode_stop
 from .extensions import decode_extensions
-from .responses_items import Lenient, Strict, decode_tool_choice, decode_tools, validation_error
+from .responses_items import Lenient, Strict, decode_tool_choice, decode_tools, media_placeholder, validation_error
 
 # -- request ---------------------------------------------------------------------
 
@@ -399,9 +399,9 @@ def _result_blocks(content: str | list[Any] | None, path: str) -> tuple[list[str
         where = f"{path}[{k}]"
         kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
         if kind in MEDIA_BLOCK_TYPES:
-            raise ApiError("unsupported_capability",
-                           f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
-                           "models.", param=f"{where}.type")
+            texts.append(media_placeholder(kind))
+            marked.append(block.get("cache_control") is not None)
+            continue
         if kind != "text" or not isinstance(block.get("text"), str):
             raise invalid(f"Invalid tool_result content at '{where}': expected text blocks.", where)
         texts.append(block["text"])

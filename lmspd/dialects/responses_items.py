@@ -70,8 +70,18 @@ TEXT_PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text", 
 MEDIA_PART_TYPES = {"input_image", "input_file", "input_audio", "image_url", "file"}
 
 
-def content_text(content: Any, path: str, limits: RequestLimits) -> str:
-    """A message's content (a string or a list of parts) as plain text."""
+def media_placeholder(kind: str) -> str:
+    """What a text-only model reads in place of a media part of a tool's
+    output. Agents attach images to tool results on their own (Codex's
+    ``view_image``, Claude Code reading a picture): a 400 there would fail
+    that turn and every later replay of the session, while the model, told
+    in words, can go on. Media in a user's own message is still a 400."""
+    return f"[{kind} omitted: this model reads text only]"
+
+
+def content_text(content: Any, path: str, limits: RequestLimits, *, tool_output: bool = False) -> str:
+    """A message's content (a string or a list of parts) as plain text;
+    ``tool_output``: media parts become ``media_placeholder`` text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -89,6 +99,9 @@ def content_text(content: Any, path: str, limits: RequestLimits) -> str:
         if not isinstance(part, dict):
             raise invalid(f"Invalid content part at '{where}': expected an object.", where)
         kind = tag(part.get("type"), f"{where}.type")
+        if kind in MEDIA_PART_TYPES and tool_output:
+            texts.append(media_placeholder(kind))
+            continue
         if kind in MEDIA_PART_TYPES:
             raise ApiError(
                 "unsupported_capability",
@@ -117,7 +130,11 @@ def content_breakpoints(content: Any, path: str, limits: RequestLimits) -> tuple
         if isinstance(part, str):
             at += len(part)
             continue
-        at += len(part.get(TEXT_PART_TYPES.get(part.get("type") or "", "text")) or "")
+        kind = part.get("type") or ""
+        if kind in MEDIA_PART_TYPES:
+            at += len(media_placeholder(kind))
+        else:
+            at += len(part.get(TEXT_PART_TYPES.get(kind, "text")) or "")
         marker = part.get("prompt_cache_breakpoint")
         if marker is None:
             continue
@@ -298,7 +315,8 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
         return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
                         payload=parsed.input, kind="custom", namespace=parsed.namespace, id=parsed.id)
     if isinstance(parsed, ToolOutputIn):
-        output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits)
+        output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits,
+                                                                                         tool_output=True)
         _check_text(output, f"{where}.output", limits)
         return ToolOutput(call_id=parsed.call_id, output=output, id=parsed.id,
                           kind="custom" if parsed.type == "custom_tool_call_output" else "function",
