@@ -73,6 +73,18 @@ class Sealer:
             os.unlink(tmp)
         return key
 
+    @staticmethod
+    def sealed_by_lmspd(blob: str) -> bool:
+        """Whether ``blob`` has the form lmspd seals in (under any key):
+        another provider's reasoning blob (OpenAI's, replayed by a session
+        that began there) has not. Only such a blob is passed over; one of
+        ours that does not open is refused (``open``)."""
+        try:
+            raw = base64.urlsafe_b64decode(blob.encode())
+        except ValueError:  # binascii.Error included
+            return False
+        return raw.startswith(_VERSION)
+
     def seal(self, model: str, hidden: str, owner: str = "local") -> str:
         nonce = os.urandom(12)
         plain = json.dumps({"hidden": hidden}, ensure_ascii=False).encode()

@@ -108,5 +108,15 @@ def test_tool_call_replay_without_reasoning_state_is_refused(data_dir):
                        "max_output_tokens": 4, "reasoning": {"effort": "none"}})
         assert r.status_code == 200, r.text
         assert stats(srv)["generations"] == before + 1
+        # Another provider's blob (a session that began on OpenAI) is passed
+        # over, not refused: the turn renders as a visible-only replay.
+        foreign = "gAAAAABo" + "x1Y2_-Zq" * 40
+        r = post(srv, {"input": [{"role": "user", "content": "Look it up."},
+                                 {"type": "reasoning", "summary": [], "encrypted_content": foreign},
+                                 {"type": "function_call", "call_id": "call_x", "name": "lookup", "arguments": "{}"},
+                                 {"type": "function_call_output", "call_id": "call_x", "output": "42"}],
+                       "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}],
+                       "max_output_tokens": 4, "reasoning": {"effort": "none"}})
+        assert r.status_code == 200, r.text
     finally:
         srv.stop()

@@ -120,6 +120,30 @@ def test_generate_false_prefills_and_the_next_turn_appends_only_new_input(server
         assert s["last_prefilled_tokens"] < 30 < warm_tokens, s
 
 
+def test_a_warm_up_of_the_first_developer_message_is_the_prefix_of_the_turn(server):
+    """Codex's startup prewarm: ``generate: false`` with its base instructions
+    only (one developer message) and its tools; the turn then sends a second
+    developer message and the user's. Leading developer messages join the
+    system message ahead of the tool list, so the warm-up prefills only
+    what the turn's prompt starts with: the turn continues it in place."""
+    tools = [{"type": "function", "name": "exec_command", "description": "Run a shell command.",
+              "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}]
+    base = "You are a coding agent. Be precise and safe. " * 12
+    with open_ws(server.url) as ws:
+        warm = validate_openai_stream(create(ws, {**body(input=[{"role": "developer", "content": base}], tools=tools,
+                                                         store=False), "generate": False}))
+        assert warm["status"] == "completed" and warm["output"] == []
+        turn = validate_openai_stream(create(ws, body(
+            input=[{"role": "developer", "content": "<permissions>read-only</permissions>"},
+                   {"role": "user", "content": "Say hello."}],
+            tools=tools, previous_response_id=warm["id"], store=False)))
+    s = stats(server)
+    assert s["last_cache_source"] == "connection", s
+    assert turn["usage"]["input_tokens_details"]["cached_tokens"] == warm["usage"]["input_tokens"] > 100, turn["usage"]
+    # The tool list was not in the warm-up: the turn prefilled it.
+    assert s["last_prefilled_tokens"] > 40, s
+
+
 def test_bad_frames_get_error_frames_and_the_connection_stays_usable(server):
     with open_ws(server.url) as ws:
         ws.send("this is not json")

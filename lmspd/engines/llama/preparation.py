@@ -142,9 +142,8 @@ class Preparation:
         self._open_sealed_reasoning(conversation)
         requires_state = self._attach_live_history(conversation)
         n_ctx = self.n_ctx
-        # A prefill-only prompt stops before the assistant's header: it is
-        # the prefix of the next turn's prompt, whatever that turn adds.
-        text = self.render(conversation, add_generation_prompt=not conversation.prefill_only)
+        text = (self._warm_prefix(conversation) if conversation.prefill_only
+                else self.render(conversation))
         tokens = self._tokenize(conversation, text)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
@@ -202,6 +201,24 @@ class Preparation:
             if state is not None and state.visible is not None:
                 return state.tokens + self.vocab.tokenize(text[len(state.visible):])
         return self.vocab.tokenize(text)
+
+    def _warm_prefix(self, conversation: Conversation) -> str:
+        """A prefill-only (``generate: false``) prompt: the part of it that
+        the next turn's prompt starts with, whatever that turn appends —
+        found, like ``_tools_end``, as what renders with different messages
+        appended share. Not simply the prompt without the assistant's
+        header: leading developer messages join the system message ahead
+        of the tool list, so the warm-up of Codex's base instructions alone
+        (its startup prewarm, which Codex gives up on after 15 s) prefilled
+        a tool list that its real turn has after a second developer
+        message, and that turn reused only the instructions."""
+        text = self.render(conversation, add_generation_prompt=False)
+        for role in ("developer", "user"):
+            for word in ("Yes", "No"):
+                longer = self.render(dataclasses.replace(
+                    conversation, items=[*conversation.items, Message(role=role, text=word)]))
+                text = text[:len(os.path.commonprefix([text, longer]))]
+        return text
 
     def _tools_end(self, conversation: Conversation, text: str) -> int | None:
         """Where the rendered tool definitions end in the prompt ``text``, for
@@ -269,7 +286,11 @@ class Preparation:
         for i, item in enumerate(conversation.items):
             if isinstance(item, Reasoning) and item.encrypted_content:
                 if self.sealer is None or self.reasoning is None:
-                    continue  # another provider's blob: nothing we can render
+                    continue  # this model renders no hidden reasoning
+                if not Sealer.sealed_by_lmspd(item.encrypted_content):
+                    # Another provider's (a session that began elsewhere):
+                    # the turn renders without it, as a visible-only replay.
+                    continue
                 item.hidden = self.sealer.open(self.model_id, item.encrypted_content,
                                                f"input[{i}].encrypted_content", owner=conversation.owner)
 

@@ -103,3 +103,16 @@ def test_a_blob_edited_where_base64_is_lenient_is_refused(tmp_path, edit) -> Non
         with pytest.raises(ApiError):
             sealer.open_value("compaction", edited, "p")
     assert edits
+
+
+def test_only_a_blob_in_lmspd_form_counts_as_sealed_here(tmp_path, sealer: Sealer) -> None:
+    """Another provider's blob is passed over unopened; one of ours (under any
+    key, edited or not) is ours to open or refuse."""
+    other_key = Sealer.from_data_dir(tmp_path)
+    ours = [sealer.seal("m", "thoughts"), other_key.seal("m", "thoughts"), sealer.seal_value("compaction", {})]
+    for blob in ours:
+        assert Sealer.sealed_by_lmspd(blob)
+        assert Sealer.sealed_by_lmspd(blob[:-6] + "AAAAAA"), "a tampered one is still refused, not passed over"
+    # OpenAI's encrypted_content (a Fernet token), text that is not base64, nothing.
+    for foreign in ("gAAAAABo" + "x1Y2_-Zq" * 40, "not base64!", "", "bDI"):
+        assert not Sealer.sealed_by_lmspd(foreign), foreign
