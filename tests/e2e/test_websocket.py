@@ -143,6 +143,23 @@ def test_a_warm_up_of_the_first_developer_message_is_the_prefix_of_the_turn(serv
     # The tool list was not in the warm-up: the turn prefilled it.
     assert s["last_prefilled_tokens"] > 40, s
 
+    # Codex's next session: the same warm-up, while a sequence still holds
+    # the last session's whole prompt. The warm-up leaves it where it is
+    # (copied into a sequence of its own, it would be what the turn
+    # continues, prefilling the tool list again), and the turn reuses it all.
+    with open_ws(server.url) as ws:
+        before = stats(server)["generations"]
+        again = validate_openai_stream(create(ws, {**body(input=[{"role": "developer", "content": base}], tools=tools,
+                                                          store=False), "generate": False}))
+        assert again["status"] == "completed" and stats(server)["generations"] == before, "nothing ran"
+        assert again["usage"]["input_tokens_details"]["cached_tokens"] == again["usage"]["input_tokens"] - 1
+        turn = validate_openai_stream(create(ws, body(
+            input=[{"role": "developer", "content": "<permissions>read-only</permissions>"},
+                   {"role": "user", "content": "Say hello."}],
+            tools=tools, previous_response_id=again["id"], store=False)))
+    assert stats(server)["last_prefilled_tokens"] < 5, stats(server)
+    assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= turn["usage"]["input_tokens"] - 5
+
 
 def test_bad_frames_get_error_frames_and_the_connection_stays_usable(server):
     with open_ws(server.url) as ws:

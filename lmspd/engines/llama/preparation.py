@@ -43,8 +43,12 @@ from .template import ChatTemplate
 from .tool_formats import ToolFormat
 from .vocab import Vocabulary
 
+# How many words a warm-up's cut may move back to a token boundary.
+_WARM_BACKOFF_WORDS = 8
+
 
 @dataclass
+
 class LlamaPrepared:
     conversation: Conversation
     text: str
@@ -142,9 +146,11 @@ class Preparation:
         self._open_sealed_reasoning(conversation)
         requires_state = self._attach_live_history(conversation)
         n_ctx = self.n_ctx
-        text = (self._warm_prefix(conversation) if conversation.prefill_only
-                else self.render(conversation))
-        tokens = self._tokenize(conversation, text)
+        if conversation.prefill_only:
+            text, tokens = self._warm_prefix(conversation)
+        else:
+            text = self.render(conversation)
+            tokens = self._tokenize(conversation, text)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
             text, tokens = self._truncate(conversation, n_ctx - (requested or 1))
@@ -202,7 +208,7 @@ class Preparation:
                 return state.tokens + self.vocab.tokenize(text[len(state.visible):])
         return self.vocab.tokenize(text)
 
-    def _warm_prefix(self, conversation: Conversation) -> str:
+    def _warm_prefix(self, conversation: Conversation) -> tuple[str, list[int]]:
         """A prefill-only (``generate: false``) prompt: the part of it that
         the next turn's prompt starts with, whatever that turn appends —
         found, like ``_tools_end``, as what renders with different messages
@@ -211,14 +217,25 @@ class Preparation:
         of the tool list, so the warm-up of Codex's base instructions alone
         (its startup prewarm, which Codex gives up on after 15 s) prefilled
         a tool list that its real turn has after a second developer
-        message, and that turn reused only the instructions."""
-        text = self.render(conversation, add_generation_prompt=False)
-        for role in ("developer", "user"):
-            for word in ("Yes", "No"):
-                longer = self.render(dataclasses.replace(
-                    conversation, items=[*conversation.items, Message(role=role, text=word)]))
-                text = text[:len(os.path.commonprefix([text, longer]))]
-        return text
+        message, and that turn reused only the instructions.
+
+        The cut must also be where the next prompt's tokens break: "\n\n"
+        at the end of a text is one token, before "<" two. Where its tokens
+        do not begin every probe's, it moves back before the trailing
+        whitespace, then a word at a time, until they do."""
+        whole = self.render(conversation, add_generation_prompt=False)
+        probes = [self.render(dataclasses.replace(conversation, items=[*conversation.items, Message(role=role, text=word)]))
+                  for role in ("developer", "user") for word in ("Yes", "No")]
+        text = whole[:len(os.path.commonprefix([whole, *probes]))]
+        probe_tokens = [self.vocab.tokenize(p) for p in probes]
+        for attempt in range(_WARM_BACKOFF_WORDS):
+            if attempt:
+                text = text.rstrip() if text != text.rstrip() else text[:max(text.rfind(" "), text.rfind("\n"), 0)]
+            tokens = self.vocab.tokenize(text)
+            if tokens and all(p[:len(tokens)] == tokens for p in probe_tokens):
+                return text, tokens
+        # No stable cut found: the whole prompt, as before the probes.
+        return whole, self.vocab.tokenize(whole)
 
     def _tools_end(self, conversation: Conversation, text: str) -> int | None:
         """Where the rendered tool definitions end in the prompt ``text``, for

@@ -352,7 +352,26 @@ class Scheduler:
             if plan is None:
                 continue  # no sequence for it yet: asked again after the next step
             self._waiting.remove(job)
+            if self._already_warm(job, plan):
+                continue
             self._start(job, plan)
+
+    def _already_warm(self, job: Job, plan: CachePlan) -> bool:
+        """A warm-up (``generate: false``) whose prompt a sequence already
+        holds ends at once, the KV left as it is. Running it would copy that
+        prefix into a sequence of its own (or cut the holder back to it), and
+        the turn after it would continue that copy in place and prefill what
+        the holder had beyond it: Codex warms up with its instructions while
+        the last session's whole prompt sits in another sequence. Unnamed
+        by any remembered state, the next turn is matched by its prefix."""
+        if (not job.prepared.conversation.prefill_only or plan.keep == 0 or plan.restore is not None
+                or len(plan.resolved().suffix) > 1):
+            return False
+        log.info("generation response=%s seq=%d cache_source=%s reused=%d prefilled=0 prefill_only already held",
+                 job.response_id, plan.seq, plan.source, plan.keep)
+        job.emit(Finished("stop", Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
+                                        cache_source=plan.source)))
+        return True
 
     def _start(self, job: Job, plan: CachePlan) -> None:
         # Before apply: the diagnosis compares with what the cache holds now.
