@@ -48,7 +48,6 @@ _WARM_BACKOFF_WORDS = 8
 
 
 @dataclass
-
 class LlamaPrepared:
     conversation: Conversation
     text: str
