@@ -92,3 +92,9 @@ def test_codex_exec_over_websocket(default_server, codex_dirs):
     codex_exec(default_server, codex_dirs, websockets=True)
     new = default_server.log()[len(before):]
     assert re.search(r"websocket connection=ws_\w+ response=resp_\w+ status=(completed|incomplete)", new), new[-3000:]
+    # Codex warms up first (generate: false, its instructions and tools) and
+    # gives up on it after 15 s, opening another connection for the turn.
+    # The prompt is held from the run over HTTP, so the warm-up ends at once
+    # ("prefill_only already held") and the turn continues it.
+    assert re.search(r"websocket connection=ws_\w+ response=resp_\w+ status=(completed|incomplete) continued=True",
+                     new), new[-3000:]

@@ -367,8 +367,8 @@ class Scheduler:
         if (not job.prepared.conversation.prefill_only or plan.keep == 0 or plan.restore is not None
                 or len(plan.resolved().suffix) > 1):
             return False
-        log.info("generation response=%s seq=%d cache_source=%s reused=%d prefilled=0 prefill_only already held",
-                 job.response_id, plan.seq, plan.source, plan.keep)
+        log.info("generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=0 prefill_only already held",
+                 job.response_id, plan.seq, plan.source, f" {plan.detail}" if plan.detail else "", plan.keep)
         job.emit(Finished("stop", Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
                                         cache_source=plan.source)))
         return True
