@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
@@ -15,6 +16,8 @@ from lmspd.dialects.registry import LMSP, Dialect
 from lmspd.http import LmspdApp, sse_reply
 from lmspd.store.base import EventsExpired, TaskRecord
 from lmspd.tasks.manager import LiveTask
+
+log = logging.getLogger(__name__)
 
 
 def task_json(task: TaskRecord, live: LiveTask | None) -> dict[str, Any]:
@@ -49,12 +52,10 @@ def check_after(task: TaskRecord, after: int, dialect: Dialect, param: str) -> N
                       f"{dialect.wire_seq(task.last_seq)}.", param)
 
 
-def cut_short(task_id: str, gone: bool) -> ApiError:
-    """Why a task's events ended before its terminal event."""
-    if gone:
-        return ApiError("task_not_found", f"Task {task_id!r} was deleted while its events were followed.")
-    return ApiError("store_unavailable", f"The events of task {task_id!r} could not all be stored; its final "
-                    "state is what reading the task returns.")
+def cut_short(task_id: str) -> ApiError:
+    """Why a task's events ended before its terminal event, the task still there."""
+    return ApiError("store_unavailable", f"The events of {task_id!r} could not all be stored; read it for its "
+                    "final state.")
 
 
 def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
@@ -74,21 +75,31 @@ def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, afte
 
     async def frames() -> AsyncIterator[bytes]:
         ended, last = False, after
-        # aclosing: a reader that leaves unsubscribes at once, not at GC.
-        async with contextlib.aclosing(events) as stream:
-            async for event in stream:
-                yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
-                ended, last = event.event in TERMINAL_EVENT_NAMES, event.seq
+        try:
+            # aclosing: a reader that leaves unsubscribes at once, not at GC.
+            async with contextlib.aclosing(events) as stream:
+                async for event in stream:
+                    yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
+                    ended, last = event.event in TERMINAL_EVENT_NAMES, event.seq
+        except Exception:  # reading the log failed (the store is down)
+            log.exception("following %s", task_id)
+            yield dialect.stream_error(cut_short(task_id), dialect.wire_seq(last + 1))
+            return
         if ended:
             if dialect.trailer is not None:
                 yield dialect.trailer
             return
-        task = await asyncio.to_thread(app.store.get_task, owner, task_id)
-        if task is not None and task.terminal and task.last_seq <= last:
-            return  # asked for what comes after the last event: nothing
+        try:
+            task = await asyncio.to_thread(app.store.get_task, owner, task_id)
+        except Exception:  # the store failing is one way to get here
+            cause = cut_short(task_id)
+        else:
+            if task is not None and task.terminal and task.last_seq <= last:
+                return  # asked for what comes after the last event: nothing
+            cause = not_found if task is None else cut_short(task_id)
         # The log stopped short of its terminal event: the stream says why
         # instead of just ending, which a client would read as a dropped
         # connection and retry forever.
-        yield dialect.stream_error(cut_short(task_id, gone=task is None), dialect.wire_seq(last + 1))
+        yield dialect.stream_error(cause, dialect.wire_seq(last + 1))
 
     return sse_reply(frames(), headers=dialect.headers, keepalive_s=app.settings.limits.sse_keepalive_s)

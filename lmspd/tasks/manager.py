@@ -416,6 +416,11 @@ class TaskManager:
                 more = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
                 batch = more or []
             if queue is None:
+                if not self.store.shared:
+                    # One process owns an unshared store: not running here is
+                    # not running at all, and a log without its terminal event
+                    # was cut short (the next start's recovery closes it).
+                    return
                 # Not running here: it runs on another instance (or ran, and
                 # a survivor is about to close it). Its log is all there is.
                 async for event in self._tail_stored(owner, task_id, last):

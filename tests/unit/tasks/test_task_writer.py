@@ -124,6 +124,9 @@ def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_
     async def go() -> tuple[list[int], list[int], str, bool]:
         store_a = WatchedStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.005)
         store_b = SQLiteStore(tmp_path / "s.db")
+        # Two managers on one SQLite file stand for two instances on a shared
+        # store (on an unshared one, a task not running here has ended).
+        store_b.shared = True  # type: ignore[misc]
         service = Service(DEFAULT_LIMITS)
         # Paced, so that the task is still running when B starts following.
         service.add_engine(CountingEngine(60, delay_s=0.002))
