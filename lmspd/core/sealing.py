@@ -78,12 +78,14 @@ class Sealer:
         """Whether ``blob`` has the form lmspd seals in (under any key):
         another provider's reasoning blob (OpenAI's, replayed by a session
         that began there) has not. Only such a blob is passed over; one of
-        ours that does not open is refused (``open``)."""
+        ours that does not open is refused (``open``). Judged by its first
+        four characters (the version and a nonce byte), so that one of ours
+        cut short or with a character dropped is still ours, and refused."""
         try:
-            raw = base64.urlsafe_b64decode(blob.encode())
-        except ValueError:  # binascii.Error included
+            head = base64.urlsafe_b64decode(blob[:4].encode())
+        except ValueError:  # binascii.Error, and non-ASCII text, included
             return False
-        return raw.startswith(_VERSION)
+        return head.startswith(_VERSION)
 
     def seal(self, model: str, hidden: str, owner: str = "local") -> str:
         nonce = os.urandom(12)

@@ -398,10 +398,14 @@ def _result_blocks(content: str | list[Any] | None, path: str) -> tuple[list[str
     for k, block in enumerate(content):
         where = f"{path}[{k}]"
         kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
-        if kind in MEDIA_BLOCK_TYPES:
+        if kind == "image":
             texts.append(media_placeholder(kind))
             marked.append(block.get("cache_control") is not None)
             continue
+        if kind in MEDIA_BLOCK_TYPES:
+            raise ApiError("unsupported_capability",
+                           f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
+                           "models.", param=f"{where}.type")
         if kind != "text" or not isinstance(block.get("text"), str):
             raise invalid(f"Invalid tool_result content at '{where}': expected text blocks.", where)
         texts.append(block["text"])

@@ -68,20 +68,27 @@ class Strict(BaseModel):
 TEXT_PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
                    "summary_text": "text", "reasoning_text": "text"}
 MEDIA_PART_TYPES = {"input_image", "input_file", "input_audio", "image_url", "file"}
+IMAGE_PART_TYPES = {"input_image", "image_url"}
 
 
 def media_placeholder(kind: str) -> str:
-    """What a text-only model reads in place of a media part of a tool's
+    """What a text-only model reads in place of an image in a tool's
     output. Agents attach images to tool results on their own (Codex's
     ``view_image``, Claude Code reading a picture): a 400 there would fail
     that turn and every later replay of the session, while the model, told
-    in words, can go on. Media in a user's own message is still a 400."""
+    in words, can go on. An image in a user's own message, and any other
+    media (a file, audio), is still a 400."""
     return f"[{kind} omitted: this model reads text only]"
+
+
+def _image_text(kind: str, first: bool) -> str:
+    # On a line of its own: parts are joined with nothing between them.
+    return ("" if first else "\n") + media_placeholder(kind) + "\n"
 
 
 def content_text(content: Any, path: str, limits: RequestLimits, *, tool_output: bool = False) -> str:
     """A message's content (a string or a list of parts) as plain text;
-    ``tool_output``: media parts become ``media_placeholder`` text."""
+    ``tool_output``: image parts become ``media_placeholder`` text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -99,8 +106,8 @@ def content_text(content: Any, path: str, limits: RequestLimits, *, tool_output:
         if not isinstance(part, dict):
             raise invalid(f"Invalid content part at '{where}': expected an object.", where)
         kind = tag(part.get("type"), f"{where}.type")
-        if kind in MEDIA_PART_TYPES and tool_output:
-            texts.append(media_placeholder(kind))
+        if kind in IMAGE_PART_TYPES and tool_output:
+            texts.append(_image_text(kind, first=i == 0))
             continue
         if kind in MEDIA_PART_TYPES:
             raise ApiError(
@@ -131,8 +138,8 @@ def content_breakpoints(content: Any, path: str, limits: RequestLimits) -> tuple
             at += len(part)
             continue
         kind = part.get("type") or ""
-        if kind in MEDIA_PART_TYPES:
-            at += len(media_placeholder(kind))
+        if kind in IMAGE_PART_TYPES:  # only a tool output's get here: a message's are refused first
+            at += len(_image_text(kind, first=i == 0))
         else:
             at += len(part.get(TEXT_PART_TYPES.get(kind, "text")) or "")
         marker = part.get("prompt_cache_breakpoint")

@@ -112,7 +112,9 @@ def test_only_a_blob_in_lmspd_form_counts_as_sealed_here(tmp_path, sealer: Seale
     ours = [sealer.seal("m", "thoughts"), other_key.seal("m", "thoughts"), sealer.seal_value("compaction", {})]
     for blob in ours:
         assert Sealer.sealed_by_lmspd(blob)
-        assert Sealer.sealed_by_lmspd(blob[:-6] + "AAAAAA"), "a tampered one is still refused, not passed over"
+        # Tampered, cut short, a character dropped: still ours, so refused, not passed over.
+        for edited in (blob[:-6] + "AAAAAA", blob[:-5], blob[:20] + blob[21:]):
+            assert Sealer.sealed_by_lmspd(edited), edited
     # OpenAI's encrypted_content (a Fernet token), text that is not base64, nothing.
     for foreign in ("gAAAAABo" + "x1Y2_-Zq" * 40, "not base64!", "", "bDI"):
         assert not Sealer.sealed_by_lmspd(foreign), foreign

@@ -32,18 +32,25 @@ def test_codex_view_image_output_reads_as_a_placeholder():
         {"role": "user", "content": "Look at a.png"}, CALL,
         {"type": "function_call_output", "call_id": "call_1", "output": output}]}, LIMITS)
     out = tool_output(req.conversation)
-    head = "Here is a.png:" + media_placeholder("input_image")
+    head = "Here is a.png:\n" + media_placeholder("input_image") + "\n"
     assert out.output == head + "done"
     assert media_placeholder("input_image") == "[input_image omitted: this model reads text only]"
     # A breakpoint on the image part ends after its placeholder.
     assert out.breakpoints == (len(head),)
 
 
-def test_media_in_a_user_message_is_still_refused():
+def test_media_in_a_user_message_or_other_media_anywhere_is_still_refused():
     with pytest.raises(ApiError) as info:
         openai_responses.decode_request({"model": "m", "input": [
             {"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}]}]}, LIMITS)
     assert info.value.code == "unsupported_capability" and info.value.param == "input[0].content[0].type"
+    # A file is not an image the agent attached on its own: still refused.
+    with pytest.raises(ApiError) as info:
+        openai_responses.decode_request({"model": "m", "input": [
+            {"role": "user", "content": "Read it"}, CALL,
+            {"type": "function_call_output", "call_id": "call_1", "output": [
+                {"type": "input_file", "file_data": "JVBERi0=", "filename": "a.pdf"}]}]}, LIMITS)
+    assert info.value.param == "input[2].output[0].type"
 
 
 def test_an_image_in_a_tool_result_block_reads_as_a_placeholder():
