@@ -813,6 +813,13 @@ class ContinuationCache:
                          lazy=lambda: (ops.tokenize(rest), ops.detokenize(kept) + rest),
                          **fields)  # type: ignore[arg-type]
 
+    def hold(self, seq: int) -> None:
+        """A warm-up found its whole prompt in ``seq`` and ran nothing: the
+        sequence becomes the most recently used, the last that a request
+        continuing nothing takes, until the turn the warm-up announced."""
+        self.residents[seq].last_used = time.monotonic()
+        self._publish()
+
     def release(self, seq: int) -> None:
         """``seq`` holds exactly its state's tokens now: idle, reusable."""
         r = self.residents[seq]

@@ -43,7 +43,8 @@ from .template import ChatTemplate
 from .tool_formats import ToolFormat
 from .vocab import Vocabulary
 
-# How many words a warm-up's cut may move back to a token boundary.
+# How many times a warm-up's cut may move back (past trailing whitespace, or a
+# word) to where the next prompt's tokens break.
 _WARM_BACKOFF_WORDS = 8
 
 
@@ -153,6 +154,8 @@ class Preparation:
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
             text, tokens = self._truncate(conversation, n_ctx - (requested or 1))
+            if conversation.prefill_only:  # of the items truncation kept
+                text, tokens = self._warm_prefix(conversation)
         room = n_ctx - len(tokens)
         if conversation.max_output_tokens_is_ceiling and requested is not None and room >= 1:
             requested = min(requested, room)
@@ -226,7 +229,7 @@ class Preparation:
         probes = [self.render(dataclasses.replace(conversation, items=[*conversation.items, Message(role=role, text=word)]))
                   for role in ("developer", "user") for word in ("Yes", "No")]
         text = whole[:len(os.path.commonprefix([whole, *probes]))]
-        probe_tokens = [self.vocab.tokenize(p) for p in probes]
+        probe_tokens = [self.vocab.tokenize(p) for p in probes[::2]]  # one per role
         for attempt in range(_WARM_BACKOFF_WORDS):
             if attempt:
                 text = text.rstrip() if text != text.rstrip() else text[:max(text.rfind(" "), text.rfind("\n"), 0)]

@@ -367,8 +367,10 @@ class Scheduler:
         if (not job.prepared.conversation.prefill_only or plan.keep == 0 or plan.restore is not None
                 or len(plan.resolved().suffix) > 1):
             return False
-        log.info("generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=0 prefill_only already held",
-                 job.response_id, plan.seq, plan.source, f" {plan.detail}" if plan.detail else "", plan.keep)
+        holder = plan.copy_from if plan.copy_from is not None else plan.seq
+        self.cache.hold(holder)
+        log.info("generation response=%s seq=%d cache_source=%s reused=%d prefilled=0 prefill_only already held",
+                 job.response_id, holder, plan.source, plan.keep)
         job.emit(Finished("stop", Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
                                         cache_source=plan.source)))
         return True

@@ -319,3 +319,15 @@ def test_nothing_is_prefetched_for_a_request_a_resident_state_continues(vocab, t
     cache.prefetch(request(cache, INSTRUCTIONS + "<|im_start|>user\none<|im_end|>\n<|im_start|>user\nx<|im_end|>\n",
                            reuse=False))
     assert not disk._read_ahead
+
+
+def test_a_held_warm_up_keeps_its_sequence_from_the_next_new_session(cache):
+    """A warm-up that ran nothing (its prompt was held) refreshes the holder:
+    a request continuing nothing, arriving before the warm-up's turn, takes
+    another sequence (``hold``; the scheduler's ``_already_warm``)."""
+    for seq in range(4):
+        hold(cache, seq, turn(cache, f"<|im_start|>user\nold {seq}<|im_end|>"), last_used=10 + seq)
+    fresh = "<|im_start|>user\nsomething new<|im_end|>\n"
+    assert cache.plan(request(cache, fresh)).seq == 0, "without it: the least recently used"
+    cache.hold(0)
+    assert cache.plan(request(cache, fresh)).seq == 1
