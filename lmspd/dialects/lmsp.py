@@ -50,7 +50,8 @@ def check_version(header: str | None) -> None:
 class LmspCreateResponse(Strict):
     model: str = Field(min_length=1, max_length=256)
     input: Union[str, list[Any]]
-    stream: bool = False
+    # null is the default, as for the optional fields below.
+    stream: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
@@ -58,7 +59,7 @@ class LmspCreateResponse(Strict):
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
-    store: bool = False
+    store: bool | None = None
     previous_response_id: str | None = None
     extensions: dict[str, Any] | None = None
 
@@ -76,11 +77,11 @@ class LmspRequest:
 
     @property
     def stream(self) -> bool:
-        return self.body.stream
+        return self.body.stream is True
 
     @property
     def store(self) -> bool:
-        return self.body.store
+        return self.body.store is True
 
     # LMSP runs in the background through tasks, not a request flag, and has
     # no conversations object.

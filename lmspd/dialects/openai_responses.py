@@ -70,9 +70,10 @@ class CompactionSetting(Strict):
 
 class CreateResponse(Strict):
     model: str = Field(min_length=1, max_length=256)
-    input: Union[str, list[Any]] = Field(default_factory=list)
+    # OpenAI's schema makes these nullable: null is the default.
+    input: Union[str, list[Any], None] = None
     instructions: str | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     background: bool | None = None
     store: bool | None = None
@@ -126,7 +127,7 @@ class OpenAIRequest:
 
     @property
     def stream(self) -> bool:
-        return self.body.stream
+        return self.body.stream is True
 
     @property
     def store(self) -> bool:
@@ -162,7 +163,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         raise validation_error(exc) from None
     _refuse_unhonourable(body)
     check_metadata(body.metadata, limits)
-    raw_input, trigger = _take_compaction_trigger(body.input)
+    raw_input, trigger = _take_compaction_trigger(body.input if body.input is not None else [])
     items = decode_items(raw_input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None,
                          open_compaction=context.open_compaction if context is not None else None)

@@ -238,9 +238,10 @@ class Connection:
         previous = body.get("previous_response_id")
         try:
             for name, agreeing in _AGREEING.items():
-                if name in frame and frame[name] is not agreeing:
+                value = frame.get(name)
+                if value is not None and value is not agreeing:  # null: unset, as over HTTP
                     raise ApiError("unsupported_parameter",
-                                   f"'{name}: {str(frame[name]).lower()}' is not possible over WebSocket: every "
+                                   f"'{name}: {str(value).lower()}' is not possible over WebSocket: every "
                                    "response.create streams its events on this socket.", param=name)
             generate = frame.get("generate", True)
             if not isinstance(generate, bool):

@@ -178,6 +178,9 @@ def test_bad_frames_get_error_frames_and_the_connection_stays_usable(server):
         codex_like = create(ws, body(input="x", stream=True, stream_options={"include_obfuscation": False},
                                      background=False, client_metadata={"x-codex-turn": "1"}))
         assert validate_openai_stream(codex_like)["status"] in ("completed", "incomplete")
+        # null is unset, as over HTTP.
+        unset = create(ws, body(input="x", stream=None, background=None))
+        assert validate_openai_stream(unset)["status"] in ("completed", "incomplete")
         # Codex's acknowledgement is accepted without a reply.
         ws.send(json.dumps({"type": "response.processed", "response_id": "resp_x"}))
         # A second create while one runs: an error frame, not a second stream.

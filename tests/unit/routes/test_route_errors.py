@@ -51,6 +51,27 @@ def test_missing_required_field(http):
     assert_openai_error(http.post("/v1/responses", json={"input": "hi"}), 400, "invalid_request", "model")
 
 
+def test_null_is_the_default_of_every_optional_field(http):
+    """OpenAI's schema makes its optional fields nullable, and clients built
+    from it (or from LMSP's) send ``null`` for what they leave unset."""
+    from lmspd.dialects.openai_responses import CreateResponse
+
+    optional = [name for name, f in CreateResponse.model_fields.items() if not f.is_required()]
+    for name in optional:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "hi", name: None})
+        assert r.status_code == 200, (name, r.text)
+        assert r.headers["content-type"].startswith("application/json"), "stream: null is not a stream"
+    for name in ("stream", "store", "max_output_tokens", "temperature", "tools", "previous_response_id"):
+        r = http.post("/lmsp/v1/responses", json={"model": MODEL, "input": "hi", name: None})
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["id"] and r.headers["content-type"].startswith("application/json")
+    # store: null on LMSP is LMSP's default, false: nothing kept.
+    rid = r.json()["id"]
+    assert http.get(f"/lmsp/v1/responses/{rid}").status_code == 404
+    kept = http.post("/lmsp/v1/responses", json={"model": MODEL, "input": "hi", "store": True}).json()["id"]
+    assert http.get(f"/lmsp/v1/responses/{kept}").status_code == 200
+
+
 def test_unsupported_lmsp_version(app, http):
     r = http.post("/lmsp/v1/responses", json={"model": MODEL, "input": "hi"}, headers={"LMSP-Version": "2.0"})
     assert_problem(r, 400, "unsupported_version")
