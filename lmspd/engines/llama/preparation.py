@@ -45,7 +45,7 @@ from .vocab import Vocabulary
 
 # How many times a warm-up's cut may move back (past trailing whitespace, or a
 # word) to where the next prompt's tokens break.
-_WARM_BACKOFF_WORDS = 8
+_WARM_CUT_TRIES = 8
 
 
 @dataclass
@@ -230,7 +230,7 @@ class Preparation:
                   for role in ("developer", "user") for word in ("Yes", "No")]
         text = whole[:len(os.path.commonprefix([whole, *probes]))]
         probe_tokens = [self.vocab.tokenize(p) for p in probes[::2]]  # one per role
-        for attempt in range(_WARM_BACKOFF_WORDS):
+        for attempt in range(_WARM_CUT_TRIES):
             if attempt:
                 text = text.rstrip() if text != text.rstrip() else text[:max(text.rfind(" "), text.rfind("\n"), 0)]
             tokens = self.vocab.tokenize(text)
