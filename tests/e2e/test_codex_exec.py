@@ -95,6 +95,10 @@ def test_codex_exec_over_websocket(default_server, codex_dirs):
     # Codex warms up first (generate: false, its instructions and tools) and
     # gives up on it after 15 s, opening another connection for the turn.
     # The prompt is held from the run over HTTP, so the warm-up ends at once
-    # ("prefill_only already held") and the turn continues it.
+    # ("prefill_only already held") and the turn continues it...
     assert re.search(r"websocket connection=ws_\w+ response=resp_\w+ status=(completed|incomplete) continued=True",
                      new), new[-3000:]
+    # ...reusing the whole prompt the HTTP run left, not only the warm-up's
+    # part of it (~3.8k of ~9k tokens: a minute of prefill on CPU).
+    turns = re.findall(r"generation response=\S+ seq=\d+ cache_source=.* prefilled=(\d+) (?!.*prefill_only)", new)
+    assert turns and int(turns[0]) < 1000, new[-3000:]

@@ -357,20 +357,22 @@ class Scheduler:
             self._start(job, plan)
 
     def _already_warm(self, job: Job, plan: CachePlan) -> bool:
-        """A warm-up (``generate: false``) whose prompt a sequence already
-        holds ends at once, the KV left as it is. Running it would copy that
-        prefix into a sequence of its own (or cut the holder back to it), and
-        the turn after it would continue that copy in place and prefill what
-        the holder had beyond it: Codex warms up with its instructions while
-        the last session's whole prompt sits in another sequence. Unnamed
-        by any remembered state, the next turn is matched by its prefix."""
-        if (not job.prepared.conversation.prefill_only or plan.keep == 0 or plan.restore is not None
-                or len(plan.resolved().suffix) > 1):
+        """A warm-up (``generate: false``) whose prompt the cache already
+        holds (a sequence, a state in RAM or on disk) ends at once, the KV
+        left as it is. Running it would copy or restore that prefix into a
+        sequence of its own (or cut the holder back to it), and the turn
+        after it would continue that sequence in place and prefill what
+        another one had beyond it: Codex warms up with its instructions
+        while the last session's whole prompt sits in another sequence.
+        Unnamed by any remembered state, the next turn is matched by its
+        prefix, which finds the longest."""
+        if not job.prepared.conversation.prefill_only or plan.keep == 0 or len(plan.resolved().suffix) > 1:
             return False
-        holder = plan.copy_from if plan.copy_from is not None else plan.seq
-        self.cache.hold(holder)
-        log.info("generation response=%s seq=%d cache_source=%s reused=%d prefilled=0 prefill_only already held",
-                 job.response_id, holder, plan.source, plan.keep)
+        if plan.restore is None:
+            holder = plan.copy_from if plan.copy_from is not None else plan.seq
+            self.cache.hold(holder)
+        log.info("generation response=%s cache_source=%s%s reused=%d prefilled=0 prefill_only already held",
+                 job.response_id, plan.source, f" {plan.detail}" if plan.detail else "", plan.keep)
         job.emit(Finished("stop", Usage(input_tokens=plan.keep + len(plan.suffix), cached_tokens=plan.keep,
                                         cache_source=plan.source)))
         return True
