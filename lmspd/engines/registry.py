@@ -20,6 +20,7 @@ already counted by its queue before any eviction can look at it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -230,7 +231,13 @@ class ModelRegistry:
             if self.held_bytes() + model.cost_bytes > self.max_bytes:
                 return  # still closing, or busy models hold the room: the caller answers 503
         loop = self._loop
-        model._load_in_thread(lambda: loop.call_soon_threadsafe(self._schedule_idle_check))
+
+        def loaded() -> None:
+            # The server may have stopped (its loop closed) while the model loaded.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._schedule_idle_check)
+
+        model._load_in_thread(loaded)
 
     def _eviction_order(self, exclude: LazyEngine) -> list[LazyEngine]:
         idle = [m for m in self.models.values()

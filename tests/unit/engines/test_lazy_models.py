@@ -143,3 +143,23 @@ def test_a_model_larger_than_the_budget_is_refused_at_start():
     registry = ModelRegistry(max_bytes=50)
     with pytest.raises(ValueError, match="models-max-mem"):
         registry.add(ModelInfo(id="big", context_window=1, capabilities={}), lambda: None, 100)
+
+
+def test_a_load_that_ends_after_the_server_stopped_is_quiet(monkeypatch):
+    """The loop a load reports back to may be closed by then (the server
+    stopped while the model loaded): that is no error in the load thread."""
+    gate = threading.Event()
+    registry, service = setup(budget_models=1, names=("a",), gate=gate)
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+
+    async def ask() -> None:
+        with pytest.raises(ApiError):
+            await service.begin(conv("a"))  # starts the load: 503 while it runs
+
+    asyncio.run(ask())  # the loop is closed when this returns
+    (loader,) = [t for t in threading.enumerate() if t.name == "lmspd-load-a"]
+    gate.set()
+    loader.join(5)
+    assert not loader.is_alive() and failures == []
+    assert registry.models["a"].status == LOADED
