@@ -27,6 +27,7 @@ from lmspd.core.conversation import (
     Item,
     Message,
     Reasoning,
+    Role,
     ToolCall,
     orphan_tool_outputs,
 )
@@ -226,8 +227,9 @@ class Preparation:
         do not begin every probe's, it moves back before the trailing
         whitespace, then a word at a time, until they do."""
         whole = self.render(conversation, add_generation_prompt=False)
-        probes = [self.render(dataclasses.replace(conversation, items=[*conversation.items, Message(role=role, text=word)]))
-                  for role in ("developer", "user") for word in ("Yes", "No")]
+        roles: tuple[Role, ...] = ("developer", "user")
+        probes = [self._render_with(conversation, conversation.items, role, word)
+                  for role in roles for word in ("Yes", "No")]
         text = whole[:len(os.path.commonprefix([whole, *probes]))]
         probe_tokens = [self.vocab.tokenize(p) for p in probes[::2]]  # one per role
         for attempt in range(_WARM_CUT_TRIES):
@@ -254,10 +256,15 @@ class Preparation:
             if not (isinstance(item, Message) and item.role in ("system", "developer")):
                 break
             leading.append(item)
-        probes = [self.render(dataclasses.replace(conversation, items=[*leading, Message(role="user", text=word)]))
-                  for word in ("Yes", "No")]
+        probes = [self._render_with(conversation, leading, "user", word) for word in ("Yes", "No")]
         end = len(os.path.commonprefix(probes))
         return end if end and text.startswith(probes[0][:end]) else None
+
+    def _render_with(self, conversation: Conversation, items: list[Item], role: Role, word: str) -> str:
+        """A probe: ``conversation`` rendered as ``items`` and one more
+        one-word message. What probes that differ only in that message
+        share is the part of the prompt a next message cannot change."""
+        return self.render(dataclasses.replace(conversation, items=[*items, Message(role=role, text=word)]))
 
     def _repair(self, conversation: Conversation) -> None:
         if self.repairs.strip_billing_header:

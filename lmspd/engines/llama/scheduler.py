@@ -366,7 +366,7 @@ class Scheduler:
         while the last session's whole prompt sits in another sequence.
         Unnamed by any remembered state, the next turn is matched by its
         prefix, which finds the longest."""
-        if not job.prepared.conversation.prefill_only or plan.keep == 0 or len(plan.resolved().suffix) > 1:
+        if not job.prepared.conversation.prefill_only or plan.keep == 0 or len(plan.suffix) > 1:
             return False
         if plan.restore is None:
             holder = plan.copy_from if plan.copy_from is not None else plan.seq
