@@ -31,14 +31,22 @@ _lines = threading.local()
 
 def route(level: int, text: bytes) -> None:
     """One call of llama.cpp's callback: emit each finished line at its level."""
-    if level != _CONT or not hasattr(_lines, "level"):
-        _lines.level = _LEVELS.get(level, logging.DEBUG)
-    buffered: str = getattr(_lines, "text", "") + text.decode("utf-8", errors="replace")
-    *done, rest = buffered.split("\n")
-    _lines.text = rest
+    # Decode before reading the pending piece: the allocation may run the
+    # garbage collector, whose freeing of a llama.cpp object logs through
+    # here on this same thread, and that call must find the state whole.
+    piece = text.decode("utf-8", errors="replace")
+    pending_level: int = getattr(_lines, "level", logging.DEBUG)
+    pending: str = getattr(_lines, "text", "")
+    if level != _CONT:
+        # A new message starts a new line, whether or not the last one ended.
+        if pending.strip():
+            log.log(pending_level, "%s", pending.rstrip())
+        pending_level, pending = _LEVELS.get(level, logging.DEBUG), ""
+    *done, rest = (pending + piece).split("\n")
+    _lines.level, _lines.text = pending_level, rest
     for line in done:
         if line.strip():
-            log.log(_lines.level, "%s", line.rstrip())
+            log.log(pending_level, "%s", line.rstrip())
 
 
 @llama_cpp.llama_log_callback
