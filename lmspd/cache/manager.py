@@ -402,9 +402,11 @@ class ContinuationCache:
         best = max((c.keep for c in candidates), default=0)
         if self._worth_waiting(req, best):
             return None
-        # On a tie the state itself beats a checkpoint of the same prefix.
-        for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None),
-                           reverse=True):
+        # On a tie the state itself beats a checkpoint of the same prefix, and
+        # KV already in the context (kept in place, or copied between
+        # sequences) beats bytes restored from RAM or disk.
+        for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None,
+                                                      p.restore is None), reverse=True):
             fitted = self._fits(req, plan)
             if fitted.source != "cold":
                 return fitted

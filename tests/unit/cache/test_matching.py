@@ -331,3 +331,15 @@ def test_a_held_warm_up_keeps_its_sequence_from_the_next_new_session(cache):
     assert cache.plan(request(cache, fresh)).seq == 0, "without it: the least recently used"
     cache.hold(0)
     assert cache.plan(request(cache, fresh)).seq == 1
+
+
+def test_a_prefix_held_both_in_a_sequence_and_in_ram_is_copied_not_restored(cache):
+    """Copying KV between sequences of the context is cheaper than writing
+    the same state back from RAM: on a tie in kept tokens, the copy wins."""
+    first = INSTRUCTIONS + "<|im_start|>user\nFix the bug in a.py<|im_end|>\n<|im_start|>assistant\nDone.<|im_end|>"
+    state = turn(cache, first)
+    hold(cache, 0, state)
+    cache._remember_in_ram(turn(cache, first, kv=b"saved"))
+    req = request(cache, INSTRUCTIONS + "<|im_start|>user\nWrite tests for b.py<|im_end|>\n")
+    plan = cache.plan(req)
+    assert (plan.source, plan.copy_from, plan.restore) == ("copy", 0, None), plan
