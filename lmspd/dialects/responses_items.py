@@ -239,15 +239,75 @@ _ITEM_MODELS: dict[str, type[Lenient]] = {
 COMPACTION_TRIGGER = "compaction_trigger"
 
 
-def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
-    """The first pydantic error as an ApiError naming the parameter."""
-    err = exc.errors()[0]
-    loc = prefix
-    for part in err["loc"]:
+# pydantic names the union member it tried in an error's location ("str",
+# "list[any]", "dict[str,any]"): that is no parameter of the request.
+_MEMBER_TYPES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+                 "list": "an array", "dict": "an object", "none": "null"}
+
+
+def _member(part: str | int) -> str | None:
+    """What a union member a location part names accepts, or None: a field."""
+    if isinstance(part, int):
+        return None
+    base = part.split("[", 1)[0]
+    if base in _MEMBER_TYPES and (base == part or "[" in part):
+        return _MEMBER_TYPES[base]
+    return None
+
+
+def _param(loc: tuple[str | int, ...], prefix: str, member_at: int | None = None) -> str:
+    param = prefix
+    for i, part in enumerate(loc):
         if isinstance(part, int):
-            loc += f"[{part}]"
+            param += f"[{part}]"
+        elif i != member_at:
+            param += f".{part}" if param else str(part)
+    return param
+
+
+def _union_member_at(errors: list[Any]) -> int | None:
+    """Where the first error's location names a union member: the position
+    at which errors under one parameter differ only by member names (a
+    dict key "str" alone is a key, not a member)."""
+    loc = errors[0]["loc"]
+    for at, part in enumerate(loc):
+        if _member(part) is None:
+            continue
+        names = {e["loc"][at] for e in errors
+                 if e["loc"][:at] == loc[:at] and len(e["loc"]) > at and _member(e["loc"][at])}
+        if len(names) > 1:
+            return at
+    return None
+
+
+def _kind(value: Any) -> str:
+    for types, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                        (list, "an array"), (dict, "an object")):
+        if isinstance(value, types):
+            return name
+    return "null" if value is None else "a value of another type"
+
+
+def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
+    """The first pydantic error as an ApiError naming the parameter. Where a
+    union's members all failed, the member that got furthest (the value had
+    its type, a part of it was wrong) says what is wrong; if none did, the
+    error lists the types the parameter accepts."""
+    errors = exc.errors()
+    err = errors[0]
+    at = _union_member_at(errors)
+    if at is not None:
+        base = err["loc"][:at]
+        members = [e for e in errors if e["loc"][:at] == base and len(e["loc"]) > at and _member(e["loc"][at])]
+        deeper = [e for e in members if len(e["loc"]) > at + 1]
+        if deeper:
+            err = deeper[0]
         else:
-            loc += f".{part}" if loc else str(part)
+            loc = _param(base, prefix)
+            accepted = list(dict.fromkeys(str(_member(e["loc"][at])) for e in members))
+            return invalid(f"Invalid type for '{loc}': expected one of {' or '.join(accepted)}, "
+                           f"but got {_kind(err['input'])} instead.", loc)
+    loc = _param(err["loc"], prefix, at)
     if err["type"] == "extra_forbidden":
         return ApiError("unsupported_parameter", f"Unknown parameter: '{loc}'.", param=loc)
     if err["type"] == "missing":

@@ -1,0 +1,54 @@
+"""A pydantic error becomes an error that names the client's parameter, never
+the union member pydantic tried (``input.str``)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from lmspd.dialects.anthropic_messages import CreateMessage
+from lmspd.dialects.chat_completions import ChatCompletionRequest
+from lmspd.dialects.lmsp import LmspCreateResponse
+from lmspd.dialects.openai_responses import CreateResponse
+from lmspd.dialects.responses_items import validation_error
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def error_of(model, body, prefix=""):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return validation_error(info.value, prefix)
+
+
+@pytest.mark.parametrize("model,body,param,message", [
+    (LmspCreateResponse, {"model": "m", "input": None}, "input",
+     "Invalid type for 'input': expected one of a string or an array, but got null instead."),
+    (CreateResponse, {"model": "m", "input": {"role": "user"}}, "input",
+     "Invalid type for 'input': expected one of a string or an array, but got an object instead."),
+    (CreateResponse, {"model": "m", "tool_choice": 5}, "tool_choice",
+     "Invalid type for 'tool_choice': expected one of a string or an object, but got an integer instead."),
+    (ChatCompletionRequest, {**CHAT, "stop": 3}, "stop",
+     "Invalid type for 'stop': expected one of a string or an array, but got an integer instead."),
+    (CreateMessage, {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "system": 7}, "system",
+     "Invalid type for 'system': expected one of a string or an array, but got an integer instead."),
+])
+def test_a_value_no_member_of_a_union_takes_lists_what_the_parameter_accepts(model, body, param, message):
+    err = error_of(model, body)
+    assert (err.code, err.param, err.message) == ("invalid_request", param, message)
+
+
+def test_the_member_a_value_matched_names_the_part_that_is_wrong():
+    """``stop: ["a", 1]`` is an array: the array's item is the error, not "not a string"."""
+    err = error_of(ChatCompletionRequest, {**CHAT, "stop": ["a", 1]})
+    assert err.param == "stop[1]" and "valid string" in err.message
+
+
+def test_a_key_that_looks_like_a_type_name_is_still_named():
+    err = error_of(CreateResponse, {"model": "m", "metadata": {"str": 1}})
+    assert err.param == "metadata.str"
+
+
+def test_a_prefix_leads_the_parameter():
+    err = error_of(LmspCreateResponse, {"model": "m", "input": 4}, prefix="body")
+    assert err.param == "body.input"
