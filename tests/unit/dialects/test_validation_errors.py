@@ -4,6 +4,8 @@ the union member pydantic tried (``input.str``)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from lmspd.dialects.anthropic_messages import CreateMessage
@@ -52,3 +54,25 @@ def test_a_key_that_looks_like_a_type_name_is_still_named():
 def test_a_prefix_leads_the_parameter():
     err = error_of(LmspCreateResponse, {"model": "m", "input": 4}, prefix="body")
     assert err.param == "body.input"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=8)
+FIELDS = st.sampled_from(["model", "input", "tool_choice", "tools", "stop", "system", "messages", "metadata",
+                          "max_tokens", "max_output_tokens", "text", "reasoning", "include", "str"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=st.sampled_from([LmspCreateResponse, CreateResponse, ChatCompletionRequest, CreateMessage]),
+       body=st.dictionaries(FIELDS, JSON, max_size=4))
+def test_every_validation_error_becomes_a_client_error_naming_a_parameter(model, body):
+    body.setdefault("model", "m")  # else its absence is the first error, every time
+    try:
+        model.model_validate(body)
+    except ValidationError as exc:
+        err = validation_error(exc)
+        assert err.status == 400 and err.param is not None
+        assert "[any]" not in err.param and "[str" not in err.param
+        if "metadata" not in body:  # only a metadata key may be named "str"
+            assert not {"str", "list", "dict"} & set(err.param.split(".")[1:]), err.param
