@@ -4,8 +4,14 @@ import sys
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 
 from support.server import ALICE, BOB, LAUNCHES, ServerProcess
+
+# Property tests share two cores with the other test worker and a model
+# server: a per-example deadline or a "too slow" check measures the machine.
+settings.register_profile("lmspd", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("lmspd")
 
 # Launches reported back by pytest-xdist's workers (pytest_testnodedown).
 _WORKER_LAUNCHES: list[tuple[str, ...]] = []

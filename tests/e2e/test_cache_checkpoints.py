@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -49,11 +50,15 @@ def post(server, body):
 
 
 def cache_line(server, response_id):
-    for line in reversed(server.output):
-        m = LINE.search(line)
-        if m and m.group(1) == response_id:
-            return {"source": m.group(2), "detail": m.group(3).strip(), "reused": int(m.group(4)),
-                    "prefilled": int(m.group(5))}
+    # Logged at the end of prefill; it reaches ``output`` through a reader thread.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in reversed(server.output):
+            m = LINE.search(line)
+            if m and m.group(1) == response_id:
+                return {"source": m.group(2), "detail": m.group(3).strip(), "reused": int(m.group(4)),
+                        "prefilled": int(m.group(5))}
+        time.sleep(0.05)
     raise AssertionError(f"no cache log line for {response_id}")
 
 

@@ -204,8 +204,10 @@ def test_a_huge_request_does_not_stall_a_running_stream():
         assert r.status_code < 500 or r.json()["error"]["code"] == "prepare_timeout", r.text
         assert elapsed < 120, elapsed
         assert sum(p == "big" for _, p in marks) > 5, "the stream stopped while the big request was prepared"
-        assert during < max(1.0, 2 * baseline), f"the stream stalled {during:.2f} s (baseline {baseline:.2f} s)"
-        assert max(health) < 2.0
+        # Tokenizing it on the event loop would stall both for many seconds;
+        # the bounds leave room for the other test worker on two cores.
+        assert during < max(2.0, 3 * baseline), f"the stream stalled {during:.2f} s (baseline {baseline:.2f} s)"
+        assert max(health) < 3.0
     finally:
         srv.stop()
 

@@ -48,7 +48,7 @@ def ollama_server(home):
 
 def test_the_ollama_name_serves_and_answers(ollama_server):
     r = httpx.post(ollama_server.url + "/v1/responses",
-                   json={"model": "tinychat", "input": "Say hi.", "max_output_tokens": 8}, timeout=120)
+                   json={"model": "tinychat", "input": "Say hi.", "max_output_tokens": 8, "temperature": 0}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tinychat"
     assert r.json()["output"][0]["content"][0]["text"]

@@ -5,6 +5,7 @@ the idle one is unloaded to make room, and an idle model goes on its own."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import httpx
@@ -74,8 +75,9 @@ def test_two_models_share_a_budget_that_fits_one(other_gguf):
         assert r.status_code == 200, r.text
         assert refusals
         assert statuses(srv) == {MODEL: "unloaded", OTHER: "loaded"}
+        srv.wait_for_log(re.escape(f"lmspd: loaded {OTHER} in"))  # printed once its status says loaded
         log = srv.log()
-        assert f"lmspd: loading {MODEL}" in log and f"lmspd: loaded {OTHER} in" in log
+        assert f"lmspd: loading {MODEL}" in log
         assert f"unloading {MODEL} (to make room for {OTHER})" in log
         # And back: the first one answers again after reloading.
         r, _, _ = ask(srv, MODEL)
@@ -94,6 +96,6 @@ def test_an_idle_model_is_unloaded(other_gguf):
         while statuses(srv)[OTHER] != "unloaded":
             assert time.monotonic() < deadline, statuses(srv)
             time.sleep(0.2)
-        assert f"unloading {OTHER} (idle for 1 s)" in srv.log()
+        srv.wait_for_log(re.escape(f"unloading {OTHER} (idle for 1 s)"))
     finally:
         srv.stop()

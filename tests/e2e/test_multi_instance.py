@@ -174,8 +174,10 @@ def test_kill_9_of_a_is_noticed_by_b_within_the_lease(pair):
         summary = validate_lmsp_stream(head + rest)  # every item closed, one terminal event
         assert summary["terminal"] == "response.failed"
         assert summary["data"]["error"]["code"] == "server_restarted"
-        # Within the lease (plus the reader's own wake-up slack).
-        assert ended - killed <= LEASE_S + 1.5, f"took {ended - killed:.1f}s"
+        # A's last renewal may have come just before its death, so its lease
+        # runs a whole lease on; B's next sweep (a quarter lease later) fails
+        # the task. Plus the reader's own wake-up slack on a loaded machine.
+        assert ended - killed <= 1.25 * LEASE_S + 2, f"took {ended - killed:.1f}s"
         task = on_b.get(f"/lmsp/v1/tasks/{task_id}").json()
         assert task["status"] == "failed" and task["error"]["code"] == "server_restarted"
         assert task["result"]["status"] == "failed"

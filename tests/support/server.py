@@ -100,6 +100,19 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.output)
 
+    def wait_for_log(self, pattern: str, timeout: float = 10.0) -> re.Match[str]:
+        """The first match of ``pattern`` (a regex) in the log, waiting for it:
+        the server may print a line after the reply it belongs to (a stream's
+        last event, a status flip), and its output reaches ``output`` through
+        a reader thread."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if m := re.search(pattern, self.log()):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line matching {pattern!r}:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+
     @property
     def admin_headers(self) -> dict[str, str]:
         """A credential with every scope (the first ``--api-key`` given without

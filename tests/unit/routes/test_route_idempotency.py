@@ -113,7 +113,8 @@ def test_background_and_task_retries_return_the_same_work(app, http):
 
 def test_concurrent_first_attempts_run_once(tmp_path):
     """Two retries racing for a fresh key: one runs, the other is told it is running."""
-    engine = ScriptedEngine(tuple(f" w{i}" for i in range(20)), delay_s=0.01)
+    # The first attempt runs 2 s: a thread started late still finds it running.
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(20)), delay_s=0.1)
     with serving(tmp_path, engine=engine) as app:
         k = key()
         codes: list[int] = []

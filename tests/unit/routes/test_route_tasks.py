@@ -7,7 +7,6 @@ tests/e2e/test_crash.py, test_multi_instance.py)."""
 from __future__ import annotations
 
 import threading
-import time
 
 from openai import OpenAI
 
@@ -195,6 +194,8 @@ def test_events_expire_with_410_but_the_result_stays(tmp_path):
         bg = http.post("/v1/responses", json=task_body(background=True)).json()
         wait_for(lambda: http.get(f"/v1/responses/{bg['id']}").json()["status"] not in ("queued", "in_progress"),
                  timeout=10)
-        time.sleep(1.0)
-        r = http.get(f"/v1/responses/{bg['id']}", params={"stream": "true", "starting_after": 0})
-        assert r.status_code == 410 and r.json()["error"]["code"] == "event_history_expired"
+        # Expired half a second after it finished, at the next prune pass.
+        r = wait_for(lambda: (r := http.get(f"/v1/responses/{bg['id']}",
+                                            params={"stream": "true", "starting_after": 0})).status_code == 410 and r,
+                     timeout=10)
+        assert r.json()["error"]["code"] == "event_history_expired"

@@ -39,6 +39,7 @@ def test_a_request_being_prepared_shares_the_first_step_of_one_submitted_just_be
     # Generous on a loaded machine: the mechanism, not the bound, is tested here.
     monkeypatch.setattr(engine.scheduler, "gather_s", 3.0)
     monkeypatch.setattr(engine.preparations, "grace_s", 5.0)
+    monkeypatch.setattr(engine.preparations, "handoff_s", 5.0)
 
     async def run(prepared):
         return [e async for e in engine.generate(prepared, CancelToken())]

@@ -17,10 +17,12 @@ def conv(chars: int) -> Conversation:
 
 
 def test_a_short_preparation_counts_only_once_it_has_run_for_the_grace_period() -> None:
-    preps = Preparations(grace_s=0.05, big_chars=1000)
+    # Windows of seconds, the clock moved explicitly: a descheduled test
+    # thread must not outlive a window between two lines.
+    preps = Preparations(grace_s=5, big_chars=1000)
     with preps.running(conv(10)):
         assert preps.long() == 0, "a just-started small preparation keeps the threads"
-        assert preps.long(time.monotonic() + 0.06) == 1, "one still running after the grace period takes one"
+        assert preps.long(time.monotonic() + 6) == 1, "one still running after the grace period takes one"
     assert preps.long(time.monotonic() + 1) == 0, "a finished one counts no more"
 
 
@@ -37,15 +39,15 @@ def test_input_chars_counts_instructions_messages_and_tool_outputs() -> None:
 
 
 def test_arriving_covers_a_short_running_preparation_and_a_prepared_request_until_it_is_submitted() -> None:
-    preps = Preparations(grace_s=0.05, big_chars=1000, handoff_s=0.01)
+    preps = Preparations(grace_s=5, big_chars=1000, handoff_s=5)
     assert not preps.arriving()
     prepared = object()
     with preps.running(conv(10)) as landed:
         assert preps.arriving(), "a short preparation, just started: about to arrive"
-        assert not preps.arriving(time.monotonic() + 0.06), "past its grace period it is a long one, not waited for"
+        assert not preps.arriving(time.monotonic() + 6), "past its grace period it is a long one, not waited for"
         landed(prepared)
     assert preps.arriving(), "prepared, on its way to the scheduler"
-    assert not preps.arriving(time.monotonic() + 0.02), "not submitted within the hand-off: not waited for"
+    assert not preps.arriving(time.monotonic() + 6), "not submitted within the hand-off: not waited for"
     preps.submitted(prepared)
     assert not preps.arriving()
     with preps.running(conv(5000)):
