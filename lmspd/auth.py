@@ -28,6 +28,7 @@ ALL_SCOPES = frozenset({"responses:write", "responses:read", "tasks:read", "admi
 # Named by DESIGN.md for tools lmspd may one day run itself; accepted, grants nothing yet.
 RESERVED_SCOPES = frozenset({"tools:execute"})
 _SCOPE_SYNTAX = re.compile(r"[a-z_]+(:[a-z_]+)?\Z")
+_COMMENT = re.compile(r"(^|\s)#.*")
 
 
 @dataclass(frozen=True)
@@ -72,17 +73,23 @@ def parse_key(spec: str) -> KeySpec:
 
 def read_keys_file(path: Path) -> list[str]:
     """One key per line, optionally followed by whitespace and its scopes
-    (``KEY responses:read,tasks:read``) or written ``KEY:scopes``; ``#``
-    starts a comment line. Returned as ``--api-key`` specs."""
+    (``KEY responses:read,tasks:read``) or written ``KEY:scopes``; ``#`` at
+    the start of a line or after whitespace starts a comment. Returned as
+    ``--api-key`` specs."""
     specs = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        line = _COMMENT.sub("", line).strip()
+        if not line:
             continue
-        parts = line.split(None, 1)
-        spec = f"{parts[0]}:{parts[1].replace(' ', '')}" if len(parts) == 2 else parts[0]
+        key, _, scopes = line.partition(" ") if " " in line else line.partition("\t")
+        scopes = re.sub(r"\s", "", scopes)
+        spec = f"{key}:{scopes}" if scopes else key
         try:
-            parse_key(spec)
+            # Text after the key that is no scope list would otherwise join
+            # the key (``parse_key``'s rule for ``--api-key``): a key the
+            # writer never meant, silently.
+            if parse_key(spec).key != key and scopes:
+                raise ValueError(f"what follows the key is not a list of scopes (known: {', '.join(sorted(ALL_SCOPES))})")
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
         specs.append(spec)

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="accept this bearer token (repeatable); required when not bound to loopback. "
                             "KEY:responses:read,tasks:read limits it to those scopes (default: all)")
     serve.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
-                       help="more keys, one per line: KEY [scope,scope...]; # starts a comment")
+                       help="more keys, one per line: KEY [scope,scope...]; # at the start or after a space starts a comment")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
