@@ -243,7 +243,8 @@ class Connection:
                     raise ApiError("unsupported_parameter",
                                    f"'{name}: {str(value).lower()}' is not possible over WebSocket: every "
                                    "response.create streams its events on this socket.", param=name)
-            generate = frame.get("generate", True)
+            generate = frame.get("generate")
+            generate = True if generate is None else generate
             if not isinstance(generate, bool):
                 raise invalid("'generate' must be a boolean.", "generate")
             turn = await begin_turn(self.app, self.owner, OPENAI, body, context=context,
