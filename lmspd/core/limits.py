@@ -62,7 +62,7 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class QueueLimits:
-    # Requests waiting for the model beyond the one generating.
+    # Requests waiting for the model once all its sequences (--parallel) are busy.
     max_pending: int = 32
     retry_after_s: int = 2
 
