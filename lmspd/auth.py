@@ -81,8 +81,8 @@ def read_keys_file(path: Path) -> list[str]:
         line = _COMMENT.sub("", line).strip()
         if not line:
             continue
-        key, _, scopes = line.partition(" ") if " " in line else line.partition("\t")
-        scopes = re.sub(r"\s", "", scopes)
+        key, *rest = line.split(None, 1)
+        scopes = re.sub(r"\s", "", rest[0]) if rest else ""
         spec = f"{key}:{scopes}" if scopes else key
         try:
             # Text after the key that is no scope list would otherwise join

@@ -328,8 +328,7 @@ class ContinuationCache:
         plan = self._plan(req)
         if plan is None:
             return None
-        if req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail == "text"
-                                          or "partial" in plan.detail.split()):
+        if self._drops_reasoning(req, plan):
             raise CacheRefused(
                 "This replay is missing reasoning state: a tool-call turn of this reasoning model comes without "
                 "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
@@ -340,6 +339,13 @@ class ContinuationCache:
             plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
             plan.source = "checkpoint"
         return plan
+
+    @staticmethod
+    def _drops_reasoning(req: CacheRequest, plan: CachePlan) -> bool:
+        """The request needs a state's hidden reasoning, and ``plan`` would
+        rebuild its prompt from the visible text only."""
+        return req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail == "text"
+                                              or "partial" in plan.detail.split())
 
     def _plan(self, req: CacheRequest) -> CachePlan | None:
         idle = [r for r in self.residents if not r.busy]
@@ -408,7 +414,9 @@ class ContinuationCache:
         for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None,
                                                       p.restore is None), reverse=True):
             fitted = self._fits(req, plan)
-            if fitted.source != "cold":
+            # A plan that would be refused for want of reasoning state gives
+            # way to one that keeps it (a whole state restored), shorter or not.
+            if fitted.source != "cold" and not self._drops_reasoning(req, fitted):
                 return fitted
         return None if target is None else self._cold(req, target.seq)
 

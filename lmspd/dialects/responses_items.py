@@ -266,16 +266,17 @@ def _param(loc: tuple[str | int, ...], prefix: str, member_at: int | None = None
 
 
 def _union_member_at(errors: list[Any]) -> int | None:
-    """Where the first error's location names a union member: the position
-    at which errors under one parameter differ only by member names (a
-    dict key "str" alone is a key, not a member)."""
+    """Where the first error's location names a union member: a position at
+    which errors under one parameter differ by member names, those that end
+    there all about one value (the parameter's). Keys of an object named
+    "str" and "list" are told apart by their values."""
     loc = errors[0]["loc"]
     for at, part in enumerate(loc):
         if _member(part) is None:
             continue
-        names = {e["loc"][at] for e in errors
-                 if e["loc"][:at] == loc[:at] and len(e["loc"]) > at and _member(e["loc"][at])}
-        if len(names) > 1:
+        here = [e for e in errors if e["loc"][:at] == loc[:at] and len(e["loc"]) > at and _member(e["loc"][at])]
+        ending = [e["input"] for e in here if len(e["loc"]) == at + 1]
+        if len({e["loc"][at] for e in here}) > 1 and all(value == ending[0] for value in ending):
             return at
     return None
 

@@ -31,22 +31,26 @@ _lines = threading.local()
 
 def route(level: int, text: bytes) -> None:
     """One call of llama.cpp's callback: emit each finished line at its level."""
-    # Decode before reading the pending piece: the allocation may run the
-    # garbage collector, whose freeing of a llama.cpp object logs through
-    # here on this same thread, and that call must find the state whole.
-    piece = text.decode("utf-8", errors="replace")
     pending_level: int = getattr(_lines, "level", logging.DEBUG)
     pending: str = getattr(_lines, "text", "")
+    lines: list[tuple[int, str]] = []
     if level != _CONT:
-        # A new message starts a new line, whether or not the last one ended.
-        if pending.strip():
-            log.log(pending_level, "%s", pending.rstrip())
-        pending_level, pending = _LEVELS.get(level, logging.DEBUG), ""
-    *done, rest = (pending + piece).split("\n")
+        new_level = _LEVELS.get(level, logging.DEBUG)
+        # A message at another level starts a new line even if the last one
+        # never ended (ggml writes some debug lines in pieces at one level).
+        if new_level != pending_level and pending.strip():
+            lines.append((pending_level, pending))
+            pending = ""
+        pending_level = new_level
+    *done, rest = (pending + text.decode("utf-8", errors="replace")).split("\n")
+    # The state is whole before anything is logged: emitting may run the
+    # garbage collector, whose freeing of a llama.cpp object logs through
+    # here again on this same thread.
     _lines.level, _lines.text = pending_level, rest
-    for line in done:
+    lines += [(pending_level, line) for line in done]
+    for line_level, line in lines:
         if line.strip():
-            log.log(pending_level, "%s", line.rstrip())
+            log.log(line_level, "%s", line.rstrip())
 
 
 @llama_cpp.llama_log_callback

@@ -49,6 +49,8 @@ def test_the_member_a_value_matched_names_the_part_that_is_wrong():
 def test_a_key_that_looks_like_a_type_name_is_still_named():
     err = error_of(CreateResponse, {"model": "m", "metadata": {"str": 1}})
     assert err.param == "metadata.str"
+    err = error_of(CreateResponse, {"model": "m", "metadata": {"str": 1, "list": 2}})
+    assert err.param == "metadata.str" and "valid string" in err.message
 
 
 def test_a_prefix_leads_the_parameter():

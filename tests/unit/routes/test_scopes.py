@@ -141,8 +141,9 @@ def test_key_specs_and_keys_files(tmp_path) -> None:
         parse_key("k:responses:wrte")
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nalpha responses:read, tasks:read\n\nbeta # my laptop\ngamma:admin\n"
-                    "delta#1\tadmin\t# tab-separated\n")
-    assert read_keys_file(keys) == ["alpha:responses:read,tasks:read", "beta", "gamma:admin", "delta#1:admin"]
+                    "delta#1\tadmin\t# tab-separated\nepsilon\tresponses:read, tasks:read\nzeta\t admin\n")
+    assert read_keys_file(keys) == ["alpha:responses:read,tasks:read", "beta", "gamma:admin", "delta#1:admin",
+                                    "epsilon:responses:read,tasks:read", "zeta:admin"]
     keys.write_text("alpha (my laptop)\n")
     with pytest.raises(ValueError, match=r"keys:1: what follows the key is not a list of scopes"):
         read_keys_file(keys)

@@ -53,3 +53,38 @@ def test_a_model_load_logs_through_python_logging_not_stderr(caplog, capfd):
     loader = [r for r in caplog.records if r.name == "lmspd.llama_cpp" and "llama_model_loader" in r.getMessage()]
     assert loader and all(r.levelno == logging.DEBUG for r in loader)
     assert "llama_model_loader" not in capfd.readouterr().err
+
+
+def test_pieces_of_one_line_at_one_level_stay_one_line(caplog):
+    """ggml writes some debug lines as several calls at the same level."""
+    caplog.set_level(logging.DEBUG, logger="lmspd.llama_cpp")
+    for piece in (b"## SPLIT #0: CPU", b" # 3 inputs", b"\n"):
+        native_log.route(DEBUG, piece)
+    assert [r.getMessage() for r in caplog.records] == ["## SPLIT #0: CPU # 3 inputs"]
+
+
+def test_a_line_logged_from_inside_the_logging_of_another_is_logged_once(caplog):
+    """Emitting a record may run the garbage collector, whose freeing of a
+    llama.cpp object logs through the callback again, on the same thread."""
+    caplog.set_level(logging.DEBUG, logger="lmspd.llama_cpp")
+    reentered: list[bool] = []
+
+    class Reenter(logging.Handler):
+        def emit(self, record):
+            if not reentered:
+                reentered.append(True)
+                native_log.route(INFO, b"~llama_context: freed\n")
+
+    handler = Reenter()
+    native_log.log.addHandler(handler)
+    try:
+        native_log.route(WARN, b"an unfinished warning")
+        native_log.route(ERROR, b"decode: failed\n")
+    finally:
+        native_log.log.removeHandler(handler)
+    # The inner line reaches pytest's handler (on the root logger) first.
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, "~llama_context: freed"),
+        (logging.WARNING, "an unfinished warning"),
+        (logging.ERROR, "decode: failed"),
+    ]
