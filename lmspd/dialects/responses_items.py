@@ -249,10 +249,12 @@ def _member(part: str | int) -> str | None:
     """What a union member a location part names accepts, or None: a field."""
     if isinstance(part, int):
         return None
-    base = part.split("[", 1)[0]
-    if base in _MEMBER_TYPES and (base == part or "[" in part):
+    base = part.split("[", 1)[0].removeprefix("constrained-")
+    if base in _MEMBER_TYPES and (base == part or "[" in part or part.startswith("constrained-")):
         return _MEMBER_TYPES[base]
-    return None
+    if base == "literal":
+        return "one of the listed values"
+    return "a value of another type" if "[" in part else None
 
 
 def _param(loc: tuple[str | int, ...], prefix: str, member_at: int | None = None) -> str:
@@ -300,7 +302,8 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
     if at is not None:
         base = err["loc"][:at]
         members = [e for e in errors if e["loc"][:at] == base and len(e["loc"]) > at and _member(e["loc"][at])]
-        deeper = [e for e in members if len(e["loc"]) > at + 1]
+        # A member whose type the value has fails deeper, or on a constraint.
+        deeper = [e for e in members if len(e["loc"]) > at + 1 or not e["type"].endswith("_type")]
         if deeper:
             err = deeper[0]
         else:

@@ -78,3 +78,15 @@ def test_every_validation_error_becomes_a_client_error_naming_a_parameter(model,
         assert "[any]" not in err.param and "[str" not in err.param
         if "metadata" not in body:  # only a metadata key may be named "str"
             assert not {"str", "list", "dict"} & set(err.param.split(".")[1:]), err.param
+
+
+def test_a_member_whose_type_the_value_has_reports_its_constraint():
+    from typing import Annotated, Union
+
+    from pydantic import BaseModel, Field
+
+    class Body(BaseModel):
+        x: Union[Annotated[str, Field(max_length=3)], list[str]] = "a"  # noqa: UP007 - the union pydantic names
+
+    err = error_of(Body, {"x": "too long"})
+    assert err.param == "x" and "at most 3 characters" in err.message
