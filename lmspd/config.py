@@ -8,8 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmspd.core.limits import DEFAULT_LIMITS, Limits
-from lmspd.store.base import DEFAULT_LEASE_S, Retention
+from lmspd.core.limits import DEFAULT_LEASE_S, DEFAULT_LIMITS, Limits, Retention
 
 # The default context window. Codex's first request is ~9k tokens in the
 # bundled model's tokens (its developer prompt and tool schemas) and grows

@@ -31,6 +31,7 @@ from typing import (
 )
 
 from lmspd.core.lifecycle import STATUSES, TERMINAL_STATUSES
+from lmspd.core.limits import Retention
 
 JSON = dict[str, Any]
 Order = Literal["asc", "desc"]
@@ -44,10 +45,6 @@ def is_terminal(status: str | None) -> bool:
 
 
 # --- instances and notices ---------------------------------------------------
-
-# How long an instance's rows count as alive without a heartbeat (seconds).
-# A shared store fails the running tasks of an instance whose lease ran out.
-DEFAULT_LEASE_S = 15.0
 
 # What a notice is about: "events" (new events, or a terminal status, of the
 # task), "cancel" (someone asked the task's instance to cancel it), or
@@ -164,29 +161,8 @@ class SchemaTooNew(StoreError):
 
 # --- configuration --------------------------------------------------------
 
-_DAY = 24 * 3600.0
-_MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Retention:
-    """How long, and how much, the store keeps. Ages are seconds.
-
-    Events of a finished task expire before the task itself, so a client that
-    resumes too late gets 410 ``event_history_expired`` and can still read the
-    final result with ``GET /tasks/{id}``.
-    """
-
-    response_ttl_s: float = 30 * _DAY  # from created_at
-    conversation_ttl_s: float = 30 * _DAY  # from the last change
-    task_ttl_s: float = 7 * _DAY  # from finished_at
-    event_ttl_s: float = 1 * _DAY  # from the task's finished_at
-    idempotency_ttl_s: float = 1 * _DAY  # from idempotency_begin
-    max_response_bytes: int = 512 * _MIB
-    max_conversation_bytes: int = 512 * _MIB
-    max_task_bytes: int = 256 * _MIB  # requests, results and errors of tasks
-    max_event_bytes: int = 256 * _MIB  # all task event logs together
-
+# Retention (how long and how much is kept) and the instance lease are
+# bounds like any other: lmspd.core.limits.
 
 # --- records --------------------------------------------------------------
 

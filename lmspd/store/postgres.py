@@ -50,16 +50,15 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the PostgreSQL store needs psycopg 3: pip install 'lmspd[postgresql]'"
     ) from exc
 
+from lmspd.core.limits import DEFAULT_LEASE_S, Retention
 from lmspd.store import pruning
 from lmspd.store.base import (
-    DEFAULT_LEASE_S,
     JSON,
     EventsExpired,
     LogCloser,
     NotFound,
     NoticeCallback,
     Notices,
-    Retention,
     SchemaTooNew,
     SequenceError,
     StoreError,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lmspd.store.base import Retention
+from lmspd.core.limits import Retention
 from lmspd.store.sql import ACTIVE_SQL, TERMINAL_SQL, Connections, Sql, in_list
 
 __all__ = ["BATCH", "prune"]

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
-from lmspd.store.base import Retention
+from lmspd.core.limits import Retention
 
 __all__ = ["ACTIVE_SQL", "TERMINAL_SQL", "Connections", "Sql", "SqlBackend", "dumps", "in_list", "loads_opt", "size"]
 

@@ -25,16 +25,15 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Literal, Sequence
 
 from lmspd.core.lifecycle import TERMINAL_STATUSES
+from lmspd.core.limits import DEFAULT_LEASE_S, Retention
 from lmspd.store import pruning
 from lmspd.store.base import (
-    DEFAULT_LEASE_S,
     JSON,
     EventsExpired,
     LogCloser,
     NotFound,
     NoticeCallback,
     Notices,
-    Retention,
     SchemaTooNew,
     StoreError,
     TaskEvent,

@@ -26,6 +26,8 @@ RULES = [
     ("lmspd.dialects", "lmspd.engines", "a dialect speaks only the neutral Conversation and events"),
     ("lmspd.engines", "lmspd.dialects", "an engine never knows which dialect asked"),
     ("lmspd.engines", "lmspd.routes", "an engine never knows which route asked"),
+    ("lmspd.engines", "lmspd.http", "an engine never knows which route asked"),
+    ("lmspd.engines", "lmspd.store", "an engine never reads or writes durable state"),
     ("lmspd.cache", "llama_cpp", "the cache keeps KV bytes; only the llama engine talks to llama.cpp"),
     ("lmspd.tasks", "lmspd.routes", "tasks/ keeps the manager and recovery; HTTP handlers live in routes/"),
 ]
@@ -94,14 +96,7 @@ GRAPH = import_graph(PACKAGE_ROOT)
 
 def rule_params() -> Iterable:
     for importer, forbidden, why in RULES:
-        marks = []
-        if (importer, forbidden) == ("lmspd.tasks", "lmspd.routes") and (PACKAGE_ROOT / "tasks" / "routes.py").exists():
-            # Issue #17's source side moves the task HTTP handlers
-            # (lmspd/tasks/routes.py, wire.py) into routes/; strict, so this
-            # turns into a failure to remove once that lands.
-            marks.append(pytest.mark.xfail(strict=True, reason="task HTTP handlers still live in lmspd/tasks "
-                                                               "(moved to routes/ by #17's source side)"))
-        yield pytest.param(importer, forbidden, why, marks=marks, id=f"{importer}-not-{forbidden}")
+        yield pytest.param(importer, forbidden, why, id=f"{importer}-not-{forbidden}")
 
 
 @pytest.mark.parametrize("importer,forbidden,why", list(rule_params()))

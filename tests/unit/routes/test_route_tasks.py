@@ -10,7 +10,7 @@ import threading
 
 from openai import OpenAI
 
-from lmspd.store.base import Retention
+from lmspd.core.limits import Retention
 from support.engine import MODEL, ScriptedEngine
 from support.follow import follow, openai_events, wait_for
 from support.inprocess import serving
