@@ -1,4 +1,4 @@
-"""``lmspd serve`` and ``lmspd models``."""
+"""``lmspd serve``, ``lmspd models`` and ``lmspd config set-key|clear-key``."""
 
 from __future__ import annotations
 

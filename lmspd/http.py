@@ -1,6 +1,6 @@
-"""What every HTTP handler shares (``lmspd.routes``, the compat routes and
-the task routes alike): the application state, credentials, query
-parameters, and the two ways a reply leaves (JSON or SSE)."""
+"""What every HTTP handler in ``lmspd.routes`` shares: the application
+state, credentials, query parameters, and the two ways a reply leaves
+(JSON or SSE)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 ``GET /metrics`` and the recent-generation log the console's engine view
 shows.
 
-Three kinds of source, each read where it is cheapest:
+Four kinds of source, each read where it is cheapest:
 
 - per HTTP request (route template, method, status): an ASGI middleware,
   :class:`RequestMetrics`, counting when the response starts;
@@ -11,7 +11,9 @@ Three kinds of source, each read where it is cheapest:
   in the service, so every dialect and background tasks are counted once;
 - engine state (queue depth, busy sequences, KV bytes in RAM and on disk,
   upstream endpoint health): read from ``engine.stats()`` and the model
-  queues at scrape time by :class:`_EngineCollector`, never polled.
+  queues at scrape time by :class:`_EngineCollector`, never polled;
+- store writes (their latency): :meth:`Metrics.timed_store` wraps the store
+  the app uses.
 
 Each ``Service`` owns one :class:`Metrics` with its own registry, so two
 apps in one process (tests) never share counters.

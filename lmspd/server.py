@@ -1,4 +1,5 @@
-"""Process lifecycle: load the model, bind, announce the URL, shut down cleanly."""
+"""Process lifecycle: build the service (models load now, or on first use
+when several are served), bind, announce the URL, shut down cleanly."""
 
 from __future__ import annotations
 

@@ -61,8 +61,9 @@ another sequence is prefilling right now (it copies it once it is there,
 instead of prefilling it twice).
 
 Everything that changes residency runs on the engine's scheduler thread,
-which alone touches the KV; ``prepare`` on the event loop only reads
-``states``, an immutable snapshot the scheduler replaces whole.
+which alone touches the KV; ``prepare`` (in the service's preparing
+threads) only reads ``states``, an immutable snapshot the scheduler
+replaces whole.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What every engine offers the core, and the one-at-a-time model queue.
+"""What every engine offers the core, and the model queue that admits
+``concurrency`` generations at a time (a llama engine's ``--parallel``).
 
 An engine turns a neutral ``Conversation`` into neutral events. It never
 knows which dialect asked, and the dialects never see an engine's internals.

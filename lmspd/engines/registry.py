@@ -12,9 +12,9 @@ plus its KV budget estimate. Before one loads, the least recently used idle
 models are unloaded until it fits; one that cannot fit beside busy models
 waits (503). A model idle for ``idle_unload_s`` is unloaded too.
 
-Eviction runs on the event loop only: ``Service.begin`` prepares and admits
-a request without awaiting in between, so a model that is prepared is
-already counted by its queue before any eviction can look at it.
+Eviction runs on the event loop only: ``Service.begin`` admits a request to
+its model's queue before it awaits ``prepare``, so a model being prepared
+for is already counted by its queue before any eviction can look at it.
 """
 
 from __future__ import annotations

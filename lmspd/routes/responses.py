@@ -1,5 +1,7 @@
 """Creating a response, in either Responses dialect: ``POST /v1/responses``,
-``POST /lmsp/v1/responses`` and ``POST /lmsp/v1/tasks``.
+``POST /lmsp/v1/responses`` and ``POST /lmsp/v1/tasks``; and its
+neighbours ``POST /v1/responses/compact`` and ``/v1/responses/input_tokens``.
+``begin_turn`` and ``turn_events`` are shared with the WebSocket route.
 
 One flow for all three: credential, body, idempotency key, decoding with the
 stored context (``previous_response_id``, ``conversation``,

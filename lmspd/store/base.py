@@ -1,7 +1,7 @@
 """The one store interface every handler uses, and the types it speaks.
 
-Handlers depend on ``Store`` only, so a PostgreSQL implementation can follow
-the SQLite one without touching them. The store is a pure data layer: it
+Handlers depend on ``Store`` only, so the SQLite and PostgreSQL backends
+(and any other) serve them alike. The store is a pure data layer: it
 knows nothing of HTTP or dialects. Payloads (responses, items, requests,
 events) are the dicts the dialect layer builds; the store keeps them as JSON
 and gives back equal dicts.

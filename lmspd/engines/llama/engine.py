@@ -7,7 +7,8 @@ remembered KV state -> prefill the rest -> sample) instead of calling
 ``create_completion``, because the continuation cache must own exactly which
 tokens are in each sequence's KV.
 
-The parts: ``preparation`` (render, tokenize, constrain; event loop),
+The parts: ``preparation`` (render, tokenize, constrain; the service's
+preparing threads),
 ``scheduler`` (the batch and token loop; its own thread), ``generation``
 (one sequence's text, reasoning, tool calls and events), ``kv`` (capture,
 restore, copy, trim by sequence) and ``lmspd.cache`` (which sequence, which
@@ -202,7 +203,7 @@ class LlamaEngine:
         return ContinuationCache(ops, n_seq=self.parallel, enabled=settings.enabled, trimmable=kv.trimmable,
                                  ram_budget_bytes=settings.ram_budget_bytes, disk=disk)
 
-    # -- text <-> tokens, preparing (event loop; reads, never touches the KV) --
+    # -- text <-> tokens, preparing (preparing threads; reads, never touches the KV) --
 
     def render(self, conversation: Conversation, *, add_generation_prompt: bool = True) -> str:
         return self.preparation.render(conversation, add_generation_prompt=add_generation_prompt)

@@ -1,5 +1,6 @@
 """Preparing a request for the llama engine: render, tokenize, fit the
-context window, constrain (grammar, stop sequences) — on the event loop,
+context window, constrain (grammar, stop sequences) — in the service's
+preparing threads (``Service.off_loop``, bounded in time; several at once),
 before any byte is sent. Nothing here touches the KV; the cache is only
 read (its published snapshot of remembered states).
 """

@@ -11,8 +11,9 @@
               exactly one ``Finished``/``Failed``
 
 Why the request is sent in ``open`` and not in ``prepare``: ``prepare`` is
-synchronous and runs on the event loop, and a provider can take seconds
-to send its headers; ``open`` is awaited, after the model's queue slot.
+synchronous and runs in a preparing thread under a time bound, and a
+provider can take seconds to send its headers; ``open`` is awaited, after
+the model's queue slot.
 
 Stopping: a client that goes away cancels the task that drives
 ``generate``; the ``finally`` closes the provider body, so the provider sees
