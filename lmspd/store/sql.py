@@ -101,8 +101,9 @@ class Connections(Protocol):
 
 class SqlBackend:
     """The base of both SQL backends: the aggregate mixins
-    (``ResponseQueries``, ``ConversationQueries``, ``TaskQueries``) are
-    written against these methods, which each backend implements."""
+    (``ResponseQueries``, ``ConversationQueries``, ``TaskQueries``,
+    ``IdempotencyQueries``) are written against these methods, which each
+    backend implements."""
 
     insertion_order: str
     # The longest previous_response_id chain read back (ResponseQueries.response_chain).
