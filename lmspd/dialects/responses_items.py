@@ -310,7 +310,7 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
             loc = _param(base, prefix)
             accepted = list(dict.fromkeys(str(_member(e["loc"][at])) for e in members))
             return invalid(f"Invalid type for '{loc}': expected one of {' or '.join(accepted)}, "
-                           f"but got {_kind(err['input'])} instead.", loc)
+                           f"but got {_kind(err.get('input'))} instead.", loc)
     loc = _param(err["loc"], prefix, at)
     if err["type"] == "extra_forbidden":
         return ApiError("unsupported_parameter", f"Unknown parameter: '{loc}'.", param=loc)
