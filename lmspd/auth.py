@@ -85,10 +85,11 @@ def read_keys_file(path: Path) -> list[str]:
         scopes = re.sub(r"\s", "", rest[0]) if rest else ""
         spec = f"{key}:{scopes}" if scopes else key
         try:
+            parsed = parse_key(spec)
             # Text after the key that is no scope list would otherwise join
             # the key (``parse_key``'s rule for ``--api-key``): a key the
             # writer never meant, silently.
-            if parse_key(spec).key != key and scopes:
+            if scopes and parsed.key != key:
                 raise ValueError(f"what follows the key is not a list of scopes (known: {', '.join(sorted(ALL_SCOPES))})")
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None

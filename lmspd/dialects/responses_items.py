@@ -267,19 +267,20 @@ def _param(loc: tuple[str | int, ...], prefix: str, member_at: int | None = None
     return param
 
 
-def _union_member_at(errors: list[Any]) -> int | None:
-    """Where the first error's location names a union member: a position at
-    which errors under one parameter differ by member names, those that end
-    there all about one value (the parameter's). Keys of an object named
-    "str" and "list" are told apart by their values."""
+def _union_members(errors: list[Any]) -> tuple[int, list[Any]] | None:
+    """Where the first error's location names a union member, and the
+    errors of its members: a position at which errors under one parameter
+    differ by member names, those that end there all about one value (the
+    parameter's). Keys of an object named "str" and "list" are told apart
+    by their values."""
     loc = errors[0]["loc"]
     for at, part in enumerate(loc):
         if _member(part) is None:
             continue
         here = [e for e in errors if e["loc"][:at] == loc[:at] and len(e["loc"]) > at and _member(e["loc"][at])]
-        ending = [e["input"] for e in here if len(e["loc"]) == at + 1]
+        ending = [e.get("input") for e in here if len(e["loc"]) == at + 1]
         if len({e["loc"][at] for e in here}) > 1 and all(value == ending[0] for value in ending):
-            return at
+            return at, here
     return None
 
 
@@ -298,10 +299,10 @@ def validation_error(exc: ValidationError, prefix: str = "") -> ApiError:
     error lists the types the parameter accepts."""
     errors = exc.errors()
     err = errors[0]
-    at = _union_member_at(errors)
-    if at is not None:
+    at: int | None = None
+    if (union := _union_members(errors)) is not None:
+        at, members = union
         base = err["loc"][:at]
-        members = [e for e in errors if e["loc"][:at] == base and len(e["loc"]) > at and _member(e["loc"][at])]
         # A member whose type the value has fails deeper, or on a constraint.
         deeper = [e for e in members if len(e["loc"]) > at + 1 or not e["type"].endswith("_type")]
         if deeper:

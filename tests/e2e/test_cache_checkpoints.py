@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,6 @@ from support.server import ServerProcess
 GEMMA = "gemma3-270m"
 # Gemma 3's template with a <think> block opened by the generation prompt.
 THINKING_GEMMA = str(Path(__file__).parent.parent / "fixtures" / "thinking_gemma3.jinja")
-LINE = re.compile(r"generation response=(\S+) seq=\d+ cache_source=(\S+)(.*?) reused=(\d+) prefilled=(\d+)")
 COLOURS = ["red", "green", "blue", "amber", "violet", "grey", "white", "black"]
 ANIMALS = ["otter", "heron", "badger", "lynx", "marten", "ibis", "vole", "wren"]
 
@@ -50,16 +48,10 @@ def post(server, body):
 
 
 def cache_line(server, response_id):
-    # Logged at the end of prefill; it reaches ``output`` through a reader thread.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for line in reversed(server.output):
-            m = LINE.search(line)
-            if m and m.group(1) == response_id:
-                return {"source": m.group(2), "detail": m.group(3).strip(), "reused": int(m.group(4)),
-                        "prefilled": int(m.group(5))}
-        time.sleep(0.05)
-    raise AssertionError(f"no cache log line for {response_id}")
+    m = server.wait_for_log(rf"generation response={re.escape(response_id)} seq=\d+ cache_source=(\S+)(.*?) "
+                            r"reused=(\d+) prefilled=(\d+)")
+    return {"source": m.group(1), "detail": m.group(2).strip(), "reused": int(m.group(3)),
+            "prefilled": int(m.group(4))}
 
 
 def user(text):
