@@ -340,6 +340,29 @@ class ChildServer:
             self._log.close()
 
 
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu-layers`` and ``--flash-attn``, given alike to lmspd and to
+    llama-cpp-python in-process (bench/gpu/run.sh passes them on a GPU)."""
+    parser.add_argument("--gpu-layers", default="0",
+                        help="layers to offload: N or 'all' (default 0: the CPU, as lmspd's engine ran before)")
+    parser.add_argument("--flash-attn", choices=["on", "off"], default="off",
+                        help="flash attention for every system (default off: the CPU path)")
+
+
+def lmspd_gpu_flags(args: argparse.Namespace) -> list[str]:
+    """lmspd's flags for the same placement; none on the CPU defaults, so the
+    benchmark also runs against an lmspd without these flags."""
+    if args.gpu_layers == "0" and args.flash_attn == "off":
+        return []
+    return ["--gpu-layers", args.gpu_layers, "--flash-attn", args.flash_attn]
+
+
+def llama_gpu_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """llama_cpp.Llama's keyword arguments for the same placement."""
+    layers = -1 if args.gpu_layers == "all" else int(args.gpu_layers)
+    return {"n_gpu_layers": layers, "flash_attn": args.flash_attn == "on"}
+
+
 LMSPD_READY = re.compile(r"lmspd serving .* at (http://\S+)")
 XLLAMACPP_READY = re.compile(r"xllamacpp \S+ serving at (http://\S+)")
 

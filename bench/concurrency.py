@@ -70,7 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (  # noqa: E402
     ChildServer,
     Sample,
+    add_gpu_arguments,
     bundled_model_path,
+    lmspd_gpu_flags,
     lmspd_server,
     stream_chat_completions,
     xllamacpp_server,
@@ -118,7 +120,7 @@ def start(system: str, args: argparse.Namespace, model: Path, tmp: Path) -> Chil
                             tmp / f"{system}.log", log_level="warning",
                             extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64",
                                    # The same work as a server without a guard (scenario 3).
-                                   "--repetition-window", "0"]).start()
+                                   "--repetition-window", "0", *lmspd_gpu_flags(args)]).start()
     return xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / f"{system}.log", parallel=4).start()
 
 
@@ -352,6 +354,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="3 turns, a 600-token developer prompt, 120-token tool results, 128 decode tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    add_gpu_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.turns, args.dev_tokens, args.tool_tokens, args.decode_tokens = 3, 600, 120, 128

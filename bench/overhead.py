@@ -52,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     Sample,
+    add_gpu_arguments,
     bundled_model_path,
+    llama_gpu_kwargs,
+    lmspd_gpu_flags,
     lmspd_server,
     paired,
     stream_chat_completions,
@@ -100,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap", type=float, default=0.2, help="seconds of idle between requests (default 0.2)")
     p.add_argument("--seed", type=int, default=None, help="seed for the nonces (default: time)")
     p.add_argument("--json", type=Path, default=None, help="also write every sample and the summary here")
+    add_gpu_arguments(p)
     args = p.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -154,13 +158,13 @@ def render_with_lmspd(model: Path, model_id: str, bodies: list[dict[str, Any]], 
 class InProcess:
     """llama-cpp-python in this process, configured as lmspd's engine is."""
 
-    def __init__(self, model: Path, ctx: int, threads: int) -> None:
+    def __init__(self, model: Path, ctx: int, threads: int, placement: dict[str, Any]) -> None:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(
             model_path=str(model), n_ctx=ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
-            n_threads=threads, n_threads_batch=threads, verbose=False,
+            n_threads=threads, n_threads_batch=threads, verbose=False, **placement,
         )
 
     def tokens_as_create_completion_sees(self, text: str) -> list[int]:
@@ -379,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runners: dict[str, Callable[[int, int], Sample]] = {}
         if INPROC in args.systems:
-            inproc = InProcess(model, args.ctx, args.threads)
+            inproc = InProcess(model, args.ctx, args.threads, llama_gpu_kwargs(args))
             prompts: list[str | list[int]] = []
             mismatched = 0
             for text, tokens in rendered:
@@ -402,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             runners[INPROC] = run_inproc
 
         if LMSPD in args.systems:
-            srv = lmspd_server(args.model and model, args.ctx, args.threads, tmp / "lmspd-data", tmp / "lmspd.log")
+            srv = lmspd_server(args.model and model, args.ctx, args.threads, tmp / "lmspd-data", tmp / "lmspd.log",
+                               extra=lmspd_gpu_flags(args))
             servers.append(srv)
             t = time.perf_counter()
             srv.start()
