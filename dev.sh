@@ -65,20 +65,22 @@ have=$(cat "$built_for" 2>/dev/null || echo cpu)
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null \
    || [ "$have" != "$gpu" ]; then
   # The CPU wheel lives in pip's own cache (keyed by the source, not by
-  # CMAKE_ARGS); a GPU wheel is built without it, into a directory per backend.
+  # CMAKE_ARGS, so nothing else may go there); a GPU wheel is built without
+  # it, into a directory per backend.
   wheels="${XDG_CACHE_HOME:-$HOME/.cache}/lmspd/wheels/$gpu"
   wheel=$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -1 || true)
   if [ -n "$wheel" ]; then
     say "installing $LLAMA_CPP_PYTHON for $gpu (cached: $wheel)"
     $PIP install -q --force-reinstall --no-deps "$wheel"
   else
-    say "building $LLAMA_CPP_PYTHON for $gpu${cmake_args:+ ($cmake_args)} from source (about 5-10 minutes on 2 cores; cached afterwards)"
+    say "installing $LLAMA_CPP_PYTHON for $gpu${cmake_args:+ ($cmake_args)}: built from source the first time (about 5-10 minutes on 2 cores), cached afterwards"
     log=$(mktemp)
     set +e
-    if [ "$gpu" = cpu ]; then
+    if [ "$gpu" = cpu ] && [ "$(uname -s)" != Darwin ]; then
+      # (On a Mac pip's cache may hold an older ./dev.sh's Metal build: not this.)
       CMAKE_ARGS="$cmake_args ${CMAKE_ARGS:-}" $PIP install -v --force-reinstall --no-deps "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | progress
       status=${PIPESTATUS[0]}
-      [ "$status" -eq 0 ] && $PIP install -q "$LLAMA_CPP_PYTHON" >>"$log" 2>&1  # its dependencies
+      if [ "$status" -eq 0 ]; then $PIP install -q "$LLAMA_CPP_PYTHON" >>"$log" 2>&1 || status=$?; fi  # its dependencies
     else
       mkdir -p "$wheels"
       CMAKE_ARGS="$cmake_args ${CMAKE_ARGS:-}" $PIP wheel -v --no-cache-dir --no-deps --no-binary llama-cpp-python \
