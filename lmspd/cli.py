@@ -31,12 +31,21 @@ def main(argv: list[str] | None = None) -> int:
                             "unloaded to make room (models then load on first use)")
     serve.add_argument("--models-idle-s", type=float, default=None, metavar="SECONDS",
                        help="unload a model unused this long (models then load on first use)")
-    serve.add_argument("--ctx", type=int, default=DEFAULT_CTX,
-                       help=f"context window in tokens (default {DEFAULT_CTX}: room for Codex's ~9k-token first "
-                            "request and its turns; 0 = the model's trained length)")
+    serve.add_argument("--ctx", default="auto", metavar="N|auto",
+                       help="context window per sequence in tokens (default auto: the model's trained length, or "
+                            f"{DEFAULT_CTX} where it was trained shorter (room for Codex's ~9k-token first request), "
+                            "fitted to the memory free at load; 0 = the trained length)")
     serve.add_argument("--threads", type=int, default=None)
-    serve.add_argument("--parallel", type=int, default=4, metavar="N",
-                       help="sequences of a local model decoded together, each with the full --ctx (default 4)")
+    serve.add_argument("--parallel", type=int, default=None, metavar="N",
+                       help="sequences of a local model decoded together, each with the full --ctx (default 4, "
+                            "lowered where that does not fit memory)")
+    serve.add_argument("--gpu-layers", default="all", metavar="N|all",
+                       help="layers of a local model offloaded to the GPU (default all: every layer that fits "
+                            "device memory; 0 = CPU only)")
+    serve.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
+                       help="flash attention (default auto: on with a GPU backend, off on the CPU)")
+    serve.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"],
+                       help="K and V cache type (default f16); q8_0 and q4_0 need flash attention")
     serve.add_argument("--data-dir", type=Path, default=None)
     serve.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY[:SCOPES]",
                        help="accept this bearer token (repeatable); required when not bound to loopback. "
@@ -89,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return _config(args)
     settings = Settings(
-        host=args.host, port=args.port, model=args.models[0] if args.models else None, ctx=args.ctx,
+        host=args.host, port=args.port, model=args.models[0] if args.models else None,
         threads=args.threads, parallel=args.parallel, api_keys=args.api_keys, log_level=args.log_level,
     )
-    if not 1 <= args.parallel <= 64:
+    if args.parallel is not None and not 1 <= args.parallel <= 64:
         parser.error("--parallel must be between 1 and 64")
+    _apply_placement(parser, args, settings)
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
     _apply_keys(parser, args, settings)
@@ -136,6 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     from lmspd.server import serve as run_server
 
     return run_server(settings)
+
+
+def _apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    from lmspd.engines.specs import check_kv_type, parse_ctx, parse_gpu_layers
+
+    try:
+        settings.ctx = parse_ctx(args.ctx)
+        settings.gpu_layers = parse_gpu_layers(args.gpu_layers)
+        check_kv_type(args.kv_type, args.flash_attn)
+    except ValueError as exc:
+        parser.error(str(exc))
+    settings.flash_attn = args.flash_attn
+    settings.kv_type = args.kv_type
 
 
 def _apply_keys(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from lmspd.core.limits import DEFAULT_LEASE_S, DEFAULT_LIMITS, Limits, Retention
 
-# The default context window. Codex's first request is ~9k tokens in the
+# The window ``--ctx auto`` gives a model trained on less (lmspd.engines.llama.fit
+# AUTO_MIN_WINDOW; a longer trained length is kept, memory allowing). Codex's first request is ~9k tokens in the
 # bundled model's tokens (its developer prompt and tool schemas) and grows
 # with every turn; 8192 refused it. The KV costs 2 (K, V) x layers x KV heads
 # x head dim x 2 bytes per token and per sequence: 22.5 KiB for SmolLM2-135M
@@ -31,10 +32,16 @@ class Settings:
     extra_models: list[str] = field(default_factory=list)
     models_max_mem_mb: int | None = None
     models_idle_s: float | None = None
-    ctx: int = DEFAULT_CTX
+    # Tokens per sequence: None is --ctx auto (fitted to memory at load), 0 the trained length.
+    ctx: int | None = None
     threads: int | None = None
-    # Sequences of the llama context decoded together (--parallel).
-    parallel: int = 4
+    # Sequences of the llama context decoded together (--parallel); None: 4, lowered to fit.
+    parallel: int | None = None
+    # Where a local model runs (lmspd.engines.llama.placement): layers on the
+    # GPU (None: all that fit), flash attention (auto: on with a GPU), KV type.
+    gpu_layers: int | None = None
+    flash_attn: str = "auto"
+    kv_type: str = "f16"
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())
     api_keys: list[str] = field(default_factory=list)
     log_level: str = "info"

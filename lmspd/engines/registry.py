@@ -285,14 +285,14 @@ class ModelRegistry:
 
 
 def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> LazyEngine:
-    """A local GGUF as a lazy engine: its info from the header, its cost
-    the file plus a KV estimate for ``spec.ctx`` tokens in each of its
-    ``spec.parallel`` sequences (the engine gives every sequence the full
-    window: ``LlamaEngine`` allocates ``ctx * parallel`` KV cells)."""
+    """A local GGUF as a lazy engine: its info from the header, its placement
+    planned now (lmspd.engines.llama.placement: the same arithmetic the engine
+    loads with, within ``--models-max-mem``), its cost the file plus the KV
+    of all its ``parallel`` windows and its compute buffers."""
     from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.gguf import GGUFError, read_gguf
     from lmspd.engines.llama.models import resolve_model
-    from lmspd.engines.specs import build_engine
+    from lmspd.engines.specs import build_engine, plan_llama
 
     model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))
     served = spec.served_model or model_id
@@ -300,24 +300,9 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
         header = read_gguf(path)
     except GGUFError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    ctx = spec.ctx or header.context_length or 4096
-    info = ModelInfo(id=served, context_window=ctx, source=str(path), capabilities={
+    runtime = plan_llama(spec, path, settings, budget=registry.max_bytes)
+    info = ModelInfo(id=served, context_window=runtime.window, source=str(path), capabilities={
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
         "reasoning": header.capabilities["reasoning"]})
-    cost = path.stat().st_size + kv_bytes_estimate(header.metadata, ctx, sequences=max(1, spec.parallel))
-    return registry.add(info, lambda: build_engine(spec, settings), cost)
-
-
-def kv_bytes_estimate(meta: dict[str, Any], ctx: int, sequences: int = 1) -> int:
-    """f16 K and V for every layer and position of ``sequences`` windows of
-    ``ctx`` tokens (0 when the header lacks the shape)."""
-    arch = meta.get("general.architecture")
-    layers = meta.get(f"{arch}.block_count")
-    width = meta.get(f"{arch}.embedding_length")
-    heads = meta.get(f"{arch}.attention.head_count")
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    if not (isinstance(layers, int) and isinstance(width, int) and isinstance(heads, int)
-            and isinstance(kv_heads, int) and min(layers, width, heads, kv_heads) > 0):
-        return 0
-    return 2 * 2 * layers * ctx * sequences * kv_heads * (width // heads)
+    return registry.add(info, lambda: build_engine(spec, settings, runtime), runtime.cost_bytes)

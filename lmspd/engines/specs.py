@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from lmspd.config import DEFAULT_CTX
+from lmspd.engines.llama.placement import check_kv_type
 from lmspd.engines.upstream.engine import UpstreamSpec
 
 __all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "load_config_file", "specs_from_settings"]
@@ -45,18 +45,27 @@ class LlamaSpec:
     # None: the id the model resolves to (the bundled model's own id).
     served_model: str | None = None
     model: str | None = None
-    ctx: int = DEFAULT_CTX
+    # Tokens per sequence; None: auto (fitted to memory, lmspd.engines.llama.fit);
+    # 0: the model's trained length.
+    ctx: int | None = None
     threads: int | None = None
-    # Sequences decoded together (continuous batching), each with the full ctx.
-    parallel: int = 4
+    # Sequences decoded together (continuous batching), each with the full ctx;
+    # None: 4, lowered where that does not fit.
+    parallel: int | None = None
     # A Jinja chat template file used instead of the GGUF's own.
     chat_template: str | None = None
+    # Layers offloaded to the GPU; None: all that fit.
+    gpu_layers: int | None = None
+    flash_attn: str = "auto"  # "auto" (on with a GPU), "on", "off"
+    kv_type: str = "f16"  # K and V cache type: "f16", "q8_0", "q4_0"
 
 
 EngineSpec = Union[LlamaSpec, UpstreamSpec]
 
 # Field name -> accepted types, per engine (served_model comes from the table key).
-_LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int,), "threads": (int,), "parallel": (int,), "chat_template": (str,)}
+_LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int, str), "threads": (int,), "parallel": (int,),
+                                              "chat_template": (str,), "gpu_layers": (int, str), "flash_attn": (str,),
+                                              "kv_type": (str,)}
 _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
@@ -101,8 +110,19 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         model = entry.get("model")
         if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
             model = str((path.parent / model).resolve())
-        return LlamaSpec(served_model=model_id, model=model, ctx=entry.get("ctx", DEFAULT_CTX), threads=entry.get("threads"),
-                         parallel=entry.get("parallel", 4), chat_template=entry.get("chat_template"))
+        for key, word in (("ctx", "auto"), ("gpu_layers", "all")):
+            if isinstance(entry.get(key), str) and entry[key] != word:
+                raise ConfigError(f"{where}.{key} has the wrong type (a number, or {word!r})")
+        try:
+            ctx = parse_ctx(entry.get("ctx", "auto"))
+            gpu_layers = parse_gpu_layers(entry.get("gpu_layers", "all"))
+            check_kv_type(entry.get("kv_type", "f16"), entry.get("flash_attn", "auto"))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {str(exc).replace('--', '').replace('-', '_')}") from None
+        return LlamaSpec(served_model=model_id, model=model, ctx=ctx, threads=entry.get("threads"),
+                         parallel=entry.get("parallel"), chat_template=entry.get("chat_template"),
+                         gpu_layers=gpu_layers, flash_attn=entry.get("flash_attn", "auto"),
+                         kv_type=entry.get("kv_type", "f16"))
     urls = entry.pop("urls", None) or []
     if "url" in entry:
         urls = [entry.pop("url"), *urls]
@@ -134,15 +154,59 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
             )]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    placement: dict[str, Any] = {"gpu_layers": getattr(settings, "gpu_layers", None),
+                                 "flash_attn": getattr(settings, "flash_attn", "auto"),
+                                 "kv_type": getattr(settings, "kv_type", "f16")}
     first = LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
-                      threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template)
+                      threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template,
+                      **placement)
     more = [LlamaSpec(model=m, ctx=settings.ctx, threads=settings.threads, parallel=settings.parallel,
-                      chat_template=settings.chat_template)
+                      chat_template=settings.chat_template, **placement)
             for m in getattr(settings, "extra_models", [])]
     return [first, *more]
 
 
-def build_engine(spec: EngineSpec, settings: Any) -> Any:
+def parse_ctx(value: int | str) -> int | None:
+    """``--ctx``: ``auto`` (None), 0 (the trained length) or a number of tokens."""
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--ctx must be 'auto' or a number of tokens, not {value!r}") from None
+    if not 0 <= n <= 1 << 24:
+        raise ValueError("--ctx must be between 0 (the trained length) and 16777216")
+    return n
+
+
+def parse_gpu_layers(value: int | str) -> int | None:
+    """``--gpu-layers``: ``all`` (None: every layer that fits) or a number of layers."""
+    if value == "all":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--gpu-layers must be 'all' or a number of layers, not {value!r}") from None
+    if n < 0:
+        raise ValueError("--gpu-layers must be >= 0 (or 'all')")
+    return n
+
+
+def plan_llama(spec: LlamaSpec, path: Path, settings: Any, budget: int | None = None) -> Any:
+    """Where and with which window ``spec``'s model runs (fitted to memory)."""
+    from lmspd.engines.llama.placement import FitError, plan
+
+    try:
+        return plan(path, ctx=spec.ctx, parallel=spec.parallel, gpu_layers=spec.gpu_layers,
+                    flash_attn=spec.flash_attn, kv_type=spec.kv_type, swa_full=getattr(settings, "swa_full", False),
+                    budget=budget)
+    except FitError as exc:
+        raise ConfigError(f"model {spec.served_model or spec.model or path.name}: {exc}") from None
+
+
+def build_engine(spec: EngineSpec, settings: Any, runtime: Any = None) -> Any:
+    """The engine for ``spec``; a local model runs as ``runtime`` says
+    (``placement.RuntimeConfig``), planned now when not given."""
     if isinstance(spec, UpstreamSpec):
         from lmspd.engines.upstream.credentials import CredentialError, resolve_key
         from lmspd.engines.upstream.engine import UpstreamEngine
@@ -188,9 +252,9 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
             template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
-    return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, parallel=spec.parallel, cache=cache,
-                       limits=settings.limits.request, chat_template=template,
-                       sealer=Sealer.from_data_dir(Path(settings.data_dir)))
+    return LlamaEngine(served, path, n_threads=spec.threads, cache=cache, limits=settings.limits.request,
+                       chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
+                       runtime=runtime or plan_llama(spec, path, settings))
 
 
 def _is_loopback_url(url: str) -> bool:

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
+from lmspd.engines.llama.fit import ModelShape
 from lmspd.engines.llama.gguf import read_gguf
 from lmspd.engines.llama.models import resolve_model
-from lmspd.engines.registry import kv_bytes_estimate
 from support.server import MODEL, ServerProcess
 
 CTX = 512
@@ -22,9 +22,13 @@ OTHER = "second-copy"
 
 
 def cost_mib() -> float:
-    """What the registry counts for one model: the file and the KV of every sequence."""
+    """What the registry counts for one model: the file, the KV of every
+    sequence and the compute buffers (flash attention off on the CPU)."""
     path = resolve_model(None)[1]
-    return (path.stat().st_size + kv_bytes_estimate(read_gguf(path).metadata, CTX, PARALLEL)) / 2**20
+    shape = ModelShape.from_metadata(read_gguf(path).metadata)
+    assert shape is not None
+    return (path.stat().st_size + shape.kv_bytes(CTX, PARALLEL)
+            + shape.compute_bytes(CTX, PARALLEL, flash_attn=False)) / 2**20
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ from . import native_log
 from .client_text import ClientText
 from .kv import SequenceKv
 from .models import fallback_template
+from .placement import RuntimeConfig, plan
 from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
 from .scheduler import Job, Preparations, Scheduler
@@ -54,6 +55,7 @@ __all__ = ["CacheSettings", "GenerationStats", "LlamaEngine", "LlamaPrepared"]
 log = logging.getLogger("lmspd.engine")
 
 DEFAULT_PARALLEL = 4
+_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 
 
 @dataclass
@@ -107,10 +109,20 @@ class LlamaEngine:
         chat_template: str | None = None,
         sealer: Sealer | None = None,
         grammars_at_start: bool = True,
+        runtime: RuntimeConfig | None = None,
+        flash_attn: str = "auto",
+        kv_type: str = "f16",
     ) -> None:
+        """``runtime`` is where and how the model runs (``placement.plan``,
+        fitted to memory); without it ``n_ctx`` (0: the trained length) and
+        ``parallel`` are taken as given."""
         self.limits = limits
         self.sealer = sealer
-        self.parallel = max(1, parallel)
+        self.cache_settings = cache or CacheSettings()
+        if runtime is None:
+            runtime = plan(path, ctx=n_ctx, parallel=max(1, parallel), flash_attn=flash_attn, kv_type=kv_type,
+                           swa_full=self.cache_settings.swa_full, check=False)
+        self.parallel = runtime.parallel
         threads = n_threads or max(1, (os.cpu_count() or 2))
         self.threads = threads
         # Requests being prepared right now (render, tokenize: CPU-bound,
@@ -119,31 +131,37 @@ class LlamaEngine:
         self.preparations = Preparations()
         llama_cpp.llama_backend_init()
         native_log.install()
-        self._model = internals.LlamaModel(path_model=str(path), params=llama_cpp.llama_model_default_params(),
-                                           verbose=False)
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = runtime.n_gpu_layers
+        self._model = internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
         model = self._model
-        seq_ctx = n_ctx or model.n_ctx_train()
         params = llama_cpp.llama_context_default_params()
         # One KV stream per sequence, each the full window: every request
         # gets the context /v1/models reports, and a sequence attends only
         # over its own cells (a unified KV would make all of them pay for
         # every sequence's length).
-        params.n_ctx = seq_ctx * self.parallel
+        params.n_ctx = runtime.window * self.parallel
         params.n_seq_max = self.parallel
         params.kv_unified = False
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_threads = threads
         params.n_threads_batch = threads
-        # Flash attention off: llama.cpp's CPU kernel for it is the slower one
-        # for an agent's turn (SmolLM2, 2 threads, 58 tokens appended to an
-        # 8.8k-token history: 3.2-3.9 s with it, 0.9-1.3 s without).
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        self.cache_settings = cache or CacheSettings()
+        # Flash attention: on a GPU the fast path (and what a quantized V
+        # cache needs); off on the CPU unless asked, where llama.cpp's kernel
+        # for it is the slower one for an agent's turn (SmolLM2, 2 threads, 58
+        # tokens appended to an 8.8k-token history: 3.2-3.9 s with it, 0.9-1.3 s
+        # without). placement.plan decided which.
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if runtime.flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.type_k = params.type_v = _GGML_TYPES[runtime.kv_type]
         params.swa_full = self.cache_settings.swa_full
         with suppress_stdout_stderr(disable=False):
             self.ctx = internals.LlamaContext(model=model, params=params, verbose=False)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
+        # What llama.cpp made of it (it pads the window to 256 cells).
+        self.runtime = dataclasses.replace(runtime, window=self.n_ctx)
+        log.info("%s", self.runtime.line(model_id))
         self.vocab = Vocabulary(model)
         meta = model.metadata()
         # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
@@ -315,6 +333,7 @@ class LlamaEngine:
             "last_prefill_ms": round(s.last_prefill_ms, 1),
             "last_output_tokens": s.last_output_tokens,
             "parallel": self.parallel,
+            "runtime": self.runtime.public(),
             "active_sequences": self.scheduler.active,
             "prefilling": self.scheduler.prefills(),
             "sequences": self.cache.sequences(),

@@ -1,6 +1,7 @@
 """The registry's memory estimate counts the KV of every ``--parallel``
 sequence: the llama engine gives each one the full window (``ctx * parallel``
-cells), so a budget computed for one sequence would load models that do not fit."""
+cells), so a budget computed for one sequence would load models that do not
+fit. It is the same arithmetic the engine plans its load with (fit.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from lmspd.engines.llama.fit import ModelShape
 from lmspd.engines.llama.gguf import read_gguf
 from lmspd.engines.llama.models import resolve_model
-from lmspd.engines.registry import ModelRegistry, kv_bytes_estimate, lazy_llama_engine
-from lmspd.engines.specs import LlamaSpec
+from lmspd.engines.registry import ModelRegistry, lazy_llama_engine
+from lmspd.engines.specs import ConfigError, LlamaSpec
 
 
 def _cost(parallel: int, ctx: int = 1024, max_mib: int | None = None) -> int:
@@ -22,17 +24,19 @@ def _cost(parallel: int, ctx: int = 1024, max_mib: int | None = None) -> int:
 
 def test_kv_grows_with_the_sequences() -> None:
     path = resolve_model(None)[1]
-    meta = read_gguf(path).metadata
-    one = kv_bytes_estimate(meta, 1024)
-    assert one > 0 and kv_bytes_estimate(meta, 1024, sequences=4) == 4 * one
+    shape = ModelShape.from_metadata(read_gguf(path).metadata)
+    assert shape is not None
+    one = shape.kv_bytes(1024)
+    assert one > 0 and shape.kv_bytes(1024, 4) == 4 * one
     # SmolLM2-135M: 30 layers, 3 KV heads of 64: f16 K and V.
     assert one == 2 * 2 * 30 * 1024 * 3 * 64
-    assert _cost(1) == path.stat().st_size + one
+    compute = shape.compute_bytes(1024, 1, flash_attn=False)
+    assert _cost(1) == path.stat().st_size + one + compute
     assert _cost(4) - _cost(1) == 3 * one
 
 
 def test_a_budget_that_fits_one_sequence_refuses_four() -> None:
     one_seq_mib = (_cost(1, ctx=8192) >> 20) + 1
     _cost(1, ctx=8192, max_mib=one_seq_mib)  # fits
-    with pytest.raises(ValueError, match="models-max-mem"):
+    with pytest.raises(ConfigError, match="models-max-mem"):
         _cost(4, ctx=8192, max_mib=one_seq_mib)
