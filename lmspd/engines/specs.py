@@ -190,7 +190,8 @@ def build_engine(spec: EngineSpec, settings: Any) -> Any:
             raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
     return LlamaEngine(served, path, n_ctx=spec.ctx, n_threads=spec.threads, parallel=spec.parallel, cache=cache,
                        limits=settings.limits.request, chat_template=template,
-                       sealer=Sealer.from_data_dir(Path(settings.data_dir)))
+                       sealer=Sealer.from_data_dir(Path(settings.data_dir)),
+                       speculative=getattr(settings, "speculative", "auto"))
 
 
 def _is_loopback_url(url: str) -> bool:
