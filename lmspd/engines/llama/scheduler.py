@@ -661,6 +661,9 @@ class Scheduler:
         gen = run.gen
         if run.prefilling:
             run.since_checkpoint += k
+            if run.spec is not None:
+                # Indexed as it lands: a prefill step is long, decoding steps are not.
+                run.spec.index.catch_up(2 * k + 256)
             while run.breaks and len(run.tokens) >= run.breaks[0]:
                 # A client-declared breakpoint (non-trimmable KV): a later
                 # request that diverges after it resumes from here.

@@ -55,11 +55,12 @@ class NgramIndex:
     """The last end of every n-gram (``sizes``) in ``tokens``, a list the
     owner appends to (the sequence's evaluated tokens). Caught up lazily, at
     most ``per_step`` positions a call, so that a long prompt's index is
-    built over a few steps rather than stalling one; a prompt longer than
-    ``window`` is indexed from its last ``window`` tokens."""
+    built over a few steps rather than stalling one (and mostly during the
+    prefill steps, ``catch_up``); a prompt longer than ``window`` is indexed
+    from its last ``window`` tokens."""
 
     def __init__(self, tokens: list[int], *, sizes: tuple[int, ...] = (6, 3), window: int = 16384,
-                 per_step: int = 4096) -> None:
+                 per_step: int = 256) -> None:
         self.tokens = tokens
         self.sizes = sizes
         self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
@@ -67,9 +68,14 @@ class NgramIndex:
         # Every n-gram ending at or before ``_done`` (exclusive end) is in.
         self._done = max(0, len(tokens) - window)
 
-    def _catch_up(self, upto: int) -> None:
+    def catch_up(self, budget: int) -> None:
+        """Index up to ``budget`` more positions (a prefill step calls this
+        with its chunk's size, so that decoding starts with the index whole)."""
+        self._catch_up(len(self.tokens) - 1, budget)
+
+    def _catch_up(self, upto: int, budget: int) -> None:
         toks = self.tokens
-        end = min(upto, self._done + self._per_step)
+        end = min(upto, self._done + budget)
         for size, table in zip(self.sizes, self._maps, strict=True):
             for e in range(max(self._done + 1, size), end + 1):
                 table[tuple(toks[e - size:e])] = e
@@ -86,7 +92,7 @@ class NgramIndex:
             self._done = 0
         # Only n-grams with a continuation inside ``tokens``.
         if self._done < n - 1:
-            self._catch_up(n - 1)
+            self._catch_up(n - 1, self._per_step)
         context = toks[-16:] + tail if tail else toks[-16:]
         for size, table in zip(self.sizes, self._maps, strict=True):
             if len(context) < size:

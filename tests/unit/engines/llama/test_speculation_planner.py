@@ -39,6 +39,13 @@ def test_index_builds_a_long_prompt_over_several_steps():
     assert index.propose([], 2) == ([13, 14], 3)
 
 
+def test_a_prefill_step_indexes_what_it_evaluated():
+    tokens = list(range(600)) + [10, 11, 12]
+    index = NgramIndex(tokens, sizes=(3,), per_step=1)
+    index.catch_up(1000)
+    assert index.propose([], 2) == ([13, 14], 3)
+
+
 @given(st.lists(st.integers(0, 5), min_size=0, max_size=60), st.lists(st.integers(0, 5), max_size=3),
        st.integers(1, 8))
 def test_a_proposal_is_always_a_continuation_of_a_real_match(tokens, tail, k):
