@@ -171,3 +171,49 @@ def test_a_kv_that_cannot_be_trimmed_does_not_speculate():
     with bundled_engine(parallel=1, n_ctx=512, model="gemma3-270m", cache=CacheSettings(swa_full=True)) as eng:
         # A full-size window keeps every cell: rejected positions can go.
         assert eng.speculative == "auto"
+
+
+class LinearCost(DecodeCost):
+    """A fixed price list (10 ms + 0.5 ms a token), not learned: the step's
+    composition, not this machine's speed, decides."""
+
+    def observe(self, n_tokens: int, ms: float) -> None:
+        pass
+
+    def ms(self, n_tokens: int) -> float:
+        return 10.0 + 0.5 * n_tokens
+
+
+def test_fairness_a_drafting_sequence_never_delays_a_plain_one(engine):
+    sched = engine.scheduler
+    steps: list[tuple[int, int, int]] = []  # parts in the step, tokens before drafts, draft tokens
+    real = sched._plan_drafts
+
+    def spy(parts, n):
+        real(parts, n)
+        steps.append((len(parts), n, sum(len(r.draft.tokens) for r, _, _ in parts if r.draft is not None)))
+
+    cost = LinearCost()
+    before = sched.decode_cost
+    sched._plan_drafts = spy
+    sched.decode_cost = cost
+
+    async def both():
+        async def one(conv):
+            return [ev async for ev in engine.generate(engine.prepare(conv), CancelToken())]
+        await asyncio.gather(one(conversation(COPY, speculative=True, max_output_tokens=70)),
+                             one(conversation("Tell me about the sea.", speculative=False, max_output_tokens=20)))
+    try:
+        asyncio.run(both())
+    finally:
+        del sched._plan_drafts
+        sched.decode_cost = before
+    shared = [s for s in steps if s[0] > 1]
+    alone = [s for s in steps if s[0] == 1]
+    assert shared and alone
+    # Beside the plain sequence (or its prefill), the step grows by at most 10 %.
+    for _, n, drafted in shared:
+        assert cost.ms(n + drafted) <= 1.10 * cost.ms(n)
+    # Alone, the same sequence drafts past that bound: the rule, not a lack of drafts, held it.
+    assert max(d for _, _, d in alone) > max(d for _, _, d in shared)
+    kv_matches_tokens(engine)
