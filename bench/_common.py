@@ -377,13 +377,16 @@ def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log
 
 
 def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path,
-                     parallel: int = 1, swa_full: bool = False) -> ChildServer:
+                     parallel: int = 1, swa_full: bool = False, speculative: str | None = None) -> ChildServer:
     """llama.cpp's server; with ``parallel`` slots, each gets the full ``ctx``.
-    ``swa_full``: its ``--swa-full`` (full-size sliding-window KV)."""
+    ``swa_full``: its ``--swa-full`` (full-size sliding-window KV);
+    ``speculative``: one of its draft types by name (``ngram_mod``, ...)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "serve-xllamacpp", "--model", str(model),
            "--ctx", str(ctx), "--threads", str(threads), "--batch", str(n_batch), "--parallel", str(parallel)]
     if swa_full:
         cmd.append("--swa-full")
+    if speculative:
+        cmd += ["--speculative", speculative]
     return ChildServer("xllamacpp", cmd, XLLAMACPP_READY, log_path)
 
 
@@ -396,6 +399,7 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--swa-full", action="store_true")
+    parser.add_argument("--speculative", default=None, help="a draft type: ngram_simple, ngram_mod, ngram_map_k, ...")
     args = parser.parse_args(argv)
     import xllamacpp as xlc
 
@@ -418,6 +422,9 @@ def _serve_xllamacpp(argv: list[str]) -> int:
     # Its default (off) keeps only the last window of sliding-window layers,
     # with its own context checkpoints; --swa-full keeps every cell.
     p.swa_full = args.swa_full
+    if args.speculative:
+        p.speculative.types = [getattr(xlc.common_speculative_type,
+                                       f"COMMON_SPECULATIVE_TYPE_{args.speculative.upper()}")]
     server = xlc.Server(p)
     print(f"xllamacpp-system-info: {xlc.get_system_info().strip()}", flush=True)
     print(f"xllamacpp {xlc.__version__} serving at {server.listening_address}", flush=True)

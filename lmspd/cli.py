@@ -228,6 +228,9 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                        help="KV sessions kept in RAM so agents used in turn continue without the disk")
     group.add_argument("--kv-checkpoint-every", type=int, default=2048, metavar="TOKENS",
                        help="checkpoint a long prefill every this many tokens (0: never)")
+    group.add_argument("--speculative", choices=["auto", "off"], default="auto",
+                       help="speculative decoding from the grammar's forced tokens and the sequence's own text, "
+                            "drafted only where it pays (default auto; off on a KV that cannot be trimmed)")
     group.add_argument("--swa-full", action="store_true",
                        help="keep every KV cell of sliding-window layers (Gemma 3, gpt-oss): trimmable like plain "
                             "attention, at n_ctx cells per layer; default: the last window only, with exact-state "
@@ -251,6 +254,7 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_ram_mb = args.kv_ram_mb
     settings.kv_checkpoint_every = args.kv_checkpoint_every
     settings.swa_full = args.swa_full
+    settings.speculative = args.speculative
     settings.strip_billing_header = not args.keep_billing_header
     settings.canonical_tool_order = not args.keep_tool_order
 

@@ -68,6 +68,8 @@ class Settings:
     kv_checkpoint_every: int = 2048
     # Full-size KV for sliding-window layers (see CacheSettings.swa_full).
     swa_full: bool = False
+    # Speculative decoding of local models (--speculative: auto or off).
+    speculative: str = "auto"
     # Cache-killer repairs (README: "Cache repairs").
     strip_billing_header: bool = True
     canonical_tool_order: bool = True

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.routing import Match
 
 from lmspd.core.events import EngineEvent, Failed, Finished, ReasoningDelta, TextDelta, ToolCallStarted
@@ -193,6 +193,13 @@ class _EngineCollector:
                                      labels=["model", "endpoint"])
         failures = CounterMetricFamily("lmspd_upstream_endpoint_failures", "Failed requests at the endpoint.",
                                        labels=["model", "endpoint"])
+        host = HistogramMetricFamily("lmspd_step_host_seconds",
+                                     "Time per scheduler step outside llama_decode (batch, sampling, parsers, "
+                                     "hand-over).", labels=["model"])
+        drafted = CounterMetricFamily("lmspd_speculative_drafted_tokens", "Draft tokens proposed, by source.",
+                                      labels=["model", "source"])
+        accepted = CounterMetricFamily("lmspd_speculative_accepted_tokens", "Draft tokens accepted, by source.",
+                                       labels=["model", "source"])
         for model_id, served in list(self._service.models.items()):
             queue.add_metric([model_id], served.queue.pending)
             busy.add_metric([model_id], served.queue.running)
@@ -202,13 +209,21 @@ class _EngineCollector:
                 ram.add_metric([model_id], cache.get("ram_bytes", 0))
                 ram_sessions.add_metric([model_id], cache.get("ram_sessions", 0))
                 disk.add_metric([model_id], cache.get("disk_bytes", 0))
+            steps = stats.get("step_host_seconds")
+            if isinstance(steps, dict) and steps.get("count"):
+                host.add_metric([model_id], steps["buckets"], steps["sum_s"])
+            speculation = stats.get("speculation")
+            if isinstance(speculation, dict):
+                for source, counts in speculation.get("by_source", {}).items():
+                    drafted.add_metric([model_id, source], counts["drafted"])
+                    accepted.add_metric([model_id, source], counts["accepted"])
             for ep in stats.get("endpoints") or []:
                 labels = [model_id, str(ep.get("url"))]
                 healthy.add_metric(labels, 1 if ep.get("healthy") else 0)
                 outstanding.add_metric(labels, ep.get("outstanding", 0))
                 routed.add_metric(labels, ep.get("requests", 0))
                 failures.add_metric(labels, ep.get("failures", 0))
-        return [queue, busy, ram, ram_sessions, disk, healthy, outstanding, routed, failures]
+        return [queue, busy, ram, ram_sessions, disk, healthy, outstanding, routed, failures, host, drafted, accepted]
 
 
 class _TimedStore:

@@ -189,6 +189,8 @@ class Conversation:
     session_key: str | None = None
     # False: neither reuse nor remember KV state for this request.
     cache_reuse: bool = True
+    # False: the engine does not speculate for this request (``lmspd.speculative``).
+    speculative: bool = True
     # Responses replays of a reasoning model's tool-call turns must carry the
     # reasoning (items or encrypted_content) unless a cached state explains them.
     require_reasoning_state: bool = False

@@ -85,6 +85,9 @@ class Usage:
     # The llama engine's lmspd.cache.diagnostics.CacheReport (why a prompt
     # reused less than the cache remembers); None for other engines.
     cache_report: Any = None
+    # The llama engine's drafted and accepted tokens by source
+    # (lmspd.engines.llama.speculation.DecodeStats); None: no speculation.
+    decode_report: Any = None
 
     @property
     def total_tokens(self) -> int:

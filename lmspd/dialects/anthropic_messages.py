@@ -172,6 +172,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         # reasoning that lets a stateless replay render what the model saw.
         include_encrypted_reasoning=True,
         cache_reuse=extensions.cache_reuse,
+        speculative=extensions.speculative,
     )
     return MessagesRequest(body, conversation, paths)
 

@@ -210,6 +210,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletion
         reasoning_effort=body.reasoning_effort,
         prompt_cache_key=body.prompt_cache_key,
         cache_reuse=extensions.cache_reuse,
+        speculative=extensions.speculative,
     )
     return ChatCompletionsRequest(body, conversation, paths)
 

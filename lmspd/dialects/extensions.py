@@ -26,9 +26,13 @@ class CacheExtension(Strict):
 class Extensions:
     seed: int | None = None
     cache_reuse: bool = True
+    # False: no speculative decoding for this request.
+    speculative: bool = True
 
 
 _KNOWN: dict[str, type[Strict]] = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}
+# A bare flag: ``{"lmspd.speculative": false}``.
+SPECULATIVE = "lmspd.speculative"
 
 
 def decode_extensions(raw: dict[str, Any] | None) -> Extensions:
@@ -38,8 +42,14 @@ def decode_extensions(raw: dict[str, Any] | None) -> Extensions:
     if not isinstance(raw, dict):
         raise invalid("'extensions' must be an object.", "extensions")
     for key, value in raw.items():
+        if key == SPECULATIVE:
+            if not isinstance(value, bool):
+                raise invalid(f"'extensions.{SPECULATIVE}' must be true or false.", f"extensions.{key}")
+            out.speculative = value
+            continue
         if key.startswith("lmspd.") and key not in _KNOWN:
-            raise invalid(f"Unknown lmspd extension {key!r}; known: {', '.join(sorted(_KNOWN))}.", f"extensions.{key}")
+            known = ", ".join(sorted([*_KNOWN, SPECULATIVE]))
+            raise invalid(f"Unknown lmspd extension {key!r}; known: {known}.", f"extensions.{key}")
         model = _KNOWN.get(key)
         if model is None:
             continue  # another vendor's namespace: not ours to judge

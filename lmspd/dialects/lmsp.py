@@ -121,6 +121,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         max_output_tokens=body.max_output_tokens,
         previous_response_id=body.previous_response_id,
         cache_reuse=extensions.cache_reuse,
+        speculative=extensions.speculative,
         require_reasoning_state=True,
     )
     return LmspRequest(body, conversation, extensions, items)
@@ -185,8 +186,16 @@ def response_json(state: ResponseState) -> dict[str, Any]:
 def cache_extension(state: ResponseState) -> dict[str, Any] | None:
     """``extensions.lmspd.cache``: what the prompt reused and, when it reused
     less than the cache remembers, why (lmspd.cache.diagnostics)."""
-    report = state.usage.cache_report if state.usage is not None else None
-    return None if report is None else {"lmspd.cache": report.as_json()}
+    usage = state.usage
+    if usage is None:
+        return None
+    out: dict[str, Any] = {}
+    if usage.cache_report is not None:
+        out["lmspd.cache"] = usage.cache_report.as_json()
+    if usage.decode_report is not None:
+        # Speculative decoding: drafted and accepted tokens by source.
+        out["lmspd.decode"] = usage.decode_report.as_json()
+    return out or None
 
 
 class LmspEncoder:

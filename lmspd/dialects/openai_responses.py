@@ -190,6 +190,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         previous_response_id=body.previous_response_id,
         conversation_id=conversation_id(body.conversation),
         cache_reuse=extensions.cache_reuse,
+        speculative=extensions.speculative,
         require_reasoning_state=True,
     )
     return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger)
@@ -346,8 +347,16 @@ def _text_part(text: str) -> dict[str, Any]:
 def cache_extension(state: ResponseState) -> dict[str, Any] | None:
     """LMSP's ``extensions.lmspd.cache``, also on this dialect's responses
     (an SDK keeps unknown fields): lmspd.cache.diagnostics."""
-    report = state.usage.cache_report if state.usage is not None else None
-    return None if report is None else {"lmspd.cache": report.as_json()}
+    usage = state.usage
+    if usage is None:
+        return None
+    out: dict[str, Any] = {}
+    if usage.cache_report is not None:
+        out["lmspd.cache"] = usage.cache_report.as_json()
+    if usage.decode_report is not None:
+        # Speculative decoding: drafted and accepted tokens by source.
+        out["lmspd.decode"] = usage.decode_report.as_json()
+    return out or None
 
 
 def usage_json(state: ResponseState) -> dict[str, Any] | None:

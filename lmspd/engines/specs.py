@@ -254,7 +254,8 @@ def build_engine(spec: EngineSpec, settings: Any, runtime: Any = None) -> Any:
             raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
     return LlamaEngine(served, path, n_threads=spec.threads, cache=cache, limits=settings.limits.request,
                        chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
-                       runtime=runtime or plan_llama(spec, path, settings))
+                       runtime=runtime or plan_llama(spec, path, settings),
+                       speculative=getattr(settings, "speculative", "auto"))
 
 
 def _is_loopback_url(url: str) -> bool:

@@ -17,10 +17,10 @@ from support.server import MODEL
 
 
 @contextmanager
-def bundled_engine(*, n_ctx: int = 512, **options: Any) -> Iterator[LlamaEngine]:
+def bundled_engine(*, n_ctx: int = 512, model: str = MODEL, **options: Any) -> Iterator[LlamaEngine]:
     """One thread, so that a test's timing does not depend on the machine's
     core count; closed (its scheduler thread stopped) afterwards."""
-    model_id, path = resolve_model(MODEL)
+    model_id, path = resolve_model(model)
     engine = LlamaEngine(model_id, path, n_ctx=n_ctx, n_threads=1, **options)
     try:
         yield engine

@@ -46,6 +46,7 @@ from .placement import RuntimeConfig, plan
 from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
 from .scheduler import Job, Preparations, Scheduler
+from .speculation import Planner, speculation_mode
 from .template import ChatTemplate
 from .tool_formats import ToolFormat, detect_tool_format
 from .vocab import Vocabulary
@@ -112,6 +113,7 @@ class LlamaEngine:
         runtime: RuntimeConfig | None = None,
         flash_attn: str = "auto",
         kv_type: str = "f16",
+        speculative: str = "auto",
     ) -> None:
         """``runtime`` is where and how the model runs (``placement.plan``,
         fitted to memory); without it ``n_ctx`` (0: the trained length) and
@@ -204,8 +206,13 @@ class LlamaEngine:
         if grammars_at_start:
             self.preparation.build_grammars_in_background()
         self._closer = self._turn_closer()
+        self.speculative = speculation_mode(speculative, self.kv)
+        if speculative == "auto" and self.speculative == "off":
+            log.info("model %s: no speculative decoding: its %s KV cannot drop rejected draft positions",
+                     model_id, self.kv.kind)
         self.scheduler = Scheduler(self, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
-                                   checkpoint_every=self.cache_settings.checkpoint_every)
+                                   checkpoint_every=self.cache_settings.checkpoint_every,
+                                   planner=Planner() if self.speculative == "auto" else None)
 
     def _build_cache(self, path: Path, settings: CacheSettings) -> ContinuationCache:
         disk = None
@@ -334,6 +341,9 @@ class LlamaEngine:
             "last_output_tokens": s.last_output_tokens,
             "parallel": self.parallel,
             "runtime": self.runtime.public(),
+            "speculative": self.speculative,
+            "speculation": self.scheduler.decode_stats.as_json(),
+            "step_host_seconds": self.scheduler.host_cost.snapshot(),
             "active_sequences": self.scheduler.active,
             "prefilling": self.scheduler.prefills(),
             "sequences": self.cache.sequences(),

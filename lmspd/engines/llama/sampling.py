@@ -119,6 +119,14 @@ class GrammarFirstRejection:
             return self._matcher.is_accepting()
         return self._matcher.validate_tokens([token]) == 1
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (none while a lazy grammar
+        sleeps, or once it is done): a draft that is right unless the
+        sampler ends the turn first."""
+        if not self._awake or self._matcher.is_stopped() or self._matcher.is_error():
+            return []
+        return self._matcher.compute_ff_tokens()
+
     def accept(self, token: int) -> None:
         if self._awake:
             self._matcher.consume_token(token)

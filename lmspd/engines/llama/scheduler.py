@@ -37,6 +37,9 @@ from lmspd.engines.base import CancelToken
 
 from .generation import Generation
 from .preparation import LlamaPrepared
+from .sampling import GrammarFirstRejection
+from .speculation import DecodeStats, Draft, Planner, SequenceSpeculation
+from .stepcost import DecodeCost, HostCost
 
 if TYPE_CHECKING:
     from .engine import LlamaEngine
@@ -72,6 +75,9 @@ class Running:
         # Prefill positions to stop at for a breakpoint checkpoint (ascending).
         self.breaks: list[int] = []
         self.started = time.perf_counter()
+        # Speculation (None: this sequence never drafts) and this step's draft.
+        self.spec: SequenceSpeculation | None = None
+        self.draft: Draft | None = None
 
 
 class Outbox:
@@ -206,8 +212,15 @@ def input_chars(conversation: Conversation) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int) -> None:
+    def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int,
+                 planner: Planner | None = None) -> None:
         self.engine = engine
+        # Speculative decoding (lmspd.engines.llama.speculation); None: off.
+        self.planner = planner
+        # What steps cost: the host's share (outside llama_decode) and the decode's by batch size.
+        self.host_cost = HostCost()
+        self.decode_cost = DecodeCost()
+        self.decode_stats = DecodeStats()
         self.cache = engine.cache
         self._ctx = engine.ctx
         self.n_batch = n_batch
@@ -297,11 +310,13 @@ class Scheduler:
                     self.outbox.flush()
                 return
             stepped = False
+            decoded: tuple[float, int] | None = None
             try:
                 self._admit()
+                began = time.perf_counter()
                 self._reap()
                 if self._running:
-                    self._step()
+                    decoded = self._step()
                     stepped = True
                 elif self.cache.unsettled_copies():
                     self._settle_copies()
@@ -312,6 +327,9 @@ class Scheduler:
                     self._fail(run, "server_error", "Generation failed.")
             # What this step produced, out before the next decode.
             self.outbox.flush()
+            if decoded is not None:
+                decode_s, sequences = decoded
+                self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
 
     def _gather(self) -> None:
         """Requests that arrive together share their first step. Sessions
@@ -402,6 +420,12 @@ class Scheduler:
             return
         run = Running(job, plan, resident.tokens, gen)
         run.breaks = self.cache.breakpoints_ahead(job.request, seq)
+        conversation = job.prepared.conversation
+        if self.planner is not None and conversation.speculative and not conversation.prefill_only:
+            sampler = gen.sampler
+            run.spec = SequenceSpeculation(resident.tokens, sampler if isinstance(sampler, GrammarFirstRejection)
+                                           else None)
+            gen.usage.decode_report = run.spec.stats
         self._running.append(run)
 
     def _reap(self) -> None:
@@ -421,9 +445,12 @@ class Scheduler:
                 if not run.pending:
                     self._release(run)
 
-    def _step(self) -> None:
+    def _step(self) -> tuple[float, int] | None:
+        """One batch, one decode. Returns the seconds ``llama_decode`` took
+        and how many sequences decoded in it (None: nothing to evaluate)."""
         # What each sequence contributes: every decoding one its next token(s),
-        # then the prefill budget to prefilling ones in arrival order.
+        # then the prefill budget to prefilling ones in arrival order, then
+        # drafts out of what is left (``_plan_drafts``).
         parts: list[tuple[Running, int, bool]] = []  # run, tokens taken, wants logits
         n = 0
         decoding = [r for r in self._running if not r.prefilling]
@@ -444,37 +471,136 @@ class Scheduler:
                 k = min(k, max(1, run.breaks[0] - len(run.tokens)))
             parts.append((run, k, k == len(run.pending)))
             room -= k
+            n += k
         if not parts:
-            return
+            return None
+        if self.planner is not None:
+            self._plan_drafts(parts, n)
         # In sequence order: with one KV stream per sequence, llama.cpp puts
         # only consecutive sequence ids into one micro-batch.
         parts.sort(key=lambda p: p[0].seq)
-        rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none), tokens taken
+        rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none; a draft's: its first), tokens taken
         n = 0
         for run, k, wants in parts:
+            draft = run.draft
+            if draft is not None:
+                self._put_draft(run, run.pending[0], draft.tokens, n)
+                rows.append((run, n, 1))
+                n += 1 + len(draft.tokens)
+                continue
             self._put(run, run.pending, n, k, wants)
             rows.append((run, n + k - 1 if wants else -1, k))
             n += k
         self._batch.n_tokens = n
         self._decode_threads()
+        t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+        decode_s = time.perf_counter() - t0
+        self.decode_cost.observe(n, decode_s * 1000)
         self.engine.kv.decoded()
         self.cache.decoded()
         if rc != 0:
             log.error("llama_decode failed (%d) for a batch of %d tokens", rc, n)
             for run, _, _ in rows:
+                run.draft = None
                 self._fail(run, "server_error", f"Decoding failed ({rc}).")
-            return
+            return decode_s, len(decoding)
         for run, _, k in rows:
             taken = run.pending[:k] if k > 1 else [run.pending[0]]
             del run.pending[:k]
             run.tokens.extend(taken)
         for run, row, k in rows:
             try:
-                self._advance(run, row, k)
+                if run.draft is not None:
+                    self._verify(run, row)
+                else:
+                    self._advance(run, row, k)
             except Exception as exc:
                 log.exception("generation failed")
+                run.draft = None
                 self._fail(run, "server_error", f"Generation failed: {type(exc).__name__}")
+        return decode_s, len(decoding)
+
+    def _plan_drafts(self, parts: list[tuple[Running, int, bool]], n: int) -> None:
+        """Drafts for the decoding sequences that have one worth its price
+        (``speculation.Planner``), out of what the step's batch has left."""
+        planner = self.planner
+        assert planner is not None
+        drafting = [run for run, k, wants in parts
+                    if wants and run.spec is not None and not run.prefilling and k == 1 and not run.gen.done]
+        if not drafting:
+            return
+        yielding = sum(1 for run, _, wants in parts if wants)
+        shared = len(parts) > 1
+        for run in drafting:
+            spec = run.spec
+            assert spec is not None
+            gen = run.gen
+            limit = min(planner.max_draft, self.n_batch - n, gen.max_new - len(gen.sampled) - 1)
+            if limit <= 0:
+                continue
+            spec.produced = len(gen.sampled)
+            draft, rate = spec.candidate(run.pending, limit)
+            if draft is None:
+                continue
+            k = planner.length(self.decode_cost, rate, len(draft.tokens), base_tokens=n, base_yield=yielding,
+                               shared=shared)
+            if k <= 0:
+                continue
+            draft.tokens = draft.tokens[:k]
+            run.draft = draft
+            n += k
+
+    def _put_draft(self, run: Running, token: int, draft: list[int], at: int) -> None:
+        """The next token and a draft after it, logits at every position."""
+        k = 1 + len(draft)
+        self._tok[at] = token
+        self._tok[at + 1:at + k] = draft
+        np.add(self._offsets[:k], len(run.tokens), out=self._pos[at:at + k])
+        seq = run.seq
+        for i in range(at, at + k):
+            self._seq_ids[i][0] = seq
+        self._logits[at:at + k] = 1
+
+    def _verify(self, run: Running, row: int) -> None:
+        """Sample at each position of a draft in turn: a draft token is kept
+        while the sampler picked it, and the first pick that differs is the
+        next token (so the output is what decoding without the draft gives).
+        The sampler, the parsers and the repetition guard only ever see
+        picked tokens; the KV loses the positions after the last kept one."""
+        draft, run.draft = run.draft, None
+        assert draft is not None and run.spec is not None
+        gen = run.gen
+        proposed = draft.tokens
+        accepted = 0
+        for i in range(len(proposed) + 1):
+            if gen.done:
+                break
+            forced = gen.before_sample()
+            if gen.done:
+                break
+            if forced:
+                run.pending = forced
+                break
+            token = gen.sampler.sample(self._ctx, row + i)
+            run.pending = gen.on_token(token)
+            end = gen.take_reasoning_end()
+            if end is not None:
+                self.cache.checkpoint(run.seq, run.job.request.owner, "reasoning", at=end[0], generated=end[1])
+            if i < len(proposed) and token == proposed[i] and run.pending == [token]:
+                # Already evaluated: the draft's position holds it.
+                run.tokens.append(token)
+                run.pending = []
+                accepted += 1
+                continue
+            break
+        if accepted < len(proposed):
+            self.engine.kv.trim(run.seq, len(run.tokens))
+        run.spec.produced = len(gen.sampled)
+        run.spec.verified(draft, accepted)
+        self.decode_stats.add(draft.source, len(proposed), accepted)
+        if gen.done and not run.pending:
+            self._release(run)
 
     def _settle_copies(self) -> None:
         """llama.cpp performs a copy between sequences at the next decode; a
@@ -535,6 +661,9 @@ class Scheduler:
         gen = run.gen
         if run.prefilling:
             run.since_checkpoint += k
+            if run.spec is not None:
+                # Indexed as it lands: a prefill step is long, decoding steps are not.
+                run.spec.index.catch_up(2 * k + 256)
             while run.breaks and len(run.tokens) >= run.breaks[0]:
                 # A client-declared breakpoint (non-trimmable KV): a later
                 # request that diverges after it resumes from here.
@@ -603,6 +732,9 @@ class Scheduler:
 
     def _release(self, run: Running) -> None:
         self._running.remove(run)
+        if run.spec is not None and not run.prefilling:
+            log.info("decode response=%s seq=%d output=%d speculation %s", run.job.response_id, run.seq,
+                     len(run.gen.sampled), run.spec.stats.log_text())
         self.cache.release(run.seq)
         close = getattr(run.gen.sampler, "close", None)
         if close is not None:

@@ -1,0 +1,339 @@
+"""Speculative decoding: lmspd ``--speculative auto`` against ``--speculative
+off`` and llama.cpp's server (``xllamacpp``) with its own n-gram speculation,
+side by side in one run (the same GGUF, ``--ctx``, ``--threads``).
+
+Scenarios (each at temperature 0 and 0.7):
+
+  edit     an edit turn: a ~1,500-token source file read by an earlier tool
+           call; the reply writes the file again with one line changed
+  patch    the same edit as a call of Codex's ``apply_patch`` custom tool
+           (its Lark grammar; lmspd only: llama.cpp's server has no custom tools)
+  call     a function call whose arguments repeat a long string of the prompt
+  chat     free chat: nothing to copy
+  mixed    four sessions at once: two ``edit``, two ``chat`` (aggregate tok/s,
+           each session's TTFT)
+
+Each request runs once to warm the prompt cache, then ``--rounds`` times
+measured (the prompt reused: TTFT is the continuation's). llama.cpp's server
+runs its three n-gram modes (``ngram_simple``, ``ngram_mod``,
+``ngram_map_k``) on ``edit`` at temperature 0 first; the best of them is the
+column, named in the output. Without ``xllamacpp`` installed that column is
+skipped.
+
+  python bench/speculative.py                       # everything, bundled model
+  python bench/speculative.py --model M.gguf --scenarios edit,chat --threads 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import bundled_model_path, lmspd_server, post_sse, xllamacpp_server  # noqa: E402
+from constrained import APPLY_PATCH  # noqa: E402
+
+NGRAM_MODES = ("ngram_simple", "ngram_mod", "ngram_map_k")
+SCENARIOS = ("edit", "patch", "call", "chat", "mixed")
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+              "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
+WRITE_TOOL = {"type": "function", "name": "write_file", "description": "Write text to a file.",
+              "parameters": {"type": "object", "required": ["path", "content"],
+                             "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}
+
+
+def source_file(lines: int = 60) -> str:
+    """A plain Python module of ~1,500 tokens (on SmolLM2's tokenizer)."""
+    out = ['"""Inventory helpers."""', "", "TIMEOUT = 30", ""]
+    for i in range(lines // 4):
+        out += [f"def restock_item_{i}(store, count):",
+                f"    store.items[{i}] = store.items.get({i}, 0) + count * {i + 2}",
+                f"    return store.items[{i}]", ""]
+    return "\n".join(out) + "\n"
+
+
+FILE = source_file()
+NOTE = ("The shipping team wants every parcel above two kilograms insured, and the courier collects "
+        "at nine in the morning from the north gate, except on public holidays when it comes at noon.")
+
+
+def edit_input() -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "Open inventory.py."},
+        {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": '{"path": "inventory.py"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": FILE},
+        {"role": "user", "content": "Write out inventory.py again in full, exactly as it is, except that "
+                                    "TIMEOUT = 30 becomes TIMEOUT = 60. Only the code."},
+    ]
+
+
+def requests(scenario: str) -> list[dict[str, Any]]:
+    """The Responses bodies of one scenario (several for ``mixed``)."""
+    tools = [{"type": "function", "name": "read_file", "description": "Read a file.",
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+    if scenario == "edit":
+        return [{"input": edit_input(), "tools": tools, "tool_choice": "none"}]
+    if scenario == "patch":
+        return [{"input": edit_input()[:-1] + [{"role": "user", "content":
+                 "Change TIMEOUT = 30 to TIMEOUT = 60 in inventory.py with apply_patch."}],
+                 "tools": tools + [PATCH_TOOL], "tool_choice": {"type": "custom", "name": "apply_patch"}}]
+    if scenario == "call":
+        return [{"input": "Save this note to notes/shipping.txt, word for word:\n\n" + NOTE * 3,
+                 "tools": [WRITE_TOOL], "tool_choice": "required"}]
+    if scenario == "chat":
+        return [{"input": "Tell me a short story about a lighthouse keeper and a storm."}]
+    return requests("edit") * 2 + requests("chat") * 2
+
+
+@dataclass
+class Run:
+    ttft_s: float | None = None
+    last_s: float | None = None
+    output_tokens: int = 0
+    decode: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tps(self) -> float | None:
+        if self.ttft_s is None or self.last_s is None or self.output_tokens < 2 or self.last_s <= self.ttft_s:
+            return None
+        return (self.output_tokens - 1) / (self.last_s - self.ttft_s)
+
+
+RESPONSES_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta",
+                    "response.custom_tool_call_input.delta")
+
+
+def stream_lmspd(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
+    run = Run()
+    t0 = time.perf_counter()
+    for name, raw in post_sse(client, url + "/v1/responses", {**body, "stream": True}):
+        data = json.loads(raw)
+        kind = data.get("type") or name
+        now = time.perf_counter() - t0
+        if kind in RESPONSES_DELTAS:
+            run.ttft_s = run.ttft_s if run.ttft_s is not None else now
+            run.last_s = now
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = data.get("response") or {}
+            run.output_tokens = (response.get("usage") or {}).get("output_tokens") or 0
+            run.decode = (response.get("extensions") or {}).get("lmspd.decode") or {}
+    return run
+
+
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The Responses body as Chat Completions, for llama.cpp's server."""
+    messages: list[dict[str, Any]] = []
+    items = body["input"] if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
+    for item in items:
+        if item.get("type") == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}}]})
+        elif item.get("type") == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            messages.append({"role": item["role"], "content": item["content"]})
+    out: dict[str, Any] = {"messages": messages, "max_tokens": body["max_output_tokens"],
+                           "temperature": body["temperature"], "stream": True,
+                           "stream_options": {"include_usage": True}}
+    tools = [t for t in body.get("tools", []) if t["type"] == "function"]
+    if tools and body.get("tool_choice") != "none":
+        out["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                        for t in tools]
+        out["tool_choice"] = body["tool_choice"]
+    return out
+
+
+def stream_llama(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
+    run = Run()
+    t0 = time.perf_counter()
+    for _name, raw in post_sse(client, url + "/v1/chat/completions", chat_body(body)):
+        data = json.loads(raw)
+        now = time.perf_counter() - t0
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
+                run.ttft_s = run.ttft_s if run.ttft_s is not None else now
+                run.last_s = now
+        if data.get("usage"):
+            run.output_tokens = data["usage"].get("completion_tokens") or 0
+        timings = data.get("timings")
+        if isinstance(timings, dict) and timings.get("draft_n") is not None:
+            run.decode = {"drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
+    return run
+
+
+def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int) -> list[list[Run]]:
+    """Each body once to warm the cache, then ``rounds`` times; the bodies of
+    one round run at once (``mixed``). Returns runs by round."""
+    stream = stream_lmspd if kind == "lmspd" else stream_llama
+    out: list[list[Run]] = []
+    with httpx.Client(timeout=600) as client:
+        for r in range(rounds + 1):
+            runs: list[Run | None] = [None] * len(bodies)
+
+            def one(into: list[Run | None], i: int, body: dict[str, Any]) -> None:
+                into[i] = stream(client, url, body)
+
+            threads = [threading.Thread(target=one, args=(runs, i, b)) for i, b in enumerate(bodies)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if r:  # round 0 warms the prompt cache
+                out.append([x for x in runs if x is not None])
+    return out
+
+
+def med(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def summary(rounds: list[list[Run]]) -> dict[str, Any]:
+    """Median over rounds of: output tok/s (a round's tokens over its span, all sessions together),
+    TTFT (ms, the worst session's), acceptance by source."""
+    tps, ttft = [], []
+    drafted: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    for runs in rounds:
+        starts = [r.ttft_s for r in runs if r.ttft_s is not None]
+        ends = [r.last_s for r in runs if r.last_s is not None]
+        tokens = sum(r.output_tokens for r in runs)
+        if len(runs) == 1:
+            tps.append(runs[0].tps)
+        elif starts and ends:
+            tps.append(tokens / (max(ends) - min(starts)))
+        ttft.append(max(starts) * 1000 if starts else None)
+        for r in runs:
+            for source, counts in (r.decode.get("by_source") or {"all": r.decode}).items():
+                if counts.get("drafted") is not None:
+                    drafted[source] = drafted.get(source, 0) + counts["drafted"]
+                    accepted[source] = accepted.get(source, 0) + (counts.get("accepted") or 0)
+    acc = " ".join(f"{s} {accepted[s]}/{drafted[s]}" for s in drafted if drafted[s]) or "-"
+    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc}
+
+
+def fmt(v: float | None, spec: str = "{:.1f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds per scenario and temperature")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"a subset of {','.join(SCENARIOS)}")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
+    args = ap.parse_args(argv)
+    model = args.model or bundled_model_path()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="lmspd-bench-spec-"))
+    print(f"model {model.name}; threads {args.threads}; ctx {args.ctx}; max tokens {args.max_tokens}; "
+          f"rounds {args.rounds} (+1 warm-up)", flush=True)
+
+    def bodies(scenario: str, temp: float, kind: str) -> list[dict[str, Any]]:
+        out = []
+        for b in requests(scenario):
+            out.append({**b, "model": "m", "temperature": temp, "max_output_tokens": args.max_tokens,
+                        "store": False})
+        return out
+
+    results: dict[tuple[str, float, str], dict[str, Any]] = {}
+    systems = ["auto", "off"]
+    for mode in systems:
+        srv = lmspd_server(model, args.ctx, args.threads, work / f"data-{mode}", work / f"lmspd-{mode}.log",
+                           extra=["--parallel", "4", "--speculative", mode, "--served-model", "m"]).start()
+        try:
+            for scenario in scenarios:
+                for temp in temps:
+                    rounds = measure("lmspd", srv.url, bodies(scenario, temp, "lmspd"), args.rounds)
+                    results[(scenario, temp, mode)] = summary(rounds)
+                    print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {results[(scenario, temp, mode)]}", flush=True)
+        finally:
+            srv.stop()
+
+    llama_mode = None
+    if not args.no_llama:
+        try:
+            import xllamacpp  # noqa: F401
+        except ImportError:
+            print("xllamacpp is not installed: llama.cpp's column skipped", flush=True)
+        else:
+            llama_mode = run_llama(args, model, scenarios, temps, bodies, results, work)
+            systems.append("llama")
+
+    print()
+    head = f"{'scenario':<8}{'temp':>5}"
+    for s in systems:
+        head += f"{s + ' tok/s':>13}{s + ' TTFT ms':>15}"
+    head += f"{'auto/off':>10}" + (f"{'auto/llama':>12}" if "llama" in systems else "") + "   acceptance (auto)"
+    if llama_mode:
+        print(f"llama = llama.cpp's server (xllamacpp) with {llama_mode}, the best of its n-gram modes here")
+    print(head)
+    for scenario in scenarios:
+        for temp in temps:
+            line = f"{scenario:<8}{temp:>5}"
+            got = {s: results.get((scenario, temp, s)) for s in systems}
+            for s in systems:
+                r = got[s]
+                line += f"{fmt(r and r['tps']):>13}{fmt(r and r['ttft'], '{:.0f}'):>15}"
+            a, o = got["auto"], got["off"]
+            line += f"{fmt(a and o and a['tps'] and o['tps'] and a['tps'] / o['tps'], '{:.2f}x'):>10}"
+            if "llama" in systems:
+                ll = got["llama"]
+                line += f"{fmt(a and ll and a['tps'] and ll['tps'] and a['tps'] / ll['tps'], '{:.2f}x'):>12}"
+            line += f"   {a['acceptance'] if a else '-'}"
+            print(line)
+    print("(tok/s: output tokens after the first over first-to-last delta, median of rounds; mixed: all "
+          "sessions' tokens over the round's span; TTFT: the slowest session's)")
+    return 0
+
+
+def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float], bodies: Any,
+              results: dict, work: Path) -> str:
+    """llama.cpp's server: its n-gram modes on ``edit`` at temperature 0, then the best on everything."""
+    best, best_tps = NGRAM_MODES[0], -1.0
+    probe = "edit" if "edit" in scenarios else scenarios[0]
+    for mode in NGRAM_MODES:
+        srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
+                               speculative=mode).start()
+        try:
+            got = summary(measure("llama", srv.url, bodies(probe, 0.0, "llama"), 1))
+        finally:
+            srv.stop()
+        print(f"  llama.cpp {mode}: {probe} t=0 {fmt(got['tps'])} tok/s, drafts {got['acceptance']}", flush=True)
+        if (got["tps"] or 0) > best_tps:
+            best, best_tps = mode, got["tps"] or 0
+    srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / "llama.log", parallel=4,
+                           speculative=best).start()
+    try:
+        for scenario in scenarios:
+            if scenario == "patch":
+                continue  # no custom tools with a Lark grammar
+            for temp in temps:
+                results[(scenario, temp, "llama")] = summary(
+                    measure("llama", srv.url, bodies(scenario, temp, "llama"), args.rounds))
+                print(f"  llama {scenario:<6} t={temp}: {results[(scenario, temp, 'llama')]}", flush=True)
+    finally:
+        srv.stop()
+    return best
+
+
+if __name__ == "__main__":
+    sys.exit(main())

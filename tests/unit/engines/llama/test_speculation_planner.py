@@ -1,0 +1,138 @@
+"""The speculation planner's parts, without a model: the n-gram index over a
+sequence's own tokens, the price of a draft (``Planner.length``) and the
+fairness rule, and resting after failed drafts."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmspd.engines.llama.speculation import Draft, NgramIndex, Planner, SequenceSpeculation
+from lmspd.engines.llama.stepcost import DecodeCost, HostCost
+
+
+def test_index_proposes_what_followed_the_latest_earlier_occurrence():
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2]
+    index = NgramIndex(tokens, sizes=(3,))
+    # The context ends "1 2" + pending "3": the latest earlier "1 2 3" is followed by 7 8.
+    draft, matched = index.propose([3], 4)
+    assert draft == [7, 8, 1, 2]
+    assert matched == 3
+
+
+def test_index_is_updated_incrementally_as_tokens_are_appended():
+    tokens = [5, 6, 7, 8]
+    index = NgramIndex(tokens, sizes=(2,))
+    assert index.propose([], 3) == ([], 0)
+    tokens.extend([1, 5, 6])  # "5 6" now recurs: what followed its first occurrence is proposed
+    assert index.propose([], 3) == ([7, 8, 1], 2)
+
+
+def test_index_builds_a_long_prompt_over_several_steps():
+    tokens = list(range(1000)) + [10, 11, 12]
+    index = NgramIndex(tokens, sizes=(3,), per_step=300)
+    index.propose([], 2)
+    # The first call indexed at most 300 positions, the rest comes later.
+    assert index._done == 300
+    for _ in range(4):
+        index.propose([], 2)
+    assert index.propose([], 2) == ([13, 14], 3)
+
+
+def test_a_prefill_step_indexes_what_it_evaluated():
+    tokens = list(range(600)) + [10, 11, 12]
+    index = NgramIndex(tokens, sizes=(3,), per_step=1)
+    index.catch_up(1000)
+    assert index.propose([], 2) == ([13, 14], 3)
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=60), st.lists(st.integers(0, 5), max_size=3),
+       st.integers(1, 8))
+def test_a_proposal_is_always_a_continuation_of_a_real_match(tokens, tail, k):
+    index = NgramIndex(tokens, sizes=(4, 2))
+    draft, matched = index.propose(tail, k)
+    context = tokens + tail
+    if not draft:
+        return
+    assert 1 <= len(draft) <= k and matched >= 2
+    # Some earlier end e: tokens[e-matched:e] equals the context's last `matched`, draft = tokens[e:e+len].
+    assert any(tokens[e - matched:e] == context[-matched:] and tokens[e:e + len(draft)] == draft
+               for e in range(matched, len(tokens)))
+
+
+class CpuCost(DecodeCost):
+    """The issue's measured costs on this machine (1 token: 11 ms, 2: 18, 4: 27, 8: 46, 16: 71)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for n, ms in ((1, 11), (2, 18), (4, 27), (8, 46), (16, 71)):
+            self.observe(n, ms)
+
+
+def test_blind_drafting_does_not_pay_on_a_compute_bound_machine():
+    planner, cost = Planner(), CpuCost()
+    # A sequence alone: a 50 % draft never beats one token per 11 ms; a 90 % one does.
+    assert planner.length(cost, 0.5, 16, base_tokens=1, base_yield=1, shared=False) == 0
+    k = planner.length(cost, 0.9, 16, base_tokens=1, base_yield=1, shared=False)
+    assert k >= 4
+    # Its expected yield per millisecond beats the plain step's.
+    gained = sum(0.9 ** i for i in range(1, k + 1))
+    assert (1 + gained) / cost.ms(1 + k) > 1 / cost.ms(1)
+
+
+def test_a_draft_where_batches_are_cheap_takes_the_whole_room():
+    cost = DecodeCost()
+    for n in (1, 2, 4, 8, 16, 32):
+        cost.observe(n, 8.0)  # a GPU: a batch of 32 costs what one token costs
+    assert Planner().length(cost, 0.4, 16, base_tokens=1, base_yield=1, shared=False) == 16
+
+
+def test_fairness_a_draft_beside_other_work_keeps_the_step_within_its_slack():
+    cost = CpuCost()
+    planner = Planner(fair_slack=0.10)
+    # Another sequence decodes in the step (2 tokens without the draft): 18 ms.
+    # A 95 % draft would pay for the batch as a whole, but the other sequence's
+    # next token would wait for it: at most 10 % more.
+    alone = planner.length(cost, 0.95, 16, base_tokens=2, base_yield=2, shared=False)
+    shared = planner.length(cost, 0.95, 16, base_tokens=2, base_yield=2, shared=True)
+    assert alone > 0
+    assert cost.ms(2 + shared) <= cost.ms(2) * 1.10
+    assert shared < alone
+    # A prefill chunk in the step (64 tokens): the draft is bounded the same way.
+    k = planner.length(cost, 0.95, 16, base_tokens=65, base_yield=1, shared=True)
+    assert cost.ms(65 + k) <= cost.ms(65) * 1.10
+
+
+def test_failed_drafts_rest_then_a_long_match_resumes():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+    spec = SequenceSpeculation(tokens, None)
+    for _ in range(3):
+        draft, rate = spec.candidate([], 4)
+        assert draft is not None
+        spec.verified(draft, 0)
+    spec.produced = 1
+    # Resting: a short match proposes nothing.
+    short = SequenceSpeculation([9, 9, 1, 2, 3, 5, 1, 2], None)
+    short._rest_until, short.produced = 100, 0
+    assert short.candidate([3], 4)[0] is None
+    # The text turned into a copy (a match of 12+ tokens): drafting again at once.
+    assert spec.candidate([], 4)[0] is not None
+
+
+def test_acceptance_follows_the_outcomes():
+    spec = SequenceSpeculation([1, 2, 3, 1, 2], None)
+    before = spec.acceptance["ngram"].rate
+    for _ in range(5):
+        spec.verified(Draft("ngram", [3, 1, 2, 3]), 4)
+    assert spec.acceptance["ngram"].rate > before
+    assert spec.stats.as_json()["accepted"] == 20
+
+
+def test_host_cost_histogram_is_cumulative():
+    h = HostCost()
+    for s in (0.0002, 0.0004, 0.003):
+        h.observe(s, 4)
+    snap = h.snapshot()
+    buckets = dict(snap["buckets"])  # type: ignore[arg-type]
+    assert buckets["0.00025"] == 1 and buckets["0.0005"] == 2 and buckets["0.005"] == 3 and buckets["+Inf"] == 3
+    assert snap["mean_ms_by_sequences"] == {4: 1.2}
