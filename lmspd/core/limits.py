@@ -16,11 +16,18 @@ MAX_IDEMPOTENCY_KEY_CHARS = 255
 # A client's session header (Claude Code, Codex, opencode...): a longer one is
 # ignored rather than refused (lmspd.dialects.session).
 MAX_SESSION_KEY_CHARS = 256
+# Threads that decode large request bodies and WebSocket messages
+# (decompression, JSON): a pool of their own (lmspd.bodies), so that slow
+# bodies queue behind each other, not in front of other off-loop work.
+BODY_DECODE_WORKERS = 2
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_body_bytes: int = 8 * 1024 * 1024
+    # gzip members / zstd frames in one compressed body (or WebSocket
+    # message): a sender needs one; each costs a decoder of its own.
+    max_body_members: int = 64
     max_json_depth: int = 64
     max_input_items: int = 4096
     max_content_parts: int = 256

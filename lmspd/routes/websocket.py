@@ -41,7 +41,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from lmspd.bodies import parse_json_object
+from lmspd.bodies import decode_off_loop, parse_json_object
 from lmspd.core.conversation import Item, SessionPin
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
@@ -206,7 +206,7 @@ class Connection:
             if len(text) <= _INLINE_CHARS:
                 frame = parse_json_object(text, self.app.limits)
             else:
-                frame = await asyncio.to_thread(parse_json_object, text, self.app.limits)
+                frame = await decode_off_loop(parse_json_object, text, self.app.limits)
         except ApiError as exc:
             await self._error(exc)
             return

@@ -154,3 +154,8 @@ def test_key_specs_and_keys_files(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"keys:1: unknown API key scope root") as info:
         read_keys_file(keys)
     assert "alpha" not in str(info.value), "a key never appears in an error"
+    for empty in ("", "# no keys yet\n\n   # still none\n", "#sekrit-starts-with-hash\n"):
+        keys.write_text(empty)
+        with pytest.raises(ValueError, match=r"holds no API key") as info:
+            read_keys_file(keys)
+        assert "sekrit" not in str(info.value)
