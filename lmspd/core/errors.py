@@ -35,6 +35,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "event_history_expired": (410, "Event history expired", "invalid_request_error"),
     "unauthorized": (401, "Unauthorized", "authentication_error"),
     "forbidden": (403, "Forbidden", "permission_error"),
+    # A Host this server does not answer for (lmspd.origins: DNS rebinding).
+    "misdirected_request": (421, "Misdirected request", "invalid_request_error"),
     "idempotency_conflict": (422, "Idempotency conflict", "invalid_request_error"),
     "idempotency_in_progress": (409, "Request still in progress", "conflict_error"),
     # A second response.create while one runs on the same WebSocket.

@@ -299,3 +299,28 @@ def test_a_keys_file_gives_scoped_keys(tmp_path):
         assert httpx.get(srv.url + "/health", headers=admin, timeout=60).json()["models"][MODEL]["generations"] == 1
     finally:
         srv.stop()
+
+
+def test_a_web_page_is_not_a_client(server):
+    """Black-box: a foreign Origin cannot open the Responses socket (browsers
+    let any page try; CORS does not cover sockets), a foreign Host (DNS
+    rebinding) gets nothing; loopback names, with and without a port, and
+    clients that send no Origin are served."""
+    from websockets.exceptions import InvalidStatus
+
+    from support.ws import create, open_ws
+
+    port = server.url.rsplit(":", 1)[1]
+    with pytest.raises(InvalidStatus) as info:
+        open_ws(server.url, {"Origin": "https://evil.example"})
+    assert info.value.response.status_code == 403
+    assert json.loads(info.value.response.body)["error"]["code"] == "forbidden"
+    for origin in (None, f"http://127.0.0.1:{port}", "http://localhost:5173"):
+        with open_ws(server.url, {"Origin": origin} if origin else {}) as ws:
+            events = create(ws, {"model": MODEL, "input": "hi", "max_output_tokens": 2})
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    for host in ("evil.example", f"evil.example:{port}", f"192.168.0.1:{port}"):
+        r = httpx.get(server.url + "/v1/models", headers={"Host": host}, timeout=60)
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", (host, r.text)
+    for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}", "[::1]", f"[::1]:{port}"):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host}, timeout=60).status_code == 200, host
