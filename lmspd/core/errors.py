@@ -57,6 +57,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     # A task or background response cut off by a crash or restart.
     "server_restarted": (500, "Server restarted", "server_error"),
     "invalid_tool_call": (500, "Invalid tool call", "model_error"),
+    # Output no UTF-8 writer can carry (a lone surrogate): the stream fails.
+    "invalid_model_output": (500, "Invalid model output", "model_error"),
     "undeclared_tool": (502, "Undeclared tool", "model_error"),
 }
 
