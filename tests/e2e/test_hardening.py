@@ -324,3 +324,29 @@ def test_a_web_page_is_not_a_client(server):
         assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", (host, r.text)
     for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}", "[::1]", f"[::1]:{port}"):
         assert httpx.get(server.url + "/v1/models", headers={"Host": host}, timeout=60).status_code == 200, host
+
+
+def test_state_on_disk_is_readable_by_its_owner_only(tmp_path):
+    """After a stored response and a shutdown (which writes the KV to disk),
+    every file under the data dir is 0600 and every directory 0700 -- even
+    under a umask of 0, where the defaults would be 0666 and 0777."""
+    import os
+    import stat
+
+    data = tmp_path / "data"
+    old = os.umask(0)
+    try:
+        srv = ServerProcess("--ctx", "512", data_dir=str(data)).start()
+    finally:
+        os.umask(old)
+    try:
+        r = httpx.post(srv.url + "/v1/responses", timeout=120,
+                       json={"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "store": True})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    names = {p.name for p in data.rglob("*")}
+    assert "lmspd.sqlite3" in names and any(n.endswith(".kv") for n in names), sorted(names)
+    for path in [data, *data.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o077 == 0, f"{path.relative_to(tmp_path)} is {mode:o}"
