@@ -223,7 +223,7 @@ class Connection:
             await self._error(exc)
             return
         kind = frame.get("type")
-        if kind in _IGNORED:
+        if isinstance(kind, str) and kind in _IGNORED:  # any JSON value: a list is unhashable
             return
         if kind != "response.create":
             shown = kind if isinstance(kind, str) else type(kind).__name__
