@@ -24,6 +24,7 @@ from lmspd.core.errors import ApiError
 from lmspd.edge import EdgeMiddleware, error_reply
 from lmspd.http import LmspdApp
 from lmspd.metrics import RequestMetrics
+from lmspd.origins import BrowserGuard, split_origins
 from lmspd.routes import console as console_routes
 from lmspd.routes import conversations, engine_view, responses, stored, websocket
 from lmspd.routes import health as health_routes
@@ -144,7 +145,10 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         # The edge sees every request first (header limits, keep-alive after
         # errors); metrics count what reaches the routes.
         middleware=[Middleware(EdgeMiddleware, limits=settings.limits.request),
-                    Middleware(RequestMetrics, metrics=service.metrics, routes=routes)],
+                    Middleware(RequestMetrics, metrics=service.metrics, routes=routes),
+                    # Web pages are refused before any route (Origin, and Host on loopback).
+                    Middleware(BrowserGuard, allowed_origins=split_origins(settings.allowed_origins),
+                               bound_host=settings.host, check_host=settings.loopback)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

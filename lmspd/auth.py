@@ -75,7 +75,8 @@ def read_keys_file(path: Path) -> list[str]:
     """One key per line, optionally followed by whitespace and its scopes
     (``KEY responses:read,tasks:read``) or written ``KEY:scopes``; ``#`` at
     the start of a line or after whitespace starts a comment. Returned as
-    ``--api-key`` specs."""
+    ``--api-key`` specs. A file with no key in it is an error: the server
+    would otherwise start open while its operator believes it keyed."""
     specs = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         line = _COMMENT.sub("", line).strip()
@@ -94,6 +95,9 @@ def read_keys_file(path: Path) -> list[str]:
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
         specs.append(spec)
+    if not specs:
+        raise ValueError(f"{path} holds no API key (every line is empty or a comment; a line starting with "
+                         "'#' is a comment, so a key cannot start with '#')")
     return specs
 
 

@@ -1,46 +1,56 @@
 """Reading a request body: media type, encoding, size and JSON, each with its own 4xx.
 
 Every route reads its body through ``read_json_object``, so every route
-parses JSON the same strict way (``decode_json``): a body that two JSON
-parsers could read differently is refused, not guessed at —
-
-- duplicate keys (``"store": false, "store": true``): Python keeps the last,
-  other parsers the first;
-- non-finite numbers (``NaN``, ``Infinity``, ``1e400``): not JSON at all
-  (RFC 8259), and nothing downstream (the store, the SSE writer, schema
-  bounds) can represent them;
-- lone surrogate escapes (``"\\ud800"``): not a Unicode string, so no
-  tokenizer or UTF-8 writer can take it.
-
-Each is a 400 whose ``param`` is the JSON path of the offending value.
+parses JSON the same strict way (``lmspd.core.strict_json``: duplicate keys,
+non-finite numbers and lone surrogates are 400s naming the JSON path).
 
 Bodies may be sent ``Content-Encoding: gzip`` or ``zstd``; the size limit
 applies to the decompressed bytes too, and decompression stops as soon as it
-is passed (a zip bomb costs one limit's worth of memory, then a 413).
-Decoding a large body runs in a worker thread: the event loop only reads the
-bytes.
+is passed (a zip bomb costs one limit's worth of memory, then a 413), and
+the body is walked by offset with a bound on its members (a body of many
+empty members is refused after ``max_body_members``, never copied once per
+member). Decoding a large body runs in a small pool of its own
+(``decode_off_loop``; WebSocket messages use it too): the event loop only
+reads the bytes, and slow bodies wait for each other, never for the default
+executor's other work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
-import re
+import functools
+import threading
 import zlib
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from starlette.requests import Request
 
 from lmspd.core.errors import ApiError
-from lmspd.core.limits import RequestLimits
+from lmspd.core.limits import BODY_DECODE_WORKERS, RequestLimits
+from lmspd.core.strict_json import decode_json, json_path
+
+__all__ = ["content_encodings", "decode_body", "decode_json", "decode_off_loop", "json_path", "parse_json_object",
+           "read_json_object"]
 
 # Bodies up to this size are decoded on the event loop (a thread hop costs
 # more than parsing them); larger ones in a worker thread.
 _INLINE_BYTES = 64 * 1024
 _ENCODINGS = ("gzip", "x-gzip", "zstd", "identity")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*\Z")
+_T = TypeVar("_T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+async def decode_off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in the decoding pool (``BODY_DECODE_WORKERS`` threads,
+    shared by every app in the process)."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(BODY_DECODE_WORKERS, thread_name_prefix="lmspd-decode")
+    return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args))
 
 
 async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:
@@ -68,7 +78,7 @@ async def read_json_object(request: Request, limits: RequestLimits) -> dict[str,
     raw = b"".join(chunks)
     if not encodings and len(raw) <= _INLINE_BYTES:
         return decode_body(raw, encodings, limits)
-    return await asyncio.to_thread(decode_body, raw, encodings, limits)
+    return await decode_off_loop(decode_body, raw, encodings, limits)
 
 
 def content_encodings(header: str) -> list[str]:
@@ -93,11 +103,21 @@ def decode_body(raw: bytes, encodings: list[str], limits: RequestLimits) -> dict
 
 # -- decompression ---------------------------------------------------------------
 
+# Compressed input is fed to a decoder this much at a time: what a decoder
+# copies at the end of a member (its ``unused_data``) is at most this, not
+# the rest of the body, so a body of many tiny members costs linear time.
+_FEED_BYTES = 64 * 1024
+# zstd's decoder has no output bound (see _unzstd): 128 blocks of 128 KiB at most.
+_ZSTD_FEED_BYTES = 512
+
 
 def _decompress(raw: bytes, coding: str, limits: RequestLimits) -> bytes:
     limit = limits.max_body_bytes
     try:
-        out = _gunzip(raw, limit) if coding in ("gzip", "x-gzip") else _unzstd(raw, limit)
+        if coding in ("gzip", "x-gzip"):
+            out = _gunzip(raw, limit, limits.max_body_members)
+        else:
+            out = _unzstd(raw, limit, limits.max_body_members)
     except ApiError:
         raise
     except Exception as exc:  # zlib.error, zstd.ZstdError: the client's bytes are bad
@@ -105,49 +125,57 @@ def _decompress(raw: bytes, coding: str, limits: RequestLimits) -> bytes:
     return out
 
 
-def _gunzip(raw: bytes, limit: int) -> bytes:
+def _gunzip(raw: bytes, limit: int, max_members: int) -> bytes:
     out = bytearray()
-    data = raw
-    while data:
+    view = memoryview(raw)
+    pos = 0
+    members = 0
+    while pos < len(view):
         # One gzip member at a time (RFC 1952 allows several in a row).
+        members += 1
+        if members > max_members:
+            raise _too_many("gzip members", max_members)
         inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        while data:
-            out += inflater.decompress(data, limit + 1 - len(out))
+        while not inflater.eof:
+            if pos >= len(view):
+                raise ApiError("invalid_request", "The body is not valid gzip data: it ends early.")
+            piece = view[pos:pos + _FEED_BYTES]
+            out += inflater.decompress(piece, limit + 1 - len(out))
             if len(out) > limit:
                 raise _too_large_decoded(limit)
-            data = inflater.unconsumed_tail
-        if not inflater.eof:
-            raise ApiError("invalid_request", "The body is not valid gzip data: it ends early.")
-        data = inflater.unused_data
+            pos += len(piece) - len(inflater.unconsumed_tail) - len(inflater.unused_data)
     return bytes(out)
 
 
-def _unzstd(raw: bytes, limit: int) -> bytes:
-    import io
-
+def _unzstd(raw: bytes, limit: int, max_frames: int) -> bytes:
     import zstandard
 
+    # A zstd decoder takes no output bound, and one block of three bytes
+    # may stand for 128 KiB: fed a small piece at a time, the output of one
+    # call stays small (a few MiB) and the limit is checked after each.
+    view = memoryview(raw)
     out = bytearray()
-    with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw), read_across_frames=True) as reader:
-        while True:
-            chunk = reader.read(min(1 << 20, limit + 1 - len(out)))
-            if not chunk:
-                break
-            out += chunk
+    pos = 0
+    frames = 0
+    decompressor = zstandard.ZstdDecompressor()
+    while pos < len(view):
+        frames += 1
+        if frames > max_frames:
+            raise _too_many("zstd frames", max_frames)
+        frame = decompressor.decompressobj()
+        while not frame.eof:
+            if pos >= len(view):
+                raise ApiError("invalid_request", "The body is not valid zstd data: it ends early.")
+            piece = view[pos:pos + _ZSTD_FEED_BYTES]
+            out += frame.decompress(piece)
             if len(out) > limit:
                 raise _too_large_decoded(limit)
-    # The reader stops quietly where the data is cut (a body it decoded to
-    # nothing would be blamed on the JSON). Within the bound, so the whole
-    # output is known to be small: decode again frame by frame to see each
-    # one end.
-    data = raw
-    while data:
-        frame = zstandard.ZstdDecompressor().decompressobj()
-        frame.decompress(data)
-        if not frame.eof:
-            raise ApiError("invalid_request", "The body is not valid zstd data: it ends early.")
-        data = frame.unused_data
+            pos += len(piece) - len(frame.unused_data)
     return bytes(out)
+
+
+def _too_many(what: str, limit: int) -> ApiError:
+    return ApiError("invalid_request", f"The body has more than {limit} {what}; send it as one.")
 
 
 def _too_large(limits: RequestLimits) -> ApiError:
@@ -156,126 +184,6 @@ def _too_large(limits: RequestLimits) -> ApiError:
 
 def _too_large_decoded(limit: int) -> ApiError:
     return ApiError("request_too_large", f"The decompressed request body exceeds {limit} bytes.")
-
-
-# -- strict JSON -----------------------------------------------------------------
-
-
-class _NonFinite:
-    """Stands where the parser met NaN, ±Infinity or an overflowing number,
-    so that the walk after parsing can say where it was."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-class _Duplicated(dict[str, Any]):
-    """An object in which ``key`` appeared more than once."""
-
-    __slots__ = ("key",)
-    key: str
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                dup = _Duplicated(obj)
-                dup.key = key
-                return dup
-            seen.add(key)
-    return obj
-
-
-def _float(text: str) -> Any:
-    value = float(text)
-    return value if math.isfinite(value) else _NonFinite(text)
-
-
-_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_float=_float, parse_constant=_NonFinite)
-
-
-def decode_json(raw: bytes | str, *, max_depth: int = 64) -> Any:
-    """Parse JSON strictly (see the module docstring); every refusal is an
-    ``ApiError`` (400) naming the JSON path where it applies."""
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-        if text.startswith("\ufeff"):
-            raise ValueError("a byte order mark is not allowed (RFC 8259 §8.1)")
-        value = _DECODER.decode(text)
-    except RecursionError:
-        raise ApiError("invalid_json", "The JSON body is nested too deeply.") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ApiError("invalid_json", f"The body is not valid JSON: {exc}") from None
-    _check(value, max_depth)
-    return value
-
-
-def _check(value: Any, max_depth: int) -> None:
-    # Iterative, so that the walk itself cannot hit the recursion limit; the
-    # path is only spelled out for the one value that is refused.
-    stack: list[tuple[Any, int, tuple[str | int, ...]]] = [(value, 1, ())]
-    while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, dict):
-            if depth > max_depth:
-                raise ApiError("invalid_json", f"The JSON body is nested deeper than {max_depth} levels.",
-                               param=json_path(path) or None)
-            if isinstance(node, _Duplicated):
-                where = json_path((*path, node.key))
-                raise ApiError("invalid_json", f"The JSON body repeats the key {node.key!r} (at {where!r}); "
-                               "each key may appear once.", param=where)
-            for key, child in node.items():
-                if _SURROGATE.search(key):
-                    raise _surrogate(json_path(path), "a key")
-                if isinstance(child, (dict, list)):
-                    stack.append((child, depth + 1, (*path, key)))
-                else:
-                    _check_scalar(child, (*path, key))
-        elif isinstance(node, list):
-            if depth > max_depth:
-                raise ApiError("invalid_json", f"The JSON body is nested deeper than {max_depth} levels.",
-                               param=json_path(path) or None)
-            for index, child in enumerate(node):
-                if isinstance(child, (dict, list)):
-                    stack.append((child, depth + 1, (*path, index)))
-                else:
-                    _check_scalar(child, (*path, index))
-        else:
-            _check_scalar(node, path)
-
-
-def _check_scalar(value: Any, path: tuple[str | int, ...]) -> None:
-    if isinstance(value, str):
-        if not value.isascii() and _SURROGATE.search(value):
-            raise _surrogate(json_path(path), "the string")
-    elif isinstance(value, _NonFinite):
-        where = json_path(path)
-        raise ApiError("invalid_json", f"{where or 'The body'!r} is {value.text}: JSON numbers must be finite.",
-                       param=where or None)
-
-
-def _surrogate(where: str, what: str) -> ApiError:
-    return ApiError("invalid_json", f"In {where or 'the body'!r}, {what} contains a lone UTF-16 surrogate "
-                    "escape (\\ud800-\\udfff without its pair), which is not text.", param=where or None)
-
-
-def json_path(path: tuple[str | int, ...]) -> str:
-    """``('input', 0, 'content')`` -> ``input[0].content``, the ``param`` style
-    of every other error."""
-    out = ""
-    for part in path:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _IDENT.match(part):
-            out += f".{part}" if out else part
-        else:
-            out += f"[{json.dumps(part, ensure_ascii=True)}]"
-    return out
 
 
 def parse_json_object(raw: str | bytes, limits: RequestLimits) -> dict[str, Any]:

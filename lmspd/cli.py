@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                             "KEY:responses:read,tasks:read limits it to those scopes (default: all)")
     serve.add_argument("--api-keys-file", type=Path, default=None, metavar="FILE",
                        help="more keys, one per line: KEY [scope,scope...]; # at the start or after a space starts a comment")
+    serve.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN[,ORIGIN...]",
+                       help="web origins (https://app.example, or *) whose pages may use the server besides "
+                            "loopback ones and its own (default: env LMSPD_ORIGINS); their hosts are also "
+                            "accepted as Host when bound to loopback")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
     _apply_keys(parser, args, settings)
+    _apply_origins(parser, args, settings)
     if args.models_dir is not None:
         settings.models_dir = args.models_dir.expanduser()
     settings.extra_models = list(args.models[1:])
@@ -172,6 +177,17 @@ def _apply_keys(parser: argparse.ArgumentParser, args: argparse.Namespace, setti
     except (OSError, ValueError) as exc:
         # The message names the file and line, never the key.
         parser.error(f"--api-key/--api-keys-file: {exc}")
+
+
+def _apply_origins(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    from lmspd.origins import split_origins
+
+    if args.allowed_origins is not None:
+        settings.allowed_origins = list(args.allowed_origins)
+    try:
+        split_origins(settings.allowed_origins)
+    except ValueError as exc:
+        parser.error(f"--allowed-origins/LMSPD_ORIGINS: {exc}")
 
 
 def _apply_retention(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:

@@ -44,6 +44,9 @@ class Settings:
     kv_type: str = "f16"
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())
     api_keys: list[str] = field(default_factory=list)
+    # Web origins (besides loopback ones and the server's own) whose pages
+    # may use the server: --allowed-origins, env LMSPD_ORIGINS (lmspd.origins).
+    allowed_origins: list[str] = field(default_factory=lambda: [os.environ.get("LMSPD_ORIGINS", "")])
     log_level: str = "info"
     limits: Limits = DEFAULT_LIMITS
     # Which engine serves the model the flags name (lmspd.engines.specs):

@@ -15,6 +15,7 @@ from starlette.types import Send
 
 from lmspd.auth import Authenticator, Principal
 from lmspd.config import Settings
+from lmspd.connections import ConnectionSlots
 from lmspd.core.errors import invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.core.sealing import Sealer
@@ -37,6 +38,7 @@ class LmspdApp:
         # The server key (the engine seals reasoning with the same one):
         # compaction items are sealed and opened here.
         self.sealer = Sealer.from_data_dir(Path(settings.data_dir))
+        self.websocket_slots = ConnectionSlots(settings.limits)
 
     @property
     def limits(self) -> RequestLimits:

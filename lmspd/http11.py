@@ -75,6 +75,17 @@ def _head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+# A WebSocket message may exceed the body limit by this much and still be
+# read, so that its refusal is an error frame naming the limit (413), not a
+# close; a larger one closes the connection (1009) as it arrives.
+WEBSOCKET_MESSAGE_SLACK = 64 * 1024
+
+
 def uvicorn_options(limits: RequestLimits) -> dict[str, Any]:
-    return {"http": LmspdH11Protocol, "h11_max_incomplete_event_size": max_head_bytes(limits)}
+    return {"http": LmspdH11Protocol, "h11_max_incomplete_event_size": max_head_bytes(limits),
+            # Not uvicorn's 16 MiB: the body limit bounds a message too.
+            "ws_max_size": limits.max_body_bytes + WEBSOCKET_MESSAGE_SLACK,
+            # permessage-deflate would inflate every message on the event
+            # loop; clients (Codex, the SDKs) send plain frames without it.
+            "ws_per_message_deflate": False}
 

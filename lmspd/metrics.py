@@ -41,6 +41,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECENT_GENERATIONS = 64
 # Label value for a request no route matched: unbounded paths never become labels.
 UNMATCHED = "unmatched"
+# Label values for the request method: any other method (h11 takes any token,
+# up to the header bound) counts as OTHER_METHOD, or each distinct one would
+# be a label set kept forever.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
+OTHER_METHOD = "other"
 
 _FIRST_OUTPUT = (TextDelta, ReasoningDelta, ToolCallStarted)
 # Store methods that write; their latency is lmspd_store_write_seconds.
@@ -271,6 +276,8 @@ class RequestMetrics:
             return
         route = self._route(scope)
         method = scope.get("method", "GET")
+        if method not in KNOWN_METHODS:
+            method = OTHER_METHOD
         counted = False
 
         async def counting_send(message: dict) -> None:

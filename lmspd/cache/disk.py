@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from lmspd.core.files import open_private, private_dir
+
 from .state import SessionState, common_prefix
 
 log = logging.getLogger("lmspd.cache")
@@ -63,7 +65,7 @@ class DiskCheckpoints:
         # Checkpoints read ahead of their restore (``prefetch``), by name:
         # (when read, header, payload); taken by ``load``.
         self._read_ahead: OrderedDict[str, tuple[float, dict[str, Any], bytearray]] = OrderedDict()
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)
         self._scan()
 
     # -- index -----------------------------------------------------------------
@@ -199,7 +201,7 @@ class DiskCheckpoints:
             return None
         path = self.directory / (name + SUFFIX)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
+        with os.fdopen(open_private(tmp), "wb") as fh:  # 0600: it holds the prompt's text
             fh.write(MAGIC)
             fh.write(struct.pack("<I", len(header)))
             fh.write(header)

@@ -35,6 +35,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "event_history_expired": (410, "Event history expired", "invalid_request_error"),
     "unauthorized": (401, "Unauthorized", "authentication_error"),
     "forbidden": (403, "Forbidden", "permission_error"),
+    # A Host this server does not answer for (lmspd.origins: DNS rebinding).
+    "misdirected_request": (421, "Misdirected request", "invalid_request_error"),
     "idempotency_conflict": (422, "Idempotency conflict", "invalid_request_error"),
     "idempotency_in_progress": (409, "Request still in progress", "conflict_error"),
     # A second response.create while one runs on the same WebSocket.
@@ -55,6 +57,8 @@ _CODES: dict[str, tuple[int, str, str]] = {
     # A task or background response cut off by a crash or restart.
     "server_restarted": (500, "Server restarted", "server_error"),
     "invalid_tool_call": (500, "Invalid tool call", "model_error"),
+    # Output no UTF-8 writer can carry (a lone surrogate): the stream fails.
+    "invalid_model_output": (500, "Invalid model output", "model_error"),
     "undeclared_tool": (502, "Undeclared tool", "model_error"),
 }
 

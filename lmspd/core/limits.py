@@ -16,11 +16,18 @@ MAX_IDEMPOTENCY_KEY_CHARS = 255
 # A client's session header (Claude Code, Codex, opencode...): a longer one is
 # ignored rather than refused (lmspd.dialects.session).
 MAX_SESSION_KEY_CHARS = 256
+# Threads that decode large request bodies and WebSocket messages
+# (decompression, JSON): a pool of their own (lmspd.bodies), so that slow
+# bodies queue behind each other, not in front of other off-loop work.
+BODY_DECODE_WORKERS = 2
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_body_bytes: int = 8 * 1024 * 1024
+    # gzip members / zstd frames in one compressed body (or WebSocket
+    # message): a sender needs one; each costs a decoder of its own.
+    max_body_members: int = 64
     max_json_depth: int = 64
     max_input_items: int = 4096
     max_content_parts: int = 256
@@ -92,6 +99,16 @@ class Limits:
     shutdown_grace_s: float = 10.0
     # A Responses WebSocket connection lives at most this long (OpenAI: 60 min).
     websocket_max_age_s: float = 3600.0
+    # Open Responses WebSocket connections, in all and per credential
+    # (owner): one more is refused at the upgrade with a 429.
+    websocket_max_connections: int = 64
+    websocket_max_connections_per_owner: int = 16
+    # Characters of history (input and output items) a connection remembers
+    # for previous_response_id. Beyond it, under truncation: "auto" the
+    # oldest items are forgotten (as truncation would drop them); otherwise
+    # the response is not remembered, and continuing it needs the store or
+    # the full context.
+    websocket_max_history_chars: int = 16 * 1024 * 1024
     # Preparing a request (render, tokenize, schemas, grammars) runs in this
     # many worker threads, each bounded to this long (lmspd.service).
     prepare_workers: int = 2

@@ -24,6 +24,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lmspd.core.errors import ApiError
+from lmspd.core.files import private_dir
 
 # l2: bound to model and owner (l1 blobs, bound to the model only, no longer open).
 _VERSION = b"l2"
@@ -50,7 +51,7 @@ class Sealer:
         """Written whole under another name, then linked into place: two
         servers starting on one data dir at once both end with the key
         that got there first, never with a half-written file."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         key = AESGCM.generate_key(bit_length=256)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".reasoning.key.")
         try:

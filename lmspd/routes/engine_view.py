@@ -39,6 +39,16 @@ def _redacted(entry: Any) -> Any:
     return {k: (owner_tag(v) if k in _OWNER_KEYS else v) for k, v in entry.items()}
 
 
+def without_owners(value: Any) -> Any:
+    """``value`` (an engine's ``stats()``) with every owner, at any depth,
+    replaced by its tag (``/health`` shows the stats whole)."""
+    if isinstance(value, dict):
+        return {k: (owner_tag(v) if k in _OWNER_KEYS else without_owners(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_owners(v) for v in value]
+    return value
+
+
 def model_view(model_id: str, served: Any, limits: Any) -> dict[str, Any]:
     stats = served.engine.stats()
     if not isinstance(stats, dict):

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from lmspd import __version__
 from lmspd.core.errors import ApiError
 from lmspd.http import app_state
+from lmspd.routes.engine_view import without_owners
 
 
 async def health(request: Request) -> Response:
@@ -23,7 +24,8 @@ async def health(request: Request) -> Response:
         details = False
     if details:
         body["models"] = {
-            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
+            # Owners as the engine view shows them: tags, never credential-derived ids.
+            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **without_owners(m.engine.stats())}
             for mid, m in app.service.models.items()
         }
     return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)

@@ -3,8 +3,9 @@ machine (lmspd.engines.llama.discovery) that are not served; and
 ``models``, the served ones as the catalog Codex reads; ``GET
 /lmsp/v1/models``, the served ones with their LMSP capabilities.
 
-A found model is listed with ``"served": false``: ``lmspd serve --model
-NAME`` serves it. Found models never show a filesystem path over HTTP.
+A found model is listed with ``"served": false``, to an ``admin`` key only
+(open mode's local caller is one): ``lmspd serve --model NAME`` serves it.
+Found models never show a filesystem path over HTTP.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _found(settings: Any) -> list[dict[str, Any]]:
 
 
 async def openai_models(request: Request) -> Response:
-    principal(request, "responses:read")
+    who = principal(request, "responses:read")
     app = app_state(request)
     data: list[dict[str, Any]] = []
     served_models = list(app.service.models.values())
@@ -36,8 +37,9 @@ async def openai_models(request: Request) -> Response:
                      "served": True, "context_window": info.context_window,
                      "status": getattr(m.engine, "status", "loaded")})
     served = {d["id"].lower() for d in data}
-    # Directory walks and header reads: off the event loop.
-    for found in await asyncio.to_thread(_found, app.settings):
+    # Found models are the operator's (private repository names): admin
+    # only. Directory walks and header reads: off the event loop.
+    for found in await asyncio.to_thread(_found, app.settings) if who.allows("admin") else ():
         if found["name"].lower() in served:
             continue
         data.append({"id": found["name"], "object": "model", "created": 0, "owned_by": found["source"],

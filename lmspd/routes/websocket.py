@@ -26,6 +26,14 @@ reply would have, as over HTTP. Codex's ``response.processed``
 acknowledgements are accepted silently. After
 ``websocket_max_age_s`` (60 minutes) the connection ends with
 ``websocket_connection_limit_reached``.
+
+What a connection may hold is bounded (``lmspd.core.limits``): the history
+it remembers (``websocket_max_history_chars``: under ``truncation: "auto"``
+its oldest items are forgotten first, otherwise a response past it is not
+remembered), connections per credential and in all (a 429 at the upgrade,
+``lmspd.connections``), and one message (the body limit; uvicorn's
+``ws_max_size`` closes the socket on a larger one, ``lmspd.http11``, which
+also turns permessage-deflate off).
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ from typing import Any
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from lmspd.bodies import parse_json_object
-from lmspd.core.conversation import Item, SessionPin
+from lmspd.bodies import decode_off_loop, parse_json_object
+from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import OPENAI
@@ -119,11 +127,15 @@ async def openai_responses_websocket(ws: WebSocket) -> None:
     try:
         who = app.auth.authenticate(ws)  # type: ignore[arg-type]
         who.require("responses:write")
+        app.websocket_slots.take(who.owner)
     except ApiError as exc:
         await _deny(ws, exc)
         return
-    await ws.accept()
-    await Connection(app, who.owner, ws).serve()
+    try:
+        await ws.accept()
+        await Connection(app, who.owner, ws).serve()
+    finally:
+        app.websocket_slots.give_back(who.owner)
 
 
 async def _deny(ws: WebSocket, exc: ApiError) -> None:
@@ -206,12 +218,12 @@ class Connection:
             if len(text) <= _INLINE_CHARS:
                 frame = parse_json_object(text, self.app.limits)
             else:
-                frame = await asyncio.to_thread(parse_json_object, text, self.app.limits)
+                frame = await decode_off_loop(parse_json_object, text, self.app.limits)
         except ApiError as exc:
             await self._error(exc)
             return
         kind = frame.get("type")
-        if kind in _IGNORED:
+        if isinstance(kind, str) and kind in _IGNORED:  # any JSON value: a list is unhashable
             return
         if kind != "response.create":
             shown = kind if isinstance(kind, str) else type(kind).__name__
@@ -276,7 +288,9 @@ class Connection:
         if state.status in ("completed", "incomplete"):
             # Stored only if the write succeeded: a later turn must not
             # name a predecessor the store does not have.
-            self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store and turn.stored)
+            items = _within(turn.window + list(state.output), self.app.settings.limits.websocket_max_history_chars,
+                            truncate=turn.req.conversation.truncate)
+            self.latest = None if items is None else Latest(state.id, items, turn.req.store and turn.stored)
         else:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,
@@ -309,3 +323,36 @@ class Connection:
                 self._gone = True
             finally:
                 self._frames.task_done()
+
+
+def _within(items: list[Item], budget: int, *, truncate: bool) -> list[Item] | None:
+    """``items`` as the connection may remember them: whole, if their text
+    fits ``budget`` characters; under truncation, without the oldest items
+    it would drop first (never a system or developer message, never the
+    last item) until they fit; otherwise not at all (None)."""
+    sizes = [_chars(item) for item in items]
+    total = sum(sizes)
+    if total <= budget:
+        return items
+    if not truncate:
+        return None
+    kept = []
+    for index, (item, size) in enumerate(zip(items, sizes, strict=True)):
+        keep = index == len(items) - 1 or (isinstance(item, Message) and item.role in ("system", "developer"))
+        if total > budget and not keep:
+            total -= size
+            continue
+        kept.append(item)
+    return kept if total <= budget else None
+
+
+def _chars(item: Item) -> int:
+    if isinstance(item, Message):
+        return len(item.text) + len(item.compaction or "")
+    if isinstance(item, ToolCall):
+        return len(item.payload) + len(item.name) + len(item.call_id)
+    if isinstance(item, ToolOutput):
+        return len(item.output) + len(item.call_id)
+    return (len(item.text or "") + sum(map(len, item.summary)) + len(item.encrypted_content or "")
+            + len(item.hidden or ""))
+

@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Literal, Sequence
 
+from lmspd.core.files import private_dir, private_file
 from lmspd.core.lifecycle import TERMINAL_STATUSES
 from lmspd.core.limits import DEFAULT_LEASE_S, Retention
 from lmspd.store import pruning
@@ -212,8 +213,12 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
         self._idle_readers: list[sqlite3.Connection] = []
         self._closed = False
         if not self._memory:
-            parent = os.path.dirname(os.path.abspath(self._path))
-            os.makedirs(parent, exist_ok=True)
+            # 0600 before SQLite opens it: its -wal and -shm take the database's mode.
+            private_dir(os.path.dirname(os.path.abspath(self._path)))
+            private_file(self._path)
+            for side in ("-wal", "-shm"):
+                if os.path.exists(self._path + side):
+                    private_file(self._path + side)
         self._writer = self._connect()
         # Before any table exists, so freed pages can be given back to the OS
         # after pruning; on an existing database this is a no-op.

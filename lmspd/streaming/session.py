@@ -31,6 +31,7 @@ from lmspd.core.events import (
     Usage,
 )
 from lmspd.core.ids import new_id
+from lmspd.core.strict_json import has_surrogate
 from lmspd.streaming import steps
 from lmspd.streaming.steps import OutputItem, Step
 
@@ -139,6 +140,12 @@ class StreamSession:
     def handle(self, event: EngineEvent) -> list[WireEvent]:
         if self.terminated:
             return []
+        if _unwritable(event):
+            # No UTF-8 writer (SSE, WebSocket, the store) can carry a lone
+            # surrogate: the response fails here, with its one terminal
+            # event, rather than the writer midway through the stream.
+            return self.fail("invalid_model_output", "The model's output is not valid text: it holds a lone "
+                             "UTF-16 surrogate (half of a character).")
         out: list[WireEvent] = []
         if isinstance(event, TextDelta):
             self._text_delta(out, event.text)
@@ -287,6 +294,18 @@ class StreamSession:
         name, data = encoded
         out.append((self._seq, name, data))
         self._seq += 1
+
+
+def _unwritable(event: EngineEvent) -> bool:
+    if isinstance(event, (TextDelta, ReasoningDelta)):
+        return has_surrogate(event.text)
+    if isinstance(event, ToolCallDelta):
+        return has_surrogate(event.delta)
+    if isinstance(event, ToolCallStarted):
+        return has_surrogate(event.name) or has_surrogate(event.call_id)
+    if isinstance(event, ToolCallDone):
+        return has_surrogate(event.payload)
+    return False
 
 
 # Why a response is incomplete, by the engine's finish reason. "repetition"

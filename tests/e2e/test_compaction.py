@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from support.sealed import assert_unreadable
 from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import validate_openai_stream
@@ -67,7 +68,7 @@ def test_compact_reply_shape(http):
     assert len(compactions) == 1 and output[-1] is compactions[0]
     assert compactions[0]["id"] and len(compactions[0]["encrypted_content"]) > 40
     # The summary is sealed: the client cannot read it.
-    assert "Ada" not in compactions[0]["encrypted_content"]
+    assert_unreadable(compactions[0]["encrypted_content"])
     others = output[:-1]
     assert [m["content"][0]["text"] for m in others] == [WINDOW[0]["content"], WINDOW[2]["content"]]
     for item in others:

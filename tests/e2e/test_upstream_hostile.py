@@ -255,6 +255,49 @@ def test_nothing_is_read_after_the_first_done(http, provider):
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "fine" and b"MORE" not in raw
 
 
+@pytest.mark.parametrize("parts, failed", [
+    ([text_chunk("smile "), text_chunk("\ud83d"), text_chunk("\ude00"), finish_chunk("stop"), DONE], True),
+    ([text_chunk("smile "), text_chunk("\ud83d"), finish_chunk("stop"), DONE], True),
+    ([reasoning_chunk("\udfff"), finish_chunk("stop"), DONE], True),
+    # An escape spelled out inside the arguments string is six ASCII characters: text, and fine.
+    ([tool_chunk(0, id="call_1", name="lookup", args='{"q": "\\ud83d'), tool_chunk(0, args='"}'),
+      finish_chunk("tool_calls"), DONE], False),
+], ids=["split-pair", "lone-high", "lone-in-reasoning", "escape-in-arguments"])
+def test_a_lone_surrogate_from_the_provider_ends_the_stream_with_one_failure(http, provider, parts, failed):
+    """The provider's JSON is read as strictly as a client's: a lone
+    surrogate escape (an emoji's pair split across chunks) is a malformed
+    chunk, and the stream ends with exactly one terminal event (no UTF-8
+    writer can encode the surrogate)."""
+    provider.push(Reply(parts=parts))
+    events, raw = stream(http, {"input": "go", "tools": [LOOKUP]})
+    terminal = [e for e in events if e["type"] in ("response.completed", "response.failed", "response.incomplete")]
+    assert len(terminal) == 1 and events[-1] is terminal[0], types(events)
+    if failed:
+        assert failed_code(events) == "upstream_malformed_chunk"
+    else:
+        assert events[-1]["type"] == "response.completed", types(events)
+        (call,) = [i for i in events[-1]["response"]["output"] if i["type"] == "function_call"]
+        assert call["arguments"] == '{"q": "\\ud83d"}'
+    raw.decode("utf-8")  # strictly UTF-8 on the wire
+
+
+def test_a_lone_surrogate_over_websocket_is_one_failure_and_the_socket_goes_on(lmspd, provider):
+    from support.ws import create, open_ws
+
+    provider.clear()
+    provider.push(Reply(parts=[text_chunk("smile "), text_chunk("\ud83d"), text_chunk("\ude00"),
+                               finish_chunk("stop"), DONE]),
+                  Reply(parts=text_stream("after")))
+    with open_ws(lmspd.url) as ws:
+        events = create(ws, {"model": MODEL, "input": "Hi"}, timeout=30)
+        assert [e["type"] for e in events].count("response.failed") == 1, events
+        assert events[-1]["type"] == "response.failed", events
+        assert events[-1]["response"]["error"]["code"] == "upstream_malformed_chunk"
+        events = create(ws, {"model": MODEL, "input": "Hi"}, timeout=30)
+        assert events[-1]["type"] == "response.completed", events
+        assert events[-1]["response"]["output"][0]["content"][0]["text"] == "after"
+
+
 def test_provider_error_in_stream_is_one_failure_without_its_text(http, lmspd, provider):
     provider.push(Reply(parts=[text_chunk("ok"), sse({"error": {"message": f"boom {KEY} internal trace",
                                                                  "type": "server_error"}})]))

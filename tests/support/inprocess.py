@@ -54,7 +54,7 @@ class InProcess:
     def as_(self, key: str | None) -> TestClient:
         """Another client on the same app, with ``key`` as its bearer token."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return TestClient(self.app, base_url="http://lmspd.test", headers=headers)
+        return TestClient(self.app, base_url="http://localhost", headers=headers)
 
 
 @contextmanager
@@ -65,13 +65,13 @@ def serving(data_dir: Path, *, engine: ScriptedEngine | None = None, keys: list[
     engine = engine or ScriptedEngine()
     app, store = make_app(data_dir, keys=keys, engine=engine, **settings)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with TestClient(app, base_url="http://lmspd.test", headers=headers) as http:
+    with TestClient(app, base_url="http://localhost", headers=headers) as http:
         yield InProcess(http, engine, store, app)
 
 
 def client(app, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://lmspd.test", headers=headers or {}, timeout=30)
+                             base_url="http://localhost", headers=headers or {}, timeout=30)
 
 
 def with_queue(limits: Limits, max_pending: int) -> Limits:

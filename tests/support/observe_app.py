@@ -38,4 +38,4 @@ def make_client(tmp_path, engine, api_keys=()) -> TestClient:
     service = Service(DEFAULT_LIMITS)
     service.add_engine(engine)
     store = SQLiteStore(tmp_path / "s.sqlite3", retention=settings.retention)
-    return TestClient(build_app(settings, service, store))
+    return TestClient(build_app(settings, service, store), base_url="http://localhost")

@@ -101,3 +101,19 @@ def test_gzip_is_decoded_and_its_output_bounded_by_the_same_limit() -> None:
 
 def test_not_an_object_is_400() -> None:
     assert refused([b"[1]"]).code == "invalid_json"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "zstd"])
+def test_members_are_bounded_and_each_must_end(coding) -> None:
+    import zstandard
+
+    def pack(data: bytes) -> bytes:
+        return gzip.compress(data, mtime=0) if coding == "gzip" else zstandard.ZstdCompressor().compress(data)
+
+    limits = RequestLimits(max_body_bytes=4096, max_body_members=4)
+    # Several members in a row are one body (RFC 1952; zstd frames likewise).
+    assert read([pack(b'{"a": ') + pack(b"") + pack(b"[1, 2]}")], encoding=coding, limits=limits)[0] == {"a": [1, 2]}
+    many = refused([pack(b"") * 5 + pack(b"{}")], encoding=coding, limits=limits)
+    assert many.status == 400 and f"more than 4 {coding}" in many.message
+    cut = refused([pack(b'{"a": 1}')[:-2]], encoding=coding, limits=limits)
+    assert cut.status == 400 and "ends early" in cut.message

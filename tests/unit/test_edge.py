@@ -73,11 +73,11 @@ def _exchange(sock: socket.socket, request: bytes) -> bytes:
 def test_after_a_500_the_connection_stays_usable(url) -> None:
     u = urlparse(url)
     with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
-        first = _exchange(sock, b"GET /v1/responses/resp_boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = _exchange(sock, b"GET /v1/responses/resp_boom HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert first.startswith(b"HTTP/1.1 500")
         assert b'"code":"server_error"' in first and b"simulated" not in first
         # The same socket answers the next request.
-        second = _exchange(sock, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = _exchange(sock, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert second.startswith(b"HTTP/1.1 200")
 
 

@@ -74,3 +74,21 @@ def test_upstream_endpoints_are_gauges(tmp_path):
     assert after[("lmspd_upstream_endpoint_healthy", (("endpoint", "http://a/v1"), ("model", "m")))] == 1
     assert after[("lmspd_upstream_endpoint_healthy", (("endpoint", "http://b/v1"), ("model", "m")))] == 0
     assert after[("lmspd_upstream_endpoint_requests_total", (("endpoint", "http://b/v1"), ("model", "m")))] == 2
+
+
+def test_unknown_methods_leave_metrics_the_same_size(tmp_path):
+    """An HTTP method is any token (h11 takes one up to the header bound):
+    each distinct one must not become a label set kept forever."""
+    with make_client(tmp_path, ScriptedEngine(Usage(), "cold")) as client:
+        # The first unknown method on each route makes its one 'other' series.
+        client.request("FROB", "/v1/models")
+        client.request("FROB", "/health")
+        client.get("/metrics")  # and the scrape's own series
+        size = len(client.get("/metrics").content)
+        for n in range(50):
+            client.request(f"X{n:04d}" + "Y" * 2000, "/v1/models")
+            client.request(f"Z{n:04d}", "/health")
+        text = client.get("/metrics").text
+    assert len(text.encode()) <= size + 64, "distinct unknown methods grew /metrics"
+    methods = {dict(k[1]).get("method") for k in samples(text) if k[0] == "lmspd_http_requests_total"}
+    assert methods <= {"GET", "other"}, methods

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmspd.core.errors import ApiError
 from lmspd.core.limits import UpstreamStreamLimits
+from lmspd.core.strict_json import decode_json
 
 from .errors import (
     DataAfterDone,
@@ -154,10 +156,6 @@ def _list(obj: dict[str, Any], key: str, where: str) -> list[Any]:
     return value
 
 
-def _reject_constant(name: str) -> Any:
-    raise MalformedChunk(f"The chunk contains the non-JSON constant {name}.")
-
-
 # -- payload decoding -----------------------------------------------------------
 
 
@@ -281,16 +279,13 @@ def _choices(body: dict[str, Any]) -> tuple[ChunkChoice, ...]:
     return choices
 
 
-# One decoder for every chunk: json.loads would build a new one per call
-# because of parse_constant.
-_JSON = json.JSONDecoder(parse_constant=_reject_constant)
-
-
 def _parse_json(text: str) -> Any:
+    # As strict as a client's body (lmspd.core.strict_json): a lone
+    # surrogate (an emoji's pair split across chunks), a duplicate key or
+    # a non-finite number is a malformed chunk, never text to stream.
     try:
-        return _JSON.decode(text)
-    except (ValueError, RecursionError):
-        # RecursionError: absurdly deep nesting inside an event we allowed.
+        return decode_json(text)
+    except ApiError:
         raise MalformedChunk("The upstream provider sent a chunk that is not valid JSON.") from None
 
 

@@ -15,6 +15,8 @@ import re
 import stat
 from pathlib import Path
 
+from lmspd.core.files import private_dir
+
 __all__ = ["DEFAULT_ENV", "CredentialError", "Secret", "clear_key", "key_path", "resolve_key", "save_key"]
 
 DEFAULT_ENV = "LMSPD_UPSTREAM_API_KEY"
@@ -71,7 +73,7 @@ def save_key(data_dir: Path, value: str, name: str = DEFAULT_NAME) -> Path:
     """Write the key atomically, readable by its owner only."""
     value = _check_key(value)
     path = key_path(data_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(path.parent)  # the data dir too, if this creates it
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # O_EXCL + mode: the file is 0600 from its first byte, never briefly wider.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

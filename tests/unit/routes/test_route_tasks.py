@@ -32,7 +32,7 @@ def finished(http, task_id):
 
 def sdk(app) -> OpenAI:
     # The openai SDK over the in-process app (TestClient is an httpx.Client).
-    return OpenAI(base_url="http://lmspd.test/v1", api_key="unused", http_client=app.http, max_retries=0)
+    return OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=app.http, max_retries=0)
 
 
 def test_task_followed_dropped_and_resumed(app, http):

@@ -154,3 +154,53 @@ def test_key_specs_and_keys_files(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"keys:1: unknown API key scope root") as info:
         read_keys_file(keys)
     assert "alpha" not in str(info.value), "a key never appears in an error"
+    for empty in ("", "# no keys yet\n\n   # still none\n", "#sekrit-starts-with-hash\n"):
+        keys.write_text(empty)
+        with pytest.raises(ValueError, match=r"holds no API key") as info:
+            read_keys_file(keys)
+        assert "sekrit" not in str(info.value)
+
+
+def test_health_never_shows_a_raw_owner(tmp_path) -> None:
+    """As the engine view: each owner is a tag, never the credential-derived id."""
+    from lmspd.auth import _owner
+    from support.inprocess import ScriptedEngine
+
+    owner = _owner("key-admin")
+    engine = ScriptedEngine(stats={"cache": {"sequences": [{"id": 0, "owner": owner, "tokens": 5}]},
+                                   "prefilling": [{"seq": 1, "owner": owner}]})
+    app, store = make_app(tmp_path, keys=["key-admin:admin"], engine=engine)
+
+    async def health() -> str:
+        async with client(app, {"Authorization": "Bearer key-admin"}) as c:
+            r = await c.get("/health")
+            return r.text
+
+    text = asyncio.run(health())
+    assert "sequences" in text and "prefilling" in text
+    assert owner not in text and "key_" not in text, text
+    store.close()
+
+
+def test_found_models_are_listed_to_admin_only(tmp_path) -> None:
+    """GGUFs found on the machine (the operator's HF, Ollama, LM Studio
+    stores: private repository names) are not every key's business."""
+    from support.gguf_writer import gguf_bytes, model_metadata
+
+    found = tmp_path / "models"
+    found.mkdir()
+    (found / "Private-Repo-Q4_K_M.gguf").write_bytes(gguf_bytes(model_metadata(name="Private Repo")))
+    app, store = make_app(tmp_path / "data", keys=["key-admin:admin", "key-read:responses:read"],
+                          models_dir=found)
+
+    async def listed(key: str) -> list[dict]:
+        async with client(app, {"Authorization": f"Bearer {key}"}) as c:
+            r = await c.get("/v1/models")
+            assert r.status_code == 200, r.text
+            return r.json()["data"]
+
+    admin = asyncio.run(listed("key-admin"))
+    assert any(not m["served"] and m["id"] == "private-repo-q4_k_m" for m in admin), admin
+    reader = asyncio.run(listed("key-read"))
+    assert [m["id"] for m in reader] == [MODEL] and all(m["served"] for m in reader), reader
+    store.close()

@@ -114,8 +114,8 @@ def test_a_websocket_turn_after_an_unstored_one_is_stored_whole(tmp_path) -> Non
             pass
         return event
 
-    with TestClient(app, base_url="http://lmspd.test") as http:
-        with http.websocket_connect("/v1/responses") as ws:
+    with TestClient(app, base_url="http://localhost") as http:
+        with http.websocket_connect("ws://localhost/v1/responses") as ws:
             store.failing = True
             first = turn(ws, {"input": "one"})
             assert first["type"] == "response.completed" and first["response"]["store"] is False
@@ -156,7 +156,7 @@ def test_a_follower_of_a_task_whose_log_is_cut_short_gets_an_error_event(tmp_pat
     store = EventsFailAfter(tmp_path / "lmspd.sqlite3")
     engine = ScriptedEngine(tuple(f" w{i}" for i in range(400)), delay_s=0.01)
     app, _ = make_app(tmp_path, store=store, engine=engine)
-    with TestClient(app, base_url="http://lmspd.test") as http:
+    with TestClient(app, base_url="http://localhost") as http:
         r = http.post("/lmsp/v1/tasks", json={"model": MODEL, "input": "hi"})
         assert r.status_code == 202, r.text
         status, got, _ = follow(http, f"/lmsp/v1/tasks/{r.json()['id']}/events")

@@ -143,3 +143,23 @@ def test_resume_continues_the_numbering_and_closes_the_open_item():
     assert rest[0][0] == wires[-1][0] + 1
     frames = [Frame(n, json.dumps(d), str(s)) for s, n, d in wires + rest]
     assert validate_lmsp_stream(frames)["terminal"] == "response.failed"
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+@pytest.mark.parametrize("bad", [TextDelta("\ud83d"), ReasoningDelta("ok \udfff"), ToolCallDelta(0, '{"a": "\ud800'),
+                                 ToolCallDone(0, "\udc00"), ToolCallStarted(1, "call_\ud800", "f")])
+def test_a_lone_surrogate_from_any_engine_fails_the_stream_once_and_every_event_is_utf8(name, bad):
+    """Whatever engine let it through, a lone surrogate never reaches a
+    writer: the response fails there, with its one terminal event, and
+    every wire event before it encodes as UTF-8 (the SSE writer's and the
+    WebSocket's encoding)."""
+    from lmspd.streaming.sse import sse_event
+
+    dialect = DIALECTS[name]
+    session, wires = run(dialect, [TextDelta("smile "), ToolCallStarted(0, "call_0", "f"), bad, TextDelta("late")],
+                         "stop")
+    names = [n for _, n, _ in wires]
+    assert sum(names.count(t) for t in TERMINALS.values()) == 1
+    assert session.state.status == "failed" and session.state.error["code"] == "invalid_model_output"
+    for seq, event, data in wires:
+        sse_event(event, data, seq)  # raises UnicodeEncodeError on a surrogate
