@@ -132,10 +132,14 @@ class Service:
             token.cancel("shutdown")
 
     async def aclose(self) -> None:
+        # A prepare or a token count still running (one that overran its
+        # client's bound goes on in its thread) is inside a model: the
+        # engines are closed once it has ended, not under it.
+        loop = asyncio.get_running_loop()
+        for pool in (self._decoding, self._preparing):
+            await loop.run_in_executor(None, functools.partial(pool.shutdown, wait=True, cancel_futures=True))
         for served in self.models.values():
             await served.engine.aclose()
-        self._preparing.shutdown(wait=False, cancel_futures=True)
-        self._decoding.shutdown(wait=False, cancel_futures=True)
 
 
 def _yield_cpu() -> None:
