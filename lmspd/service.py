@@ -46,8 +46,10 @@ class Service:
         # and expanded (store reads, JSON, work proportional to that
         # history): off the event loop, and beside the preparing threads so
         # that a long prepare does not hold up the next request's decoding.
-        self._decoding = ThreadPoolExecutor(max_workers=limits.prepare_workers,
-                                            thread_name_prefix="lmspd-decode", initializer=_yield_cpu)
+        # At the normal priority: it is bounded (max_expanded_chars), mostly
+        # Python under the GIL (a lower priority would not spare the streams),
+        # and every request waits for it, a refusal included.
+        self._decoding = ThreadPoolExecutor(max_workers=limits.prepare_workers, thread_name_prefix="lmspd-decode")
         self.metrics = Metrics()
         self.metrics.bind(self)
 
