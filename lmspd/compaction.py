@@ -186,7 +186,7 @@ async def compact(app: "LmspdApp", owner: str, dialect: Any, raw: dict[str, Any]
     if isinstance(raw.get("input"), list) and any(isinstance(i, dict) and i.get("type") == "compaction_trigger"
                                                   for i in raw["input"]):
         raise invalid("'input' of /v1/responses/compact cannot hold a compaction_trigger.", "input")
-    req = dialect.decode({**raw, "store": False}, app.limits, context=context)
+    req = await app.service.decode(lambda: dialect.decode({**raw, "store": False}, app.limits, context=context))
     conversation: Conversation = req.conversation
     summary, usage = await summarize(app, owner, conversation)
     made = compaction_message(app, summary, owner)

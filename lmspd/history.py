@@ -21,7 +21,7 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.core.sealing import Sealer
 from lmspd.dialects import openai_responses
-from lmspd.dialects.responses_items import decode_items
+from lmspd.dialects.responses_items import Expansion, decode_items
 from lmspd.store.base import JSON, ChainError, Store, ensure_item_ids
 from lmspd.streaming.session import ResponseState
 
@@ -29,24 +29,34 @@ log = logging.getLogger("lmspd.history")
 
 # Stored items were bounded when they arrived; reading them back must not
 # trip a request bound that has since been lowered.
-_STORED = RequestLimits(max_input_items=2**31, max_content_parts=2**31, max_text_chars=2**62)
+_STORED = RequestLimits(max_input_items=2**31, max_content_parts=2**31, max_text_chars=2**62,
+                        max_expanded_chars=2**62)
 
 # Statuses whose output a conversation keeps (a failed or cancelled turn
 # leaves the conversation as it was, as OpenAI does).
 _CONVERSATION_STATUSES = frozenset({"completed", "incomplete"})
 
 
-def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "local") -> list[Item]:
+def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "local",
+                 expansion: Expansion | None = None, where: str = "stored items") -> list[Item]:
     """Stored item JSON back as neutral items; compaction items expand with
     ``sealer`` (without one, as the summary-less item they were stored as
-    cannot be read: the caller lists, never renders)."""
+    cannot be read: the caller lists, never renders). ``expansion``: a
+    request's bound, which stops the reading once it is passed (``where``
+    names what the request expanded)."""
 
     def open_compaction(blob: str, item_id: str | None, where: str) -> Item:
         if sealer is None:
             return compaction.summary_message("", blob, item_id)
         return compaction.expand(sealer, blob, where, item_id, owner)
 
-    return decode_items(items, _STORED, path="stored items", open_compaction=open_compaction)
+    try:
+        return decode_items(items, _STORED, path=where, open_compaction=open_compaction, expansion=expansion)
+    except ApiError as exc:
+        if where != "stored items" and exc.param is not None and exc.param.startswith(where):
+            # The message says which stored item; the param is the field the client sent.
+            exc.param = where
+        raise
 
 
 @dataclass
@@ -61,18 +71,19 @@ class StoredContext:
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item:
         return compaction.expand(self.sealer, blob, where, item_id, self.owner)
 
-    def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]:
+    def history(self, previous_response_id: str | None, conversation_id: str | None,
+                expansion: Expansion) -> list[Item]:
         if previous_response_id is not None:
-            return self._chain(previous_response_id)
+            return self._chain(previous_response_id, expansion)
         if conversation_id is not None:
             items = self.store.conversation_items(self.owner, conversation_id)
             if items is None:
                 raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
                                param="conversation")
-            return stored_items(items, self.sealer, self.owner)
+            return stored_items(items, self.sealer, self.owner, expansion, "conversation")
         return []
 
-    def _chain(self, response_id: str) -> list[Item]:
+    def _chain(self, response_id: str, expansion: Expansion) -> list[Item]:
         try:
             links = self.store.response_chain(self.owner, response_id)
         except ChainError as exc:
@@ -92,8 +103,8 @@ class StoredContext:
         # The model sees prev.input + prev.output + input, oldest link first.
         items: list[Item] = []
         for link in links:
-            items += stored_items(link.input_items, self.sealer, self.owner)
-            items += stored_items(link.output_items, self.sealer, self.owner)
+            for stored in (link.input_items, link.output_items):
+                items += stored_items(stored, self.sealer, self.owner, expansion, "previous_response_id")
         return items
 
     def resolve_reference(self, item_id: str, where: str) -> Item:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -41,6 +42,14 @@ class Service:
         # Where requests are prepared: off the event loop, a few at a time.
         self._preparing = ThreadPoolExecutor(max_workers=limits.prepare_workers,
                                              thread_name_prefix="lmspd-prepare", initializer=_yield_cpu)
+        # Where a request is decoded and the stored history it names is read
+        # and expanded (store reads, JSON, work proportional to that
+        # history): off the event loop, and beside the preparing threads so
+        # that a long prepare does not hold up the next request's decoding.
+        # At the normal priority: it is bounded (max_expanded_chars), mostly
+        # Python under the GIL (a lower priority would not spare the streams),
+        # and every request waits for it, a refusal included.
+        self._decoding = ThreadPoolExecutor(max_workers=limits.prepare_workers, thread_name_prefix="lmspd-decode")
         self.metrics = Metrics()
         self.metrics.bind(self)
 
@@ -92,19 +101,29 @@ class Service:
         """Run ``work`` in the preparing pool, bounded in time. A thread cannot
         be stopped: one that overruns finishes in the pool, whose size bounds
         how many such overruns run at once, while its client is answered."""
+        return await self._bounded(self._preparing, functools.partial(work, conversation),
+                                   "Preparing this request (rendering, tokenizing, compiling its grammar)",
+                                   "send a smaller input or a simpler schema")
+
+    async def decode(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (decoding a request and expanding the stored history
+        it names) in the decoding pool, bounded in time like ``off_loop``."""
+        return await self._bounded(self._decoding, work, "Reading this request and the stored history it names",
+                                   "send less history")
+
+    async def _bounded(self, pool: ThreadPoolExecutor, work: Callable[[], T], what: str, advice: str) -> T:
         loop = asyncio.get_running_loop()
         # Engines whose prepare must reach back to the loop (the model
         # registry starts loads there) find it here.
         self.loop = loop
         bound = self.limits.prepare_timeout_s
-        future = loop.run_in_executor(self._preparing, work, conversation)
+        future = loop.run_in_executor(pool, work)
         try:
             return await asyncio.wait_for(future, bound)
         except asyncio.TimeoutError:
             raise ApiError(
                 "prepare_timeout",
-                f"Preparing this request (rendering, tokenizing, compiling its grammar) took longer than "
-                f"{bound:g} s; send a smaller input or a simpler schema, or retry when the server is less busy.",
+                f"{what} took longer than {bound:g} s; {advice}, or retry when the server is less busy.",
                 headers={"Retry-After": str(self.limits.queue.retry_after_s)},
             ) from None
 
@@ -115,9 +134,14 @@ class Service:
             token.cancel("shutdown")
 
     async def aclose(self) -> None:
+        # A prepare or a token count still running (one that overran its
+        # client's bound goes on in its thread) is inside a model: the
+        # engines are closed once it has ended, not under it.
+        loop = asyncio.get_running_loop()
+        for pool in (self._decoding, self._preparing):
+            await loop.run_in_executor(None, functools.partial(pool.shutdown, wait=True, cancel_futures=True))
         for served in self.models.values():
             await served.engine.aclose()
-        self._preparing.shutdown(wait=False, cancel_futures=True)
 
 
 def _yield_cpu() -> None:

@@ -220,3 +220,16 @@ def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:
         elif isinstance(item, ToolOutput) and item.call_id not in seen:
             orphans.append((i, item.call_id))
     return orphans
+
+
+def item_chars(item: Item) -> int:
+    """The characters of text ``item`` carries (what its size is measured
+    in: a request's expanded input, a truncation's estimate)."""
+    if isinstance(item, Message):
+        return len(item.text)
+    if isinstance(item, ToolCall):
+        return len(item.name) + len(item.payload)
+    if isinstance(item, ToolOutput):
+        return len(item.output)
+    return (sum(map(len, item.summary)) + len(item.text or "") + len(item.encrypted_content or "")
+            + len(item.hidden or ""))

@@ -35,6 +35,12 @@ class RequestLimits:
     # Anthropic's and OpenAI's own limit: four).
     max_cache_breakpoints: int = 4
     max_text_chars: int = 4 * 1024 * 1024
+    # A Responses request's input once the stored history it names is
+    # expanded (previous_response_id's chain, a conversation's items,
+    # item_reference and compaction items, plus the input itself), in
+    # characters: ~4M tokens, far past any context window, while a handful
+    # of references to one large stored item cannot build gigabytes.
+    max_expanded_chars: int = 16 * 1024 * 1024
     max_tools: int = 512
     max_tool_schema_bytes: int = 256 * 1024
     # A custom tool's Lark or regex grammar (Codex's apply_patch is ~1 KB);

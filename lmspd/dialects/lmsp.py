@@ -21,6 +21,7 @@ from lmspd.streaming.steps import Step
 
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
+    Expansion,
     StoredContext,
     Strict,
     decode_items,
@@ -99,9 +100,11 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         body = LmspCreateResponse.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    expansion = Expansion(limits)
     items = decode_items(body.input, limits,
-                         resolve_reference=context.resolve_reference if context is not None else None)
-    history = stored_history(context, body.previous_response_id, None)
+                         resolve_reference=context.resolve_reference if context is not None else None,
+                         expansion=expansion)
+    history = stored_history(context, body.previous_response_id, None, expansion)
     tools = decode_tools(body.tools, limits)
     for i, tool in enumerate(tools):
         if isinstance(tool, CustomTool):

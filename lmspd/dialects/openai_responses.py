@@ -24,6 +24,7 @@ from lmspd.streaming.steps import Step
 from .extensions import Extensions, decode_extensions
 from .responses_items import (
     COMPACTION_TRIGGER,
+    Expansion,
     Lenient,
     StoredContext,
     Strict,
@@ -164,10 +165,12 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     _refuse_unhonourable(body)
     check_metadata(body.metadata, limits)
     raw_input, trigger = _take_compaction_trigger(body.input if body.input is not None else [])
+    expansion = Expansion(limits)
     items = decode_items(raw_input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None,
-                         open_compaction=context.open_compaction if context is not None else None)
-    history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
+                         open_compaction=context.open_compaction if context is not None else None,
+                         expansion=expansion)
+    history = stored_history(context, body.previous_response_id, conversation_id(body.conversation), expansion)
     tools = decode_tools(body.tools, limits)
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")

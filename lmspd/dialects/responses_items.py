@@ -8,6 +8,7 @@ items verbatim, with whatever fields a newer API version put on them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal, Protocol, Union
 
@@ -23,18 +24,48 @@ from lmspd.core.conversation import (
     ToolCall,
     ToolChoice,
     ToolOutput,
+    item_chars,
 )
 from lmspd.core.errors import ApiError, invalid, tag
 from lmspd.core.limits import RequestLimits
+
+
+class Expansion:
+    """The characters a request's input comes to once what it names is
+    expanded: ``previous_response_id``'s chain, a ``conversation``'s items,
+    each ``item_reference`` and ``compaction`` item, and the input itself
+    (``RequestLimits.max_expanded_chars``). Counted as the items arrive, so
+    that an expansion past the bound stops there: a few references to one
+    large stored item would otherwise build gigabytes of strings."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self.limit = limits.max_expanded_chars
+        self.chars = 0
+
+    def add(self, item: Item, where: str) -> Item:
+        self.chars += item_chars(item)
+        if self.chars > self.limit:
+            raise invalid(
+                f"The input is more than {self.limit} characters once the stored history it names is expanded "
+                f"(previous_response_id, conversation, item_reference and compaction items, the input itself), "
+                f"exceeded at '{where}'; the limit is {self.limit} characters (max_expanded_chars). "
+                "Send less history, or compact it (/v1/responses/compact).", where)
+        return item
+
+    def add_all(self, items: list[Item], where: str) -> list[Item]:
+        for item in items:
+            self.add(item, where)
+        return items
 
 
 class StoredContext(Protocol):
     """What the store lends a request's decoding (``lmspd.history``): the
     items a ``previous_response_id`` or ``conversation`` stands for, and the
     item an ``item_reference`` names. Each raises ``ApiError`` naming what it
-    could not find."""
+    could not find; ``history`` counts what it expands in ``expansion``."""
 
-    def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]: ...
+    def history(self, previous_response_id: str | None, conversation_id: str | None,
+                expansion: Expansion) -> list[Item]: ...
 
     def resolve_reference(self, item_id: str, where: str) -> Item: ...
 
@@ -42,7 +73,8 @@ class StoredContext(Protocol):
 
 
 def stored_history(
-    context: StoredContext | None, previous_response_id: str | None, conversation_id: str | None
+    context: StoredContext | None, previous_response_id: str | None, conversation_id: str | None,
+    expansion: Expansion,
 ) -> list[Item]:
     if previous_response_id is None and conversation_id is None:
         return []
@@ -52,7 +84,7 @@ def stored_history(
             raise ApiError("previous_response_not_found",
                            f"Previous response {previous_response_id!r} not found.", param="previous_response_id")
         raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.", param="conversation")
-    return context.history(previous_response_id, conversation_id)
+    return context.history(previous_response_id, conversation_id, expansion)
 
 
 class Lenient(BaseModel):
@@ -327,51 +359,68 @@ def decode_items(
     path: str = "input",
     resolve_reference: Any = None,
     open_compaction: Any = None,
+    expansion: Expansion | None = None,
 ) -> list[Item]:
     """Input items -> neutral items. ``resolve_reference(id)`` turns an
-    ``item_reference`` into an item (stored items); without one it is a 400.
-    ``open_compaction(blob, id, where)`` expands a ``compaction`` item
-    (the server key); without one it is a 400 too."""
+    ``item_reference`` into an item (stored items; each distinct id is
+    resolved once); without one it is a 400. ``open_compaction(blob, id,
+    where)`` expands a ``compaction`` item (the server key); without one it
+    is a 400 too. ``expansion`` counts the items against the request's
+    expanded bound."""
     if isinstance(raw, str):
         _check_text(raw, path, limits)
-        return [Message(role="user", text=raw)]
+        items: list[Item] = [Message(role="user", text=raw)]
+        if expansion is not None:
+            expansion.add_all(items, path)
+        return items
     if len(raw) > limits.max_input_items:
         raise invalid(f"'{path}' has {len(raw)} items; the limit is {limits.max_input_items}.", path)
-    items: list[Item] = []
+    items = []
+    referenced: dict[str, Item] = {}
     for i, entry in enumerate(raw):
         where = f"{path}[{i}]"
-        if not isinstance(entry, dict):
-            raise invalid(f"Invalid item at '{where}': expected an object.", where)
-        kind = tag(entry.get("type", "message"), f"{where}.type")
-        model = _ITEM_MODELS.get(kind or "")
-        if kind == COMPACTION_TRIGGER:
-            raise invalid(f"'{where}': a compaction_trigger must be the last input item of a /v1/responses "
-                          "request.", f"{where}.type")
-        if model is None:
-            raise invalid(f"Unsupported input item type {kind!r} at '{where}'.", f"{where}.type")
-        try:
-            parsed = model.model_validate(entry)
-        except ValidationError as exc:
-            raise validation_error(exc, where) from None
-        if isinstance(parsed, ItemReferenceIn):
-            if resolve_reference is None:
-                raise invalid(
-                    f"'{where}' references item {parsed.id!r}, which this server has not stored; "
-                    "send the item itself.",
-                    where,
-                )
-            items.append(resolve_reference(parsed.id, where))
-            continue
-        if isinstance(parsed, CompactionIn):
-            if len(parsed.encrypted_content) > limits.max_text_chars:
-                raise invalid(f"'{where}.encrypted_content' is too long.", f"{where}.encrypted_content")
-            if open_compaction is None:
-                raise invalid(f"'{where}' is a compaction item, which only a /v1/responses request can expand.",
-                              where)
-            items.append(open_compaction(parsed.encrypted_content, parsed.id, where))
-            continue
-        items.append(_to_item(parsed, where, limits))
+        item = _decode_item(entry, where, limits, resolve_reference, open_compaction, referenced)
+        items.append(expansion.add(item, where) if expansion is not None else item)
     return items
+
+
+def _decode_item(entry: Any, where: str, limits: RequestLimits, resolve_reference: Any, open_compaction: Any,
+                 referenced: dict[str, Item]) -> Item:
+    if not isinstance(entry, dict):
+        raise invalid(f"Invalid item at '{where}': expected an object.", where)
+    kind = tag(entry.get("type", "message"), f"{where}.type")
+    model = _ITEM_MODELS.get(kind or "")
+    if kind == COMPACTION_TRIGGER:
+        raise invalid(f"'{where}': a compaction_trigger must be the last input item of a /v1/responses "
+                      "request.", f"{where}.type")
+    if model is None:
+        raise invalid(f"Unsupported input item type {kind!r} at '{where}'.", f"{where}.type")
+    try:
+        parsed = model.model_validate(entry)
+    except ValidationError as exc:
+        raise validation_error(exc, where) from None
+    if isinstance(parsed, ItemReferenceIn):
+        if resolve_reference is None:
+            raise invalid(
+                f"'{where}' references item {parsed.id!r}, which this server has not stored; "
+                "send the item itself.",
+                where,
+            )
+        found = referenced.get(parsed.id)
+        if found is None:
+            found = referenced[parsed.id] = resolve_reference(parsed.id, where)
+        # A copy (its strings shared): preparing a request may set fields
+        # on its items, and each place in the input is an item of its own.
+        return dataclasses.replace(found)
+    if isinstance(parsed, CompactionIn):
+        if len(parsed.encrypted_content) > limits.max_text_chars:
+            raise invalid(f"'{where}.encrypted_content' is too long.", f"{where}.encrypted_content")
+        if open_compaction is None:
+            raise invalid(f"'{where}' is a compaction item, which only a /v1/responses request can expand.",
+                          where)
+        item: Item = open_compaction(parsed.encrypted_content, parsed.id, where)
+        return item
+    return _to_item(parsed, where, limits)
 
 
 def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:

@@ -15,6 +15,14 @@ waits (503). A model idle for ``idle_unload_s`` is unloaded too.
 Eviction runs on the event loop only: ``Service.begin`` admits a request to
 its model's queue before it awaits ``prepare``, so a model being prepared
 for is already counted by its queue before any eviction can look at it.
+The queue does not see everything that uses a model, though: token counts
+(``/v1/messages/count_tokens``, ``/v1/responses/input_tokens``, the
+compaction threshold) hold no queue slot, and a prepare that overran
+``prepare_timeout_s`` goes on in its thread after its ticket was released.
+So every call into the real engine holds a use count (``LazyEngine.using``):
+a model in use is busy to eviction, and unloading one marks it
+``unloading`` (no new use) and then waits for the uses in flight to end
+before freeing it (llama.cpp would otherwise free the model under them).
 """
 
 from __future__ import annotations
@@ -50,15 +58,55 @@ class LazyEngine:
         self.error: str | None = None
         self.last_used = 0.0
         self.load_started = 0.0
+        # Calls into the real engine in flight (preparing threads), and the
+        # lock under which a use starts only while the model is loaded.
+        self._uses = 0
+        self._uses_lock = threading.Lock()
+
+    @property
+    def in_use(self) -> bool:
+        return self._uses > 0
+
+    @contextlib.contextmanager
+    def using(self) -> Any:
+        """The real engine, held loaded until the block ends (None when it
+        is not loaded: nothing is held)."""
+        with self._uses_lock:
+            engine = self._engine if self.status == LOADED else None
+            if engine is not None:
+                self._uses += 1
+        if engine is None:
+            yield None
+            return
+        try:
+            yield engine
+        finally:
+            with self._uses_lock:
+                self._uses -= 1
+            self.last_used = time.monotonic()
+
+    def stop_using(self) -> None:
+        """No new use from now on (event loop: the model is about to be unloaded)."""
+        with self._uses_lock:
+            if self.status == LOADED:
+                self.status = UNLOADING
 
     # -- the Engine protocol ---------------------------------------------------------
 
     def prepare(self, conversation: Any) -> Any:
+        return self._use(lambda engine: engine.prepare(conversation))
+
+    def count_tokens(self, conversation: Any) -> int:
+        return int(self._use(lambda engine: engine.count_tokens(conversation)))
+
+    def _use(self, work: Callable[[Any], Any]) -> Any:
+        """``work(engine)`` while the model is held loaded (preparing threads);
+        an unloaded model starts loading and the caller hears 503."""
         self.last_used = time.monotonic()
-        engine = self._engine
-        if self.status == LOADED and engine is not None:
-            self._registry.on_loop(self._registry.touch, self)
-            return engine.prepare(conversation)
+        with self.using() as engine:
+            if engine is not None:
+                self._registry.on_loop(self._registry.touch, self)
+                return work(engine)
         if self.status == UNLOADED and not self._registry.on_loop(self._registry.request_load, self):
             # The load starts on the loop in a moment (the budget may still refuse it then).
             return self._refuse("is loading (or waiting for memory)")
@@ -78,11 +126,6 @@ class LazyEngine:
         if self._engine is not None:
             await self._engine.open(prepared, cancel)
 
-    def count_tokens(self, conversation: Any) -> int:
-        if self._engine is None:
-            raise self._busy()
-        return self._engine.count_tokens(conversation)
-
     @property
     def supports_prefill(self) -> bool:
         return bool(getattr(self._engine, "supports_prefill", False))
@@ -99,6 +142,11 @@ class LazyEngine:
         return self._engine.last_output_token_ids() if self._engine is not None else []
 
     async def aclose(self) -> None:
+        self.stop_using()
+        # A count or an overrun prepare may still be in the model: it is
+        # freed after them (a prepare is bounded, though not stoppable).
+        while self._uses:
+            await asyncio.sleep(0.02)
         engine, self._engine = self._engine, None
         self.status = UNLOADED
         if engine is not None:
@@ -192,7 +240,9 @@ class ModelRegistry:
 
         def busy(model_id: str) -> bool:
             served = service.models.get(model_id)
-            return served is not None and (served.queue.running > 0 or served.queue.pending > 0)
+            model = self.models.get(model_id)
+            return (served is not None and (served.queue.running > 0 or served.queue.pending > 0)) or (
+                model is not None and model.in_use)
 
         self._busy = busy
         self._service = service
@@ -247,7 +297,7 @@ class ModelRegistry:
     def unload(self, model: LazyEngine, reason: str) -> None:
         log.info("unloading %s (%s)", model.info.id, reason)
         print(f"lmspd: unloading {model.info.id} ({reason})", file=sys.stderr, flush=True)
-        model.status = UNLOADING
+        model.stop_using()
 
         async def close() -> None:
             try:

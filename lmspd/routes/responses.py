@@ -133,7 +133,8 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     (``routes.websocket.Latest``). Such a response may exist only in that
     connection (``store: false``): this one then stores that history with
     its own input, so that it stands on its own in the store."""
-    req = dialect.decode(raw, app.limits, context=context)
+    # The stored history a request names is read and expanded off the loop.
+    req = await app.service.decode(lambda: dialect.decode(raw, app.limits, context=context))
     continued = getattr(context, "continued", None)
     background = queued or req.background
     if req.background and not req.store:
@@ -267,8 +268,8 @@ async def openai_input_tokens(request: Request) -> Response:
     if "model" not in raw and len(app.service.models) == 1:
         raw = {**raw, "model": next(iter(app.service.models))}
     body = {k: v for k, v in raw.items() if k not in ("stream", "stream_options", "background")}
-    req = OPENAI.decode({**body, "store": False}, app.limits,
-                        context=StoredContext(app.store, who.owner, app.sealer))
+    context = StoredContext(app.store, who.owner, app.sealer)
+    req = await app.service.decode(lambda: OPENAI.decode({**body, "store": False}, app.limits, context=context))
     # Rendering and tokenizing are proportional to the input: off the event loop.
     return json_reply({"object": "response.input_tokens",
                        "input_tokens": await app.service.count_tokens(req.conversation)})

@@ -54,6 +54,7 @@ from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOut
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import OPENAI
+from lmspd.dialects.responses_items import Expansion
 from lmspd.dialects.session import session_key
 from lmspd.history import StoredContext
 from lmspd.http import LmspdApp
@@ -104,7 +105,8 @@ class ConnectionContext:
         self._evicted = evicted
         self.continued: Latest | None = None
 
-    def history(self, previous_response_id: str | None, conversation_id: str | None) -> list[Item]:
+    def history(self, previous_response_id: str | None, conversation_id: str | None,
+                expansion: Expansion) -> list[Item]:
         if previous_response_id is not None and previous_response_id in self._evicted:
             raise ApiError("previous_response_not_found", f"Previous response {previous_response_id!r} not "
                            "found on this connection: a continuation of it failed. Send the full context.",
@@ -112,8 +114,8 @@ class ConnectionContext:
         latest = self._latest
         if previous_response_id is not None and latest is not None and previous_response_id == latest.response_id:
             self.continued = latest
-            return list(latest.items)
-        return self._stored.history(previous_response_id, conversation_id)
+            return expansion.add_all(list(latest.items), "previous_response_id")
+        return self._stored.history(previous_response_id, conversation_id, expansion)
 
     def resolve_reference(self, item_id: str, where: str) -> Item:
         return self._stored.resolve_reference(item_id, where)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
 import httpx
@@ -101,5 +102,63 @@ def test_an_idle_model_is_unloaded(other_gguf):
             assert time.monotonic() < deadline, statuses(srv)
             time.sleep(0.2)
         srv.wait_for_log(re.escape(f"unloading {OTHER} (idle for 1 s)"))
+    finally:
+        srv.stop()
+
+
+def test_token_counts_racing_an_idle_unload(other_gguf):
+    """Token counts hold no queue slot, and Claude Code sends them all the
+    time: one in flight when the idle unload comes must keep the model (it
+    used to free it under the count: a crash in llama.cpp), and one that
+    comes while the model is away starts its load and hears 503 meanwhile.
+    Counts run back to back (the model stays: it is in use), then with
+    pauses longer than --models-idle-s between them, so that unloads and
+    counts cross."""
+    srv = ServerProcess("--model", str(other_gguf), "--ctx", str(CTX), "--models-idle-s", "1").start()
+    text = "lorem ipsum dolor sit amet " * 4000  # ~100 KB: a count spends its time in the model
+    bodies = {"/v1/messages/count_tokens": {"model": OTHER, "messages": [{"role": "user", "content": text}]},
+              "/v1/responses/input_tokens": {"model": OTHER, "input": text}}
+    answers: list[tuple[str, int, dict]] = []
+
+    def counts(path: str, seconds: float) -> None:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                r = client.post(path, json=bodies[path])
+                answers.append((path, r.status_code, r.json()))
+                if r.status_code == 503:
+                    time.sleep(0.1)
+
+    def both(seconds: float) -> None:
+        threads = [threading.Thread(target=counts, args=(path, seconds)) for path in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+    try:
+        assert ask(srv, OTHER)[0].status_code == 200
+        both(3.0)
+        for _ in range(3):
+            time.sleep(1.6)  # idle past the bound: the unload starts about now
+            both(1.0)
+        assert srv.proc is not None and srv.proc.poll() is None, srv.log()[-3000:]
+        srv.wait_for_log(re.escape(f"unloading {OTHER} (idle for 1 s)"))
+        for path, status, body in answers:
+            if status == 503:  # while the model is away; a count brings it back (it used to wait for a generation)
+                message = body["error"]["message"]
+                assert "is being unloaded" in message or "is loading" in message, body
+            else:
+                assert status == 200 and body["input_tokens"] > 10_000, (path, status, body)
+        print(f"{sum(a[1] == 200 for a in answers)} counts answered, {sum(a[1] == 503 for a in answers)} "
+              f"refused while the model was away; {srv.log().count('lmspd: unloading ' + OTHER)} unloads")
+        assert sum(status == 200 for _, status, _ in answers) > 4, answers
+        # And the count comes back once the model does.
+        deadline = time.monotonic() + 120
+        while (r := httpx.post(srv.url + "/v1/responses/input_tokens", json=bodies["/v1/responses/input_tokens"],
+                               timeout=60)).status_code == 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert r.status_code == 200 and r.json()["input_tokens"] > 10_000
     finally:
         srv.stop()

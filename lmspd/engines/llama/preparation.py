@@ -43,6 +43,7 @@ from .reasoning import ReasoningSyntax
 from .sampling import GrammarFirstRejection, Greedy
 from .template import ChatTemplate
 from .tool_formats import ToolFormat
+from .truncation import Fit, fewest_dropped
 from .vocab import Vocabulary
 
 # How many times a warm-up's cut may move back (past trailing whitespace, or a
@@ -155,7 +156,7 @@ class Preparation:
             tokens = self._tokenize(conversation, text)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
-            text, tokens = self._truncate(conversation, n_ctx - (requested or 1))
+            text, tokens = self._truncate(conversation, text, tokens, n_ctx - (requested or 1))
             if conversation.prefill_only:  # of the items truncation kept
                 text, tokens = self._warm_prefix(conversation)
         room = n_ctx - len(tokens)
@@ -278,35 +279,20 @@ class Preparation:
                 if stripped != first.text:
                     conversation.items = [dataclasses.replace(first, text=stripped)] + conversation.items[1:]
 
-    def _truncate(self, conversation: Conversation, budget: int) -> tuple[str, list[int]]:
-        """``truncation: auto``: drop the fewest oldest items (never a system
-        or developer message, never the last item) that make the prompt fit
-        ``budget`` tokens — found by bisection, so a long history costs
-        O(log n) renders, not one per dropped item. Leaves the conversation
-        with the items kept (all droppable ones gone when nothing fits)."""
-        items = list(conversation.items)
-        droppable = [i for i, item in enumerate(items[:-1])
-                     if not (isinstance(item, Message) and item.role in ("system", "developer"))]
+    def _truncate(self, conversation: Conversation, text: str, tokens: list[int], budget: int) -> tuple[str, list[int]]:
+        """``truncation: auto`` (``truncation.fewest_dropped``): leaves the
+        conversation with the items kept (all droppable ones gone when
+        nothing fits); ``text`` and ``tokens`` are its whole prompt."""
+        add_generation_prompt = not conversation.prefill_only
 
-        def attempt(k: int) -> tuple[str, list[int]]:
-            gone = set(droppable[:k])
-            conversation.items = [item for i, item in enumerate(items) if i not in gone]
-            text = self.render(conversation, add_generation_prompt=not conversation.prefill_only)
-            return text, self.vocab.tokenize(text)
+        def render(items: list[Item]) -> str:
+            return self.render(dataclasses.replace(conversation, items=items),
+                               add_generation_prompt=add_generation_prompt)
 
-        lo, hi = 1, len(droppable)
-        best: tuple[list, str, list[int]] | None = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            text, tokens = attempt(mid)
-            if len(tokens) <= budget:
-                best, hi = (conversation.items, text, tokens), mid - 1
-            else:
-                lo = mid + 1
-        if best is None:
-            return attempt(len(droppable))
-        conversation.items, text, tokens = best
-        return text, tokens
+        whole = Fit(list(conversation.items), text, tokens)
+        fit = fewest_dropped(whole.items, whole, budget, render=render, tokenize=self.vocab.tokenize)
+        conversation.items = fit.items
+        return fit.text, fit.tokens
 
     def _open_sealed_reasoning(self, conversation: Conversation) -> None:
         """Replayed reasoning this server sealed renders exactly as sampled."""

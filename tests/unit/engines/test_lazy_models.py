@@ -41,11 +41,25 @@ class Real:
         yield TextDelta(self.name)
         yield Finished("stop")
 
+    # Set by a test: count_tokens waits for it (a count in flight).
+    counting: threading.Event | None = None
+    counted = threading.Event()
+
+    def count_tokens(self, conversation):
+        Real.counted.set()
+        if Real.counting is not None:
+            assert Real.counting.wait(5)
+        assert not self.closed_here, "counted in a closed model"
+        return 7
+
+    closed_here = False
+
     def stats(self):
         return {"generations": 1}
 
     async def aclose(self):
         Real.closed += 1
+        self.closed_here = True
 
 
 def conv(model: str) -> Conversation:
@@ -163,3 +177,68 @@ def test_a_load_that_ends_after_the_server_stopped_is_quiet(monkeypatch):
     loader.join(5)
     assert not loader.is_alive() and failures == []
     assert registry.models["a"].status == LOADED
+
+
+def test_a_model_is_not_freed_under_a_token_count():
+    """Token counts hold no queue slot: the use count keeps the model they
+    are in from an idle unload, and an unload that begins anyway (to make
+    room) frees the model only once they have ended; meanwhile nothing new
+    starts in it."""
+    Real.counting = threading.Event()
+    Real.counted.clear()
+
+    async def go():
+        registry, service = setup(budget_models=1, names=("a",))
+        await drain(await until_loaded(service, "a", registry), "a")
+        registry.idle_unload_s = 0.0  # idle from now on, but for the count
+        model = registry.models["a"]
+        count = asyncio.ensure_future(service.count_tokens(conv("a")))
+        while not Real.counted.is_set():
+            await asyncio.sleep(0.005)
+        registry._unload_idle()
+        assert model.status == LOADED and model.in_use, "in use: not idle"
+        registry.unload(model, reason="to make room")
+        with pytest.raises(ApiError) as refused:
+            await service.count_tokens(conv("a"))
+        assert refused.value.code == "model_loading" and "being unloaded" in refused.value.message
+        await asyncio.sleep(0.1)
+        engine = model._engine
+        assert engine is not None and not engine.closed_here, "freed under the count"
+        Real.counting.set()
+        assert await count == 7
+        for _ in range(100):
+            if model.status == UNLOADED:
+                break
+            await asyncio.sleep(0.01)
+        assert model.status == UNLOADED and engine.closed_here
+        await service.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        Real.counting = None
+
+
+def test_closing_the_service_waits_for_a_count_in_flight():
+    Real.counting = threading.Event()
+    Real.counted.clear()
+
+    async def go():
+        registry, service = setup(budget_models=1, names=("a",))
+        await drain(await until_loaded(service, "a", registry), "a")
+        engine = registry.models["a"]._engine
+        count = asyncio.ensure_future(service.count_tokens(conv("a")))
+        while not Real.counted.is_set():
+            await asyncio.sleep(0.005)
+        closing = asyncio.ensure_future(service.aclose())
+        await asyncio.sleep(0.1)
+        assert not engine.closed_here and not closing.done()
+        Real.counting.set()
+        assert await count == 7
+        await closing
+        assert engine.closed_here
+
+    try:
+        asyncio.run(go())
+    finally:
+        Real.counting = None

@@ -1,11 +1,13 @@
 """``truncation: auto`` with the bundled model's real template and tokenizer:
-the fewest oldest items are dropped, found in O(log n) renders."""
+the fewest oldest items are dropped, found in a constant number of renders
+(what is tokenized is the whole prompt once plus a few prompts of what is
+kept), and a tool call and its outputs go together."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmspd.core.conversation import Conversation, Message
+from lmspd.core.conversation import Conversation, Message, ToolCall, ToolOutput
 from support.grammar_rig import vocab_only_preparation
 
 
@@ -22,14 +24,37 @@ def long_conversation(turns: int) -> Conversation:
     return Conversation(model="m", items=items, max_output_tokens=64, truncate=True)
 
 
-def test_drops_the_fewest_oldest_items_in_log_n_renders(preparation, monkeypatch):
-    conv = long_conversation(100)
+class Counted:
+    """The preparation's render and tokenize, counted."""
+
+    def __init__(self, preparation, monkeypatch) -> None:
+        self.renders = 0
+        self.tokenized_chars = 0
+        self.render, self.tokenize = preparation.render, preparation.vocab.tokenize
+        monkeypatch.setattr(preparation, "render", self._render)
+        monkeypatch.setattr(preparation.vocab, "tokenize", self._tokenize)
+
+    def _render(self, conversation, **kw):
+        self.renders += 1
+        return self.render(conversation, **kw)
+
+    def _tokenize(self, text):
+        self.tokenized_chars += len(text)
+        return self.tokenize(text)
+
+
+@pytest.mark.parametrize("turns", [100, 1500])
+def test_drops_the_fewest_oldest_items_in_a_constant_number_of_renders(preparation, monkeypatch, turns):
+    conv = long_conversation(turns)
     original = list(conv.items)
-    calls = []
-    render = preparation.render
-    monkeypatch.setattr(preparation, "render", lambda c, **kw: calls.append(1) or render(c, **kw))
+    whole = len(preparation.render(conv))
+    counted = Counted(preparation, monkeypatch)
     prepared = preparation.prepare(conv)
-    assert len(calls) <= 12, f"{len(calls)} renders for 200 droppable items"
+    # The whole prompt once, then where the estimate says it fits, one item
+    # fewer (which does not), and the prompt without any droppable item
+    # (rendered only: the estimate's wrapping). Bisection took ~log2(n) + 1.
+    assert counted.renders <= 4, f"{counted.renders} renders for {2 * turns} droppable items"
+    assert counted.tokenized_chars <= whole + 3 * len(prepared.text), (counted.tokenized_chars, whole)
     kept = prepared.conversation.items
     assert kept[0] == original[0] and kept[-1] == original[-1], "system message and last item stay"
     dropped = len(original) - len(kept)
@@ -37,4 +62,31 @@ def test_drops_the_fewest_oldest_items_in_log_n_renders(preparation, monkeypatch
     assert prepared.input_tokens + 64 <= 1024
     # One item fewer dropped would not fit: the fewest were dropped.
     one_more = Conversation(model="m", items=[original[0]] + original[dropped:], max_output_tokens=64)
-    assert len(preparation.vocab.tokenize(render(one_more))) + 64 > 1024
+    assert len(counted.tokenize(counted.render(one_more))) + 64 > 1024
+
+
+def calls_answered_later(words: int) -> list:
+    """A call whose output comes two items later: a cut right after the call
+    (the fewest items that fit) would keep the output without it."""
+    return [Message("system", "You are terse."), Message("user", "Look it up."),
+            ToolCall(call_id="c1", name="lookup", payload='{"q": "' + "words " * words + '"}'),
+            Message("assistant", "Looking."), ToolOutput(call_id="c1", output="found it"),
+            Message("user", "Thanks. The last question.")]
+
+
+def test_a_dropped_call_takes_its_output_with_it(preparation):
+    items = calls_answered_later(1200)  # the call alone is more than the window
+    prepared = preparation.prepare(Conversation(model="m", items=items, max_output_tokens=64, truncate=True))
+    kept = prepared.conversation.items
+    assert items[2] not in kept, "the call had to go for the prompt to fit"
+    assert not [i for i in kept if isinstance(i, ToolOutput)], f"an output outlived its call: {kept}"
+    assert kept == [items[0], items[3], items[5]]
+
+
+def test_the_call_the_last_item_answers_stays(preparation):
+    items = calls_answered_later(600)[:5]  # ends with the call's output
+    items[3] = Message("assistant", "Looking. " + "lorem ipsum " * 250)
+    prepared = preparation.prepare(Conversation(model="m", items=items, max_output_tokens=64, truncate=True))
+    # The oldest items up to the call would have fitted; the call stays, the
+    # items around it go.
+    assert prepared.conversation.items == [items[0], items[2], items[4]]
