@@ -138,6 +138,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
             lease.cancel()
             await service.aclose()
             state.tasks.close()
+            state.calls.close()
             store.close()
 
     app = Starlette(

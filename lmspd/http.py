@@ -22,6 +22,7 @@ from lmspd.core.sealing import Sealer
 from lmspd.dialects import lmsp
 from lmspd.service import Service
 from lmspd.store.base import Store
+from lmspd.store.calls import StoreCalls
 from lmspd.streaming.sse import SSE_HEADERS, SSE_KEEPALIVE, dumps
 from lmspd.tasks.manager import TaskManager
 
@@ -33,6 +34,8 @@ class LmspdApp:
         self.settings = settings
         self.service = service
         self.store = store
+        # Handlers reach the store through this: off the event loop.
+        self.calls = StoreCalls()
         self.tasks = TaskManager(store)
         self.auth = Authenticator(settings.api_keys)
         # The server key (the engine seals reasoning with the same one):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 
@@ -25,6 +26,9 @@ from starlette.responses import Response, StreamingResponse
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import MAX_IDEMPOTENCY_KEY_CHARS
 from lmspd.store.base import BeginOutcome, IdempotencyBegin, Store
+from lmspd.store.calls import StoreCalls
+
+log = logging.getLogger("lmspd.idempotency")
 
 HEADER = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
@@ -37,8 +41,34 @@ RETRY_AFTER_S = 1
 
 def request_hash(request: Request, body: dict[str, Any]) -> str:
     # The path is part of the request: one key on two endpoints is a conflict.
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(f"{request.method} {request.url.path}\n{canonical}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{request.method} {request.url.path}\n".encode())
+    _feed_canonical(digest, body)
+    return digest.hexdigest()
+
+
+_scalar = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _feed_canonical(digest: Any, value: Any) -> None:
+    """The bytes of ``json.dumps(value, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=False)``, fed to ``digest`` one value at a time: one call
+    that encodes an 8 MiB body holds the interpreter lock (and so the event
+    loop) for its whole length; this holds it for one string at most."""
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for i, key in enumerate(sorted(value)):
+            digest.update(("," if i else "").encode() + _scalar(key).encode() + b":")
+            _feed_canonical(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, list):
+        digest.update(b"[")
+        for i, item in enumerate(value):
+            if i:
+                digest.update(b",")
+            _feed_canonical(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(_scalar(value).encode())
 
 
 @dataclass
@@ -46,6 +76,7 @@ class Attempt:
     """One request holding (or replaying) an idempotency key."""
 
     store: Store
+    calls: StoreCalls
     owner: str
     key: str
     replay: IdempotencyBegin | None = None
@@ -62,25 +93,37 @@ class Attempt:
         return Response(self.replay.body or b"", status_code=self.replay.status_code or 200, headers=headers,
                         media_type=media)
 
-    def abandon(self) -> None:
-        self.store.idempotency_abandon(self.owner, self.key)
+    async def abandon(self) -> None:
+        await self.calls(self.store.idempotency_abandon, self.owner, self.key)
 
-    def seal(self, response: Response, follow_task: str | None = None) -> Response:
+    async def seal(self, response: Response, follow_task: str | None = None) -> Response:
         """Keep ``response`` as this key's reply (a stream: once it has been
         sent whole), or release the key if it is not a success."""
         if response.status_code >= 400:
-            self.abandon()
+            await self.abandon()
             return response
         headers = {k: v for k, v in response.headers.items() if k in _KEPT_HEADERS}
         if follow_task is not None:
-            self.store.idempotency_finish(self.owner, self.key, response.status_code, b"",
-                                          {**headers, FOLLOW: follow_task})
+            await self._finish(response.status_code, b"", {**headers, FOLLOW: follow_task})
             return response
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._recorded(response.body_iterator, response.status_code, headers)
             return response
-        self.store.idempotency_finish(self.owner, self.key, response.status_code, bytes(response.body), headers)
+        await self._finish(response.status_code, bytes(response.body), headers)
         return response
+
+    async def _finish(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        """Keep the reply; if the store cannot, the work is done all the same
+        (and stored where it was asked to be): the reply still goes out, and
+        the key is released so that a retry is not refused with 409 for a day."""
+        try:
+            await self.calls(self.store.idempotency_finish, self.owner, self.key, status, body, headers)
+        except Exception:
+            log.exception("could not keep the reply of %s %r; releasing the key", HEADER, self.key)
+            try:
+                await self.abandon()
+            except Exception:
+                log.exception("could not release %s %r (the next start releases it)", HEADER, self.key)
 
     async def _recorded(self, chunks: AsyncIterable[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
         sent: list[bytes] = []
@@ -94,9 +137,9 @@ class Attempt:
         finally:
             # A stream the client left half-way was not a reply: release the key.
             if complete:
-                self.store.idempotency_finish(self.owner, self.key, status, b"".join(sent), headers)
+                await self._finish(status, b"".join(sent), headers)
             else:
-                self.abandon()
+                await self.abandon()
 
 
 @dataclass
@@ -108,16 +151,16 @@ class Reply:
     follow_task: str | None = None
 
 
-async def once(store: Store, owner: str, request: Request, body: dict[str, Any],
+async def once(store: Store, calls: StoreCalls, owner: str, request: Request, body: dict[str, Any],
                work: Callable[[], Awaitable[Reply]],
-               follow: Callable[[str], Response] | None = None) -> Response:
+               follow: Callable[[str], Awaitable[Response]] | None = None) -> Response:
     """Run ``work`` unless this key already has a reply; ``follow(task_id)``
     replays a reply that followed a task."""
-    attempt = begin(store, owner, request, body)
+    attempt = await begin(store, calls, owner, request, body)
     if attempt is not None and attempt.replay is not None:
         if attempt.follow_task is None or follow is None:
             return attempt.replayed()
-        reply = follow(attempt.follow_task)
+        reply = await follow(attempt.follow_task)
         # The first reply's own headers (Location: where the task is).
         for name, value in (attempt.replay.headers or {}).items():
             if name not in (FOLLOW, "content-type"):
@@ -128,21 +171,24 @@ async def once(store: Store, owner: str, request: Request, body: dict[str, Any],
         done = await work()
     except BaseException:
         if attempt is not None:
-            attempt.abandon()
+            await attempt.abandon()
         raise
     if attempt is None:
         return done.response
-    return attempt.seal(done.response, done.follow_task)
+    return await attempt.seal(done.response, done.follow_task)
 
 
-def begin(store: Store, owner: str, request: Request, body: dict[str, Any]) -> Attempt | None:
+async def begin(store: Store, calls: StoreCalls, owner: str, request: Request,
+                body: dict[str, Any]) -> Attempt | None:
     """``None`` without the header; raises 409/422 for a key in use."""
     key = request.headers.get(HEADER)
     if key is None:
         return None
     if not key or len(key) > MAX_IDEMPOTENCY_KEY_CHARS or not key.isascii() or not key.isprintable():
         raise invalid(f"{HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters.", HEADER)
-    outcome = store.idempotency_begin(owner, key, request_hash(request, body))
+    # Hashing an 8 MiB body and claiming the key: off the event loop.
+    digest = await calls(request_hash, request, body)
+    outcome = await calls(store.idempotency_begin, owner, key, digest)
     if outcome.outcome is BeginOutcome.CONFLICT:
         raise ApiError("idempotency_conflict",
                        f"{HEADER} {key!r} was already used with a different request; use a new key for a new "
@@ -151,4 +197,4 @@ def begin(store: Store, owner: str, request: Request, body: dict[str, Any]) -> A
         raise ApiError("idempotency_in_progress",
                        f"A request with {HEADER} {key!r} is still running; retry once it has finished.",
                        param=HEADER, headers={"Retry-After": str(RETRY_AFTER_S)})
-    return Attempt(store, owner, key, outcome if outcome.outcome is BeginOutcome.REPLAY else None)
+    return Attempt(store, calls, owner, key, outcome if outcome.outcome is BeginOutcome.REPLAY else None)

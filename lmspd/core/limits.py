@@ -156,7 +156,13 @@ class Retention:
     max_conversation_bytes: int = 512 * _MIB
     max_task_bytes: int = 256 * _MIB  # requests, results and errors of tasks
     max_event_bytes: int = 256 * _MIB  # all task event logs together
+    max_idempotency_bytes: int = 256 * _MIB  # replies kept for Idempotency-Key retries
 
+
+# Store calls a request makes run on their own threads (lmspd.store.calls);
+# beyond this many waiting for one, a request gets 503 server_overloaded.
+STORE_CALL_THREADS = 4
+STORE_CALLS_WAITING = 512
 
 # How long an instance's rows count as alive without a heartbeat (seconds).
 # A shared store fails the running tasks of an instance whose lease ran out.

@@ -87,18 +87,20 @@ async def create_conversation(request: Request) -> Response:
 
     async def create() -> Reply:
         body = _parse(raw, CreateConversation)
-        record = app.store.create_conversation(owner, new_id("conv"), metadata=_metadata(app, body.metadata),
-                                               items=_items(app, body.items, owner))
+        metadata = _metadata(app, body.metadata)
+        items = await app.calls(_items, app, body.items, owner)
+        record = await app.calls(app.store.create_conversation, owner, new_id("conv"), metadata=metadata,
+                                 items=items)
         return Reply(json_reply(conversation_json(record)))
 
-    return await idempotency.once(app.store, owner, request, raw, create)
+    return await idempotency.once(app.store, app.calls, owner, request, raw, create)
 
 
 async def get_conversation(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:read").owner
     conversation_id = request.path_params["conversation_id"]
-    record = app.store.get_conversation(owner, conversation_id)
+    record = await app.calls(app.store.get_conversation, owner, conversation_id)
     if record is None:
         raise not_found(conversation_id)
     return json_reply(conversation_json(record))
@@ -109,7 +111,7 @@ async def update_conversation(request: Request) -> Response:
     owner = principal(request, "responses:write").owner
     conversation_id = request.path_params["conversation_id"]
     body = await _body(request, app, UpdateConversation)
-    record = app.store.update_conversation(owner, conversation_id, _metadata(app, body.metadata))
+    record = await app.calls(app.store.update_conversation, owner, conversation_id, _metadata(app, body.metadata))
     if record is None:
         raise not_found(conversation_id)
     return json_reply(conversation_json(record))
@@ -119,7 +121,7 @@ async def delete_conversation(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     conversation_id = request.path_params["conversation_id"]
-    if not app.store.delete_conversation(owner, conversation_id):
+    if not await app.calls(app.store.delete_conversation, owner, conversation_id):
         raise not_found(conversation_id)
     return json_reply({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
@@ -132,14 +134,16 @@ async def add_items(request: Request) -> Response:
 
     async def add() -> Reply:
         body = _parse(raw, AddItems)
-        stored = app.store.append_conversation_items(owner, conversation_id, _items(app, body.items, owner))
+        # Up to a body's worth of items: decoded, then stored, off the event loop.
+        items = await app.calls(_items, app, body.items, owner)
+        stored = await app.calls(app.store.append_conversation_items, owner, conversation_id, items)
         if stored is None:
             raise not_found(conversation_id)
-        return Reply(json_reply({"object": "list", "data": stored, "has_more": False,
+        return Reply(await app.calls(json_reply, {"object": "list", "data": stored, "has_more": False,
                                  "first_id": stored[0]["id"] if stored else None,
                                  "last_id": stored[-1]["id"] if stored else None}))
 
-    return await idempotency.once(app.store, owner, request, raw, add)
+    return await idempotency.once(app.store, app.calls, owner, request, raw, add)
 
 
 async def list_items(request: Request) -> Response:
@@ -148,8 +152,8 @@ async def list_items(request: Request) -> Response:
     conversation_id = request.path_params["conversation_id"]
     after, limit, order = page_params(request)
     try:
-        page = app.store.list_conversation_items(owner, conversation_id, after=after, limit=limit,
-                                                 order=order)  # type: ignore[arg-type]
+        page = await app.calls(app.store.list_conversation_items, owner, conversation_id, after=after,
+                               limit=limit, order=order)  # type: ignore[arg-type]
     except InvalidCursor:
         raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
     if page is None:
@@ -161,9 +165,9 @@ async def get_item(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:read").owner
     conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
-    item = app.store.get_conversation_item(owner, conversation_id, item_id)
+    item = await app.calls(app.store.get_conversation_item, owner, conversation_id, item_id)
     if item is None:
-        if app.store.get_conversation(owner, conversation_id) is None:
+        if await app.calls(app.store.get_conversation, owner, conversation_id) is None:
             raise not_found(conversation_id)
         raise ApiError("not_found", f"Item {item_id!r} not found in conversation {conversation_id!r}.")
     return json_reply(item)
@@ -173,11 +177,11 @@ async def delete_item(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     conversation_id, item_id = request.path_params["conversation_id"], request.path_params["item_id"]
-    if not app.store.delete_conversation_item(owner, conversation_id, item_id):
-        if app.store.get_conversation(owner, conversation_id) is None:
+    if not await app.calls(app.store.delete_conversation_item, owner, conversation_id, item_id):
+        if await app.calls(app.store.get_conversation, owner, conversation_id) is None:
             raise not_found(conversation_id)
         raise ApiError("not_found", f"Item {item_id!r} not found in conversation {conversation_id!r}.")
-    record = app.store.get_conversation(owner, conversation_id)
+    record = await app.calls(app.store.get_conversation, owner, conversation_id)
     if record is None:
         raise not_found(conversation_id)
     return json_reply(conversation_json(record))

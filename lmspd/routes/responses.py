@@ -43,8 +43,9 @@ from lmspd.http import (
 from lmspd.idempotency import Reply
 from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
+from lmspd.store.calls import StoreCalls
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
-from lmspd.tasks.manager import task_request
+from lmspd.tasks.manager import StoreUnavailable, task_request
 
 log = logging.getLogger("lmspd.http")
 
@@ -66,7 +67,7 @@ async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) 
     who = lmsp_request(request, "responses:write") if dialect is LMSP else principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     return await idempotency.once(
-        app.store, who.owner, request, raw,
+        app.store, app.calls, who.owner, request, raw,
         lambda: _run(request, app, who.owner, dialect, raw, as_task=as_task),
         follow=lambda task_id: _follow(app, who.owner, dialect, task_id),
     )
@@ -79,7 +80,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
                             session_header=session_key(request.headers))
     req, run, session, record = turn.req, turn.run, turn.session, turn.record
     if turn.background:
-        return _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
+        return await _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
     # An engine that must reach its provider first does it now, so that a
     # refusal is still an HTTP error (a no-op for the embedded engine).
     try:
@@ -116,6 +117,8 @@ class Turn:
     session: StreamSession
     record: ResponseRecord
     background: bool
+    # Where the record's writes run (off the event loop).
+    calls: StoreCalls
     # The window the model continues from (history + input), before the
     # engine prepared it: a WebSocket connection keeps it as its latest state.
     window: list[Item] = field(default_factory=list)
@@ -174,7 +177,7 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
         input_items, previous = list(continued.items) + input_items, None
     record = ResponseRecord(app.store, owner, input_items, keep=req.store,
                             previous_response_id=previous, conversation_id=req.conversation_id)
-    return Turn(dialect, req, run, session, record, background, window)
+    return Turn(dialect, req, run, session, record, background, app.calls, window)
 
 
 async def _begun(begun: Any) -> Run:
@@ -187,37 +190,42 @@ async def turn_events(turn: Turn) -> AsyncIterator[WireEvent]:
     stored before its terminal event leaves (a GET right after finds it);
     if that fails the terminal event says ``store: false``."""
     async for wire in turn.run.events(turn.session):
-        if wire[1] in TERMINAL_EVENT_NAMES and not _ended(turn.record, turn.session.state):
+        if wire[1] in TERMINAL_EVENT_NAMES and not await _ended(turn, turn.session.state):
             # The output is already whole: the end says it is not stored.
             turn.stored = False
             _mark_unstored(wire[2])
         yield wire
 
 
-def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,
+async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,
                 session: StreamSession, record: ResponseRecord, *, as_task: bool) -> Reply:
     state = session.state
     # OpenAI addresses a background response by its response id, so the task
     # that runs it has the same id.
     task_id = new_id("task") if as_task else state.id
-    live = app.tasks.start(task_id=task_id, owner=owner, dialect=dialect,
-                           request=task_request(dialect, state.model, raw), run=run, session=session, record=record)
+    try:
+        live = await app.tasks.start(task_id=task_id, owner=owner, dialect=dialect,
+                                     request=task_request(dialect, state.model, raw), run=run, session=session,
+                                     record=record)
+    except StoreUnavailable as exc:
+        # Never an id the client cannot read back: nothing ran, nothing was answered.
+        raise ApiError("store_unavailable", str(exc), headers={"Retry-After": "5"}) from None
     location = {"Location": f"/lmsp/v1/tasks/{task_id}"} if as_task else {}
     if stream:
         # Where to resume from, should this connection drop.
-        reply = _follow(app, owner, dialect, task_id)
+        reply = await _follow(app, owner, dialect, task_id)
         reply.headers.update(location)
         return Reply(reply, follow_task=task_id)
     if not as_task:
         return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
-    task = app.store.get_task(owner, task_id)
+    task = await app.calls(app.store.get_task, owner, task_id)
     assert task is not None
     return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
 
 
-def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> Response:
+async def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> Response:
     code = "task_not_found" if dialect is LMSP else "response_not_found"
-    return follow_reply(app, owner, dialect, task_id, 0, ApiError(code, f"{task_id!r} not found."))
+    return await follow_reply(app, owner, dialect, task_id, 0, ApiError(code, f"{task_id!r} not found."))
 
 
 async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
@@ -229,10 +237,10 @@ async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
         yield dialect.trailer
 
 
-def _ended(record: ResponseRecord, state: ResponseState) -> bool:
+async def _ended(turn: Turn, state: ResponseState) -> bool:
     """Store the final state; False if that failed (a full or broken disk)."""
     try:
-        record.ended(state)
+        await turn.calls(turn.record.ended, state)
     except Exception:
         log.exception("could not store response %s", state.id)
         return False

@@ -34,8 +34,8 @@ def not_found(response_id: str) -> ApiError:
     return ApiError("response_not_found", f"Response {response_id!r} not found.")
 
 
-def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
-    body = app.store.get_response(owner, response_id)
+async def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
+    body = await app.calls(app.store.get_response, owner, response_id)
     if body is None:
         raise not_found(response_id)
     live = app.tasks.live(response_id, owner)
@@ -45,8 +45,8 @@ def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
     return body
 
 
-def _background_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord:
-    task = app.store.get_task(owner, response_id)
+async def _background_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord:
+    task = await app.calls(app.store.get_task, owner, response_id)
     if task is None or task.request.get("dialect") != OPENAI.name:
         raise invalid(f"Response {response_id!r} was not created with 'background: true'; only background "
                       "responses can be streamed again or cancelled.", "response_id")
@@ -57,15 +57,15 @@ async def openai_get_response(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:read").owner
     response_id = request.path_params["response_id"]
-    body = _stored(app, owner, response_id)
+    body = await _stored(app, owner, response_id)
     if not query_bool(request, "stream"):
         return json_reply(body)
-    task = _background_task(app, owner, response_id)
+    task = await _background_task(app, owner, response_id)
     starting_after = query_int(request, "starting_after", minimum=0)
     # sequence_number N is store seq N + 1; "after N" means store seq > N + 1.
     after = 0 if starting_after is None else OPENAI.store_seq(starting_after)
     check_after(task, after, OPENAI, "starting_after")
-    return follow_reply(app, owner, OPENAI, response_id, after, not_found(response_id))
+    return await follow_reply(app, owner, OPENAI, response_id, after, not_found(response_id))
 
 
 async def openai_delete_response(request: Request) -> Response:
@@ -73,7 +73,7 @@ async def openai_delete_response(request: Request) -> Response:
     owner = principal(request, "responses:write").owner
     response_id = request.path_params["response_id"]
     await app.tasks.cancel_task(owner, response_id)
-    if not app.store.delete_response(owner, response_id):
+    if not await app.calls(app.store.delete_response, owner, response_id):
         raise not_found(response_id)
     return json_reply({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -82,11 +82,11 @@ async def openai_cancel_response(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     response_id = request.path_params["response_id"]
-    _stored(app, owner, response_id)
-    _background_task(app, owner, response_id)
+    await _stored(app, owner, response_id)
+    await _background_task(app, owner, response_id)
     await app.tasks.cancel_task(owner, response_id)
     # Already finished: returned as it is (cancelling twice is harmless).
-    return json_reply(_stored(app, owner, response_id))
+    return json_reply(await _stored(app, owner, response_id))
 
 
 async def openai_input_items(request: Request) -> Response:
@@ -95,7 +95,8 @@ async def openai_input_items(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     after, limit, order = page_params(request)
     try:
-        page = app.store.list_input_items(owner, response_id, after=after, limit=limit, order=order)  # type: ignore[arg-type]
+        page = await app.calls(app.store.list_input_items, owner, response_id, after=after, limit=limit,
+                               order=order)  # type: ignore[arg-type]
     except InvalidCursor:
         raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
     if page is None:
@@ -107,7 +108,7 @@ async def lmsp_get_response(request: Request) -> Response:
     app = app_state(request)
     owner = lmsp_request(request, "responses:read").owner
     response_id = request.path_params["response_id"]
-    body = _stored(app, owner, response_id)
+    body = await _stored(app, owner, response_id)
     return json_reply(lmsp.response_json(openai_responses.state_from_json(body)),
                       headers={"LMSP-Version": lmsp.VERSION})
 

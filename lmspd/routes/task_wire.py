@@ -3,7 +3,6 @@ followed as SSE (LMSP task events, OpenAI background streams)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import Any, AsyncIterator
@@ -58,12 +57,12 @@ def cut_short(task_id: str) -> ApiError:
                     "final state.")
 
 
-def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
+async def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
                  not_found: ApiError) -> StreamingResponse:
     """The task's events after store seq ``after`` as SSE, live until its
     terminal event. 404/410 are raised here, before the stream starts."""
     try:
-        events = app.tasks.follow(owner, task_id, after)
+        events = await app.tasks.follow(owner, task_id, after)
     except EventsExpired as exc:
         raise ApiError(
             "event_history_expired",
@@ -90,7 +89,7 @@ def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, afte
                 yield dialect.trailer
             return
         try:
-            task = await asyncio.to_thread(app.store.get_task, owner, task_id)
+            task = await app.calls(app.store.get_task, owner, task_id)
         except Exception:  # the store failing is one way to get here
             cause = cut_short(task_id)
         else:

@@ -25,8 +25,8 @@ def not_found(task_id: str) -> ApiError:
     return ApiError("task_not_found", f"Task {task_id!r} not found.")
 
 
-def _task(app: LmspdApp, owner: str, task_id: str) -> TaskRecord:
-    task = app.store.get_task(owner, task_id)
+async def _task(app: LmspdApp, owner: str, task_id: str) -> TaskRecord:
+    task = await app.calls(app.store.get_task, owner, task_id)
     # OpenAI background responses run on the same machinery; they are read
     # through /v1/responses, in their own event shapes.
     if task is None or task.request.get("dialect") != LMSP.name:
@@ -38,7 +38,7 @@ async def get_task(request: Request) -> Response:
     app = app_state(request)
     owner = lmsp_request(request, "tasks:read").owner
     task_id = request.path_params["task_id"]
-    task = _task(app, owner, task_id)
+    task = await _task(app, owner, task_id)
     return json_reply(task_json(task, app.tasks.live(task_id, owner)), headers=LMSP.headers)
 
 
@@ -48,24 +48,24 @@ async def task_events(request: Request) -> Response:
     app = app_state(request)
     owner = lmsp_request(request, "tasks:read").owner
     task_id = request.path_params["task_id"]
-    task = _task(app, owner, task_id)
+    task = await _task(app, owner, task_id)
     after = query_int(request, "after", minimum=0)
     param = "after"
     if after is None:
         after, param = _last_event_id(request), "Last-Event-ID"
     check_after(task, after, LMSP, param)
-    return follow_reply(app, owner, LMSP, task_id, after, not_found(task_id))
+    return await follow_reply(app, owner, LMSP, task_id, after, not_found(task_id))
 
 
 async def cancel_task(request: Request) -> Response:
     app = app_state(request)
     owner = lmsp_request(request, "responses:write").owner
     task_id = request.path_params["task_id"]
-    _task(app, owner, task_id)
+    await _task(app, owner, task_id)
     # Wherever it runs: another instance on a shared store gets the request.
     await app.tasks.cancel_task(owner, task_id)
     # A finished task is returned as it is: cancelling twice is harmless.
-    return json_reply(task_json(_task(app, owner, task_id), app.tasks.live(task_id, owner)), headers=LMSP.headers)
+    return json_reply(task_json(await _task(app, owner, task_id), app.tasks.live(task_id, owner)), headers=LMSP.headers)
 
 
 def _last_event_id(request: Request) -> int:

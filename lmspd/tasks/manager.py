@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,10 @@ REMOTE_POLL_S = 1.0
 _STARTED = object()
 # Marks the end of a task's write queue.
 _END = object()
+
+
+class StoreUnavailable(Exception):
+    """A task could not be stored at its start (a full or broken disk)."""
 
 
 class StoreRefused(RuntimeError):
@@ -168,19 +173,23 @@ class TaskManager:
 
     # -- running -----------------------------------------------------------------
 
-    def start(self, *, task_id: str, owner: str, dialect: Dialect, request: JSON, run: Run,
-              session: StreamSession, record: ResponseRecord) -> LiveTask:
-        """Persist the task and start driving its run; returns at once."""
+    async def start(self, *, task_id: str, owner: str, dialect: Dialect, request: JSON, run: Run,
+                    session: StreamSession, record: ResponseRecord) -> LiveTask:
+        """Persist the task (off the event loop) and start driving its run;
+        returns once it is stored, before it runs. A task the store could
+        not keep raises ``StoreUnavailable``: its id is never answered."""
         try:
-            self.store.create_task(owner, task_id, request, status="queued", response_id=session.state.id,
-                                   created_at=session.state.created_at)
-            record.created(session.state)
-        except BaseException:
+            await self._off_loop(self._create, task_id, owner, request, session, record)
+        except BaseException as exc:
             # No runner will ever release the run's place in the model queue.
             run.ticket.release()
             with contextlib.suppress(Exception):
-                self.store.set_task_status(owner, task_id, "failed",
-                                           error={"code": "server_error", "message": "The task could not start."})
+                await self._off_loop(functools.partial(
+                    self.store.set_task_status, owner, task_id, "failed",
+                    error={"code": "server_error", "message": "The task could not start."}))
+            if isinstance(exc, Exception):
+                raise StoreUnavailable(f"Task {task_id!r} could not be stored, so it was not started; retry once "
+                                       "the server's storage recovers.") from exc
             raise
         live = LiveTask(task_id, owner, dialect, run, session, record)
         self._live[task_id] = live
@@ -315,6 +324,12 @@ class TaskManager:
         if run:
             self.store.append_events(live.id, run)
 
+    def _create(self, task_id: str, owner: str, request: JSON, session: StreamSession,
+                record: ResponseRecord) -> None:
+        self.store.create_task(owner, task_id, request, status="queued", response_id=session.state.id,
+                               created_at=session.state.created_at)
+        record.created(session.state)
+
     # -- control -----------------------------------------------------------------
 
     async def cancel(self, live: LiveTask, wait_s: float = 30.0) -> None:
@@ -385,14 +400,14 @@ class TaskManager:
             if not wakes:
                 del self._watchers[task_id]
 
-    def follow(self, owner: str, task_id: str, after: int) -> AsyncGenerator[TaskEvent, None] | None:
+    async def follow(self, owner: str, task_id: str, after: int) -> AsyncGenerator[TaskEvent, None] | None:
         """The task's events after store seq ``after``, then its live ones
         until the terminal event. ``None`` if the task is not found; raises
         ``EventsExpired`` here, before any byte is sent, if they were pruned."""
         live = self.live(task_id, owner)
         queue = live.subscribe() if live is not None else None
         try:
-            first = self.store.events_after(owner, task_id, after, limit=_BATCH)
+            first = await self._off_loop(self.store.events_after, owner, task_id, after, _BATCH)
         except BaseException:
             if live is not None and queue is not None:
                 live.unsubscribe(queue)

@@ -16,7 +16,11 @@ from lmspd import idempotency
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import MAX_IDEMPOTENCY_KEY_CHARS
 from lmspd.idempotency import REPLAYED, Reply, once
+from lmspd.store.calls import StoreCalls
 from lmspd.store.sqlite import SQLiteStore
+
+# The store's own threads, as the app has them (shared by every test here).
+CALLS = StoreCalls()
 
 
 @pytest.fixture
@@ -42,7 +46,7 @@ class Work:
 
 
 def call(store, work, key="k1", body=None, owner="alice", path="/v1/responses"):
-    return asyncio.run(once(store, owner, request(key, path), body or {"input": "hi"}, work))
+    return asyncio.run(once(store, CALLS, owner, request(key, path), body or {"input": "hi"}, work))
 
 
 def test_without_a_key_every_call_runs(store) -> None:
@@ -89,7 +93,7 @@ def test_an_error_reply_or_an_exception_releases_the_key(store) -> None:
         raise RuntimeError("bug")
 
     with pytest.raises(RuntimeError):
-        asyncio.run(once(store, "alice", request("k2"), {}, boom))
+        asyncio.run(once(store, CALLS, "alice", request("k2"), {}, boom))
     ok = Work()
     call(store, ok, key="k2", body={})
     assert ok.runs == 1
@@ -103,10 +107,10 @@ def test_a_running_attempt_is_409_with_retry_after(store) -> None:
             await gate.wait()
             return Reply(JSONResponse({}))
 
-        first = asyncio.ensure_future(once(store, "alice", request(), {}, slow))
+        first = asyncio.ensure_future(once(store, CALLS, "alice", request(), {}, slow))
         await asyncio.sleep(0.01)
         with pytest.raises(ApiError) as info:
-            await once(store, "alice", request(), {}, slow)
+            await once(store, CALLS, "alice", request(), {}, slow)
         assert info.value.code == "idempotency_in_progress"
         assert int(info.value.headers["Retry-After"]) == idempotency.RETRY_AFTER_S
         gate.set()
@@ -128,16 +132,16 @@ def stream_reply(chunks):
 
 def test_a_stream_is_kept_once_sent_whole_and_released_if_left(store) -> None:
     async def go() -> None:
-        whole = await once(store, "alice", request("s1"), {}, stream_reply([b"a", b"b"]))
+        whole = await once(store, CALLS, "alice", request("s1"), {}, stream_reply([b"a", b"b"]))
         assert [c async for c in whole.body_iterator] == [b"a", b"b"]
-        again = await once(store, "alice", request("s1"), {}, stream_reply([b"x"]))
+        again = await once(store, CALLS, "alice", request("s1"), {}, stream_reply([b"x"]))
         assert again.body == b"ab" and again.headers[REPLAYED] == "true"
 
-        left = await once(store, "alice", request("s2"), {}, stream_reply([b"a", b"b"]))
+        left = await once(store, CALLS, "alice", request("s2"), {}, stream_reply([b"a", b"b"]))
         it = left.body_iterator
         assert await it.__anext__() == b"a"
         await it.aclose()  # the client went away half-way
-        rerun = await once(store, "alice", request("s2"), {}, stream_reply([b"c"]))
+        rerun = await once(store, CALLS, "alice", request("s2"), {}, stream_reply([b"c"]))
         assert REPLAYED not in rerun.headers
 
     asyncio.run(go())
@@ -148,5 +152,5 @@ def test_a_malformed_key_is_400_naming_the_header(store, bad) -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
              "headers": [(b"idempotency-key", bad.encode("latin-1"))]}
     with pytest.raises(ApiError) as info:
-        idempotency.begin(store, "alice", Request(scope), {})
+        asyncio.run(idempotency.begin(store, CALLS, "alice", Request(scope), {}))
     assert info.value.status == 400 and info.value.param == "Idempotency-Key"

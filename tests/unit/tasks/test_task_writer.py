@@ -67,13 +67,13 @@ async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) ->
     run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
     session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
     record = ResponseRecord(store, "alice", [], keep=False)  # type: ignore[arg-type]
-    live = tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+    live = await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
                        run=run, session=session, record=record)
     most_pending = 0
     followed: list[int] = []
 
     async def reader() -> None:
-        stream = tasks.follow("alice", "task_1", 0)
+        stream = await tasks.follow("alice", "task_1", 0)
         assert stream is not None
         async for event in stream:
             followed.append(event.seq)
@@ -135,13 +135,13 @@ def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_
         on_b.attach()
         run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
         session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
-        live = on_a.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+        live = await on_a.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
                           run=run, session=session, record=ResponseRecord(store_a, "alice", [], keep=False))
         while live.recorded < 2:
             await asyncio.sleep(0.005)
         assert on_b.live("task_1", "alice") is None, "B does not run it"
         running_when_followed = not live.done.is_set()
-        stream = on_b.follow("alice", "task_1", 1)
+        stream = await on_b.follow("alice", "task_1", 1)
         assert stream is not None
         seen = [event.seq async for event in stream]
         await live.done.wait()
