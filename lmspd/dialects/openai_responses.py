@@ -27,6 +27,7 @@ from .responses_items import (
     Lenient,
     StoredContext,
     Strict,
+    additional_tools,
     check_metadata,
     decode_items,
     decode_json_format,
@@ -166,9 +167,11 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     raw_input, trigger = _take_compaction_trigger(body.input if body.input is not None else [])
     items = decode_items(raw_input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None,
-                         open_compaction=context.open_compaction if context is not None else None)
+                         open_compaction=context.open_compaction if context is not None else None,
+                         additional_tools=True)
     history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
-    tools = decode_tools(body.tools, limits)
+    # Codex's Responses Lite declares its tools in the input instead.
+    tools = decode_tools(body.tools, limits, more=additional_tools(raw_input))
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")
     extensions = decode_extensions(body.extensions)
