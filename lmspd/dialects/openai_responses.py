@@ -281,7 +281,17 @@ DEFAULT_ECHO: dict[str, Any] = {
 # -- encoding --------------------------------------------------------------------
 
 
-def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+def summarizes(state: ResponseState) -> bool:
+    """Whether the request asked for reasoning summaries (``reasoning.summary``:
+    auto, concise, detailed): its reasoning items then carry the reasoning as
+    ``summary_text`` parts, streamed as ``reasoning_summary_*`` events, instead
+    of ``reasoning_text`` content. A local model writes no separate summary:
+    its reasoning, in full, is the summary it gives."""
+    reasoning = state.echo.get("reasoning")
+    return isinstance(reasoning, dict) and bool(reasoning.get("summary"))
+
+
+def item_json(item: Message | ToolCall | Reasoning, *, summarize: bool = False) -> dict[str, Any]:
     if isinstance(item, Message) and item.compaction is not None:
         return compaction_json(item)
     if isinstance(item, Message):
@@ -300,13 +310,14 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
         if item.namespace:
             out["namespace"] = item.namespace
         return out
+    summary = item.summary or ([item.text] if summarize and item.text else [])
     out = {
         "id": item.id,
         "type": "reasoning",
-        "summary": [{"type": "summary_text", "text": s} for s in item.summary],
+        "summary": [{"type": "summary_text", "text": s} for s in summary],
         "status": item.status,
     }
-    if item.text is not None:
+    if item.text is not None and not summarize:
         # As a message: an item just added has no part yet; its
         # content_part.added brings the first (else a client that adds
         # parts as announced ends up with two).
@@ -386,7 +397,7 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "error": state.error,
         "incomplete_details": _incomplete_details(state),
         "model": state.model,
-        "output": [item_json(i) for i in state.output],
+        "output": [item_json(i, summarize=summarizes(state)) for i in state.output],
         "usage": usage_json(state),
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
@@ -471,7 +482,8 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
                 open_index = None
         elif kind == "response.content_part.added":
             open_index = index
-        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                      "response.reasoning_summary_text.delta"):
             text_item = state.output[index]
             assert not isinstance(text_item, ToolCall)  # text deltas go to messages and reasoning
             text_item.text = (text_item.text or "") + data["delta"]
@@ -489,12 +501,11 @@ class OpenAIEncoder:
 
     first_sequence_number = 0
 
-    def __init__(self, *, summaries: bool = False) -> None:
-        # Reasoning text goes out as reasoning_text events; summary events only
-        # when the client asked for summaries.
-        self._summaries = summaries
-
     def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        # Reasoning goes out as reasoning_text events, or as summary events
+        # when the client asked for summaries (``summarizes``).
+        if summarizes(state) and isinstance(step, _REASONING_STEPS):
+            return _summary_event(step, seq)
         match step:
             case steps.TextDelta(index, item, delta):
                 name = "response.output_text.delta"
@@ -513,10 +524,12 @@ class OpenAIEncoder:
                 return step.event, {"type": step.event, "sequence_number": seq, "response": response_json(state)}
             case steps.ItemAdded(index, item):
                 name = "response.output_item.added"
-                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+                return name, {"type": name, "sequence_number": seq, "output_index": index,
+                              "item": item_json(item, summarize=summarizes(state))}
             case steps.ItemDone(index, item):
                 name = "response.output_item.done"
-                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+                return name, {"type": name, "sequence_number": seq, "output_index": index,
+                              "item": item_json(item, summarize=summarizes(state))}
             case steps.TextPartAdded(index, item):
                 name = "response.content_part.added"
                 return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
@@ -560,3 +573,24 @@ class OpenAIEncoder:
                 return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
                               "content_index": 0, "text": item.text or ""}
         return None
+
+
+_REASONING_STEPS = (steps.ReasoningPartAdded, steps.ReasoningDelta, steps.ReasoningDone, steps.ReasoningPartDone)
+
+
+def _summary_event(step: Step, seq: int) -> tuple[str, dict[str, Any]]:
+    """A reasoning step as the ``reasoning_summary_*`` event of its one
+    ``summary_text`` part (summary_index 0)."""
+    assert isinstance(step, _REASONING_STEPS)
+    head = {"sequence_number": seq, "item_id": step.item.id, "output_index": step.index, "summary_index": 0}
+    text = step.item.text or ""
+    more: dict[str, Any]
+    if isinstance(step, steps.ReasoningPartAdded):
+        name, more = "response.reasoning_summary_part.added", {"part": {"type": "summary_text", "text": ""}}
+    elif isinstance(step, steps.ReasoningDelta):
+        name, more = "response.reasoning_summary_text.delta", {"delta": step.delta}
+    elif isinstance(step, steps.ReasoningDone):
+        name, more = "response.reasoning_summary_text.done", {"text": text}
+    else:
+        name, more = "response.reasoning_summary_part.done", {"part": {"type": "summary_text", "text": text}}
+    return name, {"type": name, **head, **more}
