@@ -112,8 +112,12 @@ class OpenAIRequest:
     the stored history (previous response chain, conversation) before it."""
 
     def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions,
-                 input_items: list[Item], *, compaction_trigger: bool = False) -> None:
+                 input_items: list[Item], *, compaction_trigger: bool = False,
+                 declared_tools: list[tuple[str, Any]] | None = None) -> None:
         self.body = body
+        # Tools an ``additional_tools`` item declared (this request's, or
+        # its chain's): a turn that continues this one inherits them.
+        self.declared_tools = declared_tools or []
         self.conversation = conversation
         self.extensions = extensions
         self.input_items = input_items
@@ -170,8 +174,12 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
                          open_compaction=context.open_compaction if context is not None else None,
                          additional_tools=True)
     history = stored_history(context, body.previous_response_id, conversation_id(body.conversation))
-    # Codex's Responses Lite declares its tools in the input instead.
-    tools = decode_tools(body.tools, limits, more=additional_tools(raw_input))
+    # Codex's Responses Lite declares its tools in the input instead; the
+    # item is part of the conversation, so a continuation keeps its tools.
+    declared = additional_tools(raw_input)
+    if not declared and body.previous_response_id is not None and context is not None:
+        declared = context.declared_tools(body.previous_response_id)
+    tools = decode_tools(body.tools, limits, more=declared)
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")
     extensions = decode_extensions(body.extensions)
@@ -195,7 +203,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         cache_reuse=extensions.cache_reuse,
         require_reasoning_state=True,
     )
-    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger)
+    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger, declared_tools=declared)
 
 
 def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:

@@ -41,6 +41,12 @@ class StoredContext(Protocol):
 
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item: ...
 
+    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+        """The tools the ``additional_tools`` items of the chain that
+        ``previous_response_id`` names declared, as ``additional_tools()``
+        gives them (where it still knows them)."""
+        ...
+
 
 def stored_history(
     context: StoredContext | None, previous_response_id: str | None, conversation_id: str | None

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -83,6 +83,9 @@ class Latest:
     response_id: str
     items: list[Item]
     stored: bool
+    # Tools its ``additional_tools`` items declared (Codex's Responses Lite):
+    # a turn that sends only new input keeps them.
+    tools: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class ConnectionContext:
@@ -106,6 +109,12 @@ class ConnectionContext:
             self.continued = latest
             return list(latest.items)
         return self._stored.history(previous_response_id, conversation_id)
+
+    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+        latest = self._latest
+        if latest is not None and previous_response_id == latest.response_id:
+            return list(latest.tools)
+        return self._stored.declared_tools(previous_response_id)
 
     def resolve_reference(self, item_id: str, where: str) -> Item:
         return self._stored.resolve_reference(item_id, where)
@@ -276,7 +285,8 @@ class Connection:
         if state.status in ("completed", "incomplete"):
             # Stored only if the write succeeded: a later turn must not
             # name a predecessor the store does not have.
-            self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store and turn.stored)
+            self.latest = Latest(state.id, turn.window + list(state.output), turn.req.store and turn.stored,
+                                 getattr(turn.req, "declared_tools", []))
         else:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,

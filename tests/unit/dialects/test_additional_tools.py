@@ -78,3 +78,22 @@ def test_names_are_unique_across_tools_and_the_item(tmp_path):
     with serving(tmp_path) as app:
         r = app.http.post("/v1/responses", json=body)
     assert r.status_code == 400 and "unique" in r.json()["error"]["message"], r.text
+
+
+def test_a_websocket_turn_that_sends_only_new_input_keeps_the_tools(tmp_path):
+    """Over WebSocket Codex continues its last response with only the new
+    items: the additional_tools item is in that response's input, so its
+    tools are still declared (and not dropped with the item)."""
+    body = lite_request()
+    body.pop("stream")
+    with serving(tmp_path) as app, app.http.websocket_connect("/v1/responses") as ws:
+        ws.send_text(json.dumps({"type": "response.create", **body}))
+        while (first := json.loads(ws.receive_text()))["type"] != "response.completed":
+            assert first["type"] != "error", first
+        ws.send_text(json.dumps({"type": "response.create", "model": MODEL, "store": False,
+                                 "previous_response_id": first["response"]["id"],
+                                 "input": [{"role": "user", "content": "And the hidden files?"}]}))
+        while (second := json.loads(ws.receive_text()))["type"] != "response.completed":
+            assert second["type"] != "error", second
+        tools = [t.name for t in app.engine.conversations[-1].tools]
+    assert tools[:2] == ["functions__exec_command", "functions__update_plan"] and len(tools) == 5
