@@ -49,22 +49,31 @@ class Paced(Generic[T]):
         deadline = None if timeout is None else loop.time() + timeout
         if self._step is None:
             self._step = cast("Coroutine[Any, Any, T]", self._source.__anext__())
-            self._waiting = None
-        while True:
-            waiting = self._waiting
-            if waiting is not None and not waiting.done():
-                left = None if deadline is None else deadline - loop.time()
-                if left is not None and left <= 0:
-                    return cast(T, IDLE)
-                await asyncio.wait({waiting}, timeout=left)
-                if not waiting.done():
-                    return cast(T, IDLE)
             self._advance(None)
-            if self._step is None:
-                return self._value
-            if self._waiting is None:
-                # A bare yield (``asyncio.sleep(0)``): the loop gets its turn.
-                await asyncio.sleep(0)
+        while self._step is not None:
+            waiting = self._waiting
+            try:
+                if waiting is None:
+                    # A bare yield (``asyncio.sleep(0)``): the loop gets its turn.
+                    await asyncio.sleep(0)
+                elif not waiting.done():
+                    left = None if deadline is None else deadline - loop.time()
+                    if left is not None and left <= 0:
+                        return cast(T, IDLE)
+                    await asyncio.wait({waiting}, timeout=left)
+                    if not waiting.done():
+                        return cast(T, IDLE)
+            except asyncio.CancelledError as exc:
+                # As a task does: the step hears the cancellation where it
+                # waits (the upstream engine interrupts its own read so, and
+                # goes on to its terminal event).
+                if waiting is not None and waiting.cancel():
+                    self._advance(None)
+                else:
+                    self._advance(exc)
+                continue
+            self._advance(None)
+        return cast(T, self._value)
 
     def _advance(self, exc: BaseException | None) -> None:
         """One step of the suspended coroutine: it finishes (``_step`` is

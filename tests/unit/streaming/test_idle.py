@@ -100,3 +100,31 @@ def test_errors_of_the_source_reach_the_reader():
 
     with pytest.raises(ValueError, match="boom"):
         asyncio.run(main())
+
+
+def test_a_cancel_of_the_reading_task_reaches_the_source_where_it_waits():
+    """As under a task of its own: the upstream engine interrupts its read by
+    cancelling the task it runs in, catches that where it awaits, and ends
+    with its terminal event; the reader gets that event, not the error."""
+    async def source():
+        me = asyncio.current_task()
+        asyncio.get_running_loop().call_later(0.05, me.cancel)
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            me.uncancel()
+            yield "stopped"
+            return
+        yield "never"
+
+    async def main():
+        paced = Paced(source())
+        seen = []
+        while True:
+            try:
+                seen.append(await paced.next(0.01))
+            except StopAsyncIteration:
+                return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == "stopped" and set(seen[:-1]) == {IDLE}
