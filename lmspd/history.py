@@ -71,6 +71,11 @@ class StoredContext:
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item:
         return compaction.expand(self.sealer, blob, where, item_id, self.owner)
 
+    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+        # A stored response keeps its items, not the tools an
+        # ``additional_tools`` item declared: the client sends them again.
+        return []
+
     def history(self, previous_response_id: str | None, conversation_id: str | None,
                 expansion: Expansion) -> list[Item]:
         if previous_response_id is not None:

@@ -20,6 +20,7 @@ from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import Limits
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
 from lmspd.metrics import Metrics
+from lmspd.streaming.idle import IDLE, Paced
 from lmspd.streaming.session import StreamSession, WireEvent
 
 log = logging.getLogger("lmspd.service")
@@ -206,6 +207,28 @@ class Run:
                 with contextlib.suppress(BaseException):
                     await work
 
+    async def _paced(self, events: AsyncIterator[Any], session: StreamSession) -> AsyncIterator[WireEvent]:
+        """``events`` through ``session``, and its heartbeat each time
+        nothing was sent for ``sse_keepalive_s`` (``lmspd.streaming.idle``:
+        a timer only while the engine is silent, no task per event)."""
+        every = self._service.limits.sse_keepalive_s
+        loop = asyncio.get_running_loop()
+        paced = Paced(events)
+        last = loop.time()
+        try:
+            while True:
+                try:
+                    event = await paced.next(last + every - loop.time() if every > 0 else None)
+                except StopAsyncIteration:
+                    return
+                wires = session.heartbeat() if event is IDLE else session.handle(event)
+                if event is IDLE or wires:
+                    last = loop.time()
+                for wire in wires:
+                    yield wire
+        finally:
+            await paced.aclose()
+
     async def events(
         self, session: StreamSession, on_start: Callable[[], None] | None = None
     ) -> AsyncIterator[WireEvent]:
@@ -251,18 +274,11 @@ class Run:
                 # (previous_response_id continues from it).
                 generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
                 events = service.metrics.observe(self.engine, lambda: session.state.id, generation)
-                # Until the first event (the prompt is evaluating), the
-                # client hears that the response is alive; then events flow.
-                first = asyncio.ensure_future(anext(events, None))
-                async for wire in self._quiet(first, session):
+                # Whenever the engine has been silent for a while (the
+                # prompt evaluating, a call's arguments held back, a stalled
+                # provider), the client hears that the response is alive.
+                async for wire in self._paced(events, session):
                     yield wire
-                event = first.result()
-                if event is not None:
-                    for wire in session.handle(event):
-                        yield wire
-                    async for event in events:
-                        for wire in session.handle(event):
-                            yield wire
         except asyncio.CancelledError:
             self.cancel.cancel()
             raise

@@ -113,6 +113,10 @@ class CachePlan:
     # prompt and detokenizes the kept KV, and every remembered state of the
     # owner may offer one.
     lazy: Callable[[], tuple[list[int], str]] | None = None
+    # The request needed hidden reasoning no remembered state could give
+    # (``needs_reasoning_state``): the turn renders without it, as OpenAI
+    # accepts such a replay, and the diagnosis says ``reasoning_stripped``.
+    reasoning_stripped: bool = False
 
     def resolved(self) -> CachePlan:
         if self.lazy is not None:
@@ -329,12 +333,11 @@ class ContinuationCache:
         plan = self._plan(req)
         if plan is None:
             return None
-        if self._drops_reasoning(req, plan):
-            raise CacheRefused(
-                "This replay is missing reasoning state: a tool-call turn of this reasoning model comes without "
-                "its reasoning item, and no live or saved state holds it. Replay the reasoning items (request "
-                "include: [\"reasoning.encrypted_content\"] to get them) or continue the session it came from."
-            )
+        # A replayed tool call without its reasoning (Codex, the Vercel AI SDK,
+        # the openai SDK's tool loop send them so) continues a state that
+        # holds the reasoning when one does (``_plan`` prefers it); else it
+        # renders without it, and says so.
+        plan.reasoning_stripped = self._drops_reasoning(req, plan)
         if plan.restore is not None and plan.restore.boundary is not None and plan.source in ("ram", "disk"):
             # Rules that name their match (response-id, tool-output-ids) keep their name.
             plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
@@ -633,6 +636,12 @@ class ContinuationCache:
     def diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
         """Why ``plan`` reuses less than a full continuation of what the cache
         remembers (lmspd.cache.diagnostics)."""
+        report = self._diagnose(req, plan)
+        if plan.reasoning_stripped:
+            report.miss_reason = "reasoning_stripped"
+        return report
+
+    def _diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
         report = CacheReport(plan.source, plan.keep, len(plan.suffix))
         if not self.enabled or not req.reuse:
             report.miss_reason = "reuse_off"

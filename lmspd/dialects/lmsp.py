@@ -140,8 +140,14 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
     if isinstance(item, ToolCall):
         return {"id": item.id, "type": "function_call", "call_id": item.call_id, "name": item.name,
                 "arguments": item.payload}
-    summary = item.summary or ([item.text] if item.text else [])
-    return {"id": item.id, "type": "reasoning", "summary": [{"type": "summary_text", "text": s} for s in summary]}
+    # As the Responses dialect writes it: ``summary`` holds summaries only
+    # (a /v1 request may have asked for them), the model's own reasoning is
+    # ``reasoning_text`` content, never passed off as a summary.
+    out: dict[str, Any] = {"id": item.id, "type": "reasoning",
+                           "summary": [{"type": "summary_text", "text": s} for s in item.summary]}
+    if item.text is not None:
+        out["content"] = [{"type": "reasoning_text", "text": item.text}] if item.text else []
+    return out
 
 
 def usage_json(state: ResponseState) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from .responses_items import (
     Lenient,
     StoredContext,
     Strict,
+    additional_tools,
     check_metadata,
     decode_items,
     decode_json_format,
@@ -112,8 +113,12 @@ class OpenAIRequest:
     the stored history (previous response chain, conversation) before it."""
 
     def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions,
-                 input_items: list[Item], *, compaction_trigger: bool = False) -> None:
+                 input_items: list[Item], *, compaction_trigger: bool = False,
+                 declared_tools: list[tuple[str, Any]] | None = None) -> None:
         self.body = body
+        # Tools an ``additional_tools`` item declared (this request's, or
+        # its chain's): a turn that continues this one inherits them.
+        self.declared_tools = declared_tools or []
         self.conversation = conversation
         self.extensions = extensions
         self.input_items = input_items
@@ -169,9 +174,14 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     items = decode_items(raw_input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None,
                          open_compaction=context.open_compaction if context is not None else None,
-                         expansion=expansion)
+                         expansion=expansion, additional_tools=True)
     history = stored_history(context, body.previous_response_id, conversation_id(body.conversation), expansion)
-    tools = decode_tools(body.tools, limits)
+    # Codex's Responses Lite declares its tools in the input instead; the
+    # item is part of the conversation, so a continuation keeps its tools.
+    declared = additional_tools(raw_input)
+    if not declared and body.previous_response_id is not None and context is not None:
+        declared = context.declared_tools(body.previous_response_id)
+    tools = decode_tools(body.tools, limits, more=declared)
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")
     extensions = decode_extensions(body.extensions)
@@ -196,7 +206,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         speculative=extensions.speculative,
         require_reasoning_state=True,
     )
-    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger)
+    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger, declared_tools=declared)
 
 
 def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:
@@ -282,7 +292,17 @@ DEFAULT_ECHO: dict[str, Any] = {
 # -- encoding --------------------------------------------------------------------
 
 
-def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+def summarizes(state: ResponseState) -> bool:
+    """Whether the request asked for reasoning summaries (``reasoning.summary``:
+    auto, concise, detailed): its reasoning items then carry the reasoning as
+    ``summary_text`` parts, streamed as ``reasoning_summary_*`` events, instead
+    of ``reasoning_text`` content. A local model writes no separate summary:
+    its reasoning, in full, is the summary it gives."""
+    reasoning = state.echo.get("reasoning")
+    return isinstance(reasoning, dict) and bool(reasoning.get("summary"))
+
+
+def item_json(item: Message | ToolCall | Reasoning, *, summarize: bool = False) -> dict[str, Any]:
     if isinstance(item, Message) and item.compaction is not None:
         return compaction_json(item)
     if isinstance(item, Message):
@@ -301,13 +321,14 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
         if item.namespace:
             out["namespace"] = item.namespace
         return out
+    summary = item.summary or ([item.text] if summarize and item.text else [])
     out = {
         "id": item.id,
         "type": "reasoning",
-        "summary": [{"type": "summary_text", "text": s} for s in item.summary],
+        "summary": [{"type": "summary_text", "text": s} for s in summary],
         "status": item.status,
     }
-    if item.text is not None:
+    if item.text is not None and not summarize:
         # As a message: an item just added has no part yet; its
         # content_part.added brings the first (else a client that adds
         # parts as announced ends up with two).
@@ -395,7 +416,7 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "error": state.error,
         "incomplete_details": _incomplete_details(state),
         "model": state.model,
-        "output": [item_json(i) for i in state.output],
+        "output": [item_json(i, summarize=summarizes(state)) for i in state.output],
         "usage": usage_json(state),
         "frequency_penalty": 0.0,
         "presence_penalty": 0.0,
@@ -480,7 +501,8 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
                 open_index = None
         elif kind == "response.content_part.added":
             open_index = index
-        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                      "response.reasoning_summary_text.delta"):
             text_item = state.output[index]
             assert not isinstance(text_item, ToolCall)  # text deltas go to messages and reasoning
             text_item.text = (text_item.text or "") + data["delta"]
@@ -498,12 +520,11 @@ class OpenAIEncoder:
 
     first_sequence_number = 0
 
-    def __init__(self, *, summaries: bool = False) -> None:
-        # Reasoning text goes out as reasoning_text events; summary events only
-        # when the client asked for summaries.
-        self._summaries = summaries
-
     def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        # Reasoning goes out as reasoning_text events, or as summary events
+        # when the client asked for summaries (``summarizes``).
+        if summarizes(state) and isinstance(step, _REASONING_STEPS):
+            return _summary_event(step, seq)
         match step:
             case steps.TextDelta(index, item, delta):
                 name = "response.output_text.delta"
@@ -522,10 +543,12 @@ class OpenAIEncoder:
                 return step.event, {"type": step.event, "sequence_number": seq, "response": response_json(state)}
             case steps.ItemAdded(index, item):
                 name = "response.output_item.added"
-                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+                return name, {"type": name, "sequence_number": seq, "output_index": index,
+                              "item": item_json(item, summarize=summarizes(state))}
             case steps.ItemDone(index, item):
                 name = "response.output_item.done"
-                return name, {"type": name, "sequence_number": seq, "output_index": index, "item": item_json(item)}
+                return name, {"type": name, "sequence_number": seq, "output_index": index,
+                              "item": item_json(item, summarize=summarizes(state))}
             case steps.TextPartAdded(index, item):
                 name = "response.content_part.added"
                 return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
@@ -569,3 +592,24 @@ class OpenAIEncoder:
                 return name, {"type": name, "sequence_number": seq, "item_id": item.id, "output_index": index,
                               "content_index": 0, "text": item.text or ""}
         return None
+
+
+_REASONING_STEPS = (steps.ReasoningPartAdded, steps.ReasoningDelta, steps.ReasoningDone, steps.ReasoningPartDone)
+
+
+def _summary_event(step: Step, seq: int) -> tuple[str, dict[str, Any]]:
+    """A reasoning step as the ``reasoning_summary_*`` event of its one
+    ``summary_text`` part (summary_index 0)."""
+    assert isinstance(step, _REASONING_STEPS)
+    head = {"sequence_number": seq, "item_id": step.item.id, "output_index": step.index, "summary_index": 0}
+    text = step.item.text or ""
+    more: dict[str, Any]
+    if isinstance(step, steps.ReasoningPartAdded):
+        name, more = "response.reasoning_summary_part.added", {"part": {"type": "summary_text", "text": ""}}
+    elif isinstance(step, steps.ReasoningDelta):
+        name, more = "response.reasoning_summary_text.delta", {"delta": step.delta}
+    elif isinstance(step, steps.ReasoningDone):
+        name, more = "response.reasoning_summary_text.done", {"text": text}
+    else:
+        name, more = "response.reasoning_summary_part.done", {"part": {"type": "summary_text", "text": text}}
+    return name, {"type": name, **head, **more}

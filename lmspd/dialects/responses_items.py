@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -70,6 +71,12 @@ class StoredContext(Protocol):
     def resolve_reference(self, item_id: str, where: str) -> Item: ...
 
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item: ...
+
+    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+        """The tools the ``additional_tools`` items of the chain that
+        ``previous_response_id`` names declared, as ``additional_tools()``
+        gives them (where it still knows them)."""
+        ...
 
 
 def stored_history(
@@ -360,13 +367,16 @@ def decode_items(
     resolve_reference: Any = None,
     open_compaction: Any = None,
     expansion: Expansion | None = None,
+    additional_tools: bool = False,
 ) -> list[Item]:
     """Input items -> neutral items. ``resolve_reference(id)`` turns an
     ``item_reference`` into an item (stored items; each distinct id is
     resolved once); without one it is a 400. ``open_compaction(blob, id,
     where)`` expands a ``compaction`` item (the server key); without one it
     is a 400 too. ``expansion`` counts the items against the request's
-    expanded bound."""
+    expanded bound. ``additional_tools``: the dialect reads those items'
+    tools itself (``additional_tools()``); otherwise such an item is a 400
+    like any unknown one."""
     if isinstance(raw, str):
         _check_text(raw, path, limits)
         items: list[Item] = [Message(role="user", text=raw)]
@@ -379,6 +389,8 @@ def decode_items(
     referenced: dict[str, Item] = {}
     for i, entry in enumerate(raw):
         where = f"{path}[{i}]"
+        if additional_tools and isinstance(entry, dict) and entry.get("type") == ADDITIONAL_TOOLS:
+            continue
         item = _decode_item(entry, where, limits, resolve_reference, open_compaction, referenced)
         items.append(expansion.add(item, where) if expansion is not None else item)
     return items
@@ -504,47 +516,99 @@ class NamespaceToolIn(Lenient):
 NAMESPACE_SEPARATOR = "__"
 
 
-def decode_tools(raw: list[Any] | None, limits: RequestLimits) -> list[FunctionTool | CustomTool]:
-    if not raw:
+def decode_tools(raw: list[Any] | None, limits: RequestLimits, *,
+                 more: Sequence[tuple[str, Any]] = ()) -> list[FunctionTool | CustomTool]:
+    """``tools`` (and ``more``: ``(where, tool)`` pairs from elsewhere in the
+    request, such as an ``additional_tools`` input item) as neutral tools.
+    Hosted tools are skipped (OpenAI runs them, the client never does); a
+    type lmspd cannot render is a 400 naming it."""
+    entries = [(f"tools[{i}]", entry) for i, entry in enumerate(raw or [])] + list(more)
+    if not entries:
         return []
-    if len(raw) > limits.max_tools:
-        raise invalid(f"'tools' has {len(raw)} entries; the limit is {limits.max_tools}.", "tools")
+    if len(entries) > limits.max_tools:
+        raise invalid(f"'tools' has {len(entries)} entries; the limit is {limits.max_tools}.", "tools")
     tools: list[FunctionTool | CustomTool] = []
-    for i, entry in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(entry, dict):
-            raise invalid(f"Invalid tool at '{where}': expected an object.", where)
-        kind = tag(entry.get("type"), f"{where}.type")
-        try:
-            if kind == "function":
-                tools.append(_function_tool(FunctionToolIn.model_validate(entry), where, limits))
-            elif kind == "custom":
-                tools.append(_custom_tool(CustomToolIn.model_validate(entry)))
-            elif kind == "namespace":
-                ns = NamespaceToolIn.model_validate(entry)
-                for j, sub in enumerate(ns.tools):
-                    sub_where = f"{where}.tools[{j}]"
-                    if not isinstance(sub, dict) or sub.get("type") not in ("function", "custom"):
-                        raise invalid(f"'{sub_where}' must be a function or custom tool.", sub_where)
-                    inner = (
-                        _function_tool(FunctionToolIn.model_validate(sub), sub_where, limits)
-                        if sub["type"] == "function"
-                        else _custom_tool(CustomToolIn.model_validate(sub))
-                    )
-                    if isinstance(inner, FunctionTool):
-                        inner.namespace = ns.name
-                    inner.name = f"{ns.name}{NAMESPACE_SEPARATOR}{inner.name}"
-                    tools.append(inner)
-            elif kind in HOSTED_TOOL_TYPES:
-                continue
-            else:
-                raise invalid(f"Unsupported tool type {kind!r} at '{where}'.", f"{where}.type")
-        except ValidationError as exc:
-            raise validation_error(exc, where) from None
+    for where, entry in entries:
+        tools.extend(_decode_tool(where, entry, limits))
     names = [t.name for t in tools]
     dupes = {n for n in names if names.count(n) > 1}
     if dupes:
         raise invalid(f"Tool names must be unique; repeated: {', '.join(sorted(dupes))}.", "tools")
+    return tools
+
+
+def _decode_tool(where: str, entry: Any, limits: RequestLimits) -> list[FunctionTool | CustomTool]:
+    if not isinstance(entry, dict):
+        raise invalid(f"Invalid tool at '{where}': expected an object.", where)
+    kind = tag(entry.get("type"), f"{where}.type")
+    try:
+        if kind == "function":
+            return [_function_tool(FunctionToolIn.model_validate(entry), where, limits)]
+        if kind == "custom":
+            return [_custom_tool(CustomToolIn.model_validate(entry))]
+        if kind == "namespace":
+            ns = NamespaceToolIn.model_validate(entry)
+            out: list[FunctionTool | CustomTool] = []
+            for j, sub in enumerate(ns.tools):
+                sub_where = f"{where}.tools[{j}]"
+                if not isinstance(sub, dict) or sub.get("type") not in ("function", "custom"):
+                    shown = sub.get("type") if isinstance(sub, dict) else type(sub).__name__
+                    raise invalid(f"'{sub_where}' ({_tool_label(sub)}) is of type {str(shown)[:64]!r}: lmspd renders "
+                                  "only function and custom tools inside a namespace.", sub_where)
+                inner = (
+                    _function_tool(FunctionToolIn.model_validate(sub), sub_where, limits)
+                    if sub["type"] == "function"
+                    else _custom_tool(CustomToolIn.model_validate(sub))
+                )
+                if isinstance(inner, FunctionTool):
+                    inner.namespace = ns.name
+                inner.name = f"{ns.name}{NAMESPACE_SEPARATOR}{inner.name}"
+                out.append(inner)
+            return out
+        if kind in HOSTED_TOOL_TYPES:
+            return []
+    except ValidationError as exc:
+        raise validation_error(exc, where) from None
+    raise invalid(f"Unsupported tool type {kind!r} at '{where}' ({_tool_label(entry)}): lmspd cannot render it "
+                  "for the model.", f"{where}.type")
+
+
+def _tool_label(entry: Any) -> str:
+    name = entry.get("name") if isinstance(entry, dict) else None
+    return f"tool {name[:128]!r}" if isinstance(name, str) else "a tool without a name"
+
+
+# Codex's Responses Lite sends its tools as an input item instead of the
+# top-level ``tools``: ``{"type": "additional_tools", "id"?, "role":
+# "developer", "tools": [...]}`` (codex-rs/protocol ``ResponseItem::
+# AdditionalTools``; the tools are Responses tool objects, its functions
+# and its freeform ``exec`` inside a ``functions`` namespace).
+ADDITIONAL_TOOLS = "additional_tools"
+
+
+class AdditionalToolsIn(Lenient):
+    type: Literal["additional_tools"]
+    id: str | None = Field(default=None, max_length=512)
+    role: Literal["developer", "system"] = "developer"
+    tools: list[Any]
+
+
+def additional_tools(raw: str | list[Any], path: str = "input") -> list[tuple[str, Any]]:
+    """The tools ``raw`` input's ``additional_tools`` items declare, as
+    ``(where, tool)`` pairs for ``decode_tools`` (``decode_items`` given
+    ``additional_tools=True`` then passes over those items)."""
+    if isinstance(raw, str):
+        return []
+    tools: list[tuple[str, Any]] = []
+    for i, entry in enumerate(raw):
+        if not (isinstance(entry, dict) and entry.get("type") == ADDITIONAL_TOOLS):
+            continue
+        where = f"{path}[{i}]"
+        try:
+            parsed = AdditionalToolsIn.model_validate(entry)
+        except ValidationError as exc:
+            raise validation_error(exc, where) from None
+        tools += [(f"{where}.tools[{j}]", tool) for j, tool in enumerate(parsed.tools)]
     return tools
 
 

@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response
@@ -92,6 +92,9 @@ class Latest:
     response_id: str
     items: list[Item]
     stored: bool
+    # Tools its ``additional_tools`` items declared (Codex's Responses Lite):
+    # a turn that sends only new input keeps them.
+    tools: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class ConnectionContext:
@@ -116,6 +119,12 @@ class ConnectionContext:
             self.continued = latest
             return expansion.add_all(list(latest.items), "previous_response_id")
         return self._stored.history(previous_response_id, conversation_id, expansion)
+
+    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+        latest = self._latest
+        if latest is not None and previous_response_id == latest.response_id:
+            return list(latest.tools)
+        return self._stored.declared_tools(previous_response_id)
 
     def resolve_reference(self, item_id: str, where: str) -> Item:
         return self._stored.resolve_reference(item_id, where)
@@ -292,7 +301,8 @@ class Connection:
             # name a predecessor the store does not have.
             items = _within(turn.window + list(state.output), self.app.settings.limits.websocket_max_history_chars,
                             truncate=turn.req.conversation.truncate)
-            self.latest = None if items is None else Latest(state.id, items, turn.req.store and turn.stored)
+            self.latest = None if items is None else Latest(state.id, items, turn.req.store and turn.stored,
+                                                            getattr(turn.req, "declared_tools", []))
         else:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,

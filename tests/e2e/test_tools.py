@@ -397,6 +397,19 @@ def test_namespace_tool_call_carries_namespace(http):
     assert create_openai(http, replay)["status"] in ("completed", "incomplete")
 
 
+def test_codex_lite_additional_tools_are_offered_and_called(http):
+    """Codex's Responses Lite request (its tools in an ``additional_tools``
+    input item, the top-level ``tools`` unset): the model is offered them
+    and a forced call is one of them, namespaced as Codex declared it."""
+    capture = Path(__file__).parents[1] / "fixtures" / "codex" / "responses_lite_additional_tools.json"
+    body = {**json.loads(capture.read_text())["request"], "model": MODEL, "temperature": 0,
+            "max_output_tokens": 60, "tool_choice": {"type": "function", "name": "functions__exec_command"}}
+    _, final = stream_openai(http, body)
+    [call] = final["output"]
+    assert call["type"] == "function_call" and call["namespace"] == "functions" and call["name"] == "exec_command"
+    assert "cmd" in json.loads(call["arguments"])
+
+
 def test_tool_choice_none_and_auto_never_leak_markup(http):
     """Greedy, the model answers a tool result by writing one itself; the
     engine stops there (auto and none alike), so no markup is ever text."""

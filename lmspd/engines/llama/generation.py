@@ -65,7 +65,10 @@ class Generation:
         self.raw = bytearray()  # everything sampled, for the KV's text
         self.calls: dict[int, ToolCall] = {}
         syntax = engine.reasoning
-        self.splitter = ReasoningSplitter(syntax) if syntax is not None else None
+        # A call the model opens inside its reasoning ends the reasoning
+        # (when the request lets it call: ``prepared.tools``).
+        markers = engine.tool_format.triggers if prepared.tools and engine.tool_format is not None else ()
+        self.splitter = ReasoningSplitter(syntax, markers) if syntax is not None else None
         self.reasoning_open = False
         # Where the reasoning section ended, once, until the scheduler takes
         # it (``take_reasoning_end``): the KV's token count there and the

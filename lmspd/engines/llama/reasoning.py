@@ -48,10 +48,20 @@ class ReasoningSyntax:
 
 
 class ReasoningSplitter:
-    """Feeds sampled text; returns ``(reasoning, visible)`` pieces in order."""
+    """Feeds sampled text; returns ``(reasoning, visible)`` pieces in order.
 
-    def __init__(self, syntax: ReasoningSyntax) -> None:
+    ``call_markers``: the texts that start a tool call (the tool format's
+    triggers, when the request declares tools it may call). Qwen3, gpt-oss
+    and DeepSeek models sometimes open a call inside the block, never
+    closing it: such a marker ends the reasoning there, and the call is
+    visible output for the tool-call parser (the lazy call grammar wakes on
+    the same marker wherever it appears), not reasoning text lost with it.
+    The hidden text then ends with the reasoning, no close marker: it is
+    still, with the answer, what the KV holds."""
+
+    def __init__(self, syntax: ReasoningSyntax, call_markers: tuple[str, ...] = ()) -> None:
         self.syntax = syntax
+        self.call_markers = tuple(m for m in call_markers if m)
         self.in_reasoning = bool(syntax.prompt_tail)
         self.hidden = syntax.prompt_tail  # the turn's hidden raw text so far
         self.reasoning = ""
@@ -81,13 +91,20 @@ class ReasoningSplitter:
             if self.in_reasoning:
                 close = self.syntax.close
                 at = buf.find(close)
+                call = _first(buf, self.call_markers)
+                if call >= 0 and (at < 0 or call < at):
+                    # A call opened inside the block: the block ends here.
+                    self._reason(out, buf[:call])
+                    buf = buf[call:]
+                    self.in_reasoning = False
+                    continue
                 if at >= 0:
                     self._reason(out, buf[:at])
                     self.hidden += close
                     buf = buf[at + len(close):]
                     self.in_reasoning, self._after_close = False, True
                     continue
-                keep = _partial_suffix(buf, close) if not final else 0
+                keep = max(_partial_suffix(buf, m) for m in (close, *self.call_markers)) if not final else 0
                 self._reason(out, buf[: len(buf) - keep])
                 self._held = buf[len(buf) - keep:]
                 return out
@@ -107,6 +124,12 @@ class ReasoningSplitter:
             self.hidden += text
             self.reasoning += text
             out.append(("reasoning", text))
+
+
+def _first(text: str, markers: tuple[str, ...]) -> int:
+    """Where the first of ``markers`` starts in ``text``, or -1."""
+    found = [at for m in markers if (at := text.find(m)) >= 0]
+    return min(found) if found else -1
 
 
 def _partial_suffix(text: str, marker: str) -> int:

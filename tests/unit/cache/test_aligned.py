@@ -106,16 +106,15 @@ def test_points_survive_a_restore_from_ram(cache):
     assert plan.keep == len(state1.tokens) and plan.restore is state2
 
 
-def test_a_replay_missing_its_reasoning_is_refused_on_an_aligned_branch_too(vocab):
-    import pytest
-
-    from lmspd.cache.manager import CacheRefused
-
-    cache = make_cache(vocab, n_seq=1)  # in place (memory-token), not a copy (refused by its source)
+def test_a_replay_missing_its_reasoning_on_an_aligned_branch_renders_without_it_and_says_so(vocab):
+    """As OpenAI accepts it (issue 32): not refused; the diagnosis names
+    ``reasoning_stripped``."""
+    cache = make_cache(vocab, n_seq=1)  # in place (memory-token), not a copy
     _, state1, _ = three_turns(cache)
     edited = request(cache, state1.visible + USER.format("Which file did you change?"), needs_reasoning_state=True)
-    with pytest.raises(CacheRefused, match="missing reasoning state"):
-        cache.plan(edited)
+    plan = cache.plan(edited)
+    assert plan is not None and plan.reasoning_stripped
+    assert cache.diagnose(edited, plan).miss_reason == "reasoning_stripped"
 
 
 def test_only_the_aligned_branch_that_is_tried_detokenizes_its_kv(vocab):

@@ -45,8 +45,11 @@ def lines_of(url: str, path: str, body: dict) -> list[tuple[float, str]]:
 
 
 def test_a_silent_stream_gets_comments_until_its_first_event(tmp_path):
+    # LMSP: a dialect with no keep-alive event of its own, so that its
+    # silence is only ever filled by comments (a Responses stream repeats
+    # response.in_progress at the same interval, and then has no silence).
     with serve(tmp_path) as url:
-        lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
+        lines = lines_of(url, "/lmsp/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
     texts = [text for _, text in lines]
     comment = SSE_KEEPALIVE.decode().strip()
     created = texts.index("event: response.created")
@@ -132,3 +135,42 @@ def test_other_dialects_hear_their_own_keep_alive(tmp_path):
     assert not any(text.startswith("event: response.in_progress") for _, text in lmsp)
     assert [text for _, text in lmsp].count(SSE_KEEPALIVE.decode().strip()) >= 3
     assert all(c.get("object") == "chat.completion.chunk" for c in chat)
+
+
+def test_keep_alive_events_continue_through_the_whole_generation(tmp_path):
+    """A provider that stalls between its chunks (a long tool call whose
+    arguments are not streamed, an overloaded upstream): Codex counts only
+    events on its idle timer, so the stream repeats ``response.in_progress``
+    whenever nothing else was sent for the interval, after the first event
+    as before it. Through the real upstream engine, over a scripted provider."""
+    from lmspd.engines.upstream.engine import UpstreamEngine, UpstreamSpec
+    from support.provider import DONE, Reply, ScriptedProvider, finish_chunk, text_chunk, tool_chunk
+    from support.validate import validate_openai_stream
+
+    provider = ScriptedProvider().start()
+    try:
+        provider.push(Reply(parts=[
+            text_chunk("Let me look."), SILENCE_S,
+            tool_chunk(0, id="call_1", name="lookup", args=""), SILENCE_S,
+            tool_chunk(0, args='{"q": "x"}'), SILENCE_S,
+            finish_chunk("tool_calls"), DONE]))
+        engine = UpstreamEngine(UpstreamSpec(served_model=MODEL, upstream_model="m", urls=[provider.url]))
+        limits = dataclasses.replace(DEFAULT_LIMITS, sse_keepalive_s=EVERY_S)
+        app, _ = make_app(tmp_path, engine=engine, limits=limits)
+        tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
+        with ThreadedServer(CoalescingMiddleware(app), limits) as url:
+            lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True, "tools": [tool]})
+    finally:
+        provider.stop()
+    events = events_of(lines)
+    final = validate_openai_stream(events)
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    kinds = [e["type"] for e in events]
+    first_delta = kinds.index("response.output_text.delta")
+    # The bridge holds a call back until its name is final, here until the
+    # provider finishes: 1.2 s of silence after the first event, at one
+    # keep-alive per 0.05 s (about 24; 6 is plenty on a loaded machine).
+    assert kinds[first_delta:].count("response.in_progress") >= 6, kinds
+    timed = [t for t, text in lines if text.startswith("data: ")]
+    gaps = [b - a for a, b in zip(timed, timed[1:])]
+    assert max(gaps) < SILENCE_S * 0.75, f"the stream was silent for {max(gaps):.2f} s"

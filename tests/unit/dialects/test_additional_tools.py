@@ -1,0 +1,99 @@
+"""Codex's Responses Lite declares its tools in an ``additional_tools`` input
+item instead of the top-level ``tools`` (the captured shape:
+tests/fixtures/codex/responses_lite_additional_tools.json). lmspd renders
+them as if they were ``tools``; one it cannot render is a 400 naming it,
+never a tool quietly left out."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from lmspd.core.conversation import CustomTool, FunctionTool
+from support.inprocess import MODEL, serving
+
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "codex" / "responses_lite_additional_tools.json"
+
+
+def lite_request() -> dict:
+    body = copy.deepcopy(json.loads(FIXTURE.read_text())["request"])
+    body.update(model=MODEL, stream=False)
+    return body
+
+
+def test_the_additional_tools_item_declares_the_tools(tmp_path):
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json=lite_request())
+        assert r.status_code == 200, r.text
+        conversation = app.engine.conversations[-1]
+    tools = {t.name: t for t in conversation.tools}
+    # Namespaced as every namespace tool is (namespace__name); the hosted
+    # web_search runs at OpenAI and is left to it, as in 'tools'.
+    assert list(tools) == ["functions__exec_command", "functions__update_plan", "functions__apply_patch",
+                           "functions__exec", "mcp__docs__search"]
+    assert isinstance(tools["functions__exec_command"], FunctionTool)
+    assert tools["functions__exec_command"].namespace == "functions"
+    assert tools["functions__exec_command"].parameters["required"] == ["cmd"]
+    exec_tool = tools["functions__exec"]
+    assert isinstance(exec_tool, CustomTool) and exec_tool.grammar["syntax"] == "lark"
+    # The item itself is no message: the developer message and the user's remain.
+    assert [(i.role, i.text[:10]) for i in conversation.items] == [("developer", "You are Co"),
+                                                                   ("user", "List the f")]
+
+
+def test_forced_choice_can_name_a_tool_the_item_declares(tmp_path):
+    body = lite_request()
+    body["tool_choice"] = {"type": "function", "name": "functions__exec_command"}
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert app.engine.conversations[-1].tool_choice.allowed == ["functions__exec_command"]
+
+
+@pytest.mark.parametrize(("tool", "param", "named"), [
+    ({"type": "computer_use_2030", "name": "screen"}, "input[0].tools[3].type", "'screen'"),
+    ({"type": "namespace", "name": "mcp__fs", "tools": [{"type": "local_shell", "name": "sh"}]},
+     "input[0].tools[3].tools[0]", "'sh'"),
+    ({"type": "function", "name": "bad name"}, "input[0].tools[3].name", None),
+])
+def test_a_tool_lmspd_cannot_render_is_a_400_naming_it(tmp_path, tool, param, named):
+    body = lite_request()
+    body["input"][0]["tools"].append(tool)
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json=body)
+        assert app.engine.generations == 0
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    if named:
+        assert named in error["message"], error
+
+
+def test_names_are_unique_across_tools_and_the_item(tmp_path):
+    body = lite_request()
+    body["tools"] = [{"type": "function", "name": "functions__exec_command"}]
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json=body)
+    assert r.status_code == 400 and "unique" in r.json()["error"]["message"], r.text
+
+
+def test_a_websocket_turn_that_sends_only_new_input_keeps_the_tools(tmp_path):
+    """Over WebSocket Codex continues its last response with only the new
+    items: the additional_tools item is in that response's input, so its
+    tools are still declared (and not dropped with the item)."""
+    body = lite_request()
+    body.pop("stream")
+    with serving(tmp_path) as app, app.http.websocket_connect("/v1/responses") as ws:
+        ws.send_text(json.dumps({"type": "response.create", **body}))
+        while (first := json.loads(ws.receive_text()))["type"] != "response.completed":
+            assert first["type"] != "error", first
+        ws.send_text(json.dumps({"type": "response.create", "model": MODEL, "store": False,
+                                 "previous_response_id": first["response"]["id"],
+                                 "input": [{"role": "user", "content": "And the hidden files?"}]}))
+        while (second := json.loads(ws.receive_text()))["type"] != "response.completed":
+            assert second["type"] != "error", second
+        tools = [t.name for t in app.engine.conversations[-1].tools]
+    assert tools[:2] == ["functions__exec_command", "functions__update_plan"] and len(tools) == 5
