@@ -23,7 +23,8 @@ async def health(request: Request) -> Response:
         details = False
     if details:
         body["models"] = {
-            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **m.engine.stats()}
+            mid: {"context_window": m.engine.info.context_window, "busy": m.queue.busy, "pending": m.queue.pending,
+                  **m.engine.stats()}
             for mid, m in app.service.models.items()
         }
     return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)
