@@ -130,3 +130,11 @@ def test_parse_models_refuses_anything_but_a_model_list(body):
     except ServerRefused:
         return
     assert models and all(m.id and m.context_window > 0 for m in models)
+
+
+@pytest.mark.parametrize("flags,url", [(("--no-start",), "http://127.0.0.1:9"), ((), "http://192.0.2.1:9")])
+def test_no_server_is_started_when_refused_or_not_on_loopback(flags, url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("lmspd.launch.command._start_server", lambda *a: pytest.fail("started a server"))
+    monkeypatch.setattr("lmspd.launch.served.read_served.__kwdefaults__", {"timeout": 0.5})
+    code, _, err = launch(capsys, "codex", "--url", url, "--data-dir", str(tmp_path), "--bin", "true", *flags)
+    assert code == 2 and "start one with `lmspd serve`" in err, err
