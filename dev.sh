@@ -120,6 +120,18 @@ if [ "${1:-}" = test ] && command -v npm >/dev/null 2>&1 \
     || say "could not install $CODEX_CLI: its end-to-end test will skip"
 fi
 
+# Claude Code's end-to-end tests drive the real client from npm, likewise. Its
+# package's postinstall copies a native binary from the platform package npm
+# installs beside it (no download at run time; it runs offline).
+CLAUDE_CODE=@anthropic-ai/claude-code@2.1.332
+if [ "${1:-}" = test ] && command -v npm >/dev/null 2>&1 \
+   && ! grep -qs '"version": "2.1.332"' .tools/claude/node_modules/@anthropic-ai/claude-code/package.json; then
+  say "installing Claude Code ($CLAUDE_CODE, for its end-to-end tests)"
+  mkdir -p .tools/claude
+  npm install --silent --no-audit --no-fund --prefix .tools/claude "$CLAUDE_CODE" >/dev/null 2>&1 \
+    || say "could not install $CLAUDE_CODE: its end-to-end tests will skip"
+fi
+
 stamp="$VENV/.lmspd-deps"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

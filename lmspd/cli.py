@@ -1,4 +1,4 @@
-"""``lmspd serve``, ``lmspd models`` and ``lmspd config set-key|clear-key``."""
+"""``lmspd serve``, ``lmspd models``, ``lmspd config set-key|clear-key`` and ``lmspd launch``."""
 
 from __future__ import annotations
 
@@ -95,12 +95,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="also look for .gguf files below DIR")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _config_parser(sub)
+    from lmspd.launch.command import add_parser as _launch_parser
 
+    _launch_parser(sub)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``lmspd launch CLIENT [flags] -- CLIENT_ARGS``: what follows ``--`` is
+    # the client's, whatever it looks like (argparse's subparsers mishandle it).
+    client_args: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:
+        cut = argv.index("--")
+        argv, client_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     if args.command == "models":
         return _models(args.models_dir, as_json=args.json)
     if args.command == "config":
         return _config(args)
+    if args.command == "launch":
+        from lmspd.launch.command import run as launch
+
+        return launch(args, client_args)
     settings = Settings(
         host=args.host, port=args.port, model=args.models[0] if args.models else None,
         threads=args.threads, parallel=args.parallel, api_keys=args.api_keys, log_level=args.log_level,

@@ -19,7 +19,8 @@ _WORKER_LAUNCHES: list[tuple[str, ...]] = []
 
 # The modules whose tests use ``default_server``: one pytest-xdist group.
 CODEX_MODULES = frozenset({"tests/e2e/test_client_fixtures.py", "tests/e2e/test_codex_defaults.py",
-                           "tests/e2e/test_codex_exec.py"})
+                           "tests/e2e/test_codex_exec.py", "tests/e2e/test_launch_codex.py",
+                           "tests/e2e/test_launch_claude.py"})
 
 
 def _scope(nodeid: str) -> str:

@@ -149,6 +149,10 @@ class CacheRequest:
     # Token positions where a client declared a reusable prefix ends: on a
     # non-trimmable KV the prefill stops there for an exact-state checkpoint.
     breakpoints: tuple[int, ...] = ()
+    # The client's agent and the agent that spawned it (a subagent:
+    # lmspd.dialects.session.agent_lineage), both of this owner's session.
+    agent: str | None = None
+    parent_agent: str | None = None
 
 
 class CacheRefused(Exception):
@@ -196,6 +200,9 @@ class Resident:
     prompt_aligned: tuple[tuple[int, int], ...] = ()
     # A caller's hint that this sequence belongs to a session (reserved).
     session_key: str | None = None
+    # The agent whose turn it holds or runs, and that agent's parent.
+    agent: str | None = None
+    parent_agent: str | None = None
     # The connection whose session this sequence holds (see ``pinned``).
     pin: SessionPin | None = None
 
@@ -342,6 +349,10 @@ class ContinuationCache:
             # Rules that name their match (response-id, tool-output-ids) keep their name.
             plan.detail = f"at={plan.restore.boundary} from={plan.source}" + (f" {plan.detail}" if plan.detail else "")
             plan.source = "checkpoint"
+        if req.parent_agent is not None:
+            # The lineage in the log line and the request's report.
+            plan.detail = (f"{plan.detail} " if plan.detail else "") + (
+                f"lineage={_tag(req.parent_agent)}>{_tag(req.agent)}")
         return plan
 
     @staticmethod
@@ -353,7 +364,7 @@ class ContinuationCache:
 
     def _plan(self, req: CacheRequest) -> CachePlan | None:
         idle = [r for r in self.residents if not r.busy]
-        target = self._target(idle)
+        target = self._target(idle, req)
         if not self.enabled or not req.reuse:
             return None if target is None else self._cold(req, target.seq)
         # A sequence of this owner that is just evaluating its last token
@@ -415,8 +426,11 @@ class ContinuationCache:
         # On a tie the state itself beats a checkpoint of the same prefix, and
         # KV already in the context (kept in place, or copied between
         # sequences) beats bytes restored from RAM or disk.
+        # A subagent's copy from its own parent beats an equal one from
+        # another session (lineage, not luck: the parent is kept resident).
         for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None,
-                                                      p.restore is None), reverse=True):
+                                                      p.restore is None, "parent" in p.detail.split()),
+                           reverse=True):
             fitted = self._fits(req, plan)
             # A plan that would be refused for want of reasoning state gives
             # way to one that keeps it (a whole state restored), shorter or not.
@@ -444,15 +458,21 @@ class ContinuationCache:
         """The prompt continues the state's visible transcript."""
         return bool(state.visible) and req.text.startswith(state.visible)  # type: ignore[arg-type]
 
-    def _target(self, idle: list[Resident]) -> Resident | None:
+    def _target(self, idle: list[Resident], req: CacheRequest | None = None) -> Resident | None:
         """Where a request that continues no resident state goes: an empty
         sequence, else the least recently used idle one that no open
-        connection holds, else the least recently used connection's."""
+        connection holds and that is no running subagent's parent (nor this
+        request's: a child never evicts its parent), else the least recently
+        used connection's, else a parent's."""
         usable = [r for r in idle if r.seq not in self._copying]
         for r in usable:
             if not r.tokens and r.state is None:
                 return r
-        return min(usable, key=lambda r: (r.pinned, r.last_used), default=None)
+        parents = {r.parent_agent for r in self.residents if r.busy and r.parent_agent is not None}
+        if req is not None and req.parent_agent is not None:
+            parents.add(req.parent_agent)
+        return min(usable, key=lambda r: (r.agent is not None and r.agent in parents and r.owner == (
+            req.owner if req is not None else r.owner), r.pinned, r.last_used), default=None)
 
     def _match_resident(self, req: CacheRequest, r: Resident) -> CachePlan | None:
         state = r.state
@@ -531,8 +551,10 @@ class ContinuationCache:
                     aligned.detail = f"from=seq{r.seq} aligned"
                     candidates.append(aligned)
                 elif common >= MIN_COPY_TOKENS:
+                    parent = req.parent_agent is not None and r.agent == req.parent_agent
                     candidates.append(CachePlan("copy", common, req.tokens[common:], req.text,
-                                                detail=f"from=seq{r.seq}", seq=target.seq, copy_from=r.seq))
+                                                detail=f"from=seq{r.seq}" + (" parent" if parent else ""),
+                                                seq=target.seq, copy_from=r.seq))
             elif not r.busy and r.seq not in self._copying:
                 aligned = state and self._aligned_plan(req, state, "memory-token", r.seq, floor=floor, beyond=common)
                 if aligned:
@@ -767,6 +789,7 @@ class ContinuationCache:
         r.busy = True
         r.owner = req.owner
         r.pin = req.pin
+        r.agent, r.parent_agent = req.agent, req.parent_agent
         r.prompt = r.tokens + plan.suffix
         r.prompt_text, r.prompt_keep = req.text, len(r.tokens)
         r.prompt_aligned = _still_aligned(base, req.text, r.prompt_keep) if plan.source != "cold" else ()
@@ -964,7 +987,9 @@ class ContinuationCache:
         """Per-sequence occupancy for ``/health`` (read racily: numbers only)."""
         now = time.monotonic()
         return [{"id": r.seq, "owner": r.owner, "tokens": len(r.tokens), "busy": r.busy,
-                 "idle_s": round(now - r.last_used, 1) if r.last_used else None}
+                 "idle_s": round(now - r.last_used, 1) if r.last_used else None,
+                 "agent": _tag(r.agent) if r.agent else None,
+                 "parent_agent": _tag(r.parent_agent) if r.parent_agent else None}
                 for r in self.residents]
 
     def _remember_in_ram(self, state: SessionState, displaced: bool = False) -> None:
@@ -1019,3 +1044,9 @@ def _still_aligned(base: SessionState | None, text: str, keep: int) -> tuple[tup
         return ()
     shared = common_prefix(text, base.aligned_text)
     return tuple((t, c) for t, c in base.aligned if t <= keep and c <= shared)
+
+
+def _tag(agent: str | None) -> str:
+    """A short, stable name for an agent id in logs and views (its first
+    8 characters: client ids are UUIDs or thread ids, never secrets)."""
+    return (agent or "-")[:8]

@@ -187,6 +187,10 @@ class Conversation:
     # A client's session id from its headers (lmspd/dialects/session.py):
     # turns of one agent session share it, whatever the dialect.
     session_key: str | None = None
+    # The agent of that session that sent it and the agent that spawned it
+    # (a subagent: lmspd/dialects/session.py ``agent_lineage``).
+    agent_id: str | None = None
+    parent_agent_id: str | None = None
     # False: neither reuse nor remember KV state for this request.
     cache_reuse: bool = True
     # False: the engine does not speculate for this request (``lmspd.speculative``).

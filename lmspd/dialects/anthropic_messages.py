@@ -180,9 +180,25 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
 def _refuse_unhonourable(body: CreateMessage) -> None:
     if body.top_k is not None:
         raise unsupported("top_k", "'top_k' is not supported yet; use 'top_p' or 'temperature'.")
-    for name in ("container", "mcp_servers", "context_management"):
+    for name in ("container", "mcp_servers"):
         if getattr(body, name) is not None:
             raise unsupported(name, f"'{name}' is an Anthropic-hosted feature that lmspd does not provide.")
+    if body.context_management is not None and not _keeps_everything(body.context_management):
+        raise unsupported("context_management", "'context_management' edits that clear context are an "
+                                                "Anthropic-hosted feature that lmspd does not provide.")
+
+
+# Claude Code (2.1.3xx) sends ``{"edits": [{"type": "clear_thinking_20251015",
+# "keep": "all"}]}`` on every request: an edit that clears nothing, which is
+# what lmspd does anyway (thinking stays in the prompt as the client replays
+# it). Only that edit is accepted; one that would clear something is refused.
+_NO_OP_EDITS = ({"type": "clear_thinking_20251015", "keep": "all"},)
+
+
+def _keeps_everything(value: Any) -> bool:
+    if not isinstance(value, dict) or set(value) != {"edits"} or not isinstance(value["edits"], list):
+        return False
+    return len(value["edits"]) <= len(_NO_OP_EDITS) and all(edit in _NO_OP_EDITS for edit in value["edits"])
 
 
 # Anthropic sizes thinking in tokens, the neutral scale (Responses') in

@@ -23,10 +23,11 @@ a client always sends must not make a request fail).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from lmspd.core.limits import MAX_SESSION_KEY_CHARS
 
-__all__ = ["SESSION_HEADERS", "session_key"]
+__all__ = ["SESSION_HEADERS", "AgentLineage", "agent_lineage", "session_key"]
 
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "session_id", "x-session-id", "x-session-affinity",
                    "x-opencode-session", "x-codex-turn-state")
@@ -42,3 +43,42 @@ def session_key(headers: Mapping[str, str]) -> str | None:
             if 0 < len(value) <= MAX_SESSION_KEY_CHARS:
                 return value
     return None
+
+
+class AgentLineage(NamedTuple):
+    """Which agent of a session sent a request, and which agent spawned it."""
+
+    agent: str | None
+    parent: str | None
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    value = (headers.get(name) or "").strip()
+    return value if 0 < len(value) <= MAX_SESSION_KEY_CHARS else None
+
+
+def agent_lineage(headers: Mapping[str, str]) -> AgentLineage:
+    """The agent and its parent, from what the clients send for subagents.
+
+    Claude Code (2.1.332, read from its binary: the headers are set from the
+    request's ``agentId`` / ``parentAgentId``): its main agent sends only
+    ``x-claude-code-session-id``; a subagent adds ``x-claude-code-agent-id``
+    and, when a subagent spawned it, ``x-claude-code-parent-agent-id``; a
+    first-level subagent's parent is the main agent, named by the session id.
+
+    Codex (openai/codex: a spawned agent's requests): ``thread-id`` is the
+    agent's own thread, ``session-id`` the root thread's, and a child adds
+    ``x-codex-parent-thread-id`` (with ``x-openai-subagent: collab_spawn``).
+
+    An agent without a parent (a main agent) is named by its session, so
+    that its children's parent id names it."""
+    claude_agent = _header(headers, "x-claude-code-agent-id")
+    claude_session = _header(headers, "x-claude-code-session-id")
+    if claude_agent is not None:
+        return AgentLineage(claude_agent, _header(headers, "x-claude-code-parent-agent-id") or claude_session)
+    if claude_session is not None:
+        return AgentLineage(claude_session, None)
+    codex_thread = _header(headers, "thread-id")
+    if codex_thread is not None:
+        return AgentLineage(codex_thread, _header(headers, "x-codex-parent-thread-id"))
+    return AgentLineage(None, None)

@@ -23,7 +23,7 @@ from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.fields import FieldNames
-from lmspd.dialects.session import session_key
+from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
 from lmspd.service import Run, Service
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
@@ -134,6 +134,7 @@ async def messages_create(request: Request) -> Response:
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
     req.conversation.session_key = session_key(request.headers)
+    req.conversation.agent_id, req.conversation.parent_agent_id = agent_lineage(request.headers)
     run = await _begin(app.service, req.conversation, who.owner, req.field_names)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,

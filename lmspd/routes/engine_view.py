@@ -26,7 +26,9 @@ from lmspd.http import app_state, json_reply, lmsp_request
 _SALT = os.urandom(16)
 # Resident sequences listed per model (the engine may hold more).
 MAX_SESSIONS = 64
-_OWNER_KEYS = ("owner",)
+# Agents (a subagent and its parent) as tags too: the same agent has the
+# same tag, so the lineage shows without the client's session ids.
+_OWNER_KEYS = ("owner", "agent", "parent_agent")
 
 
 def owner_tag(owner: Any) -> str:
@@ -36,7 +38,8 @@ def owner_tag(owner: Any) -> str:
 def _redacted(entry: Any) -> Any:
     if not isinstance(entry, dict):
         return entry
-    return {k: (owner_tag(v) if k in _OWNER_KEYS else v) for k, v in entry.items()}
+    return {k: (owner_tag(v) if k in _OWNER_KEYS and (v is not None or k == "owner") else v)
+            for k, v in entry.items()}
 
 
 def without_owners(value: Any) -> Any:

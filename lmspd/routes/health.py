@@ -25,7 +25,8 @@ async def health(request: Request) -> Response:
     if details:
         body["models"] = {
             # Owners as the engine view shows them: tags, never credential-derived ids.
-            mid: {"busy": m.queue.busy, "pending": m.queue.pending, **without_owners(m.engine.stats())}
+            mid: {"context_window": m.engine.info.context_window, "busy": m.queue.busy, "pending": m.queue.pending,
+                  **without_owners(m.engine.stats())}
             for mid, m in app.service.models.items()
         }
     return JSONResponse(body, status_code=503 if app.service.shutting_down else 200)

@@ -28,7 +28,7 @@ from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
-from lmspd.dialects.session import session_key
+from lmspd.dialects.session import AgentLineage, agent_lineage, session_key
 from lmspd.history import ResponseRecord, StoredContext
 from lmspd.http import (
     LmspdApp,
@@ -77,7 +77,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
                *, as_task: bool) -> Reply:
     turn = await begin_turn(app, owner, dialect, raw, context=StoredContext(app.store, owner, app.sealer),
                             queued=as_task or bool(raw.get("background")),
-                            session_header=session_key(request.headers))
+                            session_header=session_key(request.headers), lineage=agent_lineage(request.headers))
     req, run, session, record = turn.req, turn.run, turn.session, turn.record
     if turn.background:
         return await _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
@@ -128,7 +128,7 @@ class Turn:
 
 async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, context: Any,
                      queued: bool = False, prefill_only: bool = False, session_header: str | None = None,
-                     pin: SessionPin | None = None) -> Turn:
+                     pin: SessionPin | None = None, lineage: AgentLineage | None = None) -> Turn:
     """Decode and admit (every refusal before any byte is sent).
 
     ``context`` resolves ``previous_response_id``; a WebSocket connection's
@@ -146,6 +146,8 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     conversation = req.conversation
     # The client's session header (``lmspd.dialects.session``): cache affinity.
     conversation.session_key = session_header
+    if lineage is not None:
+        conversation.agent_id, conversation.parent_agent_id = lineage
     conversation.prefill_only = prefill_only
     conversation.pin = pin
     model = conversation.model

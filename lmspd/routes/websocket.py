@@ -55,7 +55,7 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.responses_items import Expansion
-from lmspd.dialects.session import session_key
+from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.history import StoredContext
 from lmspd.http import LmspdApp
 from lmspd.routes.responses import begin_turn, turn_events
@@ -272,7 +272,7 @@ class Connection:
                 raise invalid("'generate' must be a boolean.", "generate")
             turn = await begin_turn(self.app, self.owner, OPENAI, body, context=context,
                                     prefill_only=not generate, session_header=session_key(self.ws.headers),
-                                    pin=self.pin)
+                                    pin=self.pin, lineage=agent_lineage(self.ws.headers))
         except ApiError as exc:
             self._evict(previous)
             await self._error(exc)

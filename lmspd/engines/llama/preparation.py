@@ -96,6 +96,8 @@ class LlamaPrepared:
             owner=conv.owner,
             pin=conv.pin,
             breakpoints=self.breakpoints,
+            agent=conv.agent_id,
+            parent_agent=conv.parent_agent_id,
         )
 
 

@@ -1,0 +1,51 @@
+"""``lmspd launch claude`` against the server ``./dev.sh serve`` starts
+(``default_server``), then one real ``claude -p`` turn (Claude Code from npm,
+installed by ``./dev.sh test`` into ``.tools/claude``; ``LMSPD_CLAUDE`` names
+another binary) in a scratch directory whose one file the prompt asks it to
+read. What Claude Code sends was captured through
+tests/fixtures/claude-code/capture_proxy.py (tests/fixtures/claude-code/captured/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.server import MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+CLAUDE = Path(os.environ.get("LMSPD_CLAUDE", ROOT / ".tools/claude/node_modules/.bin/claude"))
+TURN_TIMEOUT_S = 1200
+
+pytestmark = pytest.mark.skipif(not CLAUDE.exists(), reason=f"Claude Code is not installed at {CLAUDE} "
+                                                            "(./dev.sh test installs it when npm is available)")
+
+
+def test_launch_claude_then_one_print_turn_with_a_tool_call(default_server, tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (work / "notes.txt").write_text("The launch code is 4417.\n")
+    before = default_server.log()
+    done = subprocess.run(
+        [sys.executable, "-m", "lmspd", "launch", "claude", "--url", default_server.url,
+         "--data-dir", str(tmp_path / "data"), "--bin", str(CLAUDE), "--",
+         "-p", "Use the Read tool to read notes.txt, then tell me what it says.",
+         "--output-format", "stream-json", "--verbose", "--allowedTools", "Read", "--max-turns", "3"],
+        cwd=work, env={**os.environ, "HOME": str(home)}, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=TURN_TIMEOUT_S + 60)
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    result = [e for e in events if e.get("type") == "result"]
+    assert result and not result[-1].get("is_error"), (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    calls = [block for e in events if e.get("type") == "assistant"
+             for block in e["message"].get("content", []) if block.get("type") == "tool_use"]
+    assert [c["name"] for c in calls][:1] == ["Read"], events
+    assert any(e.get("type") == "user" and "tool_result" in json.dumps(e) for e in events), events
+    new = default_server.log()[len(before):]
+    assert len(re.findall(r"generation response=\S+ seq=\d+ cache_source=", new)) >= 2, new[-3000:]
+    assert MODEL in json.dumps(result[-1].get("modelUsage", {})), result[-1]

@@ -1,0 +1,140 @@
+"""``lmspd launch``: what it writes for each client (golden files under
+tests/fixtures/launch/), that a second launch changes nothing, and that the
+user's own configuration is never touched. The server is a stub answering
+``GET /lmsp/v1/models`` with the body a real ``lmspd serve`` (the bundled
+model, default flags, plus a thinking-template model) answered; the real
+server and the real Codex CLI are in tests/e2e/test_launch_codex.py."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmspd.cli import main
+from lmspd.launch.served import ServerRefused, parse_models
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "launch"
+MODELS = (FIXTURES / "lmsp_models.json").read_bytes()
+CLIENTS = ("codex", "claude", "pi", "opencode")
+
+
+@pytest.fixture(scope="module")
+def stub_url():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = MODELS if self.path == "/lmsp/v1/models" else b"{}"
+            self.send_response(200 if self.path == "/lmsp/v1/models" else 404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def launch(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["launch", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def normalized(text: str, data_dir: Path, url: str) -> str:
+    return text.replace(str(data_dir), "<DATA_DIR>").replace(url, "http://127.0.0.1:8080")
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_print_matches_golden(client, stub_url, tmp_path, capsys):
+    code, out, _ = launch(capsys, client, "--print", "--url", stub_url, "--data-dir", str(tmp_path), "--", "--help")
+    assert code == 0
+    golden = FIXTURES / f"{client}.txt"
+    if os.environ.get("LMSPD_UPDATE_GOLDEN"):
+        golden.write_text(normalized(out, tmp_path, stub_url))
+    assert normalized(out, tmp_path, stub_url) == golden.read_text()
+    assert not (tmp_path / "launch").exists(), "--print wrote files"
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_second_launch_is_a_no_op_and_the_users_config_is_untouched(client, stub_url, tmp_path, capsys, monkeypatch):
+    home = tmp_path / "home"
+    own = {home / ".codex" / "config.toml": 'model = "gpt-5.5"\n[model_providers.mine]\nbase_url = "https://x"\n',
+           home / ".claude" / "settings.json": '{"env": {"ANTHROPIC_MODEL": "claude-sonnet"}}\n',
+           home / ".pi" / "agent" / "models.json": '{"providers": {}}\n',
+           home / ".config" / "opencode" / "opencode.json": '{"model": "anthropic/claude"}\n'}
+    for path, text in own.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode())
+    monkeypatch.setenv("HOME", str(home))
+    data = tmp_path / "data"
+    args = (client, "--url", stub_url, "--data-dir", str(data), "--bin", "true")
+
+    code, _, first = launch(capsys, *args)
+    assert code == 0, first
+    written = sorted((data / "launch" / client).iterdir())
+    assert written and all(f"created: {p}" in first for p in written), first
+    stamps = {p: p.stat().st_mtime_ns for p in written}
+
+    code, _, second = launch(capsys, *args)
+    assert code == 0, second
+    assert not re.search(r"^(created|changed):", second, re.M), second
+    assert all(f"unchanged: {p}" in second for p in written), second
+    assert {p: p.stat().st_mtime_ns for p in written} == stamps
+    for path, text in own.items():
+        assert path.read_bytes() == text.encode(), path
+
+
+def test_a_changed_window_is_shown_as_a_diff(stub_url, tmp_path, capsys):
+    data = tmp_path / "data"
+    assert launch(capsys, "codex", "--url", stub_url, "--data-dir", str(data), "--bin", "true")[0] == 0
+    catalog = data / "launch" / "codex" / "models.json"
+    catalog.write_text(catalog.read_text().replace('"context_window": 32768', '"context_window": 131072'))
+    code, _, err = launch(capsys, "codex", "--url", stub_url, "--data-dir", str(data), "--bin", "true")
+    assert code == 0
+    assert f"changed: {catalog}" in err
+    assert '-      "context_window": 131072,' in err and '+      "context_window": 32768,' in err
+    assert json.loads(catalog.read_text())["models"][0]["context_window"] == 32768
+
+
+def test_a_model_that_is_not_served_is_refused(stub_url, tmp_path, capsys):
+    code, _, err = launch(capsys, "claude", "--print", "--url", stub_url, "--data-dir", str(tmp_path),
+                          "--model", "llama-70b")
+    assert code == 2
+    assert "--model llama-70b: not served (served: smollm2-135m-instruct" in err
+
+
+def test_print_without_a_server_starts_none(tmp_path, capsys):
+    code, out, err = launch(capsys, "codex", "--print", "--url", "http://127.0.0.1:9", "--data-dir", str(tmp_path))
+    assert code == 2 and out == ""
+    assert "no server answers at http://127.0.0.1:9" in err
+
+
+@given(st.binary(max_size=512))
+def test_parse_models_refuses_anything_but_a_model_list(body):
+    try:
+        models = parse_models(body)
+    except ServerRefused:
+        return
+    assert models and all(m.id and m.context_window > 0 for m in models)
+
+
+@pytest.mark.parametrize("flags,url", [(("--no-start",), "http://127.0.0.1:9"), ((), "http://192.0.2.1:9")])
+def test_no_server_is_started_when_refused_or_not_on_loopback(flags, url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("lmspd.launch.command._start_server", lambda *a: pytest.fail("started a server"))
+    monkeypatch.setattr("lmspd.launch.served.read_served.__kwdefaults__", {"timeout": 0.5})
+    code, _, err = launch(capsys, "codex", "--url", url, "--data-dir", str(tmp_path), "--bin", "true", *flags)
+    assert code == 2 and "start one with `lmspd serve`" in err, err
