@@ -45,12 +45,40 @@ SRC=$WORK/src
 if [ ! -d "$SRC" ]; then
   mkdir -p "$SRC" && tar xJf "$PAYLOAD/llama-cpp-python-src.tar.xz" -C "$SRC" --strip-components 1
 fi
+# A CUDA toolkit installed from NVIDIA's wheels (as on some GPU images) has
+# nvcc and cudart but no cuBLAS, and no libcuda stub: take cuBLAS from the
+# nvidia-cublas wheel beside python3 (PyTorch's), and the driver's own libcuda,
+# through unversioned links that CMake's FindCUDAToolkit accepts.
+cuda_libraries() {
+  local root shim hdr inc lib drv
+  root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  shim=$WORK/cuda-shim
+  mkdir -p "$shim"
+  if ! ls "$root"/include/cublas_v2.h "$root"/targets/*/include/cublas_v2.h >/dev/null 2>&1; then
+    hdr=$("$PY" -c 'import importlib.util as u, pathlib as p
+s = u.find_spec("nvidia")
+print(next((str(h) for r in (s.submodule_search_locations if s else []) for h in p.Path(r).glob("*/include/cublas_v2.h")), ""))')
+    [ -n "$hdr" ] || { say "no cuBLAS: neither in $root nor in a python nvidia-cublas wheel" >&2; exit 1; }
+    inc=$(dirname "$hdr"); lib=$(dirname "$inc")/lib
+    ln -sf "$(ls "$lib"/libcublas.so.* | head -1)" "$shim/libcublas.so"
+    ln -sf "$(ls "$lib"/libcublasLt.so.* | head -1)" "$shim/libcublasLt.so"
+    printf ' %s' "-DCUDA_cublas_LIBRARY=$shim/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$shim/libcublasLt.so" \
+      "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_CXX_FLAGS=-I$inc"
+    echo "$lib" > "$WORK/cuda-libdir"
+  fi
+  if ! ls "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so >/dev/null 2>&1; then
+    drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+    [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
+    [ -n "$drv" ] && ln -sf "$drv" "$shim/libcuda.so" && printf ' %s' "-DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
+  fi
+  return 0
+}
 cmake_args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 case "$backend" in
   cuda)
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
     say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); $(nvcc --version | tail -1)"
-    cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap" ;;
+    cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap $(cuda_libraries)" ;;
   cpu) cmake_args="$cmake_args -DGGML_CUDA=off" ;;
   *) say "unknown backend $backend"; exit 2 ;;
 esac
@@ -64,7 +92,7 @@ if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.l
   last=""
   while kill -0 "$pid" 2>/dev/null; do
     sleep 15
-    now=$(grep -aoE '^\[[0-9]+/[0-9]+\]' "$WORK/build.log" | tail -1)
+    now=$(grep -aoE '\[[0-9]+/[0-9]+\]' "$WORK/build.log" | tail -1)
     [ "$now" != "$last" ] && say "compiling llama.cpp $now" && last=$now
   done
   wait "$pid"; rc=$?
@@ -73,6 +101,8 @@ if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.l
   if [ "$rc" -ne 0 ]; then tail -40 "$WORK/build.log"; say "build failed (rc=$rc)"; exit 1; fi
 fi
 export PYTHONPATH=$SITE:$ROOT
+# cuBLAS from a wheel (see cuda_libraries) is found at run time through this.
+[ -f "$WORK/cuda-libdir" ] && export LD_LIBRARY_PATH=$(cat "$WORK/cuda-libdir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 "$PY" -c "import llama_cpp; print('[gpu] llama-cpp-python', llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload())"
 
 MODEL=$WORK/synthetic-$shape.gguf
