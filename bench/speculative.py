@@ -40,7 +40,14 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import bundled_model_path, lmspd_server, post_sse, xllamacpp_server  # noqa: E402
+from _common import (  # noqa: E402
+    add_gpu_arguments,
+    bundled_model_path,
+    lmspd_gpu_flags,
+    lmspd_server,
+    post_sse,
+    xllamacpp_server,
+)
 from constrained import APPLY_PATCH  # noqa: E402
 
 NGRAM_MODES = ("ngram_simple", "ngram_mod", "ngram_map_k")
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"a subset of {','.join(SCENARIOS)}")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
+    add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     model = args.model or bundled_model_path()
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = ["auto", "off"]
     for mode in systems:
         srv = lmspd_server(model, args.ctx, args.threads, work / f"data-{mode}", work / f"lmspd-{mode}.log",
-                           extra=["--parallel", "4", "--speculative", mode, "--served-model", "m"]).start()
+                           extra=["--parallel", "4", "--speculative", mode, "--served-model", "m",
+                                  *lmspd_gpu_flags(args)]).start()
         try:
             for scenario in scenarios:
                 for temp in temps:
