@@ -118,19 +118,19 @@ place=(--gpu-layers all --flash-attn on)
 reps=6; tokens=64; [ "$quick" = 1 ] && reps=2 && tokens=32
 
 say "bench/overhead.py: lmspd over HTTP against llama-cpp-python in-process"
-timeout 240 "$PY" bench/overhead.py --model "$MODEL" --systems lmspd,in-process --threads "$threads" --ctx 4096 \
+timeout 170 "$PY" bench/overhead.py --model "$MODEL" --systems lmspd,in-process --threads "$threads" --ctx 4096 \
   --reps "$reps" --max-tokens "$tokens" "${place[@]}" --json "$RESULTS/overhead.json" \
   || say "overhead.py ended with $?"
 
 say "bench/concurrency.py: 4 streams at once (--parallel 4) against one (--parallel 1)"
-timeout 200 "$PY" bench/concurrency.py --model "$MODEL" --systems lmspd-p4,lmspd-p1 --scenarios decode,short \
+timeout 130 "$PY" bench/concurrency.py --model "$MODEL" --systems lmspd-p4,lmspd-p1 --scenarios decode,short \
   --threads "$threads" --ctx 4096 --decode-tokens 128 "${place[@]}" --json "$RESULTS/concurrency.json" \
   || say "concurrency.py ended with $?"
 
 if [ -f bench/speculative.py ] && [ -n "${LMSPD_GPU_SPECULATIVE:-}" ]; then
   say "bench/speculative.py $LMSPD_GPU_SPECULATIVE"
   # shellcheck disable=SC2086
-  timeout 150 "$PY" bench/speculative.py --model "$MODEL" --threads "$threads" "${place[@]}" $LMSPD_GPU_SPECULATIVE \
+  timeout 110 "$PY" bench/speculative.py --model "$MODEL" --threads "$threads" "${place[@]}" $LMSPD_GPU_SPECULATIVE \
     || say "speculative.py ended with $?"
 fi
 
