@@ -86,7 +86,7 @@ def test_a_websocket_turn_that_sends_only_new_input_keeps_the_tools(tmp_path):
     tools are still declared (and not dropped with the item)."""
     body = lite_request()
     body.pop("stream")
-    with serving(tmp_path) as app, app.http.websocket_connect("/v1/responses") as ws:
+    with serving(tmp_path) as app, app.http.websocket_connect("ws://localhost/v1/responses") as ws:
         ws.send_text(json.dumps({"type": "response.create", **body}))
         while (first := json.loads(ws.receive_text()))["type"] != "response.completed":
             assert first["type"] != "error", first

@@ -36,7 +36,7 @@ def lite(input_tail: list[dict]) -> dict:
 
 
 def test_a_new_socket_whose_first_turn_is_a_compaction_trigger_completes(tmp_path):
-    with serving(tmp_path) as app, app.http.websocket_connect("/v1/responses") as ws:
+    with serving(tmp_path) as app, app.http.websocket_connect("ws://localhost/v1/responses") as ws:
         events = turn(ws, lite(HISTORY + [TRIGGER]))
         done = events[-1]
         assert done["type"] == "response.completed", done
@@ -51,7 +51,7 @@ def test_a_new_socket_whose_first_turn_is_a_compaction_trigger_completes(tmp_pat
 def test_a_warmed_socket_compacts_with_the_trigger_alone(tmp_path):
     """Codex warms a new socket (``generate: false``) and then sends only
     what is new: the trigger, continuing the warm-up."""
-    with serving(tmp_path) as app, app.http.websocket_connect("/v1/responses") as ws:
+    with serving(tmp_path) as app, app.http.websocket_connect("ws://localhost/v1/responses") as ws:
         warm = turn(ws, {**lite(HISTORY), "generate": False})[-1]
         assert warm["type"] == "response.completed", warm
         done = turn(ws, {**lite([TRIGGER]), "input": [TRIGGER], "previous_response_id": warm["response"]["id"]})[-1]
