@@ -34,7 +34,7 @@ from lmspd.routes import openapi as openapi_routes
 from lmspd.routes import tasks as task_routes
 from lmspd.service import Service
 from lmspd.store.base import Store
-from lmspd.tasks.recovery import keep_alive, prune_forever, recover
+from lmspd.tasks.recovery import LeaseKeeper, prune_forever, reap_forever, recover
 
 log = logging.getLogger("lmspd.http")
 
@@ -126,7 +126,9 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
         recover(store)
         state.tasks.attach()
         pruner = asyncio.create_task(prune_forever(store, settings.prune_interval_s))
-        lease = asyncio.create_task(keep_alive(store, state.tasks.cancel_requested))
+        lease = LeaseKeeper(store, state.tasks.cancel_requested)
+        lease.start()
+        reaper = asyncio.create_task(reap_forever(store))
         try:
             yield
         finally:
@@ -135,7 +137,8 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
             # Tasks have no connection for uvicorn to wait on: let them write
             # their terminal events before the store closes.
             await state.tasks.drain(settings.limits.shutdown_grace_s)
-            lease.cancel()
+            reaper.cancel()
+            lease.stop()
             await service.aclose()
             state.tasks.close()
             state.calls.close()

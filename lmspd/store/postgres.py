@@ -274,6 +274,11 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
         self._listener: threading.Thread | None = None
         self._listen_lock = threading.Lock()
         self._stop = threading.Event()
+        # The lease's own connection (``heartbeat``): a pool that every
+        # request has emptied, or a row lock, must not let the lease lapse.
+        self._lease_lock = threading.Lock()
+        self._lease_conn: Any = None
+        self._connect_timeout_s = connect_timeout_s
         try:
             self._pool = ConnectionPool(
                 dsn,
@@ -344,6 +349,23 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
     def octets(column: str) -> str:
         return f"octet_length({column})"
 
+    def heartbeat(self) -> list[str]:
+        """On a connection of its own, never the pool's (see ``__init__``);
+        reconnected after a failure."""
+        with self._lease_lock:
+            self._check_open()
+            if self._lease_conn is None or self._lease_conn.closed:
+                self._lease_conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row,
+                                                   connect_timeout=int(self._connect_timeout_s))
+            conn = self._lease_conn
+            try:
+                with conn.transaction():
+                    return self._heartbeat_in(Sql(conn, "format"))
+            except psycopg.Error:
+                conn.close()
+                self._lease_conn = None
+                raise
+
     def _migrate(self) -> None:
         with self._tx() as conn:
             # Two instances starting at once: one migrates, the other waits.
@@ -377,6 +399,10 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
         self._stop.set()
         if self._listener is not None:
             self._listener.join(timeout=5)
+        with self._lease_lock:
+            if self._lease_conn is not None:
+                self._lease_conn.close()
+                self._lease_conn = None
         self._pool.close()
 
     def __enter__(self) -> PostgresStore:

@@ -59,11 +59,15 @@ class TaskQueries(SqlBackend):
             _renew(sql, self.instance_id, now, now + self.lease_s)
 
     def heartbeat(self) -> list[str]:
-        now = self._clock()
         with self.sql_write() as sql:
-            _renew(sql, self.instance_id, now, now + self.lease_s)
-            rows = sql.rows(f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
-                            f"AND status IN {ACTIVE_SQL}", (self.instance_id,))
+            return self._heartbeat_in(sql)
+
+    def _heartbeat_in(self, sql: Sql) -> list[str]:
+        """Renew the lease inside ``sql``'s transaction; the cancels asked of this instance."""
+        now = self._clock()
+        _renew(sql, self.instance_id, now, now + self.lease_s)
+        rows = sql.rows(f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
+                        f"AND status IN {ACTIVE_SQL}", (self.instance_id,))
         return [r["id"] for r in rows]
 
     def request_cancel(self, owner: str, task_id: str) -> bool:

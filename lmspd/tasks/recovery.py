@@ -13,7 +13,9 @@ end as ``failed`` within one lease instead of looking alive forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from typing import Callable
 
 from lmspd.dialects.registry import DIALECTS
@@ -71,23 +73,59 @@ def recover(store: Store) -> None:
     store.prune()
 
 
-async def keep_alive(store: Store, on_cancel: Callable[[list[str]], None]) -> None:
-    """Renew this instance's lease a few times per lease; pass on the cancel
-    requests the heartbeat reports (``on_cancel``); on a shared store, fail
-    what dead instances left running. A heartbeat every quarter lease: a
-    dead instance's lease runs out at most 3/4 of a lease after its death,
-    and the next sweep takes its tasks, so they fail within one lease."""
+class LeaseKeeper:
+    """Renews this instance's lease from a thread of its own, a few times
+    per lease, and passes on the cancel requests the heartbeat reports
+    (``on_cancel``, called on the event loop). A thread, not a coroutine: an
+    event loop that stalls longer than the lease (a long store write, a
+    decode) must not let another instance take this one for dead, fail its
+    live tasks and release its idempotency keys, so that retried work runs
+    twice. A heartbeat every quarter lease: a dead instance's lease runs out
+    at most 3/4 of a lease after its death."""
+
+    def __init__(self, store: Store, on_cancel: Callable[[list[str]], None]) -> None:
+        self._store = store
+        self._on_cancel = on_cancel
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Call on the serving event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="lmspd-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        interval = max(self._store.lease_s / 4, 0.05)
+        while not self._stop.wait(interval):
+            try:
+                cancels = self._store.heartbeat()
+            except Exception:
+                log.exception("store heartbeat failed")
+                continue
+            if cancels and self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: shutting down
+                    self._loop.call_soon_threadsafe(self._on_cancel, cancels)
+
+
+async def reap_forever(store: Store) -> None:
+    """On a shared store, fail what dead instances left running, a few
+    times per lease (off the event loop)."""
+    if not store.shared:
+        return
     interval = max(store.lease_s / 4, 0.05)
     while True:
         await asyncio.sleep(interval)
         try:
-            cancels = await asyncio.to_thread(store.heartbeat)
-            if cancels:
-                on_cancel(cancels)
-            if store.shared:
-                await asyncio.to_thread(reap, store)
+            await asyncio.to_thread(reap, store)
         except Exception:
-            log.exception("store heartbeat failed")
+            log.exception("reaping interrupted work failed")
 
 
 async def prune_forever(store: Store, interval_s: float) -> None:
