@@ -24,7 +24,7 @@ def test_a_stalled_event_loop_keeps_its_tasks(tmp_path, pg_database) -> None:
     engine = ScriptedEngine(tuple(f" w{i}" for i in range(80)), delay_s=0.05)
     app, _ = make_app(tmp_path, store=here, engine=engine)
     reaped: list[int] = []
-    with TestClient(app, base_url="http://lmspd.test") as http:
+    with TestClient(app, base_url="http://localhost") as http:
         r = http.post("/lmsp/v1/tasks", json={"model": MODEL, "input": "hi"}, headers={"LMSP-Version": "1.0"})
         assert r.status_code == 202, r.text
         task_id = r.json()["id"]
