@@ -94,7 +94,13 @@ class Attempt:
                         media_type=media)
 
     async def abandon(self) -> None:
-        await self.calls(self.store.idempotency_abandon, self.owner, self.key)
+        """Release the key, so that a retry runs again. If the store cannot
+        (a full disk), the reply that failed still goes out as it is; the
+        key stays in progress until the next start releases it or it expires."""
+        try:
+            await self.calls(self.store.idempotency_abandon, self.owner, self.key)
+        except Exception:
+            log.exception("could not release %s %r", HEADER, self.key)
 
     async def seal(self, response: Response, follow_task: str | None = None) -> Response:
         """Keep ``response`` as this key's reply (a stream: once it has been
@@ -120,10 +126,7 @@ class Attempt:
             await self.calls(self.store.idempotency_finish, self.owner, self.key, status, body, headers)
         except Exception:
             log.exception("could not keep the reply of %s %r; releasing the key", HEADER, self.key)
-            try:
-                await self.abandon()
-            except Exception:
-                log.exception("could not release %s %r (the next start releases it)", HEADER, self.key)
+            await self.abandon()
 
     async def _recorded(self, chunks: AsyncIterable[Any], status: int, headers: dict[str, str]) -> AsyncIterator[bytes]:
         sent: list[bytes] = []
@@ -188,7 +191,15 @@ async def begin(store: Store, calls: StoreCalls, owner: str, request: Request,
         raise invalid(f"{HEADER} must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters.", HEADER)
     # Hashing an 8 MiB body and claiming the key: off the event loop.
     digest = await calls(request_hash, request, body)
-    outcome = await calls(store.idempotency_begin, owner, key, digest)
+    try:
+        outcome = await calls(store.idempotency_begin, owner, key, digest)
+    except ApiError:
+        raise
+    except Exception:
+        # Nothing ran: the request cannot be guarded, so it is not run either.
+        log.exception("could not record %s %r", HEADER, key)
+        raise ApiError("store_unavailable", f"{HEADER} {key!r} could not be recorded, so the request was not run; "
+                       "retry once the server's storage recovers.", headers={"Retry-After": "5"}) from None
     if outcome.outcome is BeginOutcome.CONFLICT:
         raise ApiError("idempotency_conflict",
                        f"{HEADER} {key!r} was already used with a different request; use a new key for a new "

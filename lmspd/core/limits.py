@@ -145,6 +145,10 @@ class Retention:
     Events of a finished task expire before the task itself, so a client that
     resumes too late gets 410 ``event_history_expired`` and can still read the
     final result with ``GET /tasks/{id}``.
+
+    Each ``max_*_bytes`` is one budget for all owners together, shared
+    fairly (``lmspd.store.pruning.fair_share``): an owner within an equal
+    split of it never loses a record to another owner's writes.
     """
 
     response_ttl_s: float = 30 * _DAY  # from created_at

@@ -64,6 +64,44 @@ def test_unstored_responses_say_so(tmp_path) -> None:
     store.close()
 
 
+class KeysFail(FullDisk):
+    """Not even an idempotency key can be recorded (while ``begin_fails``), nor released."""
+
+    begin_fails = True
+
+    def idempotency_begin(self, *args, **kwargs):
+        if self.begin_fails:
+            raise sqlite3.OperationalError("disk I/O error")
+        return super().idempotency_begin(*args, **kwargs)
+
+    def idempotency_abandon(self, *args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+
+def test_an_idempotency_key_on_a_failing_store(tmp_path) -> None:
+    """A key that cannot be recorded is a 503 before anything runs; a
+    response that cannot be stored stays a 503 when releasing its key fails
+    too (not an internal error in its place)."""
+    store = KeysFail(tmp_path / "lmspd.sqlite3")
+    app, _ = make_app(tmp_path, store=store)
+    body = {"model": MODEL, "input": "hi", "store": True}
+
+    async def go() -> None:
+        async with client(app) as c:
+            r = await c.post("/v1/responses", json=body, headers={"Idempotency-Key": "k1"})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "store_unavailable" and "Retry-After" in r.headers
+            assert "not run" in r.json()["error"]["message"]
+            store.begin_fails = False
+            r = await c.post("/v1/responses", json=body, headers={"Idempotency-Key": "k2"})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "store_unavailable"
+            assert "generated but could not be stored" in r.json()["error"]["message"]
+
+    asyncio.run(go())
+    store.close()
+
+
 def test_stored_responses_still_say_store_true(tmp_path) -> None:
     app, store = make_app(tmp_path)
 

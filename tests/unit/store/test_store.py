@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmspd.store.sqlite as sqlite_module
-from lmspd.store import open_store
+from lmspd.store import open_store, pruning
 from lmspd.store.base import (
     BeginOutcome,
     ChainError,
@@ -738,6 +738,82 @@ def test_prune_returns_space_to_the_file(backend: Backend, clock: FakeClock) -> 
         assert s._writer.execute("PRAGMA freelist_count").fetchone()[0] == 0
 
 
+@pytest.mark.parametrize(("usage", "budget", "share"), [
+    ({"a": 10, "b": 20}, 30, None),  # everything fits
+    ({"a": 100, "b": 900}, 600, 500),  # a is under an even split: b gets what a leaves
+    ({"a": 400, "b": 900}, 600, 300),  # both over: an even split
+    ({"a": 1, "b": 2, "c": 1000}, 10, 7),
+    ({"a": 5}, 3, 3),
+])
+def test_fair_share(usage: dict[str, int], budget: int, share: int | None) -> None:
+    assert pruning.fair_share(usage, budget) == share
+    if share is not None:
+        assert sum(min(used, share) for used in usage.values()) <= budget
+        assert share >= budget // len(usage)
+
+
+def owner_bytes(backend: Backend, table: str, column: str = "bytes") -> dict[str, int]:
+    return {owner: int(n) for owner, n in backend.sql(f"SELECT owner, SUM({column}) FROM {table} GROUP BY owner")}
+
+
+def test_one_owners_writes_cannot_prune_anothers(backend: Backend, clock: FakeClock) -> None:
+    """Every byte budget is shared fairly between owners: a credential that
+    floods one kind loses its own oldest records, never those of a
+    credential within its share, however much older they are."""
+    budget = 20_000
+    retention = Retention(max_response_bytes=budget, max_conversation_bytes=budget, max_task_bytes=budget,
+                          max_event_bytes=budget, max_idempotency_bytes=budget)
+
+    def write(s: Store, owner: str, i: int) -> None:
+        s.put_response(owner, f"resp_{owner}_{i}", response_obj(f"resp_{owner}_{i}"), [user_msg("r" * 1000)])
+        s.create_conversation(owner, f"conv_{owner}_{i}", items=[user_msg("c" * 1000)])
+        tid = f"task_{owner}_{i}"
+        s.create_task(owner, tid, {"pad": "t" * 1000}, status="in_progress")
+        s.append_events(tid, [(n, "delta", {"d": "e" * 100}) for n in range(1, 11)])
+        s.set_task_status(owner, tid, "completed", result={"ok": True})
+        s.idempotency_begin(owner, f"key_{i}", "h")
+        assert s.idempotency_finish(owner, f"key_{i}", 200, b"i" * 1000, {})
+        clock.advance(1)
+
+    with backend.open(clock=clock, retention=retention) as s:
+        for i in range(3):  # alice's, the oldest of all: ~3 KB of each kind, well within half the budget
+            write(s, "alice", i)
+        for i in range(60):  # mallory's: three times the whole budget of each kind
+            write(s, "mallory", i)
+        removed = s.prune()
+        for i in range(3):
+            assert s.get_conversation("alice", f"conv_alice_{i}") is not None
+            assert s.get_response("alice", f"resp_alice_{i}") is not None
+            assert len(s.events_after("alice", f"task_alice_{i}", 0)) == 10
+            assert s.idempotency_begin("alice", f"key_{i}", "h").outcome is BeginOutcome.REPLAY
+        assert all(removed[kind] > 0 for kind in ("responses", "conversations", "event_logs", "tasks",
+                                                   "idempotency_keys")), removed
+        # Mallory lost its oldest, kept its newest, and everything fits again.
+        assert s.get_conversation("mallory", "conv_mallory_0") is None
+        assert s.get_conversation("mallory", "conv_mallory_59") is not None
+        assert s.idempotency_begin("mallory", "key_59", "h").outcome is BeginOutcome.REPLAY
+        for table, column in (("responses", "bytes"), ("conversations", "bytes"), ("tasks", "bytes"),
+                              ("tasks", "events_bytes"), ("idempotency_keys", "bytes")):
+            held = owner_bytes(backend, table, column)
+            assert sum(held.values()) <= budget, (table, column, held)
+            assert held["mallory"] > budget // 2, (table, column, held)  # what alice leaves is mallory's
+
+
+def test_idempotency_replies_have_a_byte_budget(backend: Backend, clock: FakeClock) -> None:
+    with backend.open(clock=clock, retention=Retention(max_idempotency_bytes=5_000)) as s:
+        for i in range(10):
+            s.idempotency_begin("a", f"key_{i}", "h")
+            assert s.idempotency_finish("a", f"key_{i}", 200, b"x" * 1000, {})
+            clock.advance(1)
+        s.idempotency_begin("a", "running", "h")  # in progress: guards a run, never pruned
+        assert s.stats()["idempotency_bytes"] > 10_000
+        assert s.prune()["idempotency_keys"] == 6
+        assert s.stats()["idempotency_bytes"] <= 5_000
+        kept = [i for i in range(10) if s.idempotency_begin("a", f"key_{i}", "h").outcome is BeginOutcome.REPLAY]
+        assert kept == [6, 7, 8, 9]
+        assert s.idempotency_begin("a", "running", "h").outcome is BeginOutcome.IN_PROGRESS
+
+
 # --- idempotency -------------------------------------------------------------------------
 
 
@@ -879,7 +955,7 @@ _CRASHING_CHILD = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, sys.argv[2])
-    from lmspd.store import open_store
+    from lmspd.store import open_store, pruning
 
     # A short lease: on a shared store, the survivor may take over soon.
     s = open_store(sys.argv[1], lease_s=0.3)
