@@ -79,7 +79,10 @@ class Plan:
 def output_budget(model: ServedModel) -> int:
     """The output a client should ask for: lmspd's default ceiling (8192)
     at most, and never more than a quarter of the window, so that the
-    prompt keeps most of it."""
+    prompt keeps most of it; or what ``--max-output-tokens`` asked, within
+    the window (on a slow machine an answer of 8192 tokens takes minutes)."""
+    if model.max_output_tokens is not None:
+        return max(1, min(model.max_output_tokens, model.context_window))
     return max(256, min(8192, model.context_window // 4))
 
 

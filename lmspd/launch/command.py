@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -43,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--model", default=None, metavar="ID", help="the served model to use (default: the first)")
     launch.add_argument("--small-model", default=None, metavar="ID",
                         help="the client's small/fast model, where it has one (default: --model)")
+    launch.add_argument("--max-output-tokens", type=_positive, default=None, metavar="N",
+                        help="the most output tokens the client asks for per answer (default: 8192, at most a "
+                             "quarter of the model's window)")
     launch.add_argument("--print", action="store_true", dest="print_only",
                         help="only show what would be written and run")
     launch.add_argument("--no-start", action="store_true",
@@ -69,6 +73,8 @@ def run(args: argparse.Namespace, client_args: list[str]) -> int:
                 return 2
             started = _start_server(url, data_dir)
             served = _wait_ready(url, key, started)
+        if args.max_output_tokens is not None:
+            served = [replace(m, max_output_tokens=args.max_output_tokens) for m in served]
         try:
             main = _pick(served, args.model, "--model")
             small = _pick(served, args.small_model, "--small-model") if args.small_model else main
@@ -102,6 +108,13 @@ def run(args: argparse.Namespace, client_args: list[str]) -> int:
     finally:
         if started is not None:
             _stop(started)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _pick(served: list[ServedModel], wanted: str | None, flag: str) -> ServedModel:

@@ -32,6 +32,9 @@ class ServedModel:
     context_window: int
     reasoning: bool
     tools: bool
+    # What a launch asks the client to request per answer at most
+    # (``lmspd launch --max-output-tokens``); None: ``output_budget``'s rule.
+    max_output_tokens: int | None = None
 
 
 def read_served(base_url: str, api_key: str | None, *, timeout: float = 10.0) -> list[ServedModel]:

@@ -21,6 +21,12 @@ from support.server import MODEL
 ROOT = Path(__file__).resolve().parents[2]
 CLAUDE = Path(os.environ.get("LMSPD_CLAUDE", ROOT / ".tools/claude/node_modules/.bin/claude"))
 TURN_TIMEOUT_S = 1200
+# What bounds the turn's time on two cores: Claude Code's built-in tools are
+# 32 KB of its 50 KB request (~12k tokens to prefill), so only Read is
+# offered (``--tools``), and each answer is capped: at launch's default of
+# 8192 tokens one answer of the 135M model can take minutes (the test took
+# 452 s in CI with both).
+MAX_OUTPUT = 256
 
 pytestmark = pytest.mark.skipif(not CLAUDE.exists(), reason=f"Claude Code is not installed at {CLAUDE} "
                                                             "(./dev.sh test installs it when npm is available)")
@@ -34,9 +40,9 @@ def test_launch_claude_then_one_print_turn(default_server, tmp_path):
     before = default_server.log()
     done = subprocess.run(
         [sys.executable, "-m", "lmspd", "launch", "claude", "--url", default_server.url,
-         "--data-dir", str(tmp_path / "data"), "--bin", str(CLAUDE), "--",
+         "--data-dir", str(tmp_path / "data"), "--bin", str(CLAUDE), "--max-output-tokens", str(MAX_OUTPUT), "--",
          "-p", "Use the Read tool to read notes.txt, then tell me what it says.",
-         "--output-format", "stream-json", "--verbose", "--allowedTools", "Read", "--max-turns", "3"],
+         "--output-format", "stream-json", "--verbose", "--tools", "Read", "--allowedTools", "Read", "--max-turns", "3"],
         cwd=work, env={**os.environ, "HOME": str(home)}, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=TURN_TIMEOUT_S + 60)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

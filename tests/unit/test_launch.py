@@ -110,6 +110,24 @@ def test_a_changed_window_is_shown_as_a_diff(stub_url, tmp_path, capsys):
     assert json.loads(catalog.read_text())["models"][0]["context_window"] == 32768
 
 
+@pytest.mark.parametrize(("client", "setting", "models"), [
+    ("claude", '"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "300"', 1),  # the main model's
+    ("pi", '"maxTokens": 300', 2),  # each served model's
+    ("opencode", '"output": 300', 2),
+])
+def test_max_output_tokens_reaches_the_clients_config(client, setting, models, stub_url, tmp_path, capsys):
+    code, out, _ = launch(capsys, client, "--print", "--url", stub_url, "--data-dir", str(tmp_path),
+                          "--max-output-tokens", "300")
+    assert code == 0
+    assert out.count(setting) == models, out
+
+
+def test_max_output_tokens_must_be_positive(stub_url, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["launch", "claude", "--print", "--url", stub_url, "--max-output-tokens", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
 def test_a_model_that_is_not_served_is_refused(stub_url, tmp_path, capsys):
     code, _, err = launch(capsys, "claude", "--print", "--url", stub_url, "--data-dir", str(tmp_path),
                           "--model", "llama-70b")
