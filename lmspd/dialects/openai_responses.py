@@ -21,7 +21,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
-from .extensions import Extensions, decode_extensions
+from .extensions import Extensions, decode_extensions, response_extensions
 from .responses_items import (
     COMPACTION_TRIGGER,
     Expansion,
@@ -368,21 +368,6 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def cache_extension(state: ResponseState) -> dict[str, Any] | None:
-    """LMSP's ``extensions.lmspd.cache``, also on this dialect's responses
-    (an SDK keeps unknown fields): lmspd.cache.diagnostics."""
-    usage = state.usage
-    if usage is None:
-        return None
-    out: dict[str, Any] = {}
-    if usage.cache_report is not None:
-        out["lmspd.cache"] = usage.cache_report.as_json()
-    if usage.decode_report is not None:
-        # Speculative decoding: drafted and accepted tokens by source.
-        out["lmspd.decode"] = usage.decode_report.as_json()
-    return out or None
-
-
 def usage_json(state: ResponseState) -> dict[str, Any] | None:
     u = state.usage
     if u is None:
@@ -423,9 +408,9 @@ def response_json(state: ResponseState) -> dict[str, Any]:
     }
     body.update(DEFAULT_ECHO)
     body.update(state.echo)
-    cache = cache_extension(state)
-    if cache is not None:
-        body["extensions"] = cache
+    extensions = response_extensions(state)
+    if extensions is not None:
+        body["extensions"] = extensions
     return body
 
 
