@@ -21,7 +21,13 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.core.sealing import Sealer
 from lmspd.dialects import openai_responses
-from lmspd.dialects.responses_items import Expansion, decode_items
+from lmspd.dialects.responses_items import (
+    ADDITIONAL_TOOLS,
+    Expansion,
+    additional_tools,
+    additional_tools_items,
+    decode_items,
+)
 from lmspd.store.base import JSON, ChainError, Store, ensure_item_ids
 from lmspd.streaming.session import ResponseState
 
@@ -51,12 +57,28 @@ def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "
         return compaction.expand(sealer, blob, where, item_id, owner)
 
     try:
-        return decode_items(items, _STORED, path=where, open_compaction=open_compaction, expansion=expansion)
+        # additional_tools items declare tools, no part of the window:
+        # ``StoredContext.declared_tools`` reads them.
+        return decode_items(items, _STORED, path=where, open_compaction=open_compaction, expansion=expansion,
+                            additional_tools=True)
     except ApiError as exc:
         if where != "stored items" and exc.param is not None and exc.param.startswith(where):
             # The message says which stored item; the param is the field the client sent.
             exc.param = where
         raise
+
+
+def _latest_declaration(items: list[JSON]) -> list[JSON]:
+    """The ``additional_tools`` items the latest request among ``items``
+    declared: a request stores its own together, first
+    (``ResponseRecord``), and a conversation holds many requests' input."""
+    places = {i for i, _ in additional_tools_items(items)}
+    if not places:
+        return []
+    end = start = max(places)
+    while start - 1 in places:
+        start -= 1
+    return items[start:end + 1]
 
 
 @dataclass
@@ -67,13 +89,40 @@ class StoredContext:
     owner: str
     # The server key, to expand compaction items (``lmspd.core.compaction``).
     sealer: Sealer | None = None
+    # The stored input lists ``history`` read, newest first, by what named
+    # them: ``declared_tools`` then reads the same history without asking
+    # the store again.
+    _inputs: dict[tuple[str | None, str | None], list[list[JSON]]] = field(default_factory=dict, init=False,
+                                                                           repr=False)
 
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item:
         return compaction.expand(self.sealer, blob, where, item_id, self.owner)
 
-    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
-        # A stored response keeps its items, not the tools an
-        # ``additional_tools`` item declared: the client sends them again.
+    def declared_tools(self, previous_response_id: str | None,
+                       conversation_id: str | None) -> list[tuple[str, Any]]:
+        inputs = self._inputs.get((previous_response_id, conversation_id))
+        if inputs is None:
+            inputs = self._read_inputs(previous_response_id, conversation_id)
+        where = "previous_response_id" if previous_response_id is not None else "conversation"
+        # The latest declaration holds, as a turn's own item replaces its
+        # history's (``openai_responses.decode_request``).
+        for items in inputs:
+            declared = additional_tools(_latest_declaration(items), where)
+            if declared:
+                return declared
+        return []
+
+    def _read_inputs(self, previous_response_id: str | None, conversation_id: str | None) -> list[list[JSON]]:
+        # What ``history`` would have read; a history it cannot read is its
+        # error to report, not this one's.
+        if previous_response_id is not None:
+            try:
+                links = self.store.response_chain(self.owner, previous_response_id)
+            except ChainError:
+                return []
+            return [link.input_items for link in reversed(links or [])]
+        if conversation_id is not None:
+            return [self.store.conversation_items(self.owner, conversation_id) or []]
         return []
 
     def history(self, previous_response_id: str | None, conversation_id: str | None,
@@ -85,6 +134,7 @@ class StoredContext:
             if items is None:
                 raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
                                param="conversation")
+            self._inputs[(None, conversation_id)] = [items]
             return stored_items(items, self.sealer, self.owner, expansion, "conversation")
         return []
 
@@ -105,6 +155,7 @@ class StoredContext:
         if previous is not None and previous.get("status") in ("queued", "in_progress"):
             raise invalid(f"Previous response {response_id!r} is still {previous['status']}; "
                           "wait for it to finish.", "previous_response_id")
+        self._inputs[(response_id, None)] = [link.input_items for link in reversed(links)]
         # The model sees prev.input + prev.output + input, oldest link first.
         items: list[Item] = []
         for link in links:
@@ -117,6 +168,11 @@ class StoredContext:
         if found is None:
             raise invalid(f"'{where}' references item {item_id!r}, which is not stored (or was deleted); "
                           "send the item itself.", where)
+        if found.get("type") == ADDITIONAL_TOOLS:
+            # Its tools are a request's, not an item of the window a
+            # reference stands in for.
+            raise invalid(f"'{where}' references item {item_id!r}, an additional_tools item, which cannot be "
+                          "referenced; send the item itself.", where)
         return stored_items([found], self.sealer, self.owner)[0]
 
 
@@ -133,6 +189,9 @@ class ResponseRecord:
     keep: bool
     previous_response_id: str | None = None
     conversation_id: str | None = None
+    # Its ``additional_tools`` items, stored as they came: a continuation
+    # read from the store keeps their tools (``StoredContext.declared_tools``).
+    tool_items: list[JSON] = field(default_factory=list)
     _stored_input: list[JSON] | None = field(default=None, init=False)
     _put: bool = field(default=False, init=False)
 
@@ -140,8 +199,10 @@ class ResponseRecord:
         # Ids are assigned once, so the stored response and the conversation
         # name the same item by the same id.
         if self._stored_input is None:
+            # First, as Codex sends them: they declare tools for the whole
+            # request wherever they stand.
             self._stored_input = ensure_item_ids(
-                [openai_responses.input_item_json(i) for i in self.input_items])
+                self.tool_items + [openai_responses.input_item_json(i) for i in self.input_items])
         return self._stored_input
 
     def created(self, state: ResponseState) -> None:

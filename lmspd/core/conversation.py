@@ -195,8 +195,10 @@ class Conversation:
     cache_reuse: bool = True
     # False: the engine does not speculate for this request (``lmspd.speculative``).
     speculative: bool = True
-    # Responses replays of a reasoning model's tool-call turns must carry the
-    # reasoning (items or encrypted_content) unless a cached state explains them.
+    # Responses replays of a reasoning model's tool-call turns render as the
+    # model saw them only with their reasoning (items or encrypted_content):
+    # a bare one continues a cached state that holds it, or renders without
+    # it and is diagnosed ``reasoning_stripped`` (accepted, as OpenAI does).
     require_reasoning_state: bool = False
     # The credential's owner: remembered KV state is reused only for the
     # owner whose request left it (cached-token counts, a continuation's

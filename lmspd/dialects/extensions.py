@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from lmspd.core.errors import invalid
+from lmspd.streaming.session import ResponseState
 
 from .responses_items import Strict, validation_error
 
@@ -62,3 +63,20 @@ def decode_extensions(raw: dict[str, Any] | None) -> Extensions:
         elif isinstance(parsed, CacheExtension):
             out.cache_reuse = parsed.reuse
     return out
+
+
+def response_extensions(state: ResponseState) -> dict[str, Any] | None:
+    """The ``extensions`` a finished response carries, in both Responses
+    dialects (an OpenAI SDK keeps unknown fields): ``lmspd.cache``, what the
+    prompt reused and, when it reused less than the cache remembers, why
+    (lmspd.cache.diagnostics); ``lmspd.decode``, speculative decoding's
+    drafted and accepted tokens by source."""
+    usage = state.usage
+    if usage is None:
+        return None
+    out: dict[str, Any] = {}
+    if usage.cache_report is not None:
+        out["lmspd.cache"] = usage.cache_report.as_json()
+    if usage.decode_report is not None:
+        out["lmspd.decode"] = usage.decode_report.as_json()
+    return out or None

@@ -19,7 +19,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
-from .extensions import Extensions, decode_extensions
+from .extensions import Extensions, decode_extensions, response_extensions
 from .responses_items import (
     Expansion,
     StoredContext,
@@ -186,25 +186,10 @@ def response_json(state: ResponseState) -> dict[str, Any]:
         "error": error_json(state),
         "incomplete_details": {"reason": state.incomplete_reason} if state.incomplete_reason else None,
     }
-    cache = cache_extension(state)
-    if cache is not None:
-        body["extensions"] = cache
+    extensions = response_extensions(state)
+    if extensions is not None:
+        body["extensions"] = extensions
     return body
-
-
-def cache_extension(state: ResponseState) -> dict[str, Any] | None:
-    """``extensions.lmspd.cache``: what the prompt reused and, when it reused
-    less than the cache remembers, why (lmspd.cache.diagnostics)."""
-    usage = state.usage
-    if usage is None:
-        return None
-    out: dict[str, Any] = {}
-    if usage.cache_report is not None:
-        out["lmspd.cache"] = usage.cache_report.as_json()
-    if usage.decode_report is not None:
-        # Speculative decoding: drafted and accepted tokens by source.
-        out["lmspd.decode"] = usage.decode_report.as_json()
-    return out or None
 
 
 class LmspEncoder:

@@ -21,7 +21,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
-from .extensions import Extensions, decode_extensions
+from .extensions import Extensions, decode_extensions, response_extensions
 from .responses_items import (
     COMPACTION_TRIGGER,
     Expansion,
@@ -29,6 +29,7 @@ from .responses_items import (
     StoredContext,
     Strict,
     additional_tools,
+    additional_tools_items,
     check_metadata,
     decode_items,
     decode_json_format,
@@ -114,11 +115,15 @@ class OpenAIRequest:
 
     def __init__(self, body: CreateResponse, conversation: Conversation, extensions: Extensions,
                  input_items: list[Item], *, compaction_trigger: bool = False,
-                 declared_tools: list[tuple[str, Any]] | None = None) -> None:
+                 declared_tools: list[tuple[str, Any]] | None = None,
+                 tool_items: list[dict[str, Any]] | None = None) -> None:
         self.body = body
         # Tools an ``additional_tools`` item declared (this request's, or
-        # its chain's): a turn that continues this one inherits them.
+        # its history's): a turn that continues this one inherits them.
         self.declared_tools = declared_tools or []
+        # This request's own ``additional_tools`` items: stored with its
+        # input, so that a continuation read from the store finds them.
+        self.tool_items = tool_items or []
         self.conversation = conversation
         self.extensions = extensions
         self.input_items = input_items
@@ -175,12 +180,14 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
                          resolve_reference=context.resolve_reference if context is not None else None,
                          open_compaction=context.open_compaction if context is not None else None,
                          expansion=expansion, additional_tools=True)
-    history = stored_history(context, body.previous_response_id, conversation_id(body.conversation), expansion)
+    conv_id = conversation_id(body.conversation)
+    history = stored_history(context, body.previous_response_id, conv_id, expansion)
     # Codex's Responses Lite declares its tools in the input instead; the
-    # item is part of the conversation, so a continuation keeps its tools.
+    # item is part of the conversation, so a continuation keeps its tools
+    # (until an item of its own declares others), as it keeps its messages.
     declared = additional_tools(raw_input)
-    if not declared and body.previous_response_id is not None and context is not None:
-        declared = context.declared_tools(body.previous_response_id)
+    if not declared and context is not None and (body.previous_response_id is not None or conv_id is not None):
+        declared = context.declared_tools(body.previous_response_id, conv_id)
     tools = decode_tools(body.tools, limits, more=declared)
     choice = decode_tool_choice(body.tool_choice, tools)
     fmt = decode_json_format(body.text.format if body.text else None, "text.format")
@@ -201,12 +208,13 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         include_encrypted_reasoning="reasoning.encrypted_content" in (body.include or []),
         prompt_cache_key=body.prompt_cache_key,
         previous_response_id=body.previous_response_id,
-        conversation_id=conversation_id(body.conversation),
+        conversation_id=conv_id,
         cache_reuse=extensions.cache_reuse,
         speculative=extensions.speculative,
         require_reasoning_state=True,
     )
-    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger, declared_tools=declared)
+    return OpenAIRequest(body, conversation, extensions, items, compaction_trigger=trigger, declared_tools=declared,
+                         tool_items=[entry for _, entry in additional_tools_items(raw_input)])
 
 
 def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], bool]:
@@ -368,21 +376,6 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def cache_extension(state: ResponseState) -> dict[str, Any] | None:
-    """LMSP's ``extensions.lmspd.cache``, also on this dialect's responses
-    (an SDK keeps unknown fields): lmspd.cache.diagnostics."""
-    usage = state.usage
-    if usage is None:
-        return None
-    out: dict[str, Any] = {}
-    if usage.cache_report is not None:
-        out["lmspd.cache"] = usage.cache_report.as_json()
-    if usage.decode_report is not None:
-        # Speculative decoding: drafted and accepted tokens by source.
-        out["lmspd.decode"] = usage.decode_report.as_json()
-    return out or None
-
-
 def usage_json(state: ResponseState) -> dict[str, Any] | None:
     u = state.usage
     if u is None:
@@ -423,9 +416,9 @@ def response_json(state: ResponseState) -> dict[str, Any]:
     }
     body.update(DEFAULT_ECHO)
     body.update(state.echo)
-    cache = cache_extension(state)
-    if cache is not None:
-        body["extensions"] = cache
+    extensions = response_extensions(state)
+    if extensions is not None:
+        body["extensions"] = extensions
     return body
 
 

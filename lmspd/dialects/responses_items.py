@@ -72,10 +72,11 @@ class StoredContext(Protocol):
 
     def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item: ...
 
-    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
-        """The tools the ``additional_tools`` items of the chain that
-        ``previous_response_id`` names declared, as ``additional_tools()``
-        gives them (where it still knows them)."""
+    def declared_tools(self, previous_response_id: str | None,
+                       conversation_id: str | None) -> list[tuple[str, Any]]:
+        """The tools the latest ``additional_tools`` items of the history that
+        ``previous_response_id`` or ``conversation_id`` names declared, as
+        ``additional_tools()`` gives them."""
         ...
 
 
@@ -597,12 +598,8 @@ def additional_tools(raw: str | list[Any], path: str = "input") -> list[tuple[st
     """The tools ``raw`` input's ``additional_tools`` items declare, as
     ``(where, tool)`` pairs for ``decode_tools`` (``decode_items`` given
     ``additional_tools=True`` then passes over those items)."""
-    if isinstance(raw, str):
-        return []
     tools: list[tuple[str, Any]] = []
-    for i, entry in enumerate(raw):
-        if not (isinstance(entry, dict) and entry.get("type") == ADDITIONAL_TOOLS):
-            continue
+    for i, entry in additional_tools_items(raw):
         where = f"{path}[{i}]"
         try:
             parsed = AdditionalToolsIn.model_validate(entry)
@@ -610,6 +607,19 @@ def additional_tools(raw: str | list[Any], path: str = "input") -> list[tuple[st
             raise validation_error(exc, where) from None
         tools += [(f"{where}.tools[{j}]", tool) for j, tool in enumerate(parsed.tools)]
     return tools
+
+
+def additional_tools_item(declared: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """One item that declares ``declared`` (``additional_tools()`` pairs) again."""
+    return {"type": ADDITIONAL_TOOLS, "role": "developer", "tools": [tool for _, tool in declared]}
+
+
+def additional_tools_items(raw: str | list[Any]) -> list[tuple[int, dict[str, Any]]]:
+    """``raw`` input's ``additional_tools`` items, with their places."""
+    if isinstance(raw, str):
+        return []
+    return [(i, entry) for i, entry in enumerate(raw)
+            if isinstance(entry, dict) and entry.get("type") == ADDITIONAL_TOOLS]
 
 
 def _function_tool(parsed: FunctionToolIn, where: str, limits: RequestLimits) -> FunctionTool:

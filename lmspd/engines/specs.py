@@ -168,27 +168,27 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
 
 def parse_ctx(value: int | str) -> int | None:
     """``--ctx``: ``auto`` (None), 0 (the trained length) or a number of tokens."""
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"--ctx must be 'auto' or a number of tokens, not {value!r}") from None
-    if not 0 <= n <= 1 << 24:
-        raise ValueError("--ctx must be between 0 (the trained length) and 16777216")
-    return n
+    return _word_or_count("--ctx", value, "auto", "a number of tokens", top=1 << 24,
+                          bounds="between 0 (the trained length) and 16777216")
 
 
 def parse_gpu_layers(value: int | str) -> int | None:
     """``--gpu-layers``: ``all`` (None: every layer that fits) or a number of layers."""
-    if value == "all":
+    return _word_or_count("--gpu-layers", value, "all", "a number of layers", bounds=">= 0 (or 'all')")
+
+
+def _word_or_count(flag: str, value: int | str, word: str, count: str, *, bounds: str,
+                   top: int | None = None) -> int | None:
+    """``word`` (None: lmspd decides) or a whole number from 0 to ``top``;
+    the same words for a flag and for a config file's key."""
+    if value == word:
         return None
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"--gpu-layers must be 'all' or a number of layers, not {value!r}") from None
-    if n < 0:
-        raise ValueError("--gpu-layers must be >= 0 (or 'all')")
+        raise ValueError(f"{flag} must be {word!r} or {count}, not {value!r}") from None
+    if n < 0 or (top is not None and n > top):
+        raise ValueError(f"{flag} must be {bounds}")
     return n
 
 

@@ -28,6 +28,7 @@ from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
+from lmspd.dialects.responses_items import additional_tools_item
 from lmspd.dialects.session import AgentLineage, agent_lineage, session_key
 from lmspd.history import ResponseRecord, StoredContext
 from lmspd.http import (
@@ -175,10 +176,15 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else ())
     previous = req.previous_response_id
     input_items = req.input_items
+    tool_items = list(getattr(req, "tool_items", []))
     if continued is not None and not continued.stored:
         input_items, previous = list(continued.items) + input_items, None
-    record = ResponseRecord(app.store, owner, input_items, keep=req.store,
-                            previous_response_id=previous, conversation_id=req.conversation_id)
+        if not tool_items and continued.tools:
+            # The record stands alone, without the response whose item
+            # declared the tools this turn keeps: it declares them itself.
+            tool_items = [additional_tools_item(continued.tools)]
+    record = ResponseRecord(app.store, owner, input_items, keep=req.store, previous_response_id=previous,
+                            conversation_id=req.conversation_id, tool_items=tool_items)
     return Turn(dialect, req, run, session, record, background, app.calls, window)
 
 

@@ -120,11 +120,12 @@ class ConnectionContext:
             return expansion.add_all(list(latest.items), "previous_response_id")
         return self._stored.history(previous_response_id, conversation_id, expansion)
 
-    def declared_tools(self, previous_response_id: str) -> list[tuple[str, Any]]:
+    def declared_tools(self, previous_response_id: str | None,
+                       conversation_id: str | None) -> list[tuple[str, Any]]:
         latest = self._latest
-        if latest is not None and previous_response_id == latest.response_id:
+        if latest is not None and previous_response_id is not None and previous_response_id == latest.response_id:
             return list(latest.tools)
-        return self._stored.declared_tools(previous_response_id)
+        return self._stored.declared_tools(previous_response_id, conversation_id)
 
     def resolve_reference(self, item_id: str, where: str) -> Item:
         return self._stored.resolve_reference(item_id, where)

@@ -22,15 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from support.npm import dev_client
 from support.server import MODEL, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
-CODEX = Path(os.environ.get("LMSPD_CODEX", ROOT / ".tools/codex/node_modules/.bin/codex"))
+CODEX, pytestmark = dev_client("codex", "LMSPD_CODEX", "the Codex CLI")
 # Codex's first request is ~9k tokens, prefilled on two CPU cores.
 TURN_TIMEOUT_S = 900
-
-pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"the Codex CLI is not installed at {CODEX} "
-                                                           "(./dev.sh test installs it when npm is available)")
 
 
 @pytest.fixture(scope="module")

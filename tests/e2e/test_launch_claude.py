@@ -12,14 +12,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
+from support.npm import dev_client
 from support.server import MODEL
 
-ROOT = Path(__file__).resolve().parents[2]
-CLAUDE = Path(os.environ.get("LMSPD_CLAUDE", ROOT / ".tools/claude/node_modules/.bin/claude"))
+CLAUDE, pytestmark = dev_client("claude", "LMSPD_CLAUDE", "Claude Code")
 TURN_TIMEOUT_S = 1200
 # What bounds the turn's time on two cores: Claude Code's built-in tools are
 # 32 KB of its 50 KB request (~12k tokens to prefill), so only Read is
@@ -27,9 +24,6 @@ TURN_TIMEOUT_S = 1200
 # 8192 tokens one answer of the 135M model can take minutes (the test took
 # 452 s in CI with both).
 MAX_OUTPUT = 256
-
-pytestmark = pytest.mark.skipif(not CLAUDE.exists(), reason=f"Claude Code is not installed at {CLAUDE} "
-                                                            "(./dev.sh test installs it when npm is available)")
 
 
 def test_launch_claude_then_one_print_turn(default_server, tmp_path):

@@ -13,21 +13,16 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
-import pytest
 
+from support.npm import dev_client
 from support.server import MODEL
 
-ROOT = Path(__file__).resolve().parents[2]
-CODEX = Path(os.environ.get("LMSPD_CODEX", ROOT / ".tools/codex/node_modules/.bin/codex"))
+CODEX, pytestmark = dev_client("codex", "LMSPD_CODEX", "the Codex CLI")
 # ~5k tokens of prompt on two shared cores: 7 min measured on a loaded machine, 16+ on a busier one.
 TURN_TIMEOUT_S = 1800
 USER_CONFIG = b'# my own settings\nmodel = "gpt-5.5"\n\n[model_providers.mine]\nname = "mine"\nbase_url = "https://example.invalid/v1"\n'
-
-pytestmark = pytest.mark.skipif(not CODEX.exists(), reason=f"the Codex CLI is not installed at {CODEX} "
-                                                           "(./dev.sh test installs it when npm is available)")
 
 
 def test_launch_codex_then_one_exec_turn(default_server, tmp_path):

@@ -1,6 +1,8 @@
 """The npm-installed agent clients the end-to-end tests drive.
 
-Installed once into a cache directory (``$LMSPD_TEST_CACHE/npm``, default
+``dev_client``: the Codex CLI and Claude Code that ``./dev.sh test``
+installs into ``.tools/`` at the versions it pins. The others are installed
+once into a cache directory (``$LMSPD_TEST_CACHE/npm``, default
 ``~/.cache/lmspd-tests/npm``) at the versions the client captures in
 shared/clients/ were made with, and reused while those versions stay the
 same. Without npm the caller skips; an install that fails is a failure.
@@ -14,6 +16,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 PACKAGES = {
     "@openai/codex": "0.171.0",
@@ -65,3 +69,11 @@ def codex(prefix: Path) -> Path:
 
 def pi_cli(prefix: Path) -> Path:
     return prefix / "node_modules" / "@mariozechner" / "pi-coding-agent" / "dist" / "cli.js"
+
+
+def dev_client(name: str, env: str, what: str) -> tuple[Path, pytest.MarkDecorator]:
+    """``.tools/<name>``'s binary (``env`` names another one) and the mark
+    that skips a test module without it."""
+    path = Path(os.environ.get(env, Path(__file__).resolve().parents[2] / f".tools/{name}/node_modules/.bin/{name}"))
+    return path, pytest.mark.skipif(not path.exists(), reason=f"{what} is not installed at {path} "
+                                                              "(./dev.sh test installs it when npm is available)")

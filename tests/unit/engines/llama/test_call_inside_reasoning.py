@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmspd.cache.manager import CachePlan
 from lmspd.core.conversation import Conversation, FunctionTool, Message, ToolChoice
-from lmspd.core.events import Finished, ReasoningDelta, ReasoningDone, TextDelta, ToolCallDone, ToolCallStarted, Usage
-from lmspd.core.limits import RequestLimits
-from lmspd.engines.base import CancelToken
-from lmspd.engines.llama.generation import Generation
+from lmspd.core.events import Finished, ReasoningDelta, ReasoningDone, TextDelta, ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.preparation import LlamaPrepared
 from lmspd.engines.llama.reasoning import ReasoningSplitter, ReasoningSyntax
 from lmspd.engines.llama.template import ChatTemplate
 from lmspd.engines.llama.tool_formats import detect_tool_format
 from lmspd.engines.llama.tool_formats.hermes import HermesFormat
+from support.generation_rig import EOG, PROMPT, ToyVocab, toy_generation
 
 FIXTURE = Path(__file__).parents[3] / "fixtures" / "thinking_chatml.jinja"
 TEMPLATE = ChatTemplate(FIXTURE.read_text())
@@ -35,52 +31,18 @@ LOOKUP = FunctionTool("lookup", parameters={"type": "object", "properties": {"q"
                                             "required": ["q"], "additionalProperties": False})
 THOUGHT = "The user wants the weather. I will look it up."
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "Paris weather"}}\n</tool_call>'
-EOG = 0
-PROMPT = [1, 2, 3]
-
-
-class Vocab:
-    """Token ids for whole strings (the test decides where tokens end)."""
-
-    def __init__(self) -> None:
-        self.pieces: dict[int, bytes] = {EOG: b""}
-
-    def id(self, text: str) -> int:
-        for token, piece in self.pieces.items():
-            if token != EOG and piece == text.encode():
-                return token
-        self.pieces[len(self.pieces) + 100] = text.encode()
-        return len(self.pieces) + 99
-
-    def piece(self, token: int) -> bytes:
-        return self.pieces[token]
-
-    def is_eog(self, token: int) -> bool:
-        return token == EOG
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.pieces[t] for t in tokens).decode()
-
-    def tokenize(self, text: str) -> list[int]:
-        return [self.id(ch) for ch in text]
 
 
 def generate(pieces: list[str], *, fmt=None, tools=(LOOKUP,), choice: str = "auto") -> list:
     """The engine events of a generation whose sampled tokens are ``pieces``."""
-    vocab = Vocab()
-    fmt = fmt or detect_tool_format(TEMPLATE.source)
+    vocab = ToyVocab()
     events: list = []
-    engine = SimpleNamespace(
-        vocab=vocab, preparation=SimpleNamespace(sampler=lambda prepared: None), tool_format=fmt,
-        parse_always=False, reasoning=SYNTAX, limits=RequestLimits(repetition_window=0), stats_=SimpleNamespace(),
-        info=SimpleNamespace(id="m"), sealer=None, turn_ends_with=lambda text: True,
-        visible_transcript=lambda conversation, outputs, eog: None)
     conv = Conversation(model="m", items=[Message("user", "Weather in Paris?")], tools=list(tools),
                         tool_choice=ToolChoice(mode=choice), reasoning_effort="high")
     prepared = LlamaPrepared(conversation=conv, text="PROMPT", tokens=list(PROMPT), max_new_tokens=256,
                              tools=list(tools) if choice != "none" else [])
-    gen = Generation(engine, prepared, CachePlan("cold", 0, list(PROMPT), "PROMPT"), CancelToken(),  # type: ignore[arg-type]
-                     events.append, Usage(), response_id=None, kv_tokens=list(PROMPT), remember=lambda state: None)
+    gen = toy_generation(vocab, prepared, reasoning=SYNTAX, tool_format=fmt or detect_tool_format(TEMPLATE.source),
+                         on_event=events.append)
     for text in [*pieces, ""]:
         gen.kv_tokens.extend(gen.before_sample())
         gen.kv_tokens.extend(gen.on_token(vocab.id(text) if text else EOG))

@@ -2,70 +2,30 @@
 checkpoint a non-trimmable KV keeps there (``Generation.take_reasoning_end``):
 the KV's token count at the last token boundary that holds hidden text only,
 and the sampled text past the prompt those tokens hold. Driven token by
-token as the scheduler does (a token is evaluated after ``on_token``
-returns it), over a toy vocabulary whose tokens are whole strings."""
+token as the scheduler does, over a toy vocabulary whose tokens are whole
+strings (tests/support/generation_rig.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lmspd.cache.manager import CachePlan
 from lmspd.core.conversation import Conversation, Message, Sampling
-from lmspd.core.events import Usage
-from lmspd.core.limits import RequestLimits
-from lmspd.engines.base import CancelToken
 from lmspd.engines.llama.generation import Generation
 from lmspd.engines.llama.preparation import LlamaPrepared
 from lmspd.engines.llama.reasoning import BUDGETS, ReasoningSyntax
-
-PROMPT = [1, 2, 3]  # what the KV holds before the first sampled token
-EOG = 0
-
-
-class ToyVocab:
-    """Token ids for whole strings, allocated on first use."""
-
-    def __init__(self) -> None:
-        self.pieces: dict[int, bytes] = {EOG: b""}
-
-    def id(self, text: str) -> int:
-        for token, piece in self.pieces.items():
-            if piece == text.encode() and token != EOG:
-                return token
-        token = len(self.pieces) + 100
-        self.pieces[token] = text.encode()
-        return token
-
-    def piece(self, token: int) -> bytes:
-        return self.pieces[token]
-
-    def is_eog(self, token: int) -> bool:
-        return token == EOG
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.pieces[t] for t in tokens).decode()
-
-    def tokenize(self, text: str) -> list[int]:
-        return [self.id(ch) for ch in text]  # one token a character: the forced close is several
+from support.generation_rig import EOG, PROMPT, ToyVocab, toy_generation
 
 
 def generation(vocab: ToyVocab, *, effort: str | None = "high", stop: list[str] | None = None,
                include: bool = True, sealer: bool = True) -> Generation:
     """``include``: the request asks for the sealed reasoning; ``sealer``: the
     server can seal it. Both are needed for a replay to render it again."""
-    engine = SimpleNamespace(
-        vocab=vocab, preparation=SimpleNamespace(sampler=lambda prepared: None), tool_format=None,
-        parse_always=False, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
-        limits=RequestLimits(repetition_window=0), stats_=SimpleNamespace(), info=SimpleNamespace(id="m"),
-        sealer=SimpleNamespace(seal=lambda model, hidden, owner: "sealed") if sealer else None,
-        turn_ends_with=lambda text: True, visible_transcript=lambda conversation, outputs, eog: None)
     conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop or []),
                         reasoning_effort=effort, include_encrypted_reasoning=include)
     prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
                              stop=stop or [])
-    plan = CachePlan("cold", 0, list(PROMPT), "PROMPT<think>\n")
-    return Generation(engine, prepared, plan, CancelToken(), lambda event: None, Usage(), response_id=None,  # type: ignore[arg-type]
-                      kv_tokens=list(PROMPT), remember=lambda state: None)
+    return toy_generation(vocab, prepared, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
+                          sealer=SimpleNamespace(seal=lambda model, hidden, owner: "sealed") if sealer else None)
 
 
 def drive(gen: Generation, vocab: ToyVocab, pieces: list[str]) -> list[tuple[int, str]]:
