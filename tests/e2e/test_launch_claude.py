@@ -42,7 +42,7 @@ def test_launch_claude_then_one_print_turn(default_server, tmp_path):
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     result = [e for e in events if e.get("type") == "result"]
     assert result and not result[-1].get("is_error"), (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
-    # Whether the bundled 135M model calls Read for Claude Code's ~6k-token
+    # Whether the bundled 135M model calls Read for Claude Code's ~3k-token
     # prompt is up to the model: in CI it answered without calling it. What
     # this test holds is the client working end to end through the launch
     # configuration: Claude Code's requests (its tools among them) reach
