@@ -213,6 +213,12 @@ class ResponseRecord:
         if self._put:
             self.store.update_response(self.owner, state.id, openai_responses.response_json(state))
 
+    def writes_at_end(self, state: ResponseState) -> bool:
+        """Whether ``ended(state)`` writes anything: a ``store: false``
+        response outside a conversation does not, and its end need not wait
+        for a store thread (which a row lock or an emptied pool may hold)."""
+        return self.keep or (self.conversation_id is not None and state.status in _CONVERSATION_STATUSES)
+
     def ended(self, state: ResponseState) -> None:
         if self.keep:
             self._save(state)

@@ -247,6 +247,8 @@ async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
 
 async def _ended(turn: Turn, state: ResponseState) -> bool:
     """Store the final state; False if that failed (a full or broken disk)."""
+    if not turn.record.writes_at_end(state):
+        return True  # nothing to write: no queue behind a busy store
     try:
         await turn.calls(turn.record.ended, state)
     except Exception:

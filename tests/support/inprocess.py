@@ -79,8 +79,11 @@ def with_queue(limits: Limits, max_pending: int) -> Limits:
 
 
 class ThreadedServer:
-    """uvicorn, configured as ``lmspd serve`` configures it (lmspd.http11),
-    serving an in-process app on a free port in a background thread."""
+    """uvicorn, configured as ``lmspd serve`` configures it (lmspd.http11,
+    the app's lifespan on), serving an in-process app on a free port in a
+    background thread. Leaving it shuts the app down as ``lmspd serve``
+    does: its engines (an upstream engine's HTTP session), store calls and
+    store are closed (closing the store again afterwards is harmless)."""
 
     def __init__(self, app, limits: Limits = DEFAULT_LIMITS) -> None:
         import threading
@@ -89,7 +92,7 @@ class ThreadedServer:
 
         from lmspd.http11 import uvicorn_options
 
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                                 **uvicorn_options(limits.request))
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)

@@ -160,6 +160,10 @@ def test_keep_alive_events_continue_through_the_whole_generation(tmp_path):
         tool = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
         with ThreadedServer(CoalescingMiddleware(app), limits) as url:
             lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True, "tools": [tool]})
+        # The server's shutdown (the app's lifespan) closed the provider
+        # client's aiohttp session: none is left for the garbage collector to
+        # report in a later test ("Unclosed client session").
+        assert engine.client._http is not None and engine.client._http.closed
     finally:
         provider.stop()
     events = events_of(lines)

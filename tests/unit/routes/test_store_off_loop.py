@@ -1,7 +1,9 @@
 """The store never runs on the event loop: a stream's deltas keep their pace
 while another client writes to the store as hard as it can (8 MiB
 conversation items with ``Idempotency-Key``: a hash, an insert, and a
-fully synced commit of the 8 MiB reply, per request).
+fully synced commit of the 8 MiB reply, per request), and while the
+PostgreSQL store's calls wait on a row lock that another connection holds
+(and, behind them, on the connection pool and the store's own threads).
 
 The server is a real uvicorn on a socket (``ThreadedServer``) over a scripted
 engine that emits a delta every 10 ms, so the gap between deltas measures
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -73,6 +76,8 @@ def test_store_writes_leave_the_stream_alone(tmp_path) -> None:
             rest, _ = writer.communicate(timeout=30)
     store.close()
     statuses = [line.split(" ", 1)[0] for line in rest.splitlines()]
+    print(f"\nstore writes: stream's largest gap {loaded * 1000:.0f} ms (baseline {baseline * 1000:.0f} ms), "
+          f"{len(statuses) + 1} writes")
     assert statuses and set(statuses) <= {"200"}, rest[-500:]
     # Issue 31 asks for < 100 ms. Store calls on the loop gave ~1200 ms; off it
     # the gap is ~60-130 ms depending on the machine's load, because decoding
@@ -82,3 +87,95 @@ def test_store_writes_leave_the_stream_alone(tmp_path) -> None:
     # asserted (see the closing note of the session that wrote this).
     assert loaded < 0.5, f"largest gap between deltas {loaded * 1000:.0f} ms under store load " \
                          f"(baseline {baseline * 1000:.0f} ms, {len(statuses) + 1} writes)"
+
+
+
+# More writers than the PostgreSQL pool has connections (2 here) and the
+# store has threads (4): two hold a connection and wait on the row lock, two
+# wait for a connection, two wait for a store thread.
+POOL_SIZE = 2
+BLOCKED_WRITERS = 6
+# How long the row lock is held at most: past the stream's ~1.5 s, under the
+# pool's 10 s wait for a connection. Were a store call on the event loop, the
+# stream would stall until then.
+LOCK_HELD_S = 6.0
+
+
+def _waiting_on_the_lock(observer) -> int:
+    """How many sessions wait on a lock to write a conversation row."""
+    row = observer.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                           "AND query LIKE 'UPDATE conversations %'").fetchone()
+    return int(row["n"])
+
+
+def test_a_row_lock_held_elsewhere_leaves_the_stream_alone(tmp_path, pg_database) -> None:
+    """PostgreSQL: another connection holds a conversation's row lock
+    (``SELECT ... FOR UPDATE`` in an open transaction) while clients append
+    items to it with ``Idempotency-Key``; their store calls wait on the
+    lock, on the pool behind it and on the store threads behind that, while
+    a ``store: false`` stream runs on the same server. The stream keeps its
+    pace and ends (its end writes nothing, so it does not queue for a store
+    thread); once the lock goes, every write completes."""
+    import psycopg
+    from psycopg.rows import dict_row
+
+    from lmspd.store.postgres import PostgresStore
+
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(DELTAS)), delay_s=DELAY_S)
+    store = PostgresStore(pg_database, pool_size=POOL_SIZE)
+    app, _ = make_app(tmp_path, engine=engine, store=store)
+    calls = app.state.lmspd.calls
+    results: list[httpx.Response | Exception] = []
+
+    def write(url: str, conversation_id: str, n: int) -> None:
+        item = {"type": "message", "role": "user", "content": f"item {n}"}
+        try:
+            results.append(httpx.post(f"{url}/v1/conversations/{conversation_id}/items", json={"items": [item]},
+                                      headers={"Idempotency-Key": f"locked-{n}"}, timeout=60))
+        except Exception as exc:  # reported by the assertion on the statuses
+            results.append(exc)
+
+    try:
+        with ThreadedServer(app) as url, \
+                psycopg.connect(pg_database, autocommit=True, row_factory=dict_row) as observer, \
+                psycopg.connect(pg_database, row_factory=dict_row) as locker:
+            conversation_id = httpx.post(url + "/v1/conversations", json={}).json()["id"]
+            baseline = largest_gap(url)
+
+            locker.execute("SELECT id FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,))
+            locked_at = time.monotonic()
+            writers = [threading.Thread(target=write, args=(url, conversation_id, n), daemon=True)
+                       for n in range(BLOCKED_WRITERS)]
+            for w in writers:
+                w.start()
+            # Until every writer's store call waits (or 3 s: the assertions
+            # below say what was reached).
+            while time.monotonic() - locked_at < 3 and not (
+                    _waiting_on_the_lock(observer) == POOL_SIZE and calls.outstanding == BLOCKED_WRITERS):
+                time.sleep(0.01)
+            on_lock, outstanding = _waiting_on_the_lock(observer), calls.outstanding
+
+            loaded: list[float] = []
+            streamer = threading.Thread(target=lambda: loaded.append(largest_gap(url)), daemon=True)
+            streamer.start()
+            streamer.join(max(0.0, LOCK_HELD_S - (time.monotonic() - locked_at)))
+            stream_ended = not streamer.is_alive()
+            answered_under_lock = len(results)
+            locker.rollback()  # the lock goes
+            streamer.join(30)
+            for w in writers:
+                w.join(30)
+    finally:
+        store.close()
+
+    assert stream_ended and loaded, f"the stream did not end while the row lock was held ({LOCK_HELD_S} s)"
+    print(f"\nrow lock held: stream's largest gap {loaded[0] * 1000:.0f} ms (baseline {baseline * 1000:.0f} ms); "
+          f"{on_lock} store calls on the lock, {outstanding} outstanding")
+    # The same measurement as above; no 8 MiB bodies to encode here, so the
+    # issue's 100 ms holds with room to spare (~20 ms measured, as the baseline).
+    assert loaded[0] < 0.1, f"largest gap between deltas {loaded[0] * 1000:.0f} ms while a row lock holds " \
+                            f"the store (baseline {baseline * 1000:.0f} ms)"
+    # What the stream ran beside: every writer waiting in the store until the lock went.
+    assert (on_lock, outstanding, answered_under_lock) == (POOL_SIZE, BLOCKED_WRITERS, 0)
+    statuses = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in results]
+    assert statuses == [200] * BLOCKED_WRITERS, statuses
