@@ -1,4 +1,5 @@
-"""What the engine remembers about a generation it ran.
+"""What the engine remembers about a generation it ran, and what each of
+its sequences holds.
 
 A ``SessionState`` pairs the exact token sequence in the KV (prompt, sampled
 tokens, hidden reasoning — everything the model saw) with the *visible
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmspd.core.conversation import Item
+from lmspd.core.conversation import Item, SessionPin
 
 
 @dataclass
@@ -67,6 +68,43 @@ class SessionState:
     def nbytes(self) -> int:
         return (len(self.kv or b"") + 4 * len(self.tokens) + 2 * len(self.kv_text) + 2 * len(self.visible or "")
                 + 2 * len(self.aligned_text))
+
+
+@dataclass
+class Resident:
+    """One sequence of the context and what its KV holds."""
+
+    seq: int
+    # The tokens evaluated in this sequence: exactly what its KV holds.
+    tokens: list[int] = field(default_factory=list)
+    # The finished turn it holds (None while a request runs on it, or empty).
+    state: SessionState | None = None
+    owner: str | None = None
+    busy: bool = False
+    last_used: float = 0.0
+    # The state is already captured in RAM (no second capture on eviction).
+    saved: bool = False
+    # While busy: the whole prompt it is prefilling (for shared-prefix waits),
+    # the request's text, and how many of ``prompt`` it kept (for the visible
+    # transcript of a checkpoint taken during the prefill).
+    prompt: list[int] = field(default_factory=list)
+    prompt_text: str = ""
+    prompt_keep: int = 0
+    # While busy: the alignment points (``SessionState.aligned``) of the
+    # state it continues that still hold for this prompt.
+    prompt_aligned: tuple[tuple[int, int], ...] = ()
+    # A caller's hint that this sequence belongs to a session (reserved).
+    session_key: str | None = None
+    # The agent whose turn it holds or runs, and that agent's parent.
+    agent: str | None = None
+    parent_agent: str | None = None
+    # The connection whose session this sequence holds (see ``pinned``).
+    pin: SessionPin | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Held by a connection that is still open: evicted last."""
+        return self.pin is not None and self.pin.open
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:

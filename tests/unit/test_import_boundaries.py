@@ -1,7 +1,8 @@
 """The package layout's rules, read from the source with ``ast`` (nothing is
 imported): a dialect never reaches into an engine, an engine never knows
-which dialect or route asked, the cache never touches llama.cpp, and the
-task manager never depends on the HTTP routes.
+which dialect or route asked, the cache never touches llama.cpp (and its
+planner neither the residency nor the saved tiers), and the task manager
+never depends on the HTTP routes.
 
 Every import counts: module level, inside functions, under
 ``TYPE_CHECKING``, relative ones resolved. A rule is broken by a direct
@@ -29,6 +30,9 @@ RULES = [
     ("lmspd.engines", "lmspd.http", "an engine never knows which route asked"),
     ("lmspd.engines", "lmspd.store", "an engine never reads or writes durable state"),
     ("lmspd.cache", "llama_cpp", "the cache keeps KV bytes; only the llama engine talks to llama.cpp"),
+    ("lmspd.cache.planner", "lmspd.cache.residency", "the planner decides on plain data; the residency carries it out"),
+    ("lmspd.cache.planner", "lmspd.cache.tiers", "the planner decides on plain data; the tiers keep the states"),
+    ("lmspd.cache.planner", "lmspd.cache.disk", "the planner reads the disk tier through what it is handed"),
     ("lmspd.tasks", "lmspd.routes", "tasks/ keeps the manager and recovery; HTTP handlers live in routes/"),
 ]
 

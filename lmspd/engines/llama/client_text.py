@@ -13,7 +13,7 @@ character, and ``tokenize`` splits the rendered text at ``MARK``, which no
 control token's text can span, dropping it. Each mark is self-contained, so
 any slice of a rendered prompt still tokenizes safely on its own: the
 continuation cache compares rendered texts by prefix and tokenizes only the
-new suffix (``lmspd.cache.manager``). The split falls just after the first
+new suffix (``lmspd.cache.planner``). The split falls just after the first
 character, which gives the tokens that tokenizing the client text with
 special tokens off would give (``<`` then ``|im_end|>``).
 

@@ -202,7 +202,7 @@ class Preparation:
         still holds (a WebSocket connection's latest response, a
         ``previous_response_id`` chain) tokenizes only what follows that
         response's transcript: the KV's own tokens stand for the rest, as
-        the cache keeps them (``ContinuationCache._continue``), hidden
+        the cache keeps them (``Planner._continue``, lmspd.cache.planner), hidden
         reasoning included, so the context check counts what the sequence
         will hold. Re-tokenizing the whole history costs ~2 µs a token
         every turn (tens of ms at an agent's context sizes). Not on a KV

@@ -97,7 +97,7 @@ def test_points_survive_a_restore_from_ram(cache):
     _, state1, state2 = three_turns(cache)
     seq = next(r.seq for r in cache.residents if r.state is state2)
     # The session leaves its sequence (captured to RAM) and comes back for a branch.
-    cache._evict(cache.residents[seq])
+    cache.residency.evict(cache.residents[seq])
     cache.residents[seq].tokens = []
     cache._publish()
     edited = request(cache, state1.visible + USER.format("Which file did you change?"))
@@ -125,15 +125,15 @@ def test_only_the_aligned_branch_that_is_tried_detokenizes_its_kv(vocab):
     cache = make_cache(vocab, n_seq=1)
     _, state1, state2 = three_turns(cache)
     # Two branches of turn 1 in RAM, both able to resume at its end.
-    cache._evict(cache.residents[0])
+    cache.residency.evict(cache.residents[0])
     cache.residents[0].tokens = []
     cache._publish()
     plan, state3 = run_turn(cache, request(cache, state1.visible + USER.format("Where is it?")), REPLY2)
     assert "aligned" in plan.detail.split()
-    cache._evict(cache.residents[0])
+    cache.residency.evict(cache.residents[0])
     cache.residents[0].tokens = []
     cache._publish()
-    assert {state2.key, state3.key} <= set(cache._ram)
+    assert {state2.key, state3.key} <= set(cache.tiers.ram)
 
     kept: list[int] = []
     detokenize = cache.ops.detokenize

@@ -48,7 +48,7 @@ def test_a_ram_state_below_its_floor_does_not_hide_a_disk_checkpoint_of_the_shar
     head = tok(INSTRUCTIONS)
     disk.save(SessionState(tokens=head, kv_text=INSTRUCTIONS, owner="local", kv=b"head", floor=len(head)))
     tokens = tok(text)
-    cache._remember_in_ram(SessionState(tokens=tokens, kv_text=text, owner="local", kv=b"conv", floor=len(tokens) - 4))
+    cache.tiers.remember(SessionState(tokens=tokens, kv_text=text, owner="local", kv=b"conv", floor=len(tokens) - 4))
     _, edited = conversation("an edited document " * 20)
     plan = cache.plan(CacheRequest(text=edited, tokens=tok(edited), items=[]))
     assert plan.source == "disk" and plan.keep == len(head) and plan.restore.kv == b"head", plan

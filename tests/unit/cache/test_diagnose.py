@@ -22,7 +22,7 @@ def test_a_whole_continuation_scans_nothing(cache, monkeypatch):
     def scan(_req):
         raise AssertionError("a plain continuation must not scan the remembered states")
 
-    monkeypatch.setattr(cache, "_longest_remembered", scan)
+    monkeypatch.setattr(cache.planner, "_longest_remembered", scan)
     report = cache.diagnose(req, plan)
     assert report.miss_reason is None and report.longest_prefix == plan.keep
 

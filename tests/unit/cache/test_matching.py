@@ -339,7 +339,7 @@ def test_a_prefix_held_both_in_a_sequence_and_in_ram_is_copied_not_restored(cach
     first = INSTRUCTIONS + "<|im_start|>user\nFix the bug in a.py<|im_end|>\n<|im_start|>assistant\nDone.<|im_end|>"
     state = turn(cache, first)
     hold(cache, 0, state)
-    cache._remember_in_ram(turn(cache, first, kv=b"saved"))
+    cache.tiers.remember(turn(cache, first, kv=b"saved"))
     req = request(cache, INSTRUCTIONS + "<|im_start|>user\nWrite tests for b.py<|im_end|>\n")
     plan = cache.plan(req)
     assert (plan.source, plan.copy_from, plan.restore) == ("copy", 0, None), plan
@@ -349,7 +349,7 @@ def test_a_replay_that_needs_reasoning_state_takes_the_whole_state_from_ram_over
     """The tie-break above must not pick a copy that the reasoning rule then
     refuses: a plan that keeps the state's hidden tokens serves instead."""
     tool_turn = INSTRUCTIONS + "<|im_start|>user\nList the files<|im_end|>\n<|im_start|>assistant\nCalling ls.<|im_end|>"
-    cache._remember_in_ram(turn(cache, tool_turn, kv=b"saved"))
+    cache.tiers.remember(turn(cache, tool_turn, kv=b"saved"))
     hold(cache, 0, turn(cache, tool_turn + "Zzz other"))
     req = request(cache, tool_turn + "\n<|im_start|>user\nresult: a.py<|im_end|>\n", needs_reasoning_state=True)
     plan = cache.plan(req)
