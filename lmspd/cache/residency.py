@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .planner import CachePlan, CacheRequest, agent_tag, cold
-from .state import Resident, SessionState, common_prefix
+from .state import Resident, SessionState, common_prefix, state_key
 from .tiers import CacheStats, Tiers
 
 # Alignment points a state keeps (two a turn): a branch resumes from one of
@@ -213,6 +213,8 @@ class Residency:
         self.ops.trim(seq, 0)
         r.tokens, r.state, r.busy, r.saved, r.prompt, r.pin = [], None, False, False, [], None
         r.prompt_text, r.prompt_keep, r.prompt_aligned = "", 0, ()
+        # An empty sequence runs no agent: the engine view must not say it does.
+        r.agent = r.parent_agent = None
 
     def evict(self, r: Resident, boundary: str | None = None) -> None:
         """``r``'s state leaves its sequence: kept in RAM (captured once).
@@ -254,13 +256,13 @@ class Residency:
         r = self.residents[seq]
         if not r.tokens or (at is not None and len(r.tokens) != at):
             return False
+        if state_key(owner, r.tokens) in self.tiers.ram:
+            return False  # kept already: not worth a copy of the sequence's KV to find out
         if generated is None:
             visible = self._visible_at(r)
         else:
             visible = r.prompt_text + generated if r.prompt_text and len(r.tokens) >= len(r.prompt) else None
         state = self._captured(seq, owner, visible=visible, boundary=boundary)
-        if state.key in self.tiers.ram:
-            return False
         self.stats.checkpoints += 1
         self.tiers.remember(state)
         return True

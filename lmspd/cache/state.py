@@ -18,6 +18,12 @@ from typing import Any
 from lmspd.core.conversation import Item, SessionPin
 
 
+
+def state_key(owner: str, tokens: list[int]) -> str:
+    """A saved state's stable identity: the hash of its owner and its exact
+    tokens (known before its KV is captured)."""
+    return hashlib.sha256(f"{owner}\n{tokens!r}".encode()).hexdigest()[:32]
+
 @dataclass
 class SessionState:
     tokens: list[int]
@@ -61,8 +67,7 @@ class SessionState:
 
     @property
     def key(self) -> str:
-        """Stable identity: the hash of the owner and the exact tokens."""
-        return hashlib.sha256(f"{self.owner}\n{self.tokens!r}".encode()).hexdigest()[:32]
+        return state_key(self.owner, self.tokens)
 
     @property
     def nbytes(self) -> int:
@@ -93,8 +98,6 @@ class Resident:
     # While busy: the alignment points (``SessionState.aligned``) of the
     # state it continues that still hold for this prompt.
     prompt_aligned: tuple[tuple[int, int], ...] = ()
-    # A caller's hint that this sequence belongs to a session (reserved).
-    session_key: str | None = None
     # The agent whose turn it holds or runs, and that agent's parent.
     agent: str | None = None
     parent_agent: str | None = None

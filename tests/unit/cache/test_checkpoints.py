@@ -151,3 +151,29 @@ def test_common_prefix_is_the_longest_shared_prefix(a, b):
     n = common_prefix(a, b)
     assert a[:n] == b[:n] and n == common_prefix(b, a)
     assert n == min(len(a), len(b)) or a[n] != b[n]
+
+
+def test_a_checkpoint_already_kept_is_not_captured_again(vocab):
+    """A second checkpoint of the same tokens finds the first by its key,
+    before copying the sequence's KV (megabytes on a real model) to compare."""
+    cache = make_cache(vocab, n_seq=1, floors={0: 10**6})
+    req = request(cache, PROMPT)
+    plan = cache.plan(req)
+    cache.apply(plan, req)
+    cache.residents[0].tokens.extend(plan.suffix)
+    cache.checkpoint(0, "local", "input")
+    captures = cache.kv.calls.count(("capture", 0))
+    assert cache.stats.checkpoints == 1 and captures >= 1
+    cache.checkpoint(0, "local", "breakpoint")
+    assert cache.kv.calls.count(("capture", 0)) == captures and cache.stats.checkpoints == 1
+
+
+def test_a_failed_run_leaves_no_agent_on_its_emptied_sequence(vocab):
+    cache = make_cache(vocab, n_seq=1)
+    req = request(cache, PROMPT, agent="child", parent_agent="parent")
+    cache.apply(cache.plan(req), req)
+    assert cache.sequences()[0]["agent"] is not None
+    cache.discard(0)
+    assert cache.sequences()[0] | {"idle_s": None} == {
+        "id": 0, "owner": cache.residents[0].owner, "tokens": 0, "busy": False, "idle_s": None,
+        "agent": None, "parent_agent": None}
