@@ -18,7 +18,6 @@ from typing import Any
 from lmspd.core.conversation import Item, SessionPin
 
 
-
 def state_key(owner: str, tokens: list[int]) -> str:
     """A saved state's stable identity: the hash of its owner and its exact
     tokens (known before its KV is captured)."""
