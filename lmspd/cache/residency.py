@@ -131,6 +131,10 @@ class Residency:
                     self.ops.trim(r.seq, plan.keep)
                     del r.tokens[plan.keep:]
             else:
+                # A state without its bytes never reached ops.restore, which
+                # clears the sequence: clear it here, or the cold prefill
+                # would land on what the sequence held before.
+                self.ops.trim(r.seq, 0)
                 r.tokens = []
                 plan = cold(req, r.seq, detail="restore failed")
         elif plan.keep == 0:

@@ -13,7 +13,7 @@ from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRequest
 from lmspd.cache.state import SessionState, common_prefix
 from lmspd.core.conversation import Message
-from support.cache_rig import INSTRUCTIONS, hold, make_cache, request
+from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
 
 
 def conversation(user2):
@@ -177,3 +177,18 @@ def test_a_failed_run_leaves_no_agent_on_its_emptied_sequence(vocab):
     assert cache.sequences()[0] | {"idle_s": None} == {
         "id": 0, "owner": cache.residents[0].owner, "tokens": 0, "busy": False, "idle_s": None,
         "agent": None, "parent_agent": None}
+
+
+def test_a_state_without_its_kv_bytes_restores_onto_a_cleared_sequence(vocab):
+    """A plan to restore a state whose bytes are gone falls back to a cold
+    prefill, which must not land on what the sequence held before."""
+    cache = make_cache(vocab, n_seq=1)
+    hold(cache, 0, turn(cache, INSTRUCTIONS + "<|im_start|>user\nsomething else<|im_end|>\n"))
+    saved = turn(cache, PROMPT, owner="local")  # no kv: its bytes are gone
+    cache.tiers.remember(saved)
+    req = request(cache, PROMPT + "more")
+    plan = cache.plan(req)
+    assert plan.restore is saved, plan
+    applied = cache.apply(plan, req)
+    assert applied.source == "cold" and applied.detail == "restore failed"
+    assert ("trim", 0, 0) in cache.kv.calls and cache.residents[0].tokens == []
