@@ -37,6 +37,7 @@ from lmspd.core.conversation import Conversation, Message, OutputFormat, Samplin
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
+from lmspd.core.run import RunContext
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.steps import Step
 
@@ -68,9 +69,9 @@ def supports_prefill(app: "LmspdApp", model: str) -> bool:
     return bool(getattr(app.service.model(model).engine, "supports_prefill", False))
 
 
-async def summarize(app: "LmspdApp", owner: str, conversation: Conversation) -> tuple[str, Usage]:
+async def summarize(app: "LmspdApp", run: RunContext, conversation: Conversation) -> tuple[str, Usage]:
     """The model's summary of ``conversation``'s window and what writing it
-    cost (an ``ApiError`` if it failed)."""
+    cost (an ``ApiError`` if it failed), run for ``run``'s owner and session."""
     conv = dataclasses.replace(
         conversation,
         items=list(conversation.items) + [Message(role="user", text=item.COMPACTION_PROMPT)],
@@ -83,12 +84,12 @@ async def summarize(app: "LmspdApp", owner: str, conversation: Conversation) -> 
         # oldest turns go first.
         truncate=True,
         include_encrypted_reasoning=False,
-        prefill_only=False,
-        pin=None,  # a side request: it must not displace the connection's session
     )
-    run = await _begun(app.service.begin(conv, owner))
+    # A side request: it must not displace the connection's session.
+    side = dataclasses.replace(run, prefill_only=False, pin=None)
+    summary_run = await _begun(app.service.begin(conv, side))
     state = ResponseState(id=new_id("cmp"), model=conv.model)
-    async for _ in run.events(StreamSession(state, _Silent())):
+    async for _ in summary_run.events(StreamSession(state, _Silent())):
         pass
     if state.status == "failed":
         error = state.error or {}
@@ -110,9 +111,10 @@ class Lead:
     run: Any = None
 
 
-async def before_turn(app: "LmspdApp", owner: str, req: Any, dialect: Any) -> Lead | None:
+async def before_turn(app: "LmspdApp", run: RunContext, req: Any, dialect: Any) -> Lead | None:
     """Whether this /v1/responses turn compacts (a trigger, or the
-    ``context_management`` threshold crossed), and how."""
+    ``context_management`` threshold crossed), and how; ``run`` is the
+    turn's own (``routes.responses.begin_turn``)."""
     conversation: Conversation = req.conversation
     threshold = req.compact_threshold
     if not req.compaction_trigger:
@@ -120,8 +122,8 @@ async def before_turn(app: "LmspdApp", owner: str, req: Any, dialect: Any) -> Le
             return None
         if await app.service.count_tokens(conversation) <= threshold:
             return None
-    summary, _ = await summarize(app, owner, conversation)
-    made = compaction_message(app, summary, owner)
+    summary, _ = await summarize(app, run, conversation)
+    made = compaction_message(app, summary, run.owner)
     reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
                                   previous_response_id=None)
     log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
@@ -131,8 +133,8 @@ async def before_turn(app: "LmspdApp", owner: str, req: Any, dialect: Any) -> Le
     # The turn ends after the compaction item; the reduced window is
     # prefilled meanwhile, so that the client's next turn continues it.
     if supports_prefill(app, conversation.model):
-        warm = dataclasses.replace(reduced, prefill_only=True, max_output_tokens=None)
-        return Lead(made, reduced, await _begun(app.service.begin(warm, owner)))
+        warm = dataclasses.replace(reduced, max_output_tokens=None)
+        return Lead(made, reduced, await _begun(app.service.begin(warm, dataclasses.replace(run, prefill_only=True))))
     return Lead(made, reduced, FinishedRun())
 
 
@@ -188,17 +190,17 @@ async def compact(app: "LmspdApp", owner: str, dialect: Any, raw: dict[str, Any]
         raise invalid("'input' of /v1/responses/compact cannot hold a compaction_trigger.", "input")
     req = await app.service.decode(lambda: dialect.decode({**raw, "store": False}, app.limits, context=context))
     conversation: Conversation = req.conversation
-    summary, usage = await summarize(app, owner, conversation)
+    summary, usage = await summarize(app, RunContext(owner=owner), conversation)
     made = compaction_message(app, summary, owner)
     kept = [Message(role=i.role, text=i.text, id=new_id("msg")) for i in conversation.items
             if isinstance(i, Message) and i.role == "user" and i.compaction is None]
     output = kept + [made]
     if supports_prefill(app, conversation.model):
         # What the new chain starts with, in the KV before the client asks.
-        warm = dataclasses.replace(conversation, items=list(output), prefill_only=True, previous_response_id=None,
+        warm = dataclasses.replace(conversation, items=list(output), previous_response_id=None,
                                    max_output_tokens=None, truncate=False)
         try:
-            run = await _begun(app.service.begin(warm, owner))
+            run = await _begun(app.service.begin(warm, RunContext(owner=owner, prefill_only=True)))
             state = ResponseState(id=new_id("cmp"), model=conversation.model)
             async for _ in run.events(StreamSession(state, _Silent())):
                 pass

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.limits import Limits
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
 from lmspd.metrics import Metrics
 from lmspd.streaming.idle import IDLE, Paced
@@ -66,15 +67,16 @@ class Service:
                            path=(RequestField.MODEL,))
         return served
 
-    async def begin(self, conversation: Conversation, owner: str = "local") -> "Run":
+    async def begin(self, conversation: Conversation, run: RunContext = LOCAL) -> "Run":
         """Everything that can refuse a request, done before any byte is sent.
 
         Cheap checks first, then admission (an overloaded server answers 503
         without doing the request's work), then the engine's ``prepare``
         (render, tokenize, schemas, grammars: work proportional to the
         request) in a worker thread under ``limits.prepare_timeout_s``, so
-        that no request stalls the event loop and the streams it serves."""
-        conversation.owner = owner
+        that no request stalls the event loop and the streams it serves.
+        ``run`` (who the run is for, how it runs) goes to the engine beside
+        the conversation; neither is written here."""
         if self.shutting_down:
             raise ApiError("server_shutting_down", "The server is shutting down.", headers={"Retry-After": "5"})
         served = self.model(conversation.model)
@@ -88,7 +90,7 @@ class Service:
                            path=(RequestField.OUTPUT_FORMAT,))
         ticket = served.queue.admit()
         try:
-            prepared = await self.off_loop(served.engine.prepare, conversation)
+            prepared = await self.off_loop(lambda c: served.engine.prepare(c, run), conversation)
         except BaseException:
             ticket.release()
             raise

@@ -149,9 +149,16 @@ class SessionPin:
         return f"SessionPin({self.name!r}, open={self.open})"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Conversation:
-    """Everything an engine needs to run one generation."""
+    """What a request asks of the model, as its dialect decoded it.
+
+    Frozen: nothing writes to it after decoding. Who the run is for and how
+    it runs (owner, client session, agent lineage, prefill only, the
+    connection's pin) is a ``core.run.RunContext`` handed to the engine
+    beside it; a step that needs a different conversation (compaction's
+    summary request, an engine's repairs and truncation) makes a new one
+    (``dataclasses.replace``)."""
 
     model: str
     items: list[Item]
@@ -184,13 +191,6 @@ class Conversation:
     previous_response_id: str | None = None
     # The stored conversation this turn belongs to (OpenAI ``conversation``).
     conversation_id: str | None = None
-    # A client's session id from its headers (lmspd/dialects/session.py):
-    # turns of one agent session share it, whatever the dialect.
-    session_key: str | None = None
-    # The agent of that session that sent it and the agent that spawned it
-    # (a subagent: lmspd/dialects/session.py ``agent_lineage``).
-    agent_id: str | None = None
-    parent_agent_id: str | None = None
     # False: neither reuse nor remember KV state for this request.
     cache_reuse: bool = True
     # False: the engine does not speculate for this request (``lmspd.speculative``).
@@ -200,20 +200,6 @@ class Conversation:
     # a bare one continues a cached state that holds it, or renders without
     # it and is diagnosed ``reasoning_stripped`` (accepted, as OpenAI does).
     require_reasoning_state: bool = False
-    # The credential's owner: remembered KV state is reused only for the
-    # owner whose request left it (cached-token counts, a continuation's
-    # reply and tool-output-only requests would otherwise reveal another
-    # key's conversation).
-    owner: str = "local"
-    # Evaluate the prompt into the KV and keep it, generate nothing (a
-    # WebSocket ``generate: false`` warm-up, the window a compaction leaves).
-    # An engine that cannot do this answers with an empty completed turn.
-    prefill_only: bool = False
-    # The connection this request came on (a WebSocket): an engine keeps its
-    # session resident in preference to others while it is open, and
-    # continues the connection's latest response in place
-    # (``cache_source=connection``).
-    pin: SessionPin | None = None
 
 
 def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:

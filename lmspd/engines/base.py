@@ -1,8 +1,9 @@
 """What every engine offers the core, and the model queue that admits
 ``concurrency`` generations at a time (a llama engine's ``--parallel``).
 
-An engine turns a neutral ``Conversation`` into neutral events. It never
-knows which dialect asked, and the dialects never see an engine's internals.
+An engine turns a neutral ``Conversation`` and its run's ``RunContext`` (who
+it runs for, how) into neutral events. It never knows which dialect asked,
+and the dialects never see an engine's internals.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.events import EngineEvent
 from lmspd.core.limits import QueueLimits
+from lmspd.core.run import RunContext
 
 CAPABILITIES = ("streaming", "tools", "structured_output", "conversations", "reasoning", "tasks")
 
@@ -83,8 +85,10 @@ class Engine(Protocol):
         first response byte (the upstream engine's provider request), so that
         a refusal is still an HTTP error reply, not a broken stream."""
 
-    def prepare(self, conversation: Conversation) -> Prepared:
-        """Validate and render; raise ``ApiError`` for anything the client got wrong."""
+    def prepare(self, conversation: Conversation, run: RunContext) -> Prepared:
+        """Validate and render; raise ``ApiError`` for anything the client got wrong.
+        Neither ``conversation`` nor ``run`` is written: a prepared form that
+        differs (repaired, truncated) holds its own copy."""
 
     async def open(self, prepared: Prepared, cancel: CancelToken) -> None:
         """Reach the model (``opens_first``); a no-op for engines in this

@@ -93,8 +93,8 @@ class LazyEngine:
 
     # -- the Engine protocol ---------------------------------------------------------
 
-    def prepare(self, conversation: Any) -> Any:
-        return self._use(lambda engine: engine.prepare(conversation))
+    def prepare(self, conversation: Any, run: Any) -> Any:
+        return self._use(lambda engine: engine.prepare(conversation, run))
 
     def count_tokens(self, conversation: Any) -> int:
         return int(self._use(lambda engine: engine.count_tokens(conversation)))

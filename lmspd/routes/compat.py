@@ -21,6 +21,7 @@ from lmspd.bodies import read_json_object
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
+from lmspd.core.run import RunContext
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.fields import FieldNames
 from lmspd.dialects.session import agent_lineage, session_key
@@ -32,9 +33,9 @@ from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 log = logging.getLogger("lmspd.http")
 
 
-async def _begin(service: Service, conversation: Conversation, owner: str, names: FieldNames) -> Run:
+async def _begin(service: Service, conversation: Conversation, run: RunContext, names: FieldNames) -> Run:
     try:
-        return await service.begin(conversation, owner)
+        return await service.begin(conversation, run)
     except ApiError as exc:
         raise names.name(exc) from None
 
@@ -83,8 +84,9 @@ async def chat_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = chat_completions.decode_request(raw, app.limits)
-    req.conversation.session_key = session_key(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, req.field_names)
+    # The client's session header (``lmspd.dialects.session``): cache affinity.
+    run_context = RunContext(owner=who.owner, session_key=session_key(request.headers))
+    run = await _begin(app.service, req.conversation, run_context, req.field_names)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
@@ -133,9 +135,11 @@ async def messages_create(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     req = anthropic_messages.decode_request(raw, app.limits)
-    req.conversation.session_key = session_key(request.headers)
-    req.conversation.agent_id, req.conversation.parent_agent_id = agent_lineage(request.headers)
-    run = await _begin(app.service, req.conversation, who.owner, req.field_names)
+    # The client's session and agent (``lmspd.dialects.session``): cache affinity.
+    agent, parent = agent_lineage(request.headers)
+    run_context = RunContext(owner=who.owner, session_key=session_key(request.headers), agent_id=agent,
+                             parent_agent_id=parent)
+    run = await _begin(app.service, req.conversation, run_context, req.field_names)
     # message_start reports the prompt size before the prefill says how much was reused.
     state = ResponseState(id=new_id("msg"), model=req.conversation.model,
                           echo={"input_tokens": run.prepared.input_tokens})
@@ -154,11 +158,11 @@ async def messages_create(request: Request) -> Response:
 
 async def messages_count_tokens(request: Request) -> Response:
     app = app_state(request)
-    # Counting creates nothing; a read credential may do it.
-    who = principal(request, "responses:read")
+    # Counting creates nothing; a read credential may do it (a count reads
+    # no remembered state: no owner reaches the engine).
+    principal(request, "responses:read")
     raw = await read_json_object(request, app.limits)
     conversation: Conversation = anthropic_messages.decode_count_tokens(raw, app.limits).conversation
-    conversation.owner = who.owner
     engine = app.service.model(conversation.model).engine
     # The count must be of a prompt the model could run: a create with these
     # tools would be refused, so the count is too (rather than counting a

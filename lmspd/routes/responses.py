@@ -22,14 +22,15 @@ from starlette.responses import Response
 
 from lmspd import compaction, idempotency
 from lmspd.bodies import read_json_object
-from lmspd.core.conversation import Item, SessionPin
+from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
+from lmspd.core.run import RunContext
 from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.responses_items import additional_tools_item
-from lmspd.dialects.session import AgentLineage, agent_lineage, session_key
+from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.history import ResponseRecord, StoredContext
 from lmspd.http import (
     LmspdApp,
@@ -76,9 +77,13 @@ async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) 
 
 async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, raw: dict,
                *, as_task: bool) -> Reply:
-    turn = await begin_turn(app, owner, dialect, raw, context=StoredContext(app.store, owner, app.sealer),
-                            queued=as_task or bool(raw.get("background")),
-                            session_header=session_key(request.headers), lineage=agent_lineage(request.headers))
+    # Who this run is for and which client session and agent sent it
+    # (``lmspd.dialects.session``: cache affinity).
+    agent, parent = agent_lineage(request.headers)
+    run_context = RunContext(owner=owner, session_key=session_key(request.headers), agent_id=agent,
+                             parent_agent_id=parent)
+    turn = await begin_turn(app, run_context, dialect, raw, context=StoredContext(app.store, owner, app.sealer),
+                            queued=as_task or bool(raw.get("background")))
     req, run, session, record = turn.req, turn.run, turn.session, turn.record
     if turn.background:
         return await _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
@@ -127,10 +132,14 @@ class Turn:
     stored: bool = True
 
 
-async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, context: Any,
-                     queued: bool = False, prefill_only: bool = False, session_header: str | None = None,
-                     pin: SessionPin | None = None, lineage: AgentLineage | None = None) -> Turn:
+async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, raw: dict, *, context: Any,
+                     queued: bool = False) -> Turn:
     """Decode and admit (every refusal before any byte is sent).
+
+    ``run_context`` is who the turn runs for and how (its owner, the
+    client's session and agent, a ``generate: false`` warm-up, a WebSocket
+    connection's pin): the engine gets it beside the decoded conversation,
+    which nothing here writes.
 
     ``context`` resolves ``previous_response_id``; a WebSocket connection's
     context sets ``continued`` when it continued its own latest response
@@ -144,32 +153,27 @@ async def begin_turn(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, *, 
     if req.background and not req.store:
         raise invalid("Background responses are stored: 'background: true' needs 'store: true' (the default).",
                       "background")
+    owner = run_context.owner
     conversation = req.conversation
-    # The client's session header (``lmspd.dialects.session``): cache affinity.
-    conversation.session_key = session_header
-    if lineage is not None:
-        conversation.agent_id, conversation.parent_agent_id = lineage
-    conversation.prefill_only = prefill_only
-    conversation.pin = pin
     model = conversation.model
     # An OpenAI background response says it is queued until the model takes
     # it; LMSP has no such status (its task object does).
     status = "queued" if background and dialect is OPENAI else "in_progress"
     state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
     try:
-        lead = await compaction.before_turn(app, owner, req, dialect) if dialect is OPENAI else None
+        lead = await compaction.before_turn(app, run_context, req, dialect) if dialect is OPENAI else None
         if lead is not None:
             conversation = lead.conversation
         window = list(conversation.items)
         if lead is not None and lead.run is not None:
             run = lead.run
-        elif prefill_only and not compaction.supports_prefill(app, model):
+        elif run_context.prefill_only and not compaction.supports_prefill(app, model):
             # A warm-up on an engine that cannot prefill without generating
             # (the upstream engine): asking the provider would generate and
             # bill; the next turn sends the whole context anyway.
             run = compaction.FinishedRun()
         else:
-            run = await _begun(app.service.begin(conversation, owner))
+            run = await _begun(app.service.begin(conversation, run_context))
     except ApiError as exc:
         # The core names neutral fields; the client hears its own.
         raise dialect.names(req, conversation.items).name(exc) from None

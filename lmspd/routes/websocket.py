@@ -53,6 +53,7 @@ from lmspd.bodies import decode_off_loop, parse_json_object
 from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.run import RunContext
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.responses_items import Expansion
 from lmspd.dialects.session import agent_lineage, session_key
@@ -271,9 +272,10 @@ class Connection:
             generate = True if generate is None else generate
             if not isinstance(generate, bool):
                 raise invalid("'generate' must be a boolean.", "generate")
-            turn = await begin_turn(self.app, self.owner, OPENAI, body, context=context,
-                                    prefill_only=not generate, session_header=session_key(self.ws.headers),
-                                    pin=self.pin, lineage=agent_lineage(self.ws.headers))
+            agent, parent = agent_lineage(self.ws.headers)
+            run_context = RunContext(owner=self.owner, session_key=session_key(self.ws.headers), agent_id=agent,
+                                     parent_agent_id=parent, prefill_only=not generate, pin=self.pin)
+            turn = await begin_turn(self.app, run_context, OPENAI, body, context=context)
         except ApiError as exc:
             self._evict(previous)
             await self._error(exc)

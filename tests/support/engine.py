@@ -21,6 +21,7 @@ from typing import Any
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.events import EngineEvent, Failed, Finished, TextDelta, Usage
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, ModelInfo
 
 MODEL = "scripted"
@@ -32,6 +33,7 @@ class ScriptedPrepared:
     conversation: Conversation
     input_tokens: int = 3
     response_id: str | None = None
+    run: RunContext = LOCAL
 
 
 Script = Callable[[Conversation], Iterable[EngineEvent]]
@@ -69,16 +71,19 @@ class ScriptedEngine:
         # engine (history resolved from previous_response_id, conversations,
         # item references).
         self.conversations: list[Conversation] = []
+        # The run context each came with (owner, session, agent lineage, ...).
+        self.runs: list[RunContext] = []
 
     opens_first = False  # the Engine protocol: nothing to reach before generating
 
     async def open(self, prepared: ScriptedPrepared, cancel: CancelToken) -> None:
         return None
 
-    def prepare(self, conversation: Conversation) -> ScriptedPrepared:
+    def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> ScriptedPrepared:
         self.prepared += 1
         self.conversations.append(conversation)
-        return ScriptedPrepared(conversation)
+        self.runs.append(run)
+        return ScriptedPrepared(conversation, run=run)
 
     def _events(self, conversation: Conversation) -> list[EngineEvent]:
         if self.script is not None:

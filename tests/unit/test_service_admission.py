@@ -12,6 +12,7 @@ from dataclasses import replace
 import httpx
 
 from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.core.run import LOCAL
 from support.inprocess import MODEL, ScriptedEngine, ThreadedServer, client, make_app, with_queue
 
 
@@ -23,12 +24,12 @@ class SlowPrepare(ScriptedEngine):
         super().__init__(**kw)
         self.prepare_s = prepare_s
 
-    def prepare(self, conversation):
+    def prepare(self, conversation, run=LOCAL):
         if any("slow" in getattr(i, "text", "") for i in conversation.items):
             deadline = time.monotonic() + self.prepare_s
             while time.monotonic() < deadline:
                 sum(range(1000))
-        return super().prepare(conversation)
+        return super().prepare(conversation, run)
 
 
 def test_an_overloaded_server_refuses_before_preparing(tmp_path) -> None:

@@ -35,6 +35,7 @@ from lmspd.core.conversation import Conversation, Item, Message, ToolCall
 from lmspd.core.errors import ApiError
 from lmspd.core.events import TERMINAL_EVENTS, EngineEvent
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.core.sealing import Sealer
 from lmspd.engines.base import CancelToken, ModelInfo
 
@@ -92,7 +93,7 @@ class GenerationStats:
 
 
 class LlamaEngine:
-    # ``Conversation.prefill_only``: the prompt is evaluated and kept, nothing sampled.
+    # ``RunContext.prefill_only``: the prompt is evaluated and kept, nothing sampled.
     supports_prefill = True
 
     def __init__(
@@ -242,9 +243,9 @@ class LlamaEngine:
     def count_tokens(self, conversation: Conversation) -> int:
         return len(self.tokenize(self.render(conversation)))
 
-    def prepare(self, conversation: Conversation) -> LlamaPrepared:
+    def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> LlamaPrepared:
         with self.preparations.running(conversation) as landed:
-            prepared = self.preparation.prepare(conversation)
+            prepared = self.preparation.prepare(conversation, run)
             landed(prepared)
             return prepared
 

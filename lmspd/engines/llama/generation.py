@@ -196,7 +196,7 @@ class Generation:
             visible=self.prepared.text,
             items=list(conversation.items),
             response_id=self.response_id,
-            owner=conversation.owner,
+            owner=self.prepared.run.owner,
         ))
         self.emit(Finished("stop", self.usage))
         self.done = True
@@ -269,7 +269,7 @@ class Generation:
             self._mark_reasoning_end()
             assert self.splitter is not None  # reasoning_open: a splitter opened it
             sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
-                                        owner=self.prepared.conversation.owner)
+                                        owner=self.prepared.run.owner)
         self.emit(ReasoningDone(sealed))
 
     def _mark_reasoning_end(self) -> None:
@@ -349,7 +349,7 @@ class Generation:
             items=list(conversation.items) + outputs,
             call_ids=frozenset(c.call_id for c in self.calls.values()),
             response_id=self.response_id,
-            owner=conversation.owner,
+            owner=self.prepared.run.owner,
         ))
 
 

@@ -34,6 +34,7 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import FIELD, ApiError, RequestField
 from lmspd.core.limits import Limits, RequestLimits
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.core.sealing import Sealer
 
 from . import breakpoints, grammars
@@ -53,10 +54,15 @@ _WARM_CUT_TRIES = 8
 
 @dataclass
 class LlamaPrepared:
+    # What the engine runs: the request's conversation as preparation left
+    # it (repaired, sealed reasoning opened, a remembered turn's history in
+    # front, truncated), a copy wherever it differs from the one decoded.
     conversation: Conversation
     text: str
     tokens: list[int]
     max_new_tokens: int
+    # Who the run is for and how it runs (owner, session, prefill only, pin).
+    run: RunContext = LOCAL
     grammar: str | None = None
     lazy_patterns: list[str] | None = None
     tools: list[FunctionTool | CustomTool] = field(default_factory=list)
@@ -77,7 +83,7 @@ class LlamaPrepared:
         return len(self.tokens)
 
     def cache_request(self) -> CacheRequest:
-        conv = self.conversation
+        conv, run = self.conversation, self.run
         system = [conv.instructions or ""]
         for item in conv.items:
             if not (isinstance(item, Message) and item.role in ("system", "developer")):
@@ -93,11 +99,11 @@ class LlamaPrepared:
             requires_state=self.requires_state,
             max_new_tokens=self.max_new_tokens,
             needs_reasoning_state=self.needs_reasoning_state,
-            owner=conv.owner,
-            pin=conv.pin,
+            owner=run.owner,
+            pin=run.pin,
             breakpoints=self.breakpoints,
-            agent=conv.agent_id,
-            parent_agent=conv.parent_agent_id,
+            agent=run.agent_id,
+            parent_agent=run.parent_agent_id,
         )
 
 
@@ -146,20 +152,25 @@ class Preparation:
         messages, tools = template_messages(conversation, self.template, self.tool_format)
         return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
-    def prepare(self, conversation: Conversation) -> LlamaPrepared:
-        self._repair(conversation)
-        self._open_sealed_reasoning(conversation)
-        requires_state = self._attach_live_history(conversation)
+    def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> LlamaPrepared:
+        """``conversation`` and ``run`` ready to generate. Neither is
+        written: each step that changes the conversation (repairs, opened
+        reasoning, a remembered turn's history, truncation) makes a new one,
+        and the prepared form holds the last."""
+        conversation = self._repair(conversation)
+        conversation = self._open_sealed_reasoning(conversation, run.owner)
+        conversation, requires_state = self._attach_live_history(conversation, run.owner)
         n_ctx = self.n_ctx
-        if conversation.prefill_only:
+        if run.prefill_only:
             text, tokens = self._warm_prefix(conversation)
         else:
             text = self.render(conversation)
-            tokens = self._tokenize(conversation, text)
+            tokens = self._tokenize(conversation, text, run.owner)
         requested = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
-            text, tokens = self._truncate(conversation, text, tokens, n_ctx - (requested or 1))
-            if conversation.prefill_only:  # of the items truncation kept
+            conversation, text, tokens = self._truncate(conversation, text, tokens, n_ctx - (requested or 1),
+                                                        add_generation_prompt=not run.prefill_only)
+            if run.prefill_only:  # of the items truncation kept
                 text, tokens = self._warm_prefix(conversation)
         room = n_ctx - len(tokens)
         if conversation.max_output_tokens_is_ceiling and requested is not None and room >= 1:
@@ -175,6 +186,7 @@ class Preparation:
             )
         prepared = LlamaPrepared(
             conversation=conversation,
+            run=run,
             text=text,
             tokens=tokens,
             max_new_tokens=requested if requested is not None else room,
@@ -197,7 +209,7 @@ class Preparation:
             self.cache.prefetch(prepared.cache_request())
         return prepared
 
-    def _tokenize(self, conversation: Conversation, text: str) -> list[int]:
+    def _tokenize(self, conversation: Conversation, text: str, owner: str) -> list[int]:
         """The prompt's tokens. A turn that continues a response the engine
         still holds (a WebSocket connection's latest response, a
         ``previous_response_id`` chain) tokenizes only what follows that
@@ -210,7 +222,7 @@ class Preparation:
         prefixes of the text, which must agree with the prompt's tokens."""
         previous = conversation.previous_response_id
         if previous and conversation.cache_reuse and self.cache.enabled and self.cache.trimmable:
-            state = self.cache.continued_state(previous, conversation.owner, text)
+            state = self.cache.continued_state(previous, owner, text)
             if state is not None and state.visible is not None:
                 return state.tokens + self.vocab.tokenize(text[len(state.visible):])
         return self.vocab.tokenize(text)
@@ -270,22 +282,27 @@ class Preparation:
         share is the part of the prompt a next message cannot change."""
         return self.render(dataclasses.replace(conversation, items=[*items, Message(role=role, text=word)]))
 
-    def _repair(self, conversation: Conversation) -> None:
+    def _repair(self, conversation: Conversation) -> Conversation:
+        """``conversation`` with the ``Repairs`` applied (itself if none changes it)."""
         if self.repairs.strip_billing_header:
             if conversation.instructions:
-                conversation.instructions = BILLING_HEADER.sub("", conversation.instructions, count=1) or None
+                instructions = BILLING_HEADER.sub("", conversation.instructions, count=1) or None
+                if instructions != conversation.instructions:
+                    return dataclasses.replace(conversation, instructions=instructions)
             elif conversation.items and isinstance(conversation.items[0], Message) \
                     and conversation.items[0].role in ("system", "developer"):
                 first = conversation.items[0]
                 stripped = BILLING_HEADER.sub("", first.text, count=1)
                 if stripped != first.text:
-                    conversation.items = [dataclasses.replace(first, text=stripped)] + conversation.items[1:]
+                    return dataclasses.replace(
+                        conversation, items=[dataclasses.replace(first, text=stripped)] + conversation.items[1:])
+        return conversation
 
-    def _truncate(self, conversation: Conversation, text: str, tokens: list[int], budget: int) -> tuple[str, list[int]]:
-        """``truncation: auto`` (``truncation.fewest_dropped``): leaves the
+    def _truncate(self, conversation: Conversation, text: str, tokens: list[int], budget: int, *,
+                  add_generation_prompt: bool) -> tuple[Conversation, str, list[int]]:
+        """``truncation: auto`` (``truncation.fewest_dropped``): the
         conversation with the items kept (all droppable ones gone when
-        nothing fits); ``text`` and ``tokens`` are its whole prompt."""
-        add_generation_prompt = not conversation.prefill_only
+        nothing fits), and its whole prompt's ``text`` and ``tokens``."""
 
         def render(items: list[Item]) -> str:
             return self.render(dataclasses.replace(conversation, items=items),
@@ -293,11 +310,13 @@ class Preparation:
 
         whole = Fit(list(conversation.items), text, tokens)
         fit = fewest_dropped(whole.items, whole, budget, render=render, tokenize=self.vocab.tokenize)
-        conversation.items = fit.items
-        return fit.text, fit.tokens
+        return dataclasses.replace(conversation, items=fit.items), fit.text, fit.tokens
 
-    def _open_sealed_reasoning(self, conversation: Conversation) -> None:
-        """Replayed reasoning this server sealed renders exactly as sampled."""
+    def _open_sealed_reasoning(self, conversation: Conversation, owner: str) -> Conversation:
+        """Replayed reasoning this server sealed renders exactly as sampled:
+        ``conversation`` with each such item's ``hidden`` text opened (in a
+        copy of the item: the decoded one is not written)."""
+        opened: list[Item] | None = None
         for i, item in enumerate(conversation.items):
             if isinstance(item, Reasoning) and item.encrypted_content:
                 if self.sealer is None or self.reasoning is None:
@@ -306,8 +325,12 @@ class Preparation:
                     # Another provider's (a session that began elsewhere):
                     # the turn renders without it, as a visible-only replay.
                     continue
-                item.hidden = self.sealer.open(self.model_id, item.encrypted_content,
-                                               f"input[{i}].encrypted_content", owner=conversation.owner)
+                hidden = self.sealer.open(self.model_id, item.encrypted_content,
+                                          f"input[{i}].encrypted_content", owner=owner)
+                if opened is None:
+                    opened = list(conversation.items)
+                opened[i] = dataclasses.replace(item, hidden=hidden)
+        return conversation if opened is None else dataclasses.replace(conversation, items=opened)
 
     def _needs_reasoning_state(self, conversation: Conversation) -> bool:
         """A replayed tool-call turn of a reasoning model without its reasoning
@@ -325,13 +348,14 @@ class Preparation:
                 reasoning_seen = False
         return False
 
-    def _attach_live_history(self, conversation: Conversation) -> str | None:
+    def _attach_live_history(self, conversation: Conversation, owner: str) -> tuple[Conversation, str | None]:
         """A tool output must answer a call in the replayed history — or one the
-        engine still remembers, whose history is then put in front of it."""
+        engine still remembers, whose history is then put in front of it (in
+        the conversation returned, with the remembered state's key)."""
         orphans = orphan_tool_outputs(conversation.items)
         if not orphans:
-            return None
-        state = (self.cache.state_for_calls({call_id for _, call_id in orphans}, conversation.owner)
+            return conversation, None
+        state = (self.cache.state_for_calls({call_id for _, call_id in orphans}, owner)
                  if self.cache.enabled else None)
         # Only a request that starts with the outputs continues a remembered
         # turn; outputs after some replayed history must find their call there.
@@ -344,8 +368,7 @@ class Preparation:
                 "function_call item that produced this call_id before its output.",
                 path=(RequestField.ITEMS, index, "call_id"),
             )
-        conversation.items = list(state.items) + conversation.items
-        return state.key
+        return dataclasses.replace(conversation, items=list(state.items) + conversation.items), state.key
 
     def _constrain(self, prepared: LlamaPrepared) -> None:
         """Grammars only for requests that demand a shape; none otherwise."""

@@ -384,7 +384,7 @@ class Scheduler:
         while the last session's whole prompt sits in another sequence.
         Unnamed by any remembered state, the next turn is matched by its
         prefix, which finds the longest."""
-        if not job.prepared.conversation.prefill_only or plan.keep == 0 or len(plan.suffix) > 1:
+        if not job.prepared.run.prefill_only or plan.keep == 0 or len(plan.suffix) > 1:
             return False
         if plan.restore is None:
             holder = plan.copy_from if plan.copy_from is not None else plan.seq
@@ -421,7 +421,7 @@ class Scheduler:
         run = Running(job, plan, resident.tokens, gen)
         run.breaks = self.cache.breakpoints_ahead(job.request, seq)
         conversation = job.prepared.conversation
-        if self.planner is not None and conversation.speculative and not conversation.prefill_only:
+        if self.planner is not None and conversation.speculative and not job.prepared.run.prefill_only:
             sampler = gen.sampler
             run.spec = SequenceSpeculation(resident.tokens, sampler if isinstance(sampler, GrammarFirstRejection)
                                            else None)
@@ -680,7 +680,7 @@ class Scheduler:
             # The end of the input: where a regenerated or re-replayed turn
             # resumes on a model whose KV cannot be trimmed back to it.
             self.cache.checkpoint(run.seq, run.job.request.owner, "input")
-            if run.job.prepared.conversation.prefill_only:
+            if run.job.prepared.run.prefill_only:
                 gen.keep_prefilled()
         if gen.done:
             if not run.pending:
@@ -727,7 +727,7 @@ class Scheduler:
             "generation response=%s seq=%d cache_source=%s%s reused=%d prefilled=%d prefill_ms=%.1f%s%s",
             run.job.response_id, run.seq, source, f" {plan.detail}" if plan.detail else "",
             plan.keep, len(plan.suffix), prefill_ms,
-            " prefill_only" if run.job.prepared.conversation.prefill_only else "", miss,
+            " prefill_only" if run.job.prepared.run.prefill_only else "", miss,
         )
 
     def _release(self, run: Running) -> None:

@@ -38,6 +38,7 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
 from lmspd.core.events import EngineEvent, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDone, ToolCallStarted
 from lmspd.core.limits import UpstreamStreamLimits
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, ModelInfo
 
 from .bridge import BridgeDecoder
@@ -108,6 +109,8 @@ class UpstreamPrepared:
     # Set by ``open``: the accepted provider response, consumed by ``generate``.
     stream: ProviderStream | None = None
     opened_at: float = field(default_factory=time.perf_counter)
+    # Who the run is for and the client session it belongs to (routing affinity).
+    run: RunContext = LOCAL
 
 
 def to_api_error(exc: UpstreamError) -> ApiError:
@@ -161,11 +164,11 @@ class UpstreamEngine:
 
     # -- preparing ---------------------------------------------------------------
 
-    def prepare(self, conversation: Conversation) -> UpstreamPrepared:
+    def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> UpstreamPrepared:
         request = build_chat_request(conversation, self.spec.upstream_model, self._profile)
         body, messages_end, tools = _encode_body(request.body)
         return UpstreamPrepared(conversation, request, body, input_tokens=_estimate_tokens(body),
-                                route_prompt=memoryview(body)[:messages_end], route_seed=hash(tools))
+                                route_prompt=memoryview(body)[:messages_end], route_seed=hash(tools), run=run)
 
     def count_tokens(self, conversation: Conversation) -> int:
         # The provider's tokenizer is not ours to run; a byte-based estimate.
@@ -351,7 +354,7 @@ def _route_request(prepared: UpstreamPrepared) -> RouteRequest:
     if conversation.conversation_id:
         continues.append(conversation_anchor(conversation.conversation_id))
     return RouteRequest(prompt=prepared.route_prompt, seed=prepared.route_seed, continues=tuple(continues),
-                        session=conversation.prompt_cache_key or conversation.session_key)
+                        session=conversation.prompt_cache_key or prepared.run.session_key)
 
 
 def _encode_body(body: dict[str, Any]) -> tuple[bytes, int, bytes]:

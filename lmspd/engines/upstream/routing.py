@@ -9,8 +9,9 @@ that lands elsewhere prefills the whole history again. With the
                   (``previous_response_id``, or the last turn of its
                   ``conversation``): a bounded map response id -> endpoint
     session       the endpoint its session key is pinned to (the
-                  Conversation's ``session_key``: ``prompt_cache_key`` or a
-                  client's session header, see lmspd/dialects/session.py);
+                  Conversation's ``prompt_cache_key``, or the run's
+                  ``RunContext.session_key``: a client's session header,
+                  see lmspd/dialects/session.py);
                   a new key is pinned where its first request goes
     prefix        the endpoint whose prompts routed so far share the longest
                   prefix with this one (an approximate prefix tree per

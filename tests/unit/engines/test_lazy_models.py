@@ -30,7 +30,7 @@ class Real:
     async def open(self, prepared, cancel) -> None:
         return None
 
-    def prepare(self, conversation):
+    def prepare(self, conversation, run=None):
         class P:
             input_tokens = 1
             response_id = None

@@ -10,6 +10,7 @@ import pytest
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import FIELD, ApiError, RequestField
+from lmspd.core.run import LOCAL, RunContext
 from support.engine import MODEL, ScriptedEngine
 from support.inprocess import serving
 
@@ -23,12 +24,12 @@ class RefusesLastItem(ScriptedEngine):
         super().__init__()
         self.passes = passes
 
-    def prepare(self, conversation: Conversation):
+    def prepare(self, conversation: Conversation, run: RunContext = LOCAL):
         if self.prepared >= self.passes:
             last = len(conversation.items) - 1
             raise ApiError("invalid_request", f"The item at {FIELD} is refused.",
                            path=(RequestField.ITEMS, last, "content"))
-        return super().prepare(conversation)
+        return super().prepare(conversation, run)
 
 
 @pytest.fixture

@@ -111,7 +111,7 @@ class OpeningEngine:
         self.log: list[str] = []
         self.refuse = refuse
 
-    def prepare(self, conversation):
+    def prepare(self, conversation, run=None):
         class P:
             input_tokens = 1
             response_id = None

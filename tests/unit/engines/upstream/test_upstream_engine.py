@@ -13,6 +13,7 @@ from lmspd.core.conversation import Conversation, FunctionTool, Message
 from lmspd.core.errors import ApiError
 from lmspd.core.events import Failed, Finished, TextDelta, ToolCallStarted
 from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken
 from lmspd.engines.upstream.credentials import Secret
 from lmspd.engines.upstream.engine import UpstreamEngine, UpstreamSpec
@@ -56,8 +57,9 @@ def conversation(text: str = "hi", **kw) -> Conversation:
     return Conversation(model="up", items=[Message(role="user", text=text)], **kw)
 
 
-async def collect(eng: UpstreamEngine, conv: Conversation, cancel: CancelToken | None = None) -> list:
-    prepared = eng.prepare(conv)
+async def collect(eng: UpstreamEngine, conv: Conversation, cancel: CancelToken | None = None,
+                  run: RunContext = LOCAL) -> list:
+    prepared = eng.prepare(conv, run)
     return [e async for e in eng.generate(prepared, cancel or CancelToken())]
 
 
@@ -355,8 +357,8 @@ def test_continuations_and_sessions_stay_on_their_endpoint(provider, provider2):
     for p in (provider, provider2):
         p.responder = lambda request: Reply(parts=text_stream("ok"))
 
-    async def turn(eng, response_id, **kw):
-        prepared = eng.prepare(conversation(**kw))
+    async def turn(eng, response_id, session_key=None, **kw):
+        prepared = eng.prepare(conversation(**kw), RunContext(session_key=session_key))
         prepared.response_id = response_id
         return [e async for e in eng.generate(prepared, CancelToken())]
 
@@ -399,7 +401,7 @@ def test_a_refused_connection_moves_the_session_once(provider, caplog):
             eng.router._sessions.set("s", dead.index)
             with caplog.at_level(logging.INFO, logger="lmspd.upstream.routing"):
                 for text in ("one", "two", "three"):
-                    events = await collect(eng, conversation(text, session_key="s"))
+                    events = await collect(eng, conversation(text), run=RunContext(session_key="s"))
                     assert isinstance(events[-1], Finished)
             return eng.stats()["routing"], dead.label, live.label
         finally:
@@ -436,8 +438,8 @@ def test_a_stream_dropped_midway_marks_its_endpoint_down_and_moves_the_session(p
         try:
             dying_endpoint = eng.pool.endpoints[0]
             eng.router._sessions.set("s", dying_endpoint.index)
-            first = await collect(eng, conversation("one", session_key="s"))
-            second = await collect(eng, conversation("two", session_key="s"))
+            first = await collect(eng, conversation("one"), run=RunContext(session_key="s"))
+            second = await collect(eng, conversation("two"), run=RunContext(session_key="s"))
             return first, second, dying_endpoint.healthy, eng.stats()["routing"]
         finally:
             await eng.aclose()
