@@ -52,8 +52,15 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def fds(pid: int) -> dict[str, str]:
+    """The process's open descriptors and what each one is."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass  # closed meanwhile
+    return found
 
 
 def kv_ram_bytes(client: httpx.Client) -> int:
@@ -190,10 +197,12 @@ def soak(args: argparse.Namespace) -> bool:
             ("RSS growth after warm-up, less the KV RAM tier's (MiB)",
              f"{growth:.1f} (RSS {rss0 // 1024} -> {rss1 // 1024}, KV in RAM {kv0 / 2**20:.0f} -> {kv1 / 2**20:.0f})",
              "< 64", growth < 64),
-            ("open fds after / at warm-up", f"{fd1} / {fd0}", "back to baseline", fd1 <= fd0)]
+            ("open fds after / at warm-up", f"{len(fd1)} / {len(fd0)}", "back to baseline", len(fd1) <= len(fd0))]
     for name, value, bound, ok in rows:
         print(f"| {name} | {value} | {bound} | {'yes' if ok else 'NO'} |")
     print("statuses:", json.dumps(dict(sorted(statuses.items()))))
+    if len(fd1) > len(fd0):
+        print("opened since the warm-up:", sorted(Counter(fd1.values()) - Counter(fd0.values())))
     return all(ok for *_, ok in rows)
 
 
