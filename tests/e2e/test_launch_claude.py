@@ -41,12 +41,19 @@ def test_launch_claude_then_one_print_turn(default_server, tmp_path):
         timeout=TURN_TIMEOUT_S + 60)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     result = [e for e in events if e.get("type") == "result"]
-    assert result and not result[-1].get("is_error"), (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    assert result, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    final = result[-1]
     # Whether the bundled 135M model calls Read for Claude Code's ~3k-token
-    # prompt is up to the model: in CI it answered without calling it. What
-    # this test holds is the client working end to end through the launch
-    # configuration: Claude Code's requests (its tools among them) reach
-    # lmspd's model and the turn ends as a success.
+    # prompt, and whether it stops within the cap, is up to the model (at
+    # Claude Code's sampling settings it ran past 256 tokens in 4 of 5 runs
+    # here). What this test holds is the client working end to end through
+    # the launch configuration: Claude Code's requests (its tools among them)
+    # reach lmspd's model, and the turn ends with the model's answer or with
+    # Claude Code's own report that an answer hit the output cap launch
+    # configured (CLAUDE_CODE_MAX_OUTPUT_TOKENS): no other error.
+    capped = f"exceeded the {MAX_OUTPUT} output token maximum"
+    assert not final.get("is_error") or capped in str(final.get("result")), (done.returncode, final, done.stderr[-3000:])
+    assert final.get("num_turns", 0) >= 1, final
     new = default_server.log()[len(before):]
     assert re.search(r"generation response=\S+ seq=\d+ cache_source=", new), new[-3000:]
-    assert MODEL in json.dumps(result[-1].get("modelUsage", {})), result[-1]
+    assert MODEL in json.dumps(final.get("modelUsage", {})), final
