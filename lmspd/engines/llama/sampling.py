@@ -38,14 +38,24 @@ __all__ = ["GrammarFirstRejection", "Greedy", "greedy_tokens", "logits_row"]
 _WS = b" \t\r\n"
 
 
-def _logits_address() -> Callable[[int, int], int | None]:
+def _logits_address(*, hold_gil: bool) -> Callable[[int, int], int | None]:
     """``llama_get_logits_ith`` returning the row's address as an int: a
     numpy view of it is then two cheap calls (``logits_row``), where
     ``np.ctypeslib.as_array`` on llama-cpp-python's float pointer costs
-    ~10 µs a row (it builds a ctypes array type and casts through it)."""
+    ~10 µs a row (it builds a ctypes array type and casts through it).
+
+    ``hold_gil``: called without releasing the GIL (``ctypes.PyDLL``). The
+    call is a lookup once llama.cpp has synchronized with its backend; a
+    release would let the event loop thread take the GIL for up to the
+    switch interval. The first call after a decode must release it: it waits
+    for an asynchronous backend (a GPU) to finish."""
     lib = getattr(llama_cpp, "_lib", None)
     if lib is not None:
-        fn = lib["llama_get_logits_ith"]  # an object of our own: llama-cpp-python's keeps its restype
+        try:
+            handle = ctypes.PyDLL(lib._name) if hold_gil else lib
+            fn = handle["llama_get_logits_ith"]  # an object of our own: llama-cpp-python's keeps its restype
+        except (AttributeError, OSError):
+            fn = lib["llama_get_logits_ith"]
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         fn.restype = ctypes.c_void_p
         return fn
@@ -55,11 +65,12 @@ def _logits_address() -> Callable[[int, int], int | None]:
     return fallback
 
 
-_LOGITS_ITH = _logits_address()
+_LOGITS_ITH = _logits_address(hold_gil=False)
+_LOGITS_ITH_SYNCED = _logits_address(hold_gil=True)
 
 
-def _address(ctx: internals.LlamaContext, idx: int) -> int:
-    addr = _LOGITS_ITH(ctx.ctx, idx)
+def _address(ctx: internals.LlamaContext, idx: int, synced: bool = False) -> int:
+    addr = (_LOGITS_ITH_SYNCED if synced else _LOGITS_ITH)(ctx.ctx, idx)
     if not addr:
         raise RuntimeError(f"llama.cpp has no logits for batch row {idx}")
     return addr
@@ -81,7 +92,8 @@ def greedy_tokens(ctx: internals.LlamaContext, idxs: list[int], n_vocab: int) ->
     way, ~10 µs each for a 49k vocabulary; the block saves the per-row
     calls); rows spread out are read one by one."""
     stride = 4 * n_vocab
-    addrs = [_address(ctx, i) for i in idxs]
+    addrs = [_address(ctx, idxs[0])]
+    addrs += [_address(ctx, i, synced=True) for i in idxs[1:]]
     lo = min(addrs)
     span = (max(addrs) - lo) // stride + 1
     if span > 2 * len(addrs):
@@ -191,6 +203,12 @@ class GrammarFirstRejection:
         sleeps, or once it is done): a draft that is right unless the
         sampler ends the turn first."""
         if not self._awake or self._matcher.is_stopped() or self._matcher.is_error():
+            return []
+        # A forced token is one whose bytes are all forced: where no byte is
+        # (inside a free string, most of a long argument), there is none,
+        # and asking costs ~2 µs where compute_ff_tokens costs ~20 (it
+        # tokenizes what is forced, asked once per step per sequence).
+        if not self._matcher.compute_ff_bytes():
             return []
         return self._matcher.compute_ff_tokens()
 

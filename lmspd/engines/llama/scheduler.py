@@ -442,6 +442,10 @@ class Scheduler:
             stepped = False
             decoded: tuple[float, int] | None = None
             try:
+                if self._waiting:
+                    # Placing a request may take a while (a KV copy or a
+                    # restore): the last step's events go out before it.
+                    self.outbox.flush()
                 self._admit()
                 began = time.perf_counter()
                 self._reap()
@@ -455,8 +459,9 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for run in list(self._running):
                     self._fail(run, "server_error", "Generation failed.")
-            # What this step produced, out before the next decode.
-            self.outbox.flush()
+            if decoded is None or not self._running:
+                # No decode follows at once to hand them over (``_step``): out now.
+                self.outbox.flush()
             if decoded is not None:
                 decode_s, sequences = decoded
                 self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
@@ -644,6 +649,12 @@ class Scheduler:
             self._logits[where] = out
         self._batch.batch.n_tokens = n
         self._decode_threads()
+        # The last step's events, handed over as this thread is about to let
+        # the GIL go for the decode: the loop does its share of the work
+        # while the decode runs, not while this thread samples and parses
+        # (llguidance and ctypes calls release the GIL, and each release
+        # would hand the loop the GIL for up to the switch interval).
+        self.outbox.flush()
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
         decode_s = time.perf_counter() - t0
