@@ -711,6 +711,12 @@ class Scheduler:
             return
         yielding = sum(1 for run, _, wants in parts if wants)
         shared = len(parts) > 1
+        # Beside other work a draft may grow the step by ``fair_slack`` at
+        # most; where one more token already costs more than that (a CPU
+        # decoding several sequences), ``Planner.length`` gives every
+        # candidate 0, and asking for the candidates (the grammar's forced
+        # tokens, the n-gram search: ~30 µs a sequence) buys nothing.
+        closed = shared and planner.no_room(self.decode_cost, n)
         for run in drafting:
             spec = run.spec
             assert spec is not None
@@ -719,6 +725,8 @@ class Scheduler:
             if limit <= 0:
                 continue
             spec.produced = len(gen.sampled)
+            if closed and spec.pass_step():
+                continue
             draft, rate = spec.candidate(run.pending, limit)
             if draft is None:
                 continue
