@@ -368,12 +368,25 @@ XLLAMACPP_READY = re.compile(r"xllamacpp \S+ serving at (http://\S+)")
 
 
 def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log_path: Path,
-                 log_level: str = "info", extra: list[str] | None = None) -> ChildServer:
+                 log_level: str = "info", extra: list[str] | None = None, source: Path | None = None) -> ChildServer:
+    """``source``: a tree whose ``lmspd`` package the server runs instead of
+    this checkout's (``git_tree``), for before/after runs side by side."""
     cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", str(data_dir),
            "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level, *(extra or [])]
     if model is not None:
         cmd += ["--model", str(model)]
-    return ChildServer("lmspd", cmd, LMSPD_READY, log_path)
+    # PYTHONPATH comes before the editable install's finder on the import path.
+    env = {"PYTHONPATH": str(source)} if source is not None else None
+    return ChildServer("lmspd", cmd, LMSPD_READY, log_path, env=env)
+
+
+def git_tree(ref: str, into: Path) -> Path:
+    """The files of ``ref`` of this repository, extracted into ``into``."""
+    root = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
 
 
 def xllamacpp_server(model: Path, ctx: int, threads: int, n_batch: int, log_path: Path,

@@ -12,7 +12,10 @@ this measures time to first token (TTFT) and decode tokens/s of:
               text lmspd renders (rendered by lmspd's own ``LlamaEngine.render``);
   xllamacpp   the prebuilt llama.cpp server from the PyPI package ``xllamacpp``
               in a child process, streaming its own ``/v1/responses``
-              (``/v1/chat/completions`` if that misbehaves; the run says so).
+              (``/v1/chat/completions`` if that misbehaves; the run says so);
+  lmspd@REF   with ``--baseline REF``: ``lmspd serve`` running the code of a
+              git ref (``git archive``), beside this checkout's, so that a
+              change is measured before and after in the same rounds.
 
 Noise control: every system is warmed up first, then the systems run
 round-robin (the order rotates each round), so slow drift in the machine's
@@ -54,6 +57,7 @@ from _common import (  # noqa: E402
     Sample,
     add_gpu_arguments,
     bundled_model_path,
+    git_tree,
     llama_gpu_kwargs,
     lmspd_gpu_flags,
     lmspd_server,
@@ -103,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap", type=float, default=0.2, help="seconds of idle between requests (default 0.2)")
     p.add_argument("--seed", type=int, default=None, help="seed for the nonces (default: time)")
     p.add_argument("--json", type=Path, default=None, help="also write every sample and the summary here")
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="also run lmspd at this git ref (system lmspd@REF), in the same rounds")
     add_gpu_arguments(p)
     args = p.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 10)
@@ -239,6 +245,11 @@ def cell(summary: Any, spec: str = "{:.1f}") -> str:
     return f"{spec.format(summary.median)} ({spec.format(summary.p25)}–{spec.format(summary.p75)})"
 
 
+def _in_order(names: set[str]) -> list[str]:
+    """lmspd first, then a baseline lmspd@REF, then the others."""
+    return sorted(names, key=lambda n: (ALL_SYSTEMS.index(n) if n in ALL_SYSTEMS else 0.5, n))
+
+
 def _metric(samples: list[Sample], name: str, attr: str) -> Any:
     return summarize([getattr(s, attr) for s in samples if s.system == name])
 
@@ -248,7 +259,8 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
     from rich.table import Table
 
     console = Console(width=max(Console().width, 170), highlight=False)
-    systems = [s for s in ALL_SYSTEMS if s in {x.system for x in samples}]
+    systems = _in_order({x.system for x in samples})
+    base = next((s for s in systems if s.startswith(LMSPD + "@")), None)
     per: dict[str, dict[str, Any]] = {}
     table = Table(title=f"Per system: median (p25–p75) over {args.reps} rounds", title_justify="left")
     for col in ("system", "TTFT ms", "prefill ms", "TTFT−prefill ms", "decode tok/s", "last delta→end ms",
@@ -279,7 +291,10 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
                 "TTFT−prefill Δ ms paired", "per-token Δ µs", "CPU Δ ms/req paired"):
         rt.add_column(col, justify="left" if col == "comparison" else "right")
     lines = []
-    for a, b in ((LMSPD, INPROC), (LMSPD, XLLAMA), (XLLAMA, INPROC)):
+    pairs = [(LMSPD, INPROC), (LMSPD, XLLAMA), (XLLAMA, INPROC)]
+    if base is not None:
+        pairs[1:1] = [(base, INPROC), (LMSPD, base)]
+    for a, b in pairs:
         if a not in per or b not in per or not per[a]["decode_tps"] or not per[b]["decode_tps"]:
             continue
         dec_med = per[a]["decode_tps"]["median"] / per[b]["decode_tps"]["median"]
@@ -302,22 +317,22 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
                        "ttft_delta_ms_of_medians": ttft_med, "ttft_delta_ms_paired": ttft_pair and ttft_pair.__dict__,
                        "ttft_minus_prefill_delta_ms_paired": over_pair and over_pair.__dict__,
                        "per_token_delta_us": per_tok, "cpu_delta_ms_paired": cpu_pair and cpu_pair.__dict__})
-        if a == LMSPD and dec_pair and ttft_pair:
+        if a.startswith(LMSPD) and dec_pair and ttft_pair:
             goal = b == INPROC
 
             def verdict(ok: bool) -> str:
                 return "meets" if ok else "MISSES"
 
-            lines.append(f"lmspd decode / {b} decode = {dec_pair.median:.3f} paired ({dec_med:.3f} from medians)"
+            lines.append(f"{a} decode / {b} decode = {dec_pair.median:.3f} paired ({dec_med:.3f} from medians)"
                          + (f"  [target ≥ 0.95: {verdict(dec_pair.median >= 0.95)}]" if goal else ""))
-            lines.append(f"lmspd TTFT − {b} TTFT = {ttft_pair.median:+.1f} ms paired ({ttft_med:+.1f} from medians)"
+            lines.append(f"{a} TTFT − {b} TTFT = {ttft_pair.median:+.1f} ms paired ({ttft_med:+.1f} from medians)"
                          + (f"  [target ≤ 5 ms: {verdict(ttft_pair.median <= 5.0)}]" if goal else ""))
             if over_pair:
                 lines.append(f"  the same without prompt evaluation (TTFT − prefill) = {over_pair.median:+.1f} ms "
                              f"paired (p25–p75 {over_pair.p25:+.1f}–{over_pair.p75:+.1f})"
                              + (f"  [target ≤ 5 ms: {verdict(over_pair.median <= 5.0)}]" if goal else ""))
             if cpu_pair:
-                lines.append(f"  lmspd uses {cpu_pair.median:+.1f} ms CPU per request more than {b} (paired)")
+                lines.append(f"  {a} uses {cpu_pair.median:+.1f} ms CPU per request more than {b} (paired)")
     if ratios:
         console.print(rt)
     for line in lines:
@@ -325,7 +340,7 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
 
     # Sanity: the same prompt and the same greedy output everywhere?
     checks = []
-    for a in (LMSPD, XLLAMA):
+    for a in [LMSPD, *([base] if base else []), XLLAMA]:
         if a in per and INPROC in per:
             same_in = paired(samples, a, INPROC, lambda x, y: float(x.input_tokens == y.input_tokens))
             same_text = paired(samples, a, INPROC, lambda x, y: float(x.text == y.text))
@@ -439,6 +454,25 @@ def main(argv: list[str] | None = None) -> int:
 
             runners[LMSPD] = run_lmspd
 
+        if args.baseline:
+            base_name = f"{LMSPD}@{args.baseline}"
+            base_srv = lmspd_server(args.model and model, args.ctx, args.threads, tmp / "base-data", tmp / "base.log",
+                                    extra=lmspd_gpu_flags(args), source=git_tree(args.baseline, tmp / "base-src"))
+            servers.append(base_srv)
+            base_srv.start()
+            print(f"{base_name} ready at {base_srv.url} (pid {base_srv.pid})", flush=True)
+            base_url = base_srv.url + "/v1/responses"
+            base_srv.new_log_text()
+
+            def run_base(r: int, i: int) -> Sample:
+                s = with_cpu(base_srv.pid, lambda: stream_responses(client, base_url, bodies[i], Sample(base_name, r)))
+                found = PREFILL_LOG.findall(base_srv.new_log_text())
+                if found:
+                    s.extra["prefill_ms"] = float(found[-1])
+                return s
+
+            runners[base_name] = run_base
+
         if XLLAMA in args.systems:
             srv = xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / "xllamacpp.log")
             servers.append(srv)
@@ -470,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             runners[XLLAMA] = run_x_chat if endpoint == "chat" else run_x_responses
             meta["xllamacpp_endpoint"] = endpoint
 
-        order = [s for s in ALL_SYSTEMS if s in runners]
+        order = _in_order(set(runners))
         print(f"warming up ({args.warmup} per system)...", flush=True)
         for w in range(args.warmup):
             for name in order:

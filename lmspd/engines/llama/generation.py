@@ -61,9 +61,13 @@ class Generation:
             engine.tool_format.parser(prepared.tools, lambda: new_id("call"))
             if prepared.tools or engine.parse_always else None
         )
-        self.text = ""  # visible text, for the transcript
+        # Visible text, for the transcript: pieces, joined once at the end
+        # (``str +=`` on an attribute copies the whole text every token).
+        self._text_parts: list[str] = []
         self.raw = bytearray()  # everything sampled, for the KV's text
         self.calls: dict[int, ToolCall] = {}
+        # A call's argument deltas until its payload is done (joined where a turn ends without it).
+        self._call_parts: dict[int, list[str]] = {}
         syntax = engine.reasoning
         # A call the model opens inside its reasoning ends the reasoning
         # (when the request lets it call: ``prepared.tools``).
@@ -290,9 +294,13 @@ class Generation:
         except UnicodeDecodeError:  # the KV ends inside a character: no text prefix to match
             return
 
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
     def _visible(self, text: str) -> None:
         if self.parser is None:
-            self.text += text
+            self._text_parts.append(text)
             self.emit(TextDelta(text))
             return
         self._events(self.parser.feed(text))
@@ -300,16 +308,18 @@ class Generation:
     def _events(self, events: list[EngineEvent]) -> None:
         for event in events:
             if isinstance(event, TextDelta):
-                self.text += event.text
+                self._text_parts.append(event.text)
             elif isinstance(event, ToolCallStarted):
                 event = self._public_call(event)
                 call = ToolCall(call_id=event.call_id, name=event.name, payload="", kind=event.kind,
                                 namespace=event.namespace)
                 self.calls[event.index] = call
+                self._call_parts[event.index] = []
             elif isinstance(event, ToolCallDelta):
-                self.calls[event.index].payload += event.delta
+                self._call_parts[event.index].append(event.delta)
             elif isinstance(event, ToolCallDone):
                 self.calls[event.index].payload = event.payload
+                del self._call_parts[event.index]
             self.emit(event)
 
     def _public_call(self, event: ToolCallStarted) -> ToolCallStarted:
@@ -332,8 +342,11 @@ class Generation:
         if self.splitter is not None and self.splitter.hidden:
             # The client replays it (without the hidden text unless sealed).
             outputs.append(Reasoning(text=self.splitter.reasoning))
-        if self.text:
-            outputs.append(Message(role="assistant", text=self.text))
+        text = self.text
+        if text:
+            outputs.append(Message(role="assistant", text=text))
+        for index, parts in self._call_parts.items():  # cut off before its end
+            self.calls[index].payload = "".join(parts)
         for index in sorted(self.calls):
             call = self.calls[index]
             if call.namespace:

@@ -63,11 +63,21 @@ class ReasoningSplitter:
         self.syntax = syntax
         self.call_markers = tuple(m for m in call_markers if m)
         self.in_reasoning = bool(syntax.prompt_tail)
-        self.hidden = syntax.prompt_tail  # the turn's hidden raw text so far
-        self.reasoning = ""
+        # The turn's hidden raw text so far, and its reasoning text: pieces
+        # (read once a turn; ``str +=`` would copy all of it every token).
+        self._hidden = [syntax.prompt_tail]
+        self._reasoning: list[str] = []
         self._at_start = not self.in_reasoning
         self._after_close = False
         self._held = ""
+
+    @property
+    def hidden(self) -> str:
+        return "".join(self._hidden)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
 
     def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -79,7 +89,7 @@ class ReasoningSplitter:
                 stripped = buf.lstrip()
                 if stripped.startswith(opener):
                     lead = len(buf) - len(stripped)
-                    self.hidden += buf[: lead + len(opener)]
+                    self._hidden.append(buf[: lead + len(opener)])
                     buf = buf[lead + len(opener):]
                     self.in_reasoning, self._at_start = True, False
                     continue
@@ -100,7 +110,7 @@ class ReasoningSplitter:
                     continue
                 if at >= 0:
                     self._reason(out, buf[:at])
-                    self.hidden += close
+                    self._hidden.append(close)
                     buf = buf[at + len(close):]
                     self.in_reasoning, self._after_close = False, True
                     continue
@@ -110,7 +120,7 @@ class ReasoningSplitter:
                 return out
             if self._after_close:
                 stripped = buf.lstrip()
-                self.hidden += buf[: len(buf) - len(stripped)]
+                self._hidden.append(buf[: len(buf) - len(stripped)])
                 buf = stripped
                 if not buf:
                     return out
@@ -121,8 +131,8 @@ class ReasoningSplitter:
 
     def _reason(self, out: list[tuple[str, str]], text: str) -> None:
         if text:
-            self.hidden += text
-            self.reasoning += text
+            self._hidden.append(text)
+            self._reasoning.append(text)
             out.append(("reasoning", text))
 
 

@@ -17,9 +17,12 @@ allocated once; a decode step writes scalars into them.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 import llama_cpp
 import numpy as np
+from llama_cpp._internals import LlamaContext, LlamaSampler
 
 from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
@@ -37,7 +41,7 @@ from lmspd.engines.base import CancelToken
 
 from .generation import Generation
 from .preparation import LlamaPrepared
-from .sampling import GrammarFirstRejection
+from .sampling import GrammarFirstRejection, Greedy, greedy_tokens
 from .speculation import DecodeStats, Draft, Planner, SequenceSpeculation
 from .stepcost import DecodeCost, HostCost
 
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
     from .engine import LlamaEngine
 
 log = logging.getLogger("lmspd.engine")
+
+_NO_TOPS: dict[int, int] = {}  # never written
 
 
 @dataclass
@@ -75,6 +81,10 @@ class Running:
         # Prefill positions to stop at for a breakpoint checkpoint (ascending).
         self.breaks: list[int] = []
         self.started = time.perf_counter()
+        # Greedy sampling (with or without a grammar): its first pick is the
+        # row's highest logit, which the step reads for all such rows at once.
+        sampler = gen.sampler
+        self.greedy = isinstance(sampler, Greedy) or (isinstance(sampler, GrammarFirstRejection) and sampler.greedy)
         # Speculation (None: this sequence never drafts) and this step's draft.
         self.spec: SequenceSpeculation | None = None
         self.draft: Draft | None = None
@@ -82,40 +92,63 @@ class Running:
 
 class Outbox:
     """Events the scheduler thread produced, handed to the event loop once
-    per step rather than once per event: waking the loop
-    (``call_soon_threadsafe`` writes its self-pipe) cost ~2 ms per call on a
-    busy machine, paid per sequence per token. ``emit`` is called on the
-    scheduler thread only."""
+    per step rather than once per event. ``emit`` is called on the
+    scheduler thread only.
 
-    __slots__ = ("_pending",)
+    The hand-over must not give the GIL away. ``call_soon_threadsafe``
+    writes the loop's self-pipe through ``socket.send``, which releases the
+    GIL: the loop thread, woken by that very write, takes it first and keeps
+    it for up to the switch interval (5 ms) while the scheduler waits to
+    return from ``send`` — measured ~4 ms per step on the 2-core machine,
+    ten times the rest of the step's host work. So each loop gets a pipe of
+    our own (``_Waker``) that the scheduler writes with the GIL held; the
+    loop wakes, waits for the GIL, and gets it when the scheduler releases
+    it in ``llama_decode``, doing its share of the work during the decode."""
+
+    __slots__ = ("_pending", "_wakers")
 
     def __init__(self) -> None:
-        self._pending: list[tuple[asyncio.AbstractEventLoop, Callable[[EngineEvent], None], EngineEvent]] = []
+        self._pending: list[tuple[_Waker | asyncio.AbstractEventLoop, Callable[[EngineEvent], None],
+                                  EngineEvent]] = []
+        self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker | None] = (
+            weakref.WeakKeyDictionary())
 
     def sender(self, loop: asyncio.AbstractEventLoop,
                put: Callable[[EngineEvent], None]) -> Callable[[EngineEvent], None]:
+        """Called on ``loop``'s thread (its waker is registered there)."""
+        try:
+            waker = self._wakers[loop]
+        except KeyError:
+            waker = self._wakers[loop] = _Waker.attach(loop)
+        target: _Waker | asyncio.AbstractEventLoop = loop if waker is None else waker
+        pending = self._pending
+
         def emit(event: EngineEvent) -> None:
-            self._pending.append((loop, put, event))
+            pending.append((target, put, event))
         return emit
 
     def flush(self) -> None:
         if not self._pending:
             return
-        batch, self._pending = self._pending, []
-        loop = batch[0][0]
-        if all(item[0] is loop for item in batch):
-            _call_soon(loop, batch)
+        batch = self._pending[:]
+        self._pending.clear()
+        target = batch[0][0]
+        if all(item[0] is target for item in batch):
+            _hand_over(target, batch)
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        by_target: dict[_Waker | asyncio.AbstractEventLoop, list] = {}
         for item in batch:
-            by_loop.setdefault(item[0], []).append(item)
-        for loop, items in by_loop.items():
-            _call_soon(loop, items)
+            by_target.setdefault(item[0], []).append(item)
+        for target, items in by_target.items():
+            _hand_over(target, items)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, items: list) -> None:
+def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list) -> None:
+    if isinstance(target, _Waker):
+        target.post(items)
+        return
     try:
-        loop.call_soon_threadsafe(_deliver, items)
+        target.call_soon_threadsafe(_deliver, items)
     except RuntimeError:  # that loop is closed: nobody is listening
         pass
 
@@ -123,6 +156,82 @@ def _call_soon(loop: asyncio.AbstractEventLoop, items: list) -> None:
 def _deliver(items: list) -> None:
     for _, put, event in items:
         put(event)
+
+
+def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
+    """libc's ``write`` called with the GIL held (``ctypes.PyDLL``), or None
+    where there is none to be found."""
+    try:
+        write = ctypes.PyDLL(None).write
+    except (AttributeError, OSError, TypeError):
+        return None
+    write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    write.restype = ctypes.c_ssize_t
+    return write
+
+
+_WRITE = _gil_holding_write()
+
+
+class _Waker:
+    """A pipe whose read end the loop watches (``add_reader``) and a queue
+    of event batches: ``post`` (scheduler thread) queues a batch and writes
+    a byte, without releasing the GIL (the write end does not block: a full
+    pipe already has the loop awake); ``_drain`` (the loop) delivers every
+    batch queued, in order."""
+
+    __slots__ = ("_batches", "_r", "_w", "_loop", "__weakref__")
+
+    def __init__(self, r: int, w: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._batches: deque[list] = deque()
+        self._r, self._w = r, w
+        # Weak: the loop holds the waker (its reader), and a closed loop must be freed with it.
+        self._loop = weakref.ref(loop)
+
+    @classmethod
+    def attach(cls, loop: asyncio.AbstractEventLoop) -> "_Waker | None":
+        """A waker on ``loop`` (called on its thread), or None where the loop
+        cannot watch a pipe (Windows' proactor) or no GIL-holding write exists."""
+        if _WRITE is None:
+            return None
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        waker = cls(r, w, loop)
+        try:
+            loop.add_reader(r, waker._drain)
+        except (NotImplementedError, RuntimeError):
+            os.close(r)
+            os.close(w)
+            return None
+        # The loop holds the waker (its reader); the pipe goes with the waker.
+        weakref.finalize(waker, _close_pipe, r, w)
+        return waker
+
+    def post(self, items: list) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return  # nobody is listening
+        self._batches.append(items)
+        _WRITE(self._w, b"\0", 1)  # type: ignore[misc]  # -1 (EAGAIN) on a full pipe: the loop is awake already
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        batches = self._batches
+        while batches:
+            _deliver(batches.popleft())
+
+
+def _close_pipe(r: int, w: int) -> None:
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class Preparations:
@@ -211,6 +320,31 @@ def input_chars(conversation: Conversation) -> int:
     return n
 
 
+class Batch:
+    """A ``llama_batch`` of one sequence id per token, with numpy views of
+    its fields, so that a step fills it with array copies. ``llama_batch_init``
+    gives each token a ``seq_id`` array of its own (one int, allocated
+    apart): writing them took a Python loop over the tokens. Pointed at one
+    contiguous array of ours instead, every token's sequence is one copy;
+    the original pointers go back before ``llama_batch_free`` frees them."""
+
+    def __init__(self, n: int) -> None:
+        batch = llama_cpp.llama_batch_init(n, 0, 1)
+        self.batch = batch
+        self.tok = np.ctypeslib.as_array(batch.token, shape=(n,))
+        self.pos = np.ctypeslib.as_array(batch.pos, shape=(n,))
+        self.logits = np.ctypeslib.as_array(batch.logits, shape=(n,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        self.seq = np.zeros(n, dtype=np.int32)
+        self._seq_ptrs = np.ctypeslib.as_array(ctypes.cast(batch.seq_id, ctypes.POINTER(ctypes.c_size_t)), shape=(n,))
+        self._allocated = self._seq_ptrs.copy()
+        self._seq_ptrs[:] = self.seq.ctypes.data + self.seq.itemsize * np.arange(n, dtype=self._seq_ptrs.dtype)
+
+    def free(self) -> None:
+        self._seq_ptrs[:] = self._allocated
+        llama_cpp.llama_batch_free(self.batch)
+
+
 class Scheduler:
     def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int,
                  planner: Planner | None = None) -> None:
@@ -228,13 +362,9 @@ class Scheduler:
         self.checkpoint_every = checkpoint_every
         # The longest an idle scheduler waits for requests arriving together (``_gather``).
         self.gather_s = 0.03
-        batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self._batch = batch
-        self._tok = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
-        self._pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
-        self._logits = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
-        np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))[:] = 1
-        self._seq_ids = [batch.seq_id[i] for i in range(n_batch)]
+        self._batch = Batch(n_batch)
+        self._tok, self._pos, self._seq, self._logits = (self._batch.tok, self._batch.pos, self._batch.seq,
+                                                         self._batch.logits)
         self._offsets = np.arange(n_batch, dtype=np.int32)
         self._cond = threading.Condition()
         self._inbox: deque[Job] = deque()
@@ -264,7 +394,7 @@ class Scheduler:
             self._closing = True
             self._cond.notify()
         self._thread.join()
-        llama_cpp.llama_batch_free(self._batch)
+        self._batch.free()
 
     @property
     def active(self) -> int:
@@ -312,6 +442,10 @@ class Scheduler:
             stepped = False
             decoded: tuple[float, int] | None = None
             try:
+                if self._waiting:
+                    # Placing a request may take a while (a KV copy or a
+                    # restore): the last step's events go out before it.
+                    self.outbox.flush()
                 self._admit()
                 began = time.perf_counter()
                 self._reap()
@@ -325,8 +459,9 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for run in list(self._running):
                     self._fail(run, "server_error", "Generation failed.")
-            # What this step produced, out before the next decode.
-            self.outbox.flush()
+            if decoded is None or not self._running:
+                # No decode follows at once to hand them over (``_step``): out now.
+                self.outbox.flush()
             if decoded is not None:
                 decode_s, sequences = decoded
                 self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
@@ -480,6 +615,13 @@ class Scheduler:
         # only consecutive sequence ids into one micro-batch.
         parts.sort(key=lambda p: p[0].seq)
         rows: list[tuple[Running, int, int]] = []  # run, logits row (-1: none; a draft's: its first), tokens taken
+        # The one-token parts (every decoding sequence's next token) go into
+        # the batch together, one array copy per field.
+        at: list[int] = []
+        tok: list[int] = []
+        pos: list[int] = []
+        seq: list[int] = []
+        out: list[bool] = []
         n = 0
         for run, k, wants in parts:
             draft = run.draft
@@ -487,14 +629,34 @@ class Scheduler:
                 self._put_draft(run, run.pending[0], draft.tokens, n)
                 rows.append((run, n, 1))
                 n += 1 + len(draft.tokens)
-                continue
-            self._put(run, run.pending, n, k, wants)
-            rows.append((run, n + k - 1 if wants else -1, k))
-            n += k
-        self._batch.n_tokens = n
+            elif k == 1:
+                at.append(n)
+                tok.append(run.pending[0])
+                pos.append(len(run.tokens))
+                seq.append(run.seq)
+                out.append(wants)
+                rows.append((run, n if wants else -1, 1))
+                n += 1
+            else:
+                self._put(run, run.pending, n, k, wants)
+                rows.append((run, n + k - 1 if wants else -1, k))
+                n += k
+        if at:
+            where: slice | list[int] = slice(0, n) if len(at) == n else at
+            self._tok[where] = tok
+            self._pos[where] = pos
+            self._seq[where] = seq
+            self._logits[where] = out
+        self._batch.batch.n_tokens = n
         self._decode_threads()
+        # The last step's events, handed over as this thread is about to let
+        # the GIL go for the decode: the loop does its share of the work
+        # while the decode runs, not while this thread samples and parses
+        # (llguidance and ctypes calls release the GIL, and each release
+        # would hand the loop the GIL for up to the switch interval).
+        self.outbox.flush()
         t0 = time.perf_counter()
-        rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+        rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
         decode_s = time.perf_counter() - t0
         self.decode_cost.observe(n, decode_s * 1000)
         self.engine.kv.decoded()
@@ -509,17 +671,34 @@ class Scheduler:
             taken = run.pending[:k] if k > 1 else [run.pending[0]]
             del run.pending[:k]
             run.tokens.extend(taken)
+        tops = self._greedy_tops(rows)
         for run, row, k in rows:
             try:
                 if run.draft is not None:
-                    self._verify(run, row)
+                    self._verify(run, row, tops)
                 else:
-                    self._advance(run, row, k)
+                    self._advance(run, row, k, tops)
             except Exception as exc:
                 log.exception("generation failed")
                 run.draft = None
                 self._fail(run, "server_error", f"Generation failed: {type(exc).__name__}")
         return decode_s, len(decoding)
+
+    def _greedy_tops(self, rows: list[tuple[Running, int, int]]) -> dict[int, int]:
+        """The highest-logit token of every row a greedy sampler reads this
+        step (each position of a greedy draft too), by batch row: read in
+        one pass (``sampling.greedy_tokens``) instead of once per sequence."""
+        idxs: list[int] = []
+        for run, row, _ in rows:
+            if row < 0 or not run.greedy:
+                continue
+            if run.draft is not None:
+                idxs.extend(range(row, row + 1 + len(run.draft.tokens)))
+            else:
+                idxs.append(row)
+        if not idxs:
+            return _NO_TOPS
+        return dict(zip(idxs, greedy_tokens(self._ctx, idxs, self.engine.vocab.n_vocab), strict=True))
 
     def _plan_drafts(self, parts: list[tuple[Running, int, bool]], n: int) -> None:
         """Drafts for the decoding sequences that have one worth its price
@@ -532,6 +711,12 @@ class Scheduler:
             return
         yielding = sum(1 for run, _, wants in parts if wants)
         shared = len(parts) > 1
+        # Beside other work a draft may grow the step by ``fair_slack`` at
+        # most; where one more token already costs more than that (a CPU
+        # decoding several sequences), ``Planner.length`` gives every
+        # candidate 0, and asking for the candidates (the grammar's forced
+        # tokens, the n-gram search: ~30 µs a sequence) buys nothing.
+        closed = shared and planner.no_room(self.decode_cost, n)
         for run in drafting:
             spec = run.spec
             assert spec is not None
@@ -540,6 +725,8 @@ class Scheduler:
             if limit <= 0:
                 continue
             spec.produced = len(gen.sampled)
+            if closed and spec.pass_step():
+                continue
             draft, rate = spec.candidate(run.pending, limit)
             if draft is None:
                 continue
@@ -557,12 +744,10 @@ class Scheduler:
         self._tok[at] = token
         self._tok[at + 1:at + k] = draft
         np.add(self._offsets[:k], len(run.tokens), out=self._pos[at:at + k])
-        seq = run.seq
-        for i in range(at, at + k):
-            self._seq_ids[i][0] = seq
+        self._seq[at:at + k] = run.seq
         self._logits[at:at + k] = 1
 
-    def _verify(self, run: Running, row: int) -> None:
+    def _verify(self, run: Running, row: int, tops: dict[int, int]) -> None:
         """Sample at each position of a draft in turn: a draft token is kept
         while the sampler picked it, and the first pick that differs is the
         next token (so the output is what decoding without the draft gives).
@@ -582,7 +767,7 @@ class Scheduler:
             if forced:
                 run.pending = forced
                 break
-            token = gen.sampler.sample(self._ctx, row + i)
+            token = _sample(gen.sampler, self._ctx, row + i, tops.get(row + i))
             run.pending = gen.on_token(token)
             end = gen.take_reasoning_end()
             if end is not None:
@@ -613,13 +798,12 @@ class Scheduler:
                 continue
             pos = len(r.tokens) - 1
             self.engine.kv.trim(r.seq, pos)
-            self._tok[n], self._pos[n], self._logits[n] = r.tokens[-1], pos, 0
-            self._seq_ids[n][0] = r.seq
+            self._tok[n], self._pos[n], self._seq[n], self._logits[n] = r.tokens[-1], pos, r.seq, 0
             n += 1
         if n:
-            self._batch.n_tokens = n
+            self._batch.batch.n_tokens = n
             self._decode_threads()
-            rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch)
+            rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
             if rc != 0:
                 for r in self.cache.unsettled_copies():
                     self.cache.discard(r.seq)
@@ -641,23 +825,15 @@ class Scheduler:
             self._threads = n
 
     def _put(self, run: Running, tokens: list[int], at: int, k: int, logits: bool) -> None:
-        p0 = len(run.tokens)
-        seq = run.seq
-        if k == 1:
-            self._tok[at] = tokens[0]
-            self._pos[at] = p0
-            self._seq_ids[at][0] = seq
-            self._logits[at] = 1 if logits else 0
-            return
+        """A chunk of ``k`` tokens (a prefill's, or a sequence's forced tokens) at ``at``."""
         self._tok[at:at + k] = tokens[:k]
-        np.add(self._offsets[:k], p0, out=self._pos[at:at + k])
-        for i in range(at, at + k):
-            self._seq_ids[i][0] = seq
+        np.add(self._offsets[:k], len(run.tokens), out=self._pos[at:at + k])
+        self._seq[at:at + k] = run.seq
         self._logits[at:at + k] = 0
         if logits:
             self._logits[at + k - 1] = 1
 
-    def _advance(self, run: Running, row: int, k: int) -> None:
+    def _advance(self, run: Running, row: int, k: int, tops: dict[int, int]) -> None:
         gen = run.gen
         if run.prefilling:
             run.since_checkpoint += k
@@ -691,7 +867,7 @@ class Scheduler:
             if forced:
                 run.pending = forced
                 return
-            token = gen.sampler.sample(self._ctx, row)
+            token = _sample(gen.sampler, self._ctx, row, tops.get(row))
             run.pending = gen.on_token(token)
             end = gen.take_reasoning_end()
             if end is not None:
@@ -764,6 +940,15 @@ class Scheduler:
                 self._step()
         self.outbox.flush()  # the terminal events, before the disk writes
         self.cache.save_all()
+
+
+def _sample(sampler: LlamaSampler | Greedy | GrammarFirstRejection, ctx: LlamaContext, row: int,
+            top: int | None) -> int:
+    """``top``: the row's highest logit, read for a greedy sampler (``Scheduler._greedy_tops``)."""
+    if top is None:
+        return sampler.sample(ctx, row)
+    assert not isinstance(sampler, LlamaSampler)
+    return sampler.sample(ctx, row, top)
 
 
 def _cancelled_event(cancel: CancelToken, usage: Usage) -> EngineEvent:

@@ -81,18 +81,23 @@ class NgramIndex:
                 table[tuple(toks[e - size:e])] = e
         self._done = max(self._done, end)
 
-    def propose(self, tail: list[int], k: int) -> tuple[list[int], int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of
-        the context's end (``tokens`` + ``tail``), and how many tokens that
-        occurrence matched (0: none)."""
-        toks = self.tokens
-        n = len(toks)
+    def keep_up(self) -> None:
+        """Index what a ``propose`` now would index first (at most
+        ``per_step`` positions)."""
+        n = len(self.tokens)
         if n < self._done:  # the list was cut back (never, while a sequence runs): start over
             self._maps = [{} for _ in self.sizes]
             self._done = 0
         # Only n-grams with a continuation inside ``tokens``.
         if self._done < n - 1:
             self._catch_up(n - 1, self._per_step)
+
+    def propose(self, tail: list[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of
+        the context's end (``tokens`` + ``tail``), and how many tokens that
+        occurrence matched (0: none)."""
+        self.keep_up()
+        toks = self.tokens
         context = toks[-16:] + tail if tail else toks[-16:]
         for size, table in zip(self.sizes, self._maps, strict=True):
             if len(context) < size:
@@ -212,6 +217,18 @@ class SequenceSpeculation:
             acc.reset()
         return Draft("ngram", tokens), acc.rate_with(_match_prior(matched))
 
+    def pass_step(self) -> bool:
+        """A step that can take no draft of this sequence's, whatever it
+        proposed: keep up what ``candidate`` keeps (the index, which it would
+        bring up to date now or at the next search: the same tables), without
+        asking the grammar or searching. False for a resting sequence:
+        its candidate may end the rest (a long match), so it is asked anyway,
+        and the drafts it makes later are the same."""
+        if self.produced < self._rest_until:
+            return False
+        self.index.keep_up()
+        return True
+
     def verified(self, draft: Draft, accepted: int) -> None:
         self.stats.add(draft.source, len(draft.tokens), accepted)
         self.acceptance[draft.source].observe(len(draft.tokens), accepted)
@@ -248,6 +265,11 @@ class Planner:
     max_draft: int = 16
     # With other work in the step: the most its cost may grow for a draft.
     fair_slack: float = 0.10
+
+    def no_room(self, cost: DecodeCost, base_tokens: int) -> bool:
+        """Whether, beside other work, one more token already costs more
+        than ``fair_slack``: then ``length`` is 0 for any draft."""
+        return cost.ms(base_tokens + 1) > cost.ms(base_tokens) * (1 + self.fair_slack)
 
     def length(self, cost: DecodeCost, rate: float, available: int, *, base_tokens: int, base_yield: int,
                shared: bool) -> int:

@@ -30,6 +30,7 @@ class Vocabulary:
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
         self._special_pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self._bos = llama_cpp.llama_vocab_bos(self.vocab)
         #: Special tokens whose text the output path keeps (``show_markers``).
         self.shown: frozenset[int] = frozenset()
@@ -102,7 +103,12 @@ class Vocabulary:
         return bytes(buf.raw[: max(n, 0)])
 
     def is_eog(self, token: int) -> bool:
-        return llama_cpp.llama_vocab_is_eog(self.vocab, token)
+        # Cached: asked for every sampled token, and a ctypes call releases
+        # the GIL (to the event loop thread, for up to the switch interval).
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def token_text(self, token: int) -> str:
         if token < 0:

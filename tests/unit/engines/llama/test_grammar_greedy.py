@@ -6,10 +6,11 @@ every row. The bundled model, in process."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from lmspd.core.conversation import Conversation, FunctionTool, Message, Sampling, ToolChoice
-from lmspd.engines.llama.sampling import GrammarFirstRejection
+from lmspd.core.conversation import Conversation, FunctionTool, Message, OutputFormat, Sampling, ToolChoice
+from lmspd.engines.llama.sampling import GrammarFirstRejection, greedy_tokens, logits_row
 from support.llama_engine import bundled_engine, every_row_decoded
 
 
@@ -43,3 +44,61 @@ def test_the_first_try_is_the_highest_logit_without_llama_cpps_sampler(engine):
             assert chain_calls == [], "llama.cpp's sampler ran for a first try"
     finally:
         sampler.close()
+
+
+def test_a_rejected_first_try_takes_what_llama_cpps_greedy_sampler_takes_from_the_masked_candidates(engine):
+    """Greedy under a grammar that refuses the highest logit: the pick is
+    the first highest logit the grammar allows, read off the row with the
+    mask applied (no whole-vocabulary candidate array), which is the token
+    llama.cpp's greedy sampler picks from the masked candidates."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    conv = Conversation(model="m", items=[Message("user", "Name three rivers of Europe and one of Asia.")],
+                        output_format=OutputFormat("json_schema", "answer", schema, strict=True),
+                        sampling=Sampling(temperature=0))
+    prepared = engine.prepare(conv)
+    sampler = engine.preparation.sampler(prepared)
+    assert isinstance(sampler, GrammarFirstRejection) and sampler.greedy
+    tokens = prepared.tokens
+    try:
+        with every_row_decoded(engine, tokens) as chain:
+            allowed = sampler._allowed()
+            assert allowed is not None
+            rows = range(len(tokens) - 40, len(tokens))
+            refused = 0
+            for i in rows:
+                top = chain.sample(engine.ctx, i)
+                if sampler.allows(top):
+                    continue
+                refused += 1
+                logits = logits_row(engine.ctx, i, engine.vocab.n_vocab)
+                picked = int(np.where(allowed, logits, -np.inf).argmax())
+                assert picked == sampler._pick(logits, allowed), f"row {i}"
+                # A tie among the allowed goes to the first, as in llama.cpp's sampler.
+                first, second = np.flatnonzero(allowed)[:2]
+                saved = logits[[first, second]].copy()
+                logits[[first, second]] = logits.max() + 1
+                try:
+                    assert int(np.where(allowed, logits, -np.inf).argmax()) == sampler._pick(logits, allowed) == first
+                finally:
+                    logits[[first, second]] = saved
+            assert refused > 10, "rows whose highest logit the grammar refuses"
+    finally:
+        sampler.close()
+
+
+def test_greedy_tokens_reads_every_row_as_one_argmax_per_row_would(engine):
+    """The step's greedy rows in one pass: the same tokens as one argmax
+    per row, whichever rows are asked for and in whatever order."""
+    conv = Conversation(model="m", items=[Message("user", "Name three rivers of Europe and one of Asia.")],
+                        sampling=Sampling(temperature=0))
+    tokens = engine.prepare(conv).tokens
+    n_vocab = engine.vocab.n_vocab
+    with every_row_decoded(engine, tokens):
+        def one(i: int) -> int:
+            return int(logits_row(engine.ctx, i, n_vocab).argmax())
+
+        every = list(range(len(tokens)))
+        assert greedy_tokens(engine.ctx, every, n_vocab) == [one(i) for i in every]
+        for rows in ([3], [5, 4, 9], [0, len(tokens) - 1], every[::-3]):
+            assert greedy_tokens(engine.ctx, rows, n_vocab) == [one(i) for i in rows]

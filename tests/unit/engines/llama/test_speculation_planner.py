@@ -103,6 +103,53 @@ def test_fairness_a_draft_beside_other_work_keeps_the_step_within_its_slack():
     assert cost.ms(65 + k) <= cost.ms(65) * 1.10
 
 
+@given(st.integers(1, 80), st.floats(0.01, 1.0), st.integers(1, 16), st.sampled_from(["cpu", "gpu", "prior"]))
+def test_no_room_says_exactly_when_no_draft_fits_beside_other_work(base, rate, available, machine):
+    """The scheduler skips asking for candidates where ``no_room``: right
+    only if every candidate would have been given 0."""
+    cost = CpuCost() if machine == "cpu" else DecodeCost()
+    if machine == "gpu":
+        for n in (1, 2, 4, 8, 16, 32):
+            cost.observe(n, 8.0 + n * 0.01)
+    planner = Planner()
+    k = planner.length(cost, rate, available, base_tokens=base, base_yield=base, shared=True)
+    if planner.no_room(cost, base):
+        assert k == 0
+
+
+def test_no_room_on_a_cpu_beside_four_sequences_but_room_on_a_gpu():
+    assert Planner().no_room(CpuCost(), 4)
+    gpu = DecodeCost()
+    for n in (1, 2, 4, 8, 16, 32):
+        gpu.observe(n, 8.0)
+    assert not Planner().no_room(gpu, 4)
+
+
+def test_a_passed_step_leaves_the_index_as_asking_would():
+    """Steps passed (``pass_step``) and steps searched leave the same index:
+    the next proposal is the one searching every step would have made."""
+    text = [7, 1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3] * 5
+    asked_tokens: list[int] = []
+    passed_tokens: list[int] = []
+    asked = SequenceSpeculation(asked_tokens, None)
+    passed = SequenceSpeculation(passed_tokens, None)
+    for i, token in enumerate(text):
+        asked_tokens.append(token)
+        passed_tokens.append(token)
+        asked.candidate([], 4)
+        if i % 7 == 6:
+            assert passed.candidate([], 4) == asked.candidate([], 4)
+        else:
+            assert passed.pass_step()
+        assert passed.index._maps == asked.index._maps and passed.index._done == asked.index._done
+
+
+def test_a_resting_sequence_is_asked_even_where_no_draft_fits():
+    spec = SequenceSpeculation([1, 2, 3, 1, 2], None)
+    spec._rest_until, spec.produced = 100, 5
+    assert not spec.pass_step()
+
+
 def test_failed_drafts_rest_then_a_long_match_resumes():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 3
     spec = SequenceSpeculation(tokens, None)
