@@ -42,7 +42,10 @@ def test_an_overloaded_server_refuses_before_preparing(tmp_path) -> None:
         async with client(app) as c:
             running = asyncio.ensure_future(c.post("/v1/responses", json=body))
             waiting = asyncio.ensure_future(c.post("/v1/responses", json=body))
-            while not (queue.busy and queue.pending == 1):
+            # Admission is synchronous, preparing runs later in a pool
+            # thread: wait for both earlier requests' prepares to be done
+            # before counting, or the waiting one's lands after the count.
+            while not (queue.busy and queue.pending == 1 and engine.prepared == 2):
                 await asyncio.sleep(0.005)
             prepared = engine.prepared
             r = await c.post("/v1/responses", json=body)
