@@ -10,8 +10,13 @@ released within one step: its last token is evaluated in the next batch
 (for the next turn's cache) and the sequence is idle after it.
 
 New requests wait in a FIFO inbox; between steps the cache places each on a
-sequence (``ContinuationCache.plan``/``apply``). The batch arrays are
-allocated once; a decode step writes scalars into them.
+sequence (``ContinuationCache.plan``/``apply``).
+
+What a step costs the host (``stepcost.HostCost``, bench/stepcost.py) is
+kept proportional to its sequences, with small constants: the batch
+(allocated once) is filled with one array copy per field, the greedy rows
+are read in one pass, and the events go to the event loop once, just before
+the decode releases the GIL (``Outbox``).
 """
 
 from __future__ import annotations
@@ -99,11 +104,11 @@ class Outbox:
     writes the loop's self-pipe through ``socket.send``, which releases the
     GIL: the loop thread, woken by that very write, takes it first and keeps
     it for up to the switch interval (5 ms) while the scheduler waits to
-    return from ``send`` — measured ~4 ms per step on the 2-core machine,
-    ten times the rest of the step's host work. So each loop gets a pipe of
-    our own (``_Waker``) that the scheduler writes with the GIL held; the
-    loop wakes, waits for the GIL, and gets it when the scheduler releases
-    it in ``llama_decode``, doing its share of the work during the decode."""
+    return from ``send`` — measured ~4 ms per step on the loaded 2-core
+    machine, ten times the rest of the step's host work. So each loop gets a
+    pipe of our own (``_Waker``) that the scheduler writes with the GIL
+    held, right before ``llama_decode`` releases it (``Scheduler._step``):
+    the loop wakes, and does its share of the work during the decode."""
 
     __slots__ = ("_pending", "_wakers")
 
