@@ -377,6 +377,8 @@ class Scheduler:
         self._running: list[Running] = []
         self._closing = False
         self.outbox = Outbox()
+        # A prefill ended this step: its first token goes out at the step's end.
+        self._first_token = False
         self._threads = engine.threads
         self._thread = threading.Thread(target=self._loop, name="lmspd-llama-scheduler", daemon=True)
         self._thread.start()
@@ -464,9 +466,13 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for run in list(self._running):
                     self._fail(run, "server_error", "Generation failed.")
-            if decoded is None or not self._running:
-                # No decode follows at once to hand them over (``_step``): out now.
+            if decoded is None or not self._running or self._first_token:
+                # No decode follows at once to hand them over (``_step``), or
+                # a sequence's first token is among them: its client waits
+                # for nothing else (the next step's planning, its n-gram
+                # index over a long prompt included, can wait): out now.
                 self.outbox.flush()
+                self._first_token = False
             if decoded is not None:
                 decode_s, sequences = decoded
                 self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
@@ -885,6 +891,7 @@ class Scheduler:
             self._release(run)
 
     def _prefilled(self, run: Running) -> None:
+        self._first_token = True
         plan = run.plan
         prefill_ms = (time.perf_counter() - run.started) * 1000
         stats = self.engine.stats_
