@@ -132,25 +132,27 @@ class Outbox:
             pending.append((target, put, event))
         return emit
 
-    def flush(self) -> None:
+    def flush(self, *, yield_gil: bool = False) -> None:
+        """``yield_gil``: let the loop take the GIL now, as it wakes (a
+        first token: its client waits, the scheduler's next step can)."""
         if not self._pending:
             return
         batch = self._pending[:]
         self._pending.clear()
         target = batch[0][0]
         if all(item[0] is target for item in batch):
-            _hand_over(target, batch)
+            _hand_over(target, batch, yield_gil)
             return
         by_target: dict[_Waker | asyncio.AbstractEventLoop, list] = {}
         for item in batch:
             by_target.setdefault(item[0], []).append(item)
         for target, items in by_target.items():
-            _hand_over(target, items)
+            _hand_over(target, items, yield_gil)
 
 
-def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list) -> None:
+def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list, yield_gil: bool) -> None:
     if isinstance(target, _Waker):
-        target.post(items)
+        target.post(items, yield_gil)
         return
     try:
         target.call_soon_threadsafe(_deliver, items)
@@ -213,11 +215,17 @@ class _Waker:
         weakref.finalize(waker, _close_pipe, r, w)
         return waker
 
-    def post(self, items: list) -> None:
+    def post(self, items: list, yield_gil: bool = False) -> None:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return  # nobody is listening
         self._batches.append(items)
+        if yield_gil:
+            try:
+                os.write(self._w, b"\0")  # releases the GIL: the loop, woken, takes it
+            except BlockingIOError:  # a full pipe: the loop is awake already
+                pass
+            return
         _WRITE(self._w, b"\0", 1)  # type: ignore[misc]  # -1 (EAGAIN) on a full pipe: the loop is awake already
 
     def _drain(self) -> None:
@@ -470,8 +478,9 @@ class Scheduler:
                 # No decode follows at once to hand them over (``_step``), or
                 # a sequence's first token is among them: its client waits
                 # for nothing else (the next step's planning, its n-gram
-                # index over a long prompt included, can wait): out now.
-                self.outbox.flush()
+                # index over a long prompt included, can wait): out now,
+                # and the loop takes the GIL at once to send it.
+                self.outbox.flush(yield_gil=self._first_token)
                 self._first_token = False
             if decoded is not None:
                 decode_s, sequences = decoded
