@@ -371,11 +371,14 @@ def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log
                  log_level: str = "info", extra: list[str] | None = None, source: Path | None = None) -> ChildServer:
     """``source``: a tree whose ``lmspd`` package the server runs instead of
     this checkout's (``git_tree``), for before/after runs side by side."""
-    cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", str(data_dir),
-           "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level, *(extra or [])]
+    # With ``source``: -P keeps the working directory (this checkout, when a
+    # bench runs from it) off the front of the import path, and PYTHONPATH
+    # comes before the editable install's finder.
+    cmd = [sys.executable, *(["-P"] if source is not None else []), "-m", "lmspd", "serve", "--port", "0",
+           "--data-dir", str(data_dir), "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level,
+           *(extra or [])]
     if model is not None:
         cmd += ["--model", str(model)]
-    # PYTHONPATH comes before the editable install's finder on the import path.
     env = {"PYTHONPATH": str(source)} if source is not None else None
     return ChildServer("lmspd", cmd, LMSPD_READY, log_path, env=env)
 

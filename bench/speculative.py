@@ -116,6 +116,7 @@ class Run:
         return (self.output_tokens - 1) / (self.last_s - self.ttft_s)
 
 
+CALL_ITEMS = ("function_call", "custom_tool_call")
 RESPONSES_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta",
                     "response.custom_tool_call_input.delta")
 
@@ -130,6 +131,11 @@ def stream_lmspd(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
         if kind in RESPONSES_DELTAS:
             run.ttft_s = run.ttft_s if run.ttft_s is not None else now
             run.last_s = now
+        elif kind == "response.output_item.added" and (data.get("item") or {}).get("type") in CALL_ITEMS:
+            # A call's first output is its name, as llama.cpp's server streams
+            # it (a tool_calls delta with the name, before any argument):
+            # timed from here on both sides.
+            run.ttft_s = run.ttft_s if run.ttft_s is not None else now
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             response = data.get("response") or {}
             run.output_tokens = (response.get("usage") or {}).get("output_tokens") or 0

@@ -59,6 +59,9 @@ class KvOps:
     n_ctx: int  # per sequence
     # The shortest prefix a sequence holding n tokens can be trimmed to exactly.
     floor: Callable[[int, int], int] = lambda seq, n: 0
+    # Whether a copy from this sequence moves only its used cells (not the
+    # whole stream of the window): cheap for a short source.
+    cheap_copy: Callable[[int], bool] = lambda seq: False
 
 
 class Residency:

@@ -36,10 +36,12 @@ class FakeKv:
         self.calls.append(("trim", seq, keep))
 
 
-def make_cache(vocab: Any, n_seq: int = 4, floors: dict[int, int] | None = None, **kw: Any) -> ContinuationCache:
+def make_cache(vocab: Any, n_seq: int = 4, floors: dict[int, int] | None = None, cheap_copy: bool = False,
+               **kw: Any) -> ContinuationCache:
     """A cache over ``vocab``'s tokenizer and a ``FakeKv`` (as ``cache.kv``).
     With ``floors`` (sequence -> the shortest exact prefix), a KV that cannot
-    be trimmed below them (``trimmable=False``)."""
+    be trimmed below them (``trimmable=False``). ``cheap_copy``: a copy moves
+    only the source's used cells (``KvOps.cheap_copy``)."""
     kv = FakeKv()
 
     def tokenize(text: str) -> list[int]:
@@ -47,7 +49,8 @@ def make_cache(vocab: Any, n_seq: int = 4, floors: dict[int, int] | None = None,
 
     floor = (lambda seq, n: min(n, floors.get(seq, 0))) if floors is not None else (lambda seq, n: 0)
     ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim, tokenize=tokenize,
-                detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096, floor=floor)
+                detokenize=lambda t: vocab.detokenize(t, special=True).decode(), n_ctx=4096, floor=floor,
+                cheap_copy=lambda seq: cheap_copy)
     if floors is not None:
         kw.setdefault("trimmable", False)
     cache = ContinuationCache(ops, n_seq=n_seq, **kw)

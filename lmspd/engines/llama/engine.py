@@ -225,7 +225,8 @@ class LlamaEngine:
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         kv = self.kv
         ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim,
-                    tokenize=self.tokenize, detokenize=self.detokenize, n_ctx=self.n_ctx, floor=kv.floor)
+                    tokenize=self.tokenize, detokenize=self.detokenize, n_ctx=self.n_ctx, floor=kv.floor,
+                    cheap_copy=kv.cell_copy_cheaper)
         return ContinuationCache(ops, n_seq=self.parallel, enabled=settings.enabled, trimmable=kv.trimmable,
                                  ram_budget_bytes=settings.ram_budget_bytes, disk=disk)
 

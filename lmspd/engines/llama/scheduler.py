@@ -10,8 +10,13 @@ released within one step: its last token is evaluated in the next batch
 (for the next turn's cache) and the sequence is idle after it.
 
 New requests wait in a FIFO inbox; between steps the cache places each on a
-sequence (``ContinuationCache.plan``/``apply``). The batch arrays are
-allocated once; a decode step writes scalars into them.
+sequence (``ContinuationCache.plan``/``apply``).
+
+What a step costs the host (``stepcost.HostCost``, bench/stepcost.py) is
+kept proportional to its sequences, with small constants: the batch
+(allocated once) is filled with one array copy per field, the greedy rows
+are read in one pass, and the events go to the event loop once, just before
+the decode releases the GIL (``Outbox``).
 """
 
 from __future__ import annotations
@@ -99,11 +104,11 @@ class Outbox:
     writes the loop's self-pipe through ``socket.send``, which releases the
     GIL: the loop thread, woken by that very write, takes it first and keeps
     it for up to the switch interval (5 ms) while the scheduler waits to
-    return from ``send`` — measured ~4 ms per step on the 2-core machine,
-    ten times the rest of the step's host work. So each loop gets a pipe of
-    our own (``_Waker``) that the scheduler writes with the GIL held; the
-    loop wakes, waits for the GIL, and gets it when the scheduler releases
-    it in ``llama_decode``, doing its share of the work during the decode."""
+    return from ``send`` — measured ~4 ms per step on the loaded 2-core
+    machine, ten times the rest of the step's host work. So each loop gets a
+    pipe of our own (``_Waker``) that the scheduler writes with the GIL
+    held, right before ``llama_decode`` releases it (``Scheduler._step``):
+    the loop wakes, and does its share of the work during the decode."""
 
     __slots__ = ("_pending", "_wakers")
 
@@ -127,25 +132,27 @@ class Outbox:
             pending.append((target, put, event))
         return emit
 
-    def flush(self) -> None:
+    def flush(self, *, yield_gil: bool = False) -> None:
+        """``yield_gil``: let the loop take the GIL now, as it wakes (a
+        first token: its client waits, the scheduler's next step can)."""
         if not self._pending:
             return
         batch = self._pending[:]
         self._pending.clear()
         target = batch[0][0]
         if all(item[0] is target for item in batch):
-            _hand_over(target, batch)
+            _hand_over(target, batch, yield_gil)
             return
         by_target: dict[_Waker | asyncio.AbstractEventLoop, list] = {}
         for item in batch:
             by_target.setdefault(item[0], []).append(item)
         for target, items in by_target.items():
-            _hand_over(target, items)
+            _hand_over(target, items, yield_gil)
 
 
-def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list) -> None:
+def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list, yield_gil: bool) -> None:
     if isinstance(target, _Waker):
-        target.post(items)
+        target.post(items, yield_gil)
         return
     try:
         target.call_soon_threadsafe(_deliver, items)
@@ -208,11 +215,17 @@ class _Waker:
         weakref.finalize(waker, _close_pipe, r, w)
         return waker
 
-    def post(self, items: list) -> None:
+    def post(self, items: list, yield_gil: bool = False) -> None:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return  # nobody is listening
         self._batches.append(items)
+        if yield_gil:
+            try:
+                os.write(self._w, b"\0")  # releases the GIL: the loop, woken, takes it
+            except BlockingIOError:  # a full pipe: the loop is awake already
+                pass
+            return
         _WRITE(self._w, b"\0", 1)  # type: ignore[misc]  # -1 (EAGAIN) on a full pipe: the loop is awake already
 
     def _drain(self) -> None:
@@ -372,6 +385,8 @@ class Scheduler:
         self._running: list[Running] = []
         self._closing = False
         self.outbox = Outbox()
+        # A prefill ended this step: its first token goes out at the step's end.
+        self._first_token = False
         self._threads = engine.threads
         self._thread = threading.Thread(target=self._loop, name="lmspd-llama-scheduler", daemon=True)
         self._thread.start()
@@ -459,9 +474,14 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for run in list(self._running):
                     self._fail(run, "server_error", "Generation failed.")
-            if decoded is None or not self._running:
-                # No decode follows at once to hand them over (``_step``): out now.
-                self.outbox.flush()
+            if decoded is None or not self._running or self._first_token:
+                # No decode follows at once to hand them over (``_step``), or
+                # a sequence's first token is among them: its client waits
+                # for nothing else (the next step's planning, its n-gram
+                # index over a long prompt included, can wait): out now,
+                # and the loop takes the GIL at once to send it.
+                self.outbox.flush(yield_gil=self._first_token)
+                self._first_token = False
             if decoded is not None:
                 decode_s, sequences = decoded
                 self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
@@ -880,6 +900,7 @@ class Scheduler:
             self._release(run)
 
     def _prefilled(self, run: Running) -> None:
+        self._first_token = True
         plan = run.plan
         prefill_ms = (time.perf_counter() - run.started) * 1000
         stats = self.engine.stats_

@@ -7,6 +7,7 @@ import pytest
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import CacheRefused, CacheRequest
+from lmspd.cache.planner import MIN_COPY_TOKENS
 from lmspd.cache.state import SessionState
 from lmspd.core.conversation import Message, SessionPin, ToolCall, ToolOutput
 from support.cache_rig import INSTRUCTIONS, hold, make_cache, request, turn
@@ -149,6 +150,34 @@ def test_shared_instructions_are_copied_not_prefilled(cache):
     assert ("copy", 0, 1, plan.keep) in cache.kv.calls
     assert cache.residents[0].state is not None, "the sequence it copied from keeps its session"
     assert cache.stats.copies == 1 and cache.stats.copied_tokens == plan.keep
+
+
+def test_a_regenerated_short_prompt_is_copied_where_the_copy_moves_only_used_cells(vocab):
+    """A short prompt sent again (a retry, a benchmark's repeat) while the
+    sequence that ran it holds its turn: below MIN_COPY_TOKENS, a copy of
+    the source's used cells still costs far less than evaluating the prompt
+    again; not where the copy would move a whole stream, nor from a source
+    much longer than what it shares."""
+    prompt = "<|im_start|>user\nTell me a short story about a lighthouse keeper and a storm.<|im_end|>\n"
+    reply = "<|im_start|>assistant\n" + "The keeper climbed the stairs as the storm rose. " * 3 + "<|im_end|>"
+    for cheap, expected in ((True, "copy"), (False, "cold")):
+        cache = make_cache(vocab, cheap_copy=cheap)
+        hold(cache, 0, turn(cache, prompt + reply))
+        req = request(cache, prompt + "<|im_start|>assistant\n")
+        n = len(req.tokens)
+        assert n < MIN_COPY_TOKENS
+        plan = cache.plan(req)
+        assert plan.source == expected and plan.seq != 0, plan
+        if cheap:
+            assert plan.copy_from == 0 and plan.keep == n - 1 and len(plan.suffix) == 1
+            cache.apply(plan, req)
+            assert ("copy", 0, plan.seq, plan.keep) in cache.kv.calls
+            assert cache.residents[0].state is not None, "the turn it copied from stays"
+    # A source holding far more than the prompt: the prompt is evaluated again.
+    cache = make_cache(vocab, cheap_copy=True)
+    hold(cache, 0, turn(cache, prompt + reply * 8))
+    plan = cache.plan(request(cache, prompt + "<|im_start|>assistant\n"))
+    assert plan.source != "copy", plan
 
 
 def test_waits_for_a_shared_prefix_another_sequence_is_prefilling(cache):

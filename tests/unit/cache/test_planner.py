@@ -45,9 +45,14 @@ class Kv:
     detokenize: Callable[[list[int]], str] = detokenize
     n_ctx: int = 4096
     floors: dict[int, int] = field(default_factory=dict)
+    # Sequences a copy from moves only used cells (``KvOps.cheap_copy``).
+    cheap: frozenset[int] = frozenset()
 
     def floor(self, seq: int, n: int) -> int:
         return min(n, self.floors.get(seq, 0))
+
+    def cheap_copy(self, seq: int) -> bool:
+        return seq in self.cheap
 
 
 @dataclass
