@@ -1,9 +1,9 @@
 """A ``Generation`` without a model: a toy vocabulary whose tokens are whole
-strings (the test decides where tokens end) in a ``LlamaRuntime`` that has
-no context, KV or cache (a generation never reaches them). The test feeds sampled tokens as the scheduler does
-(``before_sample``, then ``on_token``; a token is evaluated after
-``on_token`` returns it), through the real reasoning splitter, tool-call
-parser and stop matcher."""
+strings (the test decides where tokens end) in a ``LlamaRuntime`` with no
+context, KV or cache (a generation never reaches them). The test feeds
+sampled tokens as the scheduler does (``before_sample``, then ``on_token``;
+a token is evaluated after ``on_token`` returns it), through the real
+reasoning splitter, tool-call parser and stop matcher."""
 
 from __future__ import annotations
 

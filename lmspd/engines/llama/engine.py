@@ -12,7 +12,8 @@ preparing threads),
 ``scheduler`` (the batch and token loop; its own thread), ``generation``
 (one sequence's text, reasoning, tool calls and events), ``kv`` (capture,
 restore, copy, trim by sequence) and ``lmspd.cache`` (which sequence, which
-tier, what is kept).
+tier, what is kept). The scheduler and the generations see the loaded
+model through one ``runtime.LlamaRuntime``, never through this class.
 """
 
 from __future__ import annotations
@@ -197,13 +198,13 @@ class LlamaEngine:
         if speculative == "auto" and self.speculative == "off":
             log.info("model %s: no speculative decoding: its %s KV cannot drop rejected draft positions",
                      model_id, self.kv.kind)
-        runtime_parts = LlamaRuntime(
+        loaded = LlamaRuntime(
             ctx=self.ctx, kv=self.kv, cache=self.cache, threads=threads, preparations=self.preparations,
             stats=self.stats_, vocab=self.vocab, sampler=self.preparation.sampler, tool_format=self.tool_format,
             parse_always=self.parse_always, reasoning=self.reasoning, limits=limits, sealer=sealer,
             model_id=model_id, transcript=self.transcript,
         )
-        self.scheduler = Scheduler(runtime_parts, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
+        self.scheduler = Scheduler(loaded, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
                                    checkpoint_every=self.cache_settings.checkpoint_every,
                                    planner=Planner() if self.speculative == "auto" else None)
 

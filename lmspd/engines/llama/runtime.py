@@ -53,25 +53,28 @@ class GenerationStats:
 
 @dataclass(frozen=True, slots=True)
 class LlamaRuntime:
-    # -- the scheduler's ------------------------------------------------------
-    # The one context every sequence decodes in (scheduler thread only).
+    # -- the scheduler's --------------------------------------------------------
+    # Only the scheduler thread decodes in it.
     ctx: LlamaContext
-    # Its KV by sequence: the scheduler trims rejected draft positions and
-    # tells it (and the cache) when a decode ran.
+    # Rejected draft positions and settled copies are trimmed through it,
+    # and it is told when a decode ran.
     kv: SequenceKv
-    # Places requests on sequences; takes checkpoints, remembered states.
+    # Places requests on sequences, takes checkpoints, remembers turns (a
+    # generation's ``remember`` reaches it through the scheduler).
     cache: ContinuationCache
-    # The decode threads with no long preparation running; ``preparations``
-    # says how many to give up, and which requests an idle scheduler waits for.
+    # The scheduler decodes with one thread fewer per long preparation
+    # running, and an idle one waits briefly for a request being prepared.
     threads: int
     preparations: Preparations
-    # The last generation's cost, written as it ends (``LlamaEngine.stats``).
+    # Written as a prefill and a generation end; the engine reports it.
     stats: GenerationStats
 
-    # -- a generation's (the scheduler reads ``vocab`` too) -----------------------
+    # -- a generation's ----------------------------------------------------------
+    # Also the scheduler's: the width of a logits row.
     vocab: Vocabulary
-    # A fresh sampler for a prepared request (``Preparation.sampler``): it
-    # compiles the request's grammar with the preparing side's compiler.
+    # ``Preparation.sampler``, bound: a request's grammar matcher is built
+    # with the compiler the preparing side owns, and a generation needs
+    # nothing else of that side.
     sampler: Callable[[LlamaPrepared], LlamaSampler | Greedy | GrammarFirstRejection]
     tool_format: ToolFormat
     # The model writes the tool format's markers as special tokens: its
@@ -80,8 +83,10 @@ class LlamaRuntime:
     reasoning: ReasoningSyntax | None
     # The server's output ceiling and repetition guard.
     limits: RequestLimits
-    # Seals reasoning for a replay (None: the server cannot), under ``model_id``.
+    # A sealed reasoning names the model it came from; no sealer: the
+    # server cannot seal.
     sealer: Sealer | None
     model_id: str
-    # Which end token a turn keeps, and the turn's visible transcript.
+    # Which end token a turn keeps in the KV, and the text the cache
+    # matches the next request against.
     transcript: Transcript
