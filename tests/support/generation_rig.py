@@ -1,14 +1,13 @@
 """A ``Generation`` without a model: a toy vocabulary whose tokens are whole
-strings (the test decides where tokens end) and the few engine attributes
-a generation reads. The test feeds sampled tokens as the scheduler does
-(``before_sample``, then ``on_token``; a token is evaluated after
-``on_token`` returns it), through the real reasoning splitter, tool-call
-parser and stop matcher."""
+strings (the test decides where tokens end) in a ``LlamaRuntime`` with no
+context, KV or cache (a generation never reaches them). The test feeds
+sampled tokens as the scheduler does (``before_sample``, then ``on_token``;
+a token is evaluated after ``on_token`` returns it), through the real
+reasoning splitter, tool-call parser and stop matcher."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 from lmspd.cache.manager import CachePlan
@@ -18,6 +17,9 @@ from lmspd.engines.base import CancelToken
 from lmspd.engines.llama.generation import Generation
 from lmspd.engines.llama.preparation import LlamaPrepared
 from lmspd.engines.llama.reasoning import ReasoningSyntax
+from lmspd.engines.llama.runtime import GenerationStats, LlamaRuntime
+from lmspd.engines.llama.scheduler import Preparations
+from lmspd.engines.llama.transcript import Transcript
 
 PROMPT = [1, 2, 3]  # what the KV holds before the first sampled token
 EOG = 0
@@ -55,11 +57,13 @@ def toy_generation(vocab: ToyVocab, prepared: LlamaPrepared, *, reasoning: Reaso
                    on_event: Callable[[Any], None] = lambda event: None) -> Generation:
     """A cold generation of ``prepared`` (its tokens are ``PROMPT``, its text
     what the KV holds): ``sealer`` None is a server that cannot seal reasoning."""
-    engine = SimpleNamespace(
-        vocab=vocab, preparation=SimpleNamespace(sampler=lambda prepared: None), tool_format=tool_format,
-        parse_always=False, reasoning=reasoning, limits=RequestLimits(repetition_window=0),
-        stats_=SimpleNamespace(), info=SimpleNamespace(id="m"), sealer=sealer,
-        turn_ends_with=lambda text: True, visible_transcript=lambda conversation, outputs, eog: None)
+    runtime = LlamaRuntime(
+        ctx=None, kv=None, cache=None, threads=1, preparations=Preparations(),  # type: ignore[arg-type]
+        stats=GenerationStats(), vocab=vocab, sampler=lambda prepared: None,  # type: ignore[arg-type]
+        tool_format=tool_format, parse_always=False, reasoning=reasoning,
+        limits=RequestLimits(repetition_window=0), sealer=sealer, model_id="m",
+        # No known turn closer: every end token is kept, and no turn has a visible transcript.
+        transcript=Transcript(closer=None, render=lambda conversation, **kw: ""))
     plan = CachePlan("cold", 0, list(prepared.tokens), prepared.text)
-    return Generation(engine, prepared, plan, CancelToken(), on_event, Usage(), response_id=None,  # type: ignore[arg-type]
+    return Generation(runtime, prepared, plan, CancelToken(), on_event, Usage(), response_id=None,
                       kv_tokens=list(prepared.tokens), remember=lambda state: None)

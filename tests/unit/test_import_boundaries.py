@@ -1,8 +1,9 @@
 """The package layout's rules, read from the source with ``ast`` (nothing is
 imported): a dialect never reaches into an engine, an engine never knows
 which dialect or route asked, the cache never touches llama.cpp (and its
-planner neither the residency nor the saved tiers), and the task manager
-never depends on the HTTP routes.
+planner neither the residency nor the saved tiers), the task manager
+never depends on the HTTP routes, and the llama engine's scheduler and
+generations never reach back into the engine that made them.
 
 Every import counts: module level, inside functions, under
 ``TYPE_CHECKING``, relative ones resolved. A rule is broken by a direct
@@ -34,6 +35,10 @@ RULES = [
     ("lmspd.cache.planner", "lmspd.cache.tiers", "the planner decides on plain data; the tiers keep the states"),
     ("lmspd.cache.planner", "lmspd.cache.disk", "the planner reads the disk tier through what it is handed"),
     ("lmspd.tasks", "lmspd.routes", "tasks/ keeps the manager and recovery; HTTP handlers live in routes/"),
+    ("lmspd.engines.llama.scheduler", "lmspd.engines.llama.engine",
+     "the scheduler runs on the LlamaRuntime the engine hands it, never on the engine"),
+    ("lmspd.engines.llama.generation", "lmspd.engines.llama.engine",
+     "a generation runs on the LlamaRuntime the engine hands it, never on the engine"),
 ]
 
 

@@ -12,7 +12,8 @@ preparing threads),
 ``scheduler`` (the batch and token loop; its own thread), ``generation``
 (one sequence's text, reasoning, tool calls and events), ``kv`` (capture,
 restore, copy, trim by sequence) and ``lmspd.cache`` (which sequence, which
-tier, what is kept).
+tier, what is kept). The scheduler and the generations see the loaded
+model through one ``runtime.LlamaRuntime``, never through this class.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -31,8 +32,7 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import ContinuationCache, KvOps
-from lmspd.core.conversation import Conversation, Item, Message, ToolCall
-from lmspd.core.errors import ApiError
+from lmspd.core.conversation import Conversation, Item
 from lmspd.core.events import TERMINAL_EVENTS, EngineEvent
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.run import LOCAL, RunContext
@@ -46,10 +46,12 @@ from .models import fallback_template
 from .placement import RuntimeConfig, plan
 from .preparation import LlamaPrepared, Preparation, Repairs
 from .reasoning import ReasoningSyntax
+from .runtime import GenerationStats, LlamaRuntime
 from .scheduler import Job, Preparations, Scheduler
 from .speculation import Planner, speculation_mode
 from .template import ChatTemplate
 from .tool_formats import ToolFormat, detect_tool_format
+from .transcript import Transcript
 from .vocab import Vocabulary
 
 __all__ = ["CacheSettings", "GenerationStats", "LlamaEngine", "LlamaPrepared"]
@@ -75,21 +77,6 @@ class CacheSettings:
     # Cache-killer repairs (lmspd.engines.llama.preparation.Repairs).
     strip_billing_header: bool = True
     canonical_tool_order: bool = True
-
-
-@dataclass
-class GenerationStats:
-    """What the last generation cost; also read by tests and benchmarks."""
-
-    generations: int = 0
-    prefilled_tokens: int = 0  # all generations together
-    last_cache_source: str = "cold"
-    last_cache_detail: str = ""
-    last_reused_tokens: int = 0
-    last_prefilled_tokens: int = 0
-    last_prefill_ms: float = 0.0
-    last_output_tokens: int = 0
-    last_output_token_ids: list[int] = field(default_factory=list)
 
 
 class LlamaEngine:
@@ -206,12 +193,18 @@ class LlamaEngine:
         )
         if grammars_at_start:
             self.preparation.build_grammars_in_background()
-        self._closer = self._turn_closer()
+        self.transcript = Transcript.of(self.template, self.preparation.render)
         self.speculative = speculation_mode(speculative, self.kv)
         if speculative == "auto" and self.speculative == "off":
             log.info("model %s: no speculative decoding: its %s KV cannot drop rejected draft positions",
                      model_id, self.kv.kind)
-        self.scheduler = Scheduler(self, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
+        loaded = LlamaRuntime(
+            ctx=self.ctx, kv=self.kv, cache=self.cache, threads=threads, preparations=self.preparations,
+            stats=self.stats_, vocab=self.vocab, sampler=self.preparation.sampler, tool_format=self.tool_format,
+            parse_always=self.parse_always, reasoning=self.reasoning, limits=limits, sealer=sealer,
+            model_id=model_id, transcript=self.transcript,
+        )
+        self.scheduler = Scheduler(loaded, n_batch=n_batch, prefill_chunk=prefill_chunk or max(1, n_batch // 2),
                                    checkpoint_every=self.cache_settings.checkpoint_every,
                                    planner=Planner() if self.speculative == "auto" else None)
 
@@ -285,47 +278,19 @@ class LlamaEngine:
                 cancel.cancel()
                 self.scheduler.wake()
 
-    # -- the visible transcript --------------------------------------------------
+    # -- the visible transcript (lmspd.engines.llama.transcript) -----------------
+    # Asked of the engine from outside: bench/agent_loop.py counts what a
+    # visible-prefix match prefills with them.
 
-    def _turn_closer(self) -> str | None:
-        """What the template writes after an assistant message's content."""
-        marker = "\x00lmspd\x00"
-        try:
-            text = self.template.render(
-                [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}],
-                add_generation_prompt=False,
-            )
-        except ApiError:
-            return None
-        at = text.rfind(marker)
-        return text[at + len(marker):] if at >= 0 else None
+    @property
+    def _closer(self) -> str | None:
+        return self.transcript.closer
 
     def turn_ends_with(self, eog_text: str) -> bool:
-        """Whether the template's turn closer starts with this end token, so
-        a replay renders it where the model sampled it (a template whose
-        closer is unknown keeps every end token: it has no transcript)."""
-        return self._closer is None or self._closer.startswith(eog_text)
+        return self.transcript.turn_ends_with(eog_text)
 
     def visible_transcript(self, conversation: Conversation, outputs: list[Item], eog_text: str | None) -> str | None:
-        """The text a client's replay of this turn renders to, as far as the
-        KV covers it (up to the end-of-turn token when one was sampled)."""
-        closer = self._closer
-        # Only a turn that renders (text or calls) has a transcript to extend.
-        if closer is None or not any(isinstance(o, (Message, ToolCall)) for o in outputs):
-            return None
-        after = dataclasses.replace(conversation, items=list(conversation.items) + outputs)
-        try:
-            text = self.render(after, add_generation_prompt=False)
-        except ApiError:
-            return None
-        if not text.endswith(closer):
-            return None
-        body = text[: len(text) - len(closer)]
-        if eog_text is not None:
-            if not closer.startswith(eog_text):
-                return None
-            body += eog_text
-        return body
+        return self.transcript.visible(conversation, outputs, eog_text)
 
     # -- stats and shutdown ------------------------------------------------------
 

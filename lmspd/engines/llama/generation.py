@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from lmspd.cache.manager import CachePlan
 from lmspd.cache.state import SessionState
@@ -35,18 +35,16 @@ from lmspd.engines.base import CancelToken
 from .preparation import LlamaPrepared
 from .reasoning import BUDGETS, ReasoningSplitter
 from .repetition import RepetitionGuard
+from .runtime import LlamaRuntime
 from .tool_formats import ToolCallError, ToolCallParser
-
-if TYPE_CHECKING:
-    from .engine import LlamaEngine
 
 
 class Generation:
-    def __init__(self, engine: "LlamaEngine", prepared: LlamaPrepared, plan: CachePlan, cancel: CancelToken,
+    def __init__(self, runtime: LlamaRuntime, prepared: LlamaPrepared, plan: CachePlan, cancel: CancelToken,
                  emit: Callable[[EngineEvent], None], usage: Usage, *, response_id: str | None,
                  kv_tokens: list[int], remember: Callable[[SessionState], None]) -> None:
-        self.engine = engine
-        self.vocab = engine.vocab
+        self.runtime = runtime
+        self.vocab = runtime.vocab
         self.prepared = prepared
         self.plan = plan
         self.cancel = cancel
@@ -56,10 +54,10 @@ class Generation:
         # The tokens evaluated in this generation's sequence (the scheduler appends).
         self.kv_tokens = kv_tokens
         self._remember_state = remember
-        self.sampler = engine.preparation.sampler(prepared)
+        self.sampler = runtime.sampler(prepared)
         self.parser: ToolCallParser | None = (
-            engine.tool_format.parser(prepared.tools, lambda: new_id("call"))
-            if prepared.tools or engine.parse_always else None
+            runtime.tool_format.parser(prepared.tools, lambda: new_id("call"))
+            if prepared.tools or runtime.parse_always else None
         )
         # Visible text, for the transcript: pieces, joined once at the end
         # (``str +=`` on an attribute copies the whole text every token).
@@ -68,10 +66,10 @@ class Generation:
         self.calls: dict[int, ToolCall] = {}
         # A call's argument deltas until its payload is done (joined where a turn ends without it).
         self._call_parts: dict[int, list[str]] = {}
-        syntax = engine.reasoning
+        syntax = runtime.reasoning
         # A call the model opens inside its reasoning ends the reasoning
         # (when the request lets it call: ``prepared.tools``).
-        markers = engine.tool_format.triggers if prepared.tools and engine.tool_format is not None else ()
+        markers = runtime.tool_format.triggers if prepared.tools and runtime.tool_format is not None else ()
         self.splitter = ReasoningSplitter(syntax, markers) if syntax is not None else None
         self.reasoning_open = False
         # Where the reasoning section ended, once, until the scheduler takes
@@ -89,7 +87,7 @@ class Generation:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stops = StopMatcher(prepared.stop)
         self.reason = "length"
-        limits = engine.limits
+        limits = runtime.limits
         # No max_output_tokens means "up to the context" (prepare's room),
         # capped by the server's default ceiling.
         self.max_new = prepared.max_new_tokens
@@ -130,7 +128,7 @@ class Generation:
             if self.vocab.is_eog(token):
                 self.reason = "stop"
                 eog_text = self.vocab.detokenize([token])
-                if self.engine.turn_ends_with(eog_text):
+                if self.runtime.transcript.turn_ends_with(eog_text):
                     self.eog_text = eog_text
                     return self._complete(token)
                 # An end token the template never writes after a turn (Gemma's
@@ -266,13 +264,13 @@ class Generation:
             return
         self.reasoning_open = False
         sealed = None
-        engine = self.engine
-        if self.prepared.conversation.include_encrypted_reasoning and engine.sealer is not None:
+        runtime = self.runtime
+        if self.prepared.conversation.include_encrypted_reasoning and runtime.sealer is not None:
             # Only a sealed replay renders this reasoning again (prompt.py),
             # so only then can a later request resume at its end.
             self._mark_reasoning_end()
             assert self.splitter is not None  # reasoning_open: a splitter opened it
-            sealed = engine.sealer.seal(engine.info.id, self.splitter.hidden,
+            sealed = runtime.sealer.seal(runtime.model_id, self.splitter.hidden,
                                         owner=self.prepared.run.owner)
         self.emit(ReasoningDone(sealed))
 
@@ -331,7 +329,7 @@ class Generation:
 
     def _finish_tokens(self) -> None:
         self.usage.output_tokens = len(self.sampled) + self.forced
-        stats = self.engine.stats_
+        stats = self.runtime.stats
         stats.last_output_tokens = len(self.sampled)
         stats.last_output_token_ids = self.sampled
 
@@ -353,7 +351,7 @@ class Generation:
                 call = dataclasses.replace(call, name=f"{call.namespace}__{call.name}")
             outputs.append(call)
         conversation = self.prepared.conversation
-        visible = self.engine.visible_transcript(conversation, outputs, eog_text)
+        visible = self.runtime.transcript.visible(conversation, outputs, eog_text)
         kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")
         self._remember_state(SessionState(
             tokens=list(self.kv_tokens) + pending,

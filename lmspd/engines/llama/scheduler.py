@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import llama_cpp
 import numpy as np
@@ -46,12 +46,10 @@ from lmspd.engines.base import CancelToken
 
 from .generation import Generation
 from .preparation import LlamaPrepared
+from .runtime import LlamaRuntime
 from .sampling import GrammarFirstRejection, Greedy, greedy_tokens
 from .speculation import DecodeStats, Draft, Planner, SequenceSpeculation
 from .stepcost import DecodeCost, HostCost
-
-if TYPE_CHECKING:
-    from .engine import LlamaEngine
 
 log = logging.getLogger("lmspd.engine")
 
@@ -359,17 +357,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, engine: "LlamaEngine", *, n_batch: int, prefill_chunk: int, checkpoint_every: int,
+    def __init__(self, runtime: LlamaRuntime, *, n_batch: int, prefill_chunk: int, checkpoint_every: int,
                  planner: Planner | None = None) -> None:
-        self.engine = engine
+        self.runtime = runtime
         # Speculative decoding (lmspd.engines.llama.speculation); None: off.
         self.planner = planner
         # What steps cost: the host's share (outside llama_decode) and the decode's by batch size.
         self.host_cost = HostCost()
         self.decode_cost = DecodeCost()
         self.decode_stats = DecodeStats()
-        self.cache = engine.cache
-        self._ctx = engine.ctx
+        self.cache = runtime.cache
+        self._ctx = runtime.ctx
         self.n_batch = n_batch
         self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
         self.checkpoint_every = checkpoint_every
@@ -387,14 +385,14 @@ class Scheduler:
         self.outbox = Outbox()
         # A prefill ended this step: its first token goes out at the step's end.
         self._first_token = False
-        self._threads = engine.threads
+        self._threads = runtime.threads
         self._thread = threading.Thread(target=self._loop, name="lmspd-llama-scheduler", daemon=True)
         self._thread.start()
 
     # -- other threads ------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        self.engine.preparations.submitted(job.prepared)
+        self.runtime.preparations.submitted(job.prepared)
         with self._cond:
             self._inbox.append(job)
             self._cond.notify()
@@ -494,7 +492,7 @@ class Scheduler:
         with nothing running, a request about to arrive
         (``Preparations.arriving``) is waited for, at most ``gather_s``.
         Called holding ``_cond`` (``submit`` notifies it)."""
-        preps = self.engine.preparations
+        preps = self.runtime.preparations
         deadline = time.monotonic() + self.gather_s
         while not self._closing and preps.arriving():
             left = deadline - time.monotonic()
@@ -566,7 +564,7 @@ class Scheduler:
             self.cache.finished(seq, state)
 
         try:
-            gen = Generation(self.engine, job.prepared, plan, job.cancel, job.emit, usage,
+            gen = Generation(self.runtime, job.prepared, plan, job.cancel, job.emit, usage,
                              response_id=job.response_id, kv_tokens=resident.tokens, remember=remember)
         except Exception as exc:
             log.exception("could not start a generation")
@@ -679,7 +677,7 @@ class Scheduler:
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
         decode_s = time.perf_counter() - t0
         self.decode_cost.observe(n, decode_s * 1000)
-        self.engine.kv.decoded()
+        self.runtime.kv.decoded()
         self.cache.decoded()
         if rc != 0:
             log.error("llama_decode failed (%d) for a batch of %d tokens", rc, n)
@@ -718,7 +716,7 @@ class Scheduler:
                 idxs.append(row)
         if not idxs:
             return _NO_TOPS
-        return dict(zip(idxs, greedy_tokens(self._ctx, idxs, self.engine.vocab.n_vocab), strict=True))
+        return dict(zip(idxs, greedy_tokens(self._ctx, idxs, self.runtime.vocab.n_vocab), strict=True))
 
     def _plan_drafts(self, parts: list[tuple[Running, int, bool]], n: int) -> None:
         """Drafts for the decoding sequences that have one worth its price
@@ -800,7 +798,7 @@ class Scheduler:
                 continue
             break
         if accepted < len(proposed):
-            self.engine.kv.trim(run.seq, len(run.tokens))
+            self.runtime.kv.trim(run.seq, len(run.tokens))
         run.spec.produced = len(gen.sampled)
         run.spec.verified(draft, accepted)
         self.decode_stats.add(draft.source, len(proposed), accepted)
@@ -817,7 +815,7 @@ class Scheduler:
             if not r.tokens:
                 continue
             pos = len(r.tokens) - 1
-            self.engine.kv.trim(r.seq, pos)
+            self.runtime.kv.trim(r.seq, pos)
             self._tok[n], self._pos[n], self._seq[n], self._logits[n] = r.tokens[-1], pos, r.seq, 0
             n += 1
         if n:
@@ -827,7 +825,7 @@ class Scheduler:
             if rc != 0:
                 for r in self.cache.unsettled_copies():
                     self.cache.discard(r.seq)
-        self.engine.kv.decoded()
+        self.runtime.kv.decoded()
         self.cache.decoded()
 
     def _decode_threads(self) -> None:
@@ -838,8 +836,8 @@ class Scheduler:
         others spin: a 1-token step took ~1.4 s instead of ~10 ms on two
         cores. Fewer threads, each with a core of its own, keep the step
         short."""
-        engine = self.engine
-        n = max(1, engine.threads - engine.preparations.long())
+        runtime = self.runtime
+        n = max(1, runtime.threads - runtime.preparations.long())
         if n != self._threads:
             llama_cpp.llama_set_n_threads(self._ctx.ctx, n, n)
             self._threads = n
@@ -903,7 +901,7 @@ class Scheduler:
         self._first_token = True
         plan = run.plan
         prefill_ms = (time.perf_counter() - run.started) * 1000
-        stats = self.engine.stats_
+        stats = self.runtime.stats
         stats.generations += 1
         stats.prefilled_tokens += len(plan.suffix)
         source = plan.source
