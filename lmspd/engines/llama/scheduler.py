@@ -478,8 +478,12 @@ class Scheduler:
                 # for nothing else (the next step's planning, its n-gram
                 # index over a long prompt included, can wait): out now,
                 # and the loop takes the GIL at once to send it.
-                self.outbox.flush(yield_gil=self._first_token)
-                self._first_token = False
+                first, self._first_token = self._first_token, False
+                try:
+                    self.outbox.flush(yield_gil=first)
+                except Exception:  # the thread must outlive it, and no stream may go on with a gap
+                    log.exception("handing events to the event loop failed")
+                    self._fail_all()
             if decoded is not None:
                 decode_s, sequences = decoded
                 self.host_cost.observe(time.perf_counter() - began - decode_s, sequences)
@@ -934,6 +938,16 @@ class Scheduler:
         close = getattr(run.gen.sampler, "close", None)
         if close is not None:
             close()
+
+    def _fail_all(self) -> None:
+        """End every running stream after events of theirs were lost; their
+        failures go out at once (nothing else may come to flush them)."""
+        for run in list(self._running):
+            self._fail(run, "server_error", "Generation failed.")
+        try:
+            self.outbox.flush()
+        except Exception:
+            log.exception("handing events to the event loop failed again")
 
     def _fail(self, run: Running, code: str, message: str) -> None:
         if run in self._running:
