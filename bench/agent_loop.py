@@ -75,7 +75,7 @@ sends once the call's name is parsed; text systems: the first text delta).
 ``prefilled``: tokens the system evaluated for this prompt. ``expect``: the
 tokens of what is new in the request — lmspd's own ``LlamaEngine`` (loaded in
 this process) renders the new request and the previous turn's visible
-transcript (``LlamaEngine.visible_transcript``: previous prompt + the call as
+transcript (``LlamaEngine.transcript.visible``: previous prompt + the call as
 the client replays it, up to the end-of-turn token) and tokenizes the
 difference, as lmspd does for a visible-prefix match. Whether the previous
 turn's KV holds its end-of-turn token (Gemma ends a call with ``<eos>`` or
@@ -247,14 +247,14 @@ class Counter:
             self.eog_text: str | None = self.engine.detokenize([llm.token_eos()]) if llm is not None else None
         except Exception:  # noqa: BLE001 - an internal; the token-difference fallback still works
             self.eog_text = None
-        if self.eog_text is not None and not self.engine.turn_ends_with(self.eog_text):
+        if self.eog_text is not None and not self.engine.transcript.turn_ends_with(self.eog_text):
             # Gemma's <eos> (the end a call's grammar admits) is not its turn
             # closer: lmspd keeps it out of the KV and the visible transcript.
             self.eog_text = None
         # The end token the template's turn closer starts with (Gemma's
         # <end_of_turn>, SmolLM2's <|im_end|>): a grammar admits every end
         # token, and where the model samples this one lmspd keeps it in the KV.
-        closer = getattr(self.engine, "_closer", None) or ""
+        closer = self.engine.transcript.closer or ""
         first = self.engine.tokenize(closer)[:1]
         self.closer_end: str | None = (self.engine.detokenize(first)
                                        if first and self.engine.vocab.is_eog(first[0]) else None)
@@ -287,7 +287,7 @@ class Counter:
             after = self._decode({**prev_body, "input": list(prev_body["input"]) + outputs})
             outs = list(after.items[len(prev.items):])
             eog = self.eog_text if end_in_kv is None else self.closer_end if end_in_kv else None
-            visible = engine.visible_transcript(prev, outs, eog)
+            visible = engine.transcript.visible(prev, outs, eog)
             if visible is not None and new_text.startswith(visible):
                 how = "visible" + (f", {eog} in KV" if eog and end_in_kv else "")
                 return len(engine.tokenize(new_text[len(visible):])), how

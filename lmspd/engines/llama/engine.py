@@ -32,7 +32,7 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import ContinuationCache, KvOps
-from lmspd.core.conversation import Conversation, Item
+from lmspd.core.conversation import Conversation
 from lmspd.core.events import TERMINAL_EVENTS, EngineEvent
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.run import LOCAL, RunContext
@@ -277,20 +277,6 @@ class LlamaEngine:
                 # ends it at its next step.
                 cancel.cancel()
                 self.scheduler.wake()
-
-    # -- the visible transcript (lmspd.engines.llama.transcript) -----------------
-    # Asked of the engine from outside: bench/agent_loop.py counts what a
-    # visible-prefix match prefills with them.
-
-    @property
-    def _closer(self) -> str | None:
-        return self.transcript.closer
-
-    def turn_ends_with(self, eog_text: str) -> bool:
-        return self.transcript.turn_ends_with(eog_text)
-
-    def visible_transcript(self, conversation: Conversation, outputs: list[Item], eog_text: str | None) -> str | None:
-        return self.transcript.visible(conversation, outputs, eog_text)
 
     # -- stats and shutdown ------------------------------------------------------
 
