@@ -238,18 +238,25 @@ def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int,
 
 
 def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], rounds: int,
-                        seed: int | None) -> dict[str, list[list[Run]]]:
+                        seed: int | None, settle_s: float) -> dict[str, list[list[Run]]]:
     """``measure`` on several lmspd servers at once, round by round in
     turn (the first server of a round rotates), so that the machine's load
-    drifting during the run weighs on every system alike."""
+    drifting during the run weighs on every system alike. Before each
+    round the machine is left idle for ``settle_s``: what a server does
+    after a turn (its last token's step, remembering the turn's state)
+    must not run beside the other's next step — two llama.cpp threads that
+    share their cores with anything stall at every barrier (a 1-token
+    prefill measured 1.3-2.9 s instead of 40 ms that way)."""
     out: dict[str, list[list[Run]]] = {name: [] for name in urls}
     names = list(urls)
     with httpx.Client(timeout=600) as client:
         for name in names:  # round 0 warms each server's prompt cache
+            time.sleep(settle_s)
             one_round("lmspd", client, urls[name], bodies, 0, seed)
         for r in range(1, rounds + 1):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
+                time.sleep(settle_s)
                 out[name].append(one_round("lmspd", client, urls[name], bodies, r, seed))
     return out
 
@@ -312,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
     ap.add_argument("--seed", type=int, default=1000,
                     help="at temperature, round r's i-th request samples with seed + 10 r + i (-1: unseeded)")
+    ap.add_argument("--llama-mode", choices=NGRAM_MODES, default=None,
+                    help="llama.cpp's n-gram mode, not probed (a run split by scenario: the first run's pick)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds idle before each round of the alternating lmspd servers")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     model = args.model or bundled_model_path()
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in scenarios:
             for temp in temps:
                 got = measure_alternating({mode: srv.url for mode, srv in servers.items()},
-                                          bodies(scenario, temp, "lmspd"), args.rounds, seed)
+                                          bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle)
                 for mode in systems:
                     results[(scenario, temp, mode)] = summary(got[mode])
                     print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {show(results[(scenario, temp, mode)])}",
@@ -397,7 +408,9 @@ def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps
     """llama.cpp's server: its n-gram modes on ``edit`` at temperature 0, then the best on everything."""
     best, best_tps = NGRAM_MODES[0], -1.0
     probe = "edit" if "edit" in scenarios else scenarios[0]
-    for mode in NGRAM_MODES:
+    if args.llama_mode:  # chosen by an earlier run (the probe is on edit)
+        best, probe = args.llama_mode, ""
+    for mode in NGRAM_MODES if probe else ():
         srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
                                speculative=mode).start()
         try:
