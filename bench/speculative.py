@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import (  # noqa: E402
     add_gpu_arguments,
     bundled_model_path,
+    git_tree,
     lmspd_gpu_flags,
     lmspd_server,
     post_sse,
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
     ap.add_argument("--seed", type=int, default=1000,
                     help="at temperature, round r's i-th request samples with seed + 10 r + i (-1: unseeded)")
+    ap.add_argument("--baseline", default=None,
+                    help="also run this git ref's lmspd (--speculative auto) side by side: the column base")
     ap.add_argument("--llama-mode", choices=NGRAM_MODES, default=None,
                     help="llama.cpp's n-gram mode, not probed (a run split by scenario: the first run's pick)")
     ap.add_argument("--settle", type=float, default=2.0,
@@ -343,11 +346,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[tuple[str, float, str], dict[str, Any]] = {}
     systems = ["auto", "off"]
-    # Both lmspd servers run side by side (one request at a time between
-    # them): their rounds alternate.
-    servers = {mode: lmspd_server(model, args.ctx, args.threads, work / f"data-{mode}", work / f"lmspd-{mode}.log",
+    # The lmspd servers run side by side (one request at a time between
+    # them): their rounds alternate. ``base``: --baseline's code, auto.
+    sources: dict[str, tuple[str, Path | None]] = {"auto": ("auto", None), "off": ("off", None)}
+    if args.baseline:
+        sources["base"] = ("auto", git_tree(args.baseline, work / "baseline"))
+        systems.append("base")
+    servers = {name: lmspd_server(model, args.ctx, args.threads, work / f"data-{name}", work / f"lmspd-{name}.log",
                                   extra=["--parallel", "4", "--speculative", mode, "--served-model", "m",
-                                         *lmspd_gpu_flags(args)]) for mode in systems}
+                                         *lmspd_gpu_flags(args)], source=source)
+               for name, (mode, source) in sources.items()}
     try:
         for srv in servers.values():
             srv.start()
@@ -355,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             for temp in temps:
                 got = measure_alternating({mode: srv.url for mode, srv in servers.items()},
                                           bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle)
-                for mode in systems:
+                for mode in servers:
                     results[(scenario, temp, mode)] = summary(got[mode])
                     print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {show(results[(scenario, temp, mode)])}",
                           flush=True)
@@ -377,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'scenario':<8}{'temp':>5}"
     for s in systems:
         head += f"{s + ' tok/s':>13}{s + ' TTFT ms':>15}"
-    head += f"{'auto/off':>10}" + (f"{'auto/llama':>12}" if "llama" in systems else "") + f"{'same':>6}"
+    head += f"{'auto/off':>10}" + (f"{'base/off':>10}" if "base" in systems else "")
+    head += (f"{'auto/llama':>12}" if "llama" in systems else "") + f"{'same':>6}"
     head += "   acceptance (auto)"
     if llama_mode:
         print(f"llama = llama.cpp's server (xllamacpp) with {llama_mode}, the best of its n-gram modes here")
@@ -391,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"{fmt(r and r['tps']):>13}{fmt(r and r['ttft'], '{:.0f}'):>15}"
             a, o = got["auto"], got["off"]
             line += f"{fmt(a and o and a['tps'] and o['tps'] and a['tps'] / o['tps'], '{:.2f}x'):>10}"
+            if "base" in systems:
+                b = got["base"]
+                line += f"{fmt(b and o and b['tps'] and o['tps'] and b['tps'] / o['tps'], '{:.2f}x'):>10}"
             if "llama" in systems:
                 ll = got["llama"]
                 line += f"{fmt(a and ll and a['tps'] and ll['tps'] and a['tps'] / ll['tps'], '{:.2f}x'):>12}"
