@@ -243,11 +243,12 @@ def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], roun
     """``measure`` on several lmspd servers at once, round by round in
     turn (the first server of a round rotates), so that the machine's load
     drifting during the run weighs on every system alike. Before each
-    round the machine is left idle for ``settle_s``: what a server does
-    after a turn (its last token's step, remembering the turn's state)
-    must not run beside the other's next step — two llama.cpp threads that
-    share their cores with anything stall at every barrier (a 1-token
-    prefill measured 1.3-2.9 s instead of 40 ms that way)."""
+    round the machine is left idle for ``settle_s``: without it the first
+    request after a switch of server sometimes spent 1.3-2.9 s on a 1-token
+    prefill (40 ms otherwise). Why was not found: the server that had just
+    answered used 0.03 s of CPU after its turn; two llama.cpp threads that
+    share their cores with anything stall at every barrier, so any
+    neighbour's burst would do it. With the pause it did not recur."""
     out: dict[str, list[list[Run]]] = {name: [] for name in urls}
     names = list(urls)
     with httpx.Client(timeout=600) as client:
