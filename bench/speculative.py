@@ -14,7 +14,14 @@ Scenarios (each at temperature 0 and 0.7):
            each session's TTFT)
 
 Each request runs once to warm the prompt cache, then ``--rounds`` times
-measured (the prompt reused: TTFT is the continuation's). llama.cpp's server
+measured (the prompt reused: TTFT is the continuation's). At temperature
+every request carries a seed (``--seed``; round r's i-th request samples
+with seed + 10 r + i), so that auto and off sample the same way: without one
+they compared different samples (one a 4-token reply, the other 160 tokens).
+Auto's text can still differ from off's: a draft position is evaluated in a
+batch of several tokens, and llama.cpp's CPU kernels do not give a batch
+bit-identical logits to a single token, so a near-tie can go the other way
+(the column ``same`` counts the rounds in which auto wrote off's text). llama.cpp's server
 runs its three n-gram modes (``ngram_simple``, ``ngram_mod``,
 ``ngram_map_k``) on ``edit`` at temperature 0 first; the best of them is the
 column, named in the output. Without ``xllamacpp`` installed that column is
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import (  # noqa: E402
     add_gpu_arguments,
     bundled_model_path,
+    git_tree,
     lmspd_gpu_flags,
     lmspd_server,
     post_sse,
@@ -108,6 +117,7 @@ class Run:
     last_s: float | None = None
     output_tokens: int = 0
     decode: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
 
     @property
     def tps(self) -> float | None:
@@ -131,6 +141,7 @@ def stream_lmspd(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
         if kind in RESPONSES_DELTAS:
             run.ttft_s = run.ttft_s if run.ttft_s is not None else now
             run.last_s = now
+            run.text += data.get("delta") or ""
         elif kind == "response.output_item.added" and (data.get("item") or {}).get("type") in CALL_ITEMS:
             # A call's first output is its name, as llama.cpp's server streams
             # it (a tool_calls delta with the name, before any argument):
@@ -159,6 +170,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": messages, "max_tokens": body["max_output_tokens"],
                            "temperature": body["temperature"], "stream": True,
                            "stream_options": {"include_usage": True}}
+    if body.get("seed") is not None:
+        out["seed"] = body["seed"]
     tools = [t for t in body.get("tools", []) if t["type"] == "function"]
     if tools and body.get("tool_choice") != "none":
         out["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
@@ -178,6 +191,8 @@ def stream_llama(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
             if delta.get("content") or delta.get("tool_calls"):
                 run.ttft_s = run.ttft_s if run.ttft_s is not None else now
                 run.last_s = now
+                run.text += delta.get("content") or "".join(
+                    (c.get("function") or {}).get("arguments") or "" for c in delta.get("tool_calls") or [])
         if data.get("usage"):
             run.output_tokens = data["usage"].get("completion_tokens") or 0
         timings = data.get("timings")
@@ -186,25 +201,65 @@ def stream_llama(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
     return run
 
 
-def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int) -> list[list[Run]]:
-    """Each body once to warm the cache, then ``rounds`` times; the bodies of
-    one round run at once (``mixed``). Returns runs by round."""
+def seeded(kind: str, body: dict[str, Any], seed: int) -> dict[str, Any]:
+    """``body`` sampled with ``seed``: lmspd's ``lmspd.sampling`` extension,
+    llama.cpp's own ``seed`` (added by ``chat_body``)."""
+    if kind == "lmspd":
+        return {**body, "extensions": {**body.get("extensions", {}), "lmspd.sampling": {"seed": seed}}}
+    return {**body, "seed": seed}
+
+
+def one_round(kind: str, client: httpx.Client, url: str, bodies: list[dict[str, Any]], r: int,
+              seed: int | None) -> list[Run]:
+    """The bodies at once (several: ``mixed``). ``seed``: at temperature,
+    round ``r``'s ``i``-th body samples with ``seed + 10 r + i``, so that
+    every system (and ``--speculative`` auto and off, which then take the
+    same tokens wherever their logits agree) is measured on the same samples."""
     stream = stream_lmspd if kind == "lmspd" else stream_llama
-    out: list[list[Run]] = []
+    runs: list[Run | None] = [None] * len(bodies)
+
+    def one(i: int, body: dict[str, Any]) -> None:
+        if seed is not None and body.get("temperature"):
+            body = seeded(kind, body, seed + 10 * r + i)
+        runs[i] = stream(client, url, body)
+
+    threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [x for x in runs if x is not None]
+
+
+def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int,
+            seed: int | None = None) -> list[list[Run]]:
+    """Each body once to warm the cache, then ``rounds`` times. Returns runs by round."""
     with httpx.Client(timeout=600) as client:
-        for r in range(rounds + 1):
-            runs: list[Run | None] = [None] * len(bodies)
+        return [one_round(kind, client, url, bodies, r, seed) for r in range(rounds + 1)][1:]
 
-            def one(into: list[Run | None], i: int, body: dict[str, Any]) -> None:
-                into[i] = stream(client, url, body)
 
-            threads = [threading.Thread(target=one, args=(runs, i, b)) for i, b in enumerate(bodies)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if r:  # round 0 warms the prompt cache
-                out.append([x for x in runs if x is not None])
+def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], rounds: int,
+                        seed: int | None, settle_s: float) -> dict[str, list[list[Run]]]:
+    """``measure`` on several lmspd servers at once, round by round in
+    turn (the first server of a round rotates), so that the machine's load
+    drifting during the run weighs on every system alike. Before each
+    round the machine is left idle for ``settle_s``: without it the first
+    request after a switch of server sometimes spent 1.3-2.9 s on a 1-token
+    prefill (40 ms otherwise). Why was not found: the server that had just
+    answered used 0.03 s of CPU after its turn; two llama.cpp threads that
+    share their cores with anything stall at every barrier, so any
+    neighbour's burst would do it. With the pause it did not recur."""
+    out: dict[str, list[list[Run]]] = {name: [] for name in urls}
+    names = list(urls)
+    with httpx.Client(timeout=600) as client:
+        for name in names:  # round 0 warms each server's prompt cache
+            time.sleep(settle_s)
+            one_round("lmspd", client, urls[name], bodies, 0, seed)
+        for r in range(1, rounds + 1):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                time.sleep(settle_s)
+                out[name].append(one_round("lmspd", client, urls[name], bodies, r, seed))
     return out
 
 
@@ -234,7 +289,19 @@ def summary(rounds: list[list[Run]]) -> dict[str, Any]:
                     drafted[source] = drafted.get(source, 0) + counts["drafted"]
                     accepted[source] = accepted.get(source, 0) + (counts.get("accepted") or 0)
     acc = " ".join(f"{s} {accepted[s]}/{drafted[s]}" for s in drafted if drafted[s]) or "-"
-    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc}
+    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds]}
+
+
+def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    """In how many rounds two systems wrote exactly the same outputs."""
+    if not a or not b:
+        return "-"
+    same = sum(1 for x, y in zip(a["texts"], b["texts"], strict=False) if x == y)
+    return f"{same}/{min(len(a['texts']), len(b['texts']))}"
+
+
+def show(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k != "texts"}
 
 
 def fmt(v: float | None, spec: str = "{:.1f}") -> str:
@@ -252,14 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"a subset of {','.join(SCENARIOS)}")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp's server")
+    ap.add_argument("--seed", type=int, default=1000,
+                    help="at temperature, round r's i-th request samples with seed + 10 r + i (-1: unseeded)")
+    ap.add_argument("--baseline", default=None,
+                    help="also run this git ref's lmspd (--speculative auto) side by side: the column base")
+    ap.add_argument("--llama-mode", choices=NGRAM_MODES, default=None,
+                    help="llama.cpp's n-gram mode, not probed (a run split by scenario: the first run's pick)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds idle before each round of the alternating lmspd servers")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     model = args.model or bundled_model_path()
     scenarios = [s for s in args.scenarios.split(",") if s]
     temps = [float(t) for t in args.temperatures.split(",")]
     work = Path(tempfile.mkdtemp(prefix="lmspd-bench-spec-"))
+    seed = None if args.seed < 0 else args.seed
     print(f"model {model.name}; threads {args.threads}; ctx {args.ctx}; max tokens {args.max_tokens}; "
-          f"rounds {args.rounds} (+1 warm-up)", flush=True)
+          f"rounds {args.rounds} (+1 warm-up); seed {seed}; load {os.getloadavg()[0]:.2f}; logs in {work}",
+          flush=True)
 
     def bodies(scenario: str, temp: float, kind: str) -> list[dict[str, Any]]:
         out = []
@@ -270,17 +347,29 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[tuple[str, float, str], dict[str, Any]] = {}
     systems = ["auto", "off"]
-    for mode in systems:
-        srv = lmspd_server(model, args.ctx, args.threads, work / f"data-{mode}", work / f"lmspd-{mode}.log",
-                           extra=["--parallel", "4", "--speculative", mode, "--served-model", "m",
-                                  *lmspd_gpu_flags(args)]).start()
-        try:
-            for scenario in scenarios:
-                for temp in temps:
-                    rounds = measure("lmspd", srv.url, bodies(scenario, temp, "lmspd"), args.rounds)
-                    results[(scenario, temp, mode)] = summary(rounds)
-                    print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {results[(scenario, temp, mode)]}", flush=True)
-        finally:
+    # The lmspd servers run side by side (one request at a time between
+    # them): their rounds alternate. ``base``: --baseline's code, auto.
+    sources: dict[str, tuple[str, Path | None]] = {"auto": ("auto", None), "off": ("off", None)}
+    if args.baseline:
+        sources["base"] = ("auto", git_tree(args.baseline, work / "baseline"))
+        systems.append("base")
+    servers = {name: lmspd_server(model, args.ctx, args.threads, work / f"data-{name}", work / f"lmspd-{name}.log",
+                                  extra=["--parallel", "4", "--speculative", mode, "--served-model", "m",
+                                         *lmspd_gpu_flags(args)], source=source)
+               for name, (mode, source) in sources.items()}
+    try:
+        for srv in servers.values():
+            srv.start()
+        for scenario in scenarios:
+            for temp in temps:
+                got = measure_alternating({mode: srv.url for mode, srv in servers.items()},
+                                          bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle)
+                for mode in servers:
+                    results[(scenario, temp, mode)] = summary(got[mode])
+                    print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {show(results[(scenario, temp, mode)])}",
+                          flush=True)
+    finally:
+        for srv in servers.values():
             srv.stop()
 
     llama_mode = None
@@ -290,14 +379,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("xllamacpp is not installed: llama.cpp's column skipped", flush=True)
         else:
-            llama_mode = run_llama(args, model, scenarios, temps, bodies, results, work)
+            llama_mode = run_llama(args, model, scenarios, temps, bodies, results, work, seed)
             systems.append("llama")
 
     print()
     head = f"{'scenario':<8}{'temp':>5}"
     for s in systems:
         head += f"{s + ' tok/s':>13}{s + ' TTFT ms':>15}"
-    head += f"{'auto/off':>10}" + (f"{'auto/llama':>12}" if "llama" in systems else "") + "   acceptance (auto)"
+    head += f"{'auto/off':>10}" + (f"{'base/off':>10}" if "base" in systems else "")
+    head += (f"{'auto/llama':>12}" if "llama" in systems else "") + f"{'same':>6}"
+    head += "   acceptance (auto)"
     if llama_mode:
         print(f"llama = llama.cpp's server (xllamacpp) with {llama_mode}, the best of its n-gram modes here")
     print(head)
@@ -310,22 +401,29 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"{fmt(r and r['tps']):>13}{fmt(r and r['ttft'], '{:.0f}'):>15}"
             a, o = got["auto"], got["off"]
             line += f"{fmt(a and o and a['tps'] and o['tps'] and a['tps'] / o['tps'], '{:.2f}x'):>10}"
+            if "base" in systems:
+                b = got["base"]
+                line += f"{fmt(b and o and b['tps'] and o['tps'] and b['tps'] / o['tps'], '{:.2f}x'):>10}"
             if "llama" in systems:
                 ll = got["llama"]
                 line += f"{fmt(a and ll and a['tps'] and ll['tps'] and a['tps'] / ll['tps'], '{:.2f}x'):>12}"
-            line += f"   {a['acceptance'] if a else '-'}"
+            line += f"{same_text(a, o):>6}   {a['acceptance'] if a else '-'}"
             print(line)
     print("(tok/s: output tokens after the first over first-to-last delta, median of rounds; mixed: all "
-          "sessions' tokens over the round's span; TTFT: the slowest session's)")
+          "sessions' tokens over the round's span; TTFT: the slowest session's; same: rounds in which auto "
+          "wrote exactly off's text)")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 
 def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float], bodies: Any,
-              results: dict, work: Path) -> str:
+              results: dict, work: Path, seed: int | None) -> str:
     """llama.cpp's server: its n-gram modes on ``edit`` at temperature 0, then the best on everything."""
     best, best_tps = NGRAM_MODES[0], -1.0
     probe = "edit" if "edit" in scenarios else scenarios[0]
-    for mode in NGRAM_MODES:
+    if args.llama_mode:  # chosen by an earlier run (the probe is on edit)
+        best, probe = args.llama_mode, ""
+    for mode in NGRAM_MODES if probe else ():
         srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
                                speculative=mode).start()
         try:
@@ -343,8 +441,8 @@ def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps
                 continue  # no custom tools with a Lark grammar
             for temp in temps:
                 results[(scenario, temp, "llama")] = summary(
-                    measure("llama", srv.url, bodies(scenario, temp, "llama"), args.rounds))
-                print(f"  llama {scenario:<6} t={temp}: {results[(scenario, temp, 'llama')]}", flush=True)
+                    measure("llama", srv.url, bodies(scenario, temp, "llama"), args.rounds, seed))
+                print(f"  llama {scenario:<6} t={temp}: {show(results[(scenario, temp, 'llama')])}", flush=True)
     finally:
         srv.stop()
     return best

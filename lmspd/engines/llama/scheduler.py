@@ -749,14 +749,14 @@ class Scheduler:
             spec.produced = len(gen.sampled)
             if closed and spec.pass_step():
                 continue
-            draft, rate = spec.candidate(run.pending, limit)
+            draft = spec.candidate(run.pending, limit)
             if draft is None:
                 continue
-            k = planner.length(self.decode_cost, rate, len(draft.tokens), base_tokens=n, base_yield=yielding,
-                               shared=shared)
+            k = planner.length(self.decode_cost, draft.rates, len(draft.tokens), base_tokens=n,
+                               base_yield=yielding, shared=shared)
             if k <= 0:
                 continue
-            draft.tokens = draft.tokens[:k]
+            draft.cut(k)
             run.draft = draft
             n += k
 

@@ -7,9 +7,12 @@ Two sources, cheapest first:
   fast-forward tokens: ``"path": "``, ``*** Update File: ``): right unless
   the turn ends there;
 - ``ngram``: the sequence's own tokens (the prompt and the output so far:
-  everything its KV holds). The longest recent earlier occurrence of the
-  text's last few tokens proposes what followed it. ``NgramIndex`` keeps a
-  hash from n-grams to their last end, updated per accepted token.
+  everything its KV holds). The text's last few tokens propose what
+  followed their latest earlier occurrence, token by token, each with the
+  chance that it is right: how often that n-gram was followed by that
+  token (``NgramIndex``, counts updated per accepted token), scaled by how
+  the sequence's drafts have fared against those estimates
+  (``Calibration``).
 
 The scheduler evaluates the draft in the same batch as every other
 sequence's next token and the sampler picks at each position; a draft token
@@ -18,18 +21,21 @@ without speculation produces, at any temperature (``Scheduler._verify``).
 
 Whether to draft, and how much, is priced (``Planner``): a batch of ``n``
 tokens costs ``DecodeCost.ms(n)`` (learned; on a 2-core CPU a batch of 8
-costs ~4x a batch of 1), a draft of ``k`` tokens at per-position acceptance
-``a`` yields ``a + a^2 + ... + a^k`` extra tokens. A draft is made only when
-it raises the step's tokens per millisecond, and, while other sequences
-decode or a prompt prefills in the same step, only as far as it keeps the
-step within ``fair_slack`` of its cost without the draft (so that nobody
-else's next token waits for it). A sequence whose drafts keep failing stops
-drafting for a while (doubling), and starts again at once where a long
-match shows the text has turned into a copy.
+costs ~4-5x a batch of 1), a draft whose positions are right with chances
+``a1, a2, ...`` (each given the ones before) yields ``a1 + a1 a2 + ...``
+extra tokens. A draft is made only as long as it raises the step's tokens
+per millisecond (so it ends where the text it copies branches: the number
+after ``store.items[`` in a file of numbered functions), and, while other
+sequences decode or a prompt prefills in the same step, only as far as it
+keeps the step within ``fair_slack`` of its cost without the draft (so that
+nobody else's next token waits for it). A sequence whose drafts keep
+failing stops drafting for a while (doubling), and starts again at once
+where a long match shows the text has turned into a copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,18 +58,35 @@ def speculation_mode(requested: str, kv: "SequenceKv") -> str:
 
 
 class NgramIndex:
-    """The last end of every n-gram (``sizes``) in ``tokens``, a list the
-    owner appends to (the sequence's evaluated tokens). Caught up lazily, at
-    most ``per_step`` positions a call, so that a long prompt's index is
-    built over a few steps rather than stalling one (and mostly during the
-    prefill steps, ``catch_up``); a prompt longer than ``window`` is indexed
-    from its last ``window`` tokens."""
+    """Every n-gram (``sizes``) of ``tokens``, a list the owner appends to
+    (the sequence's evaluated tokens): where it last ended, how often it
+    occurred with a continuation, and how often with each continuation (as
+    counts of the n-gram one longer). Caught up lazily, at most ``per_step``
+    positions a call, so that a long prompt's index is built over a few
+    steps rather than stalling one (and mostly during the prefill steps,
+    ``catch_up``); a prompt longer than ``window`` is indexed from its last
+    ``window`` tokens.
+
+    A proposal walks the text token by token: at each position the longest
+    n-gram of the context (and of the draft so far) proposes what followed
+    its latest earlier occurrence, with an estimate that it is right
+    (``Proposal.rates``): how often that n-gram was followed by that token,
+    against how often it occurred. So a draft stops being worth its price
+    where the text it copies branches (``store.items[`` followed by 0, 1, 2
+    ... in a file): the latest continuation of an n-gram seen with many is
+    a guess, that of one always followed by the same token is not. The
+    occurrence's own match length (how far back the context agrees with
+    it) firms the estimate up: a match of 16 tokens is a copy being made."""
 
     def __init__(self, tokens: list[int], *, sizes: tuple[int, ...] = (6, 3), window: int = 16384,
                  per_step: int = 256) -> None:
         self.tokens = tokens
         self.sizes = sizes
+        # Per size: n-gram -> its latest end (exclusive), n-gram -> occurrences
+        # with a continuation, (n+1)-gram -> occurrences.
         self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
+        self._seen: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
+        self._follows: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
         self._per_step = per_step
         # Every n-gram ending at or before ``_done`` (exclusive end) is in.
         self._done = max(0, len(tokens) - window)
@@ -76,9 +99,13 @@ class NgramIndex:
     def _catch_up(self, upto: int, budget: int) -> None:
         toks = self.tokens
         end = min(upto, self._done + budget)
-        for size, table in zip(self.sizes, self._maps, strict=True):
+        for size, ends, seen, follows in zip(self.sizes, self._maps, self._seen, self._follows, strict=True):
             for e in range(max(self._done + 1, size), end + 1):
-                table[tuple(toks[e - size:e])] = e
+                key = tuple(toks[e - size:e])
+                ends[key] = e
+                seen[key] = seen.get(key, 0) + 1
+                longer = key + (toks[e],)
+                follows[longer] = follows.get(longer, 0) + 1
         self._done = max(self._done, end)
 
     def keep_up(self) -> None:
@@ -87,36 +114,101 @@ class NgramIndex:
         n = len(self.tokens)
         if n < self._done:  # the list was cut back (never, while a sequence runs): start over
             self._maps = [{} for _ in self.sizes]
+            self._seen = [{} for _ in self.sizes]
+            self._follows = [{} for _ in self.sizes]
             self._done = 0
         # Only n-grams with a continuation inside ``tokens``.
         if self._done < n - 1:
             self._catch_up(n - 1, self._per_step)
 
-    def propose(self, tail: list[int], k: int) -> tuple[list[int], int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of
-        the context's end (``tokens`` + ``tail``), and how many tokens that
-        occurrence matched (0: none)."""
+    def propose(self, tail: list[int], k: int, *, floor: float = 0.02) -> "Proposal":
+        """Up to ``k`` tokens that continue the context (``tokens`` +
+        ``tail``) as its latest earlier occurrences did, each with the
+        estimate that it is right given the ones before it; the walk stops
+        where the chance that the whole draft so far is right falls below
+        ``floor``."""
         self.keep_up()
         toks = self.tokens
-        context = toks[-16:] + tail if tail else toks[-16:]
-        for size, table in zip(self.sizes, self._maps, strict=True):
-            if len(context) < size:
-                continue
-            e = table.get(tuple(context[-size:]))
-            if e is None:
-                continue
-            draft = list(toks[e:e + k])
-            if not draft:
-                continue
-            return draft, self._match_length(e, context)
-        return [], 0
-
-    def _match_length(self, e: int, context: list[int], cap: int = 16) -> int:
-        toks = self.tokens
+        cur = toks[-MATCH_CAP:] + tail if tail else toks[-MATCH_CAP:]
+        draft: list[int] = []
+        rates: list[float] = []
+        matched = 0
+        chance = 1.0
+        e_prev = -2
         m = 0
-        while m < cap and m < e and m < len(context) and toks[e - 1 - m] == context[-1 - m]:
-            m += 1
-        return m
+        tables = list(zip(self.sizes, self._maps, self._seen, self._follows, strict=True))
+        for _ in range(k):
+            # The longest n-gram found proposes what followed its latest occurrence.
+            keys: list[tuple[tuple[int, ...], dict[tuple[int, ...], int], dict[tuple[int, ...], int]]] = []
+            e = -1
+            for size, ends, seen, follows in tables:
+                if len(cur) < size:
+                    continue
+                key = tuple(cur[-size:])
+                keys.append((key, seen, follows))
+                if e < 0:
+                    e = ends.get(key, -1)
+            if e < 0:
+                break
+            token = toks[e]
+            # How far back the context agrees with the occurrence: one more
+            # than at the last position where the walk goes on along it.
+            m = min(m + 1, MATCH_CAP) if e == e_prev + 1 else _match_length(toks, e, cur)
+            rate = _estimate(keys, token, m)
+            if not draft:
+                matched = m
+            draft.append(token)
+            rates.append(rate)
+            cur.append(token)
+            e_prev = e
+            chance *= rate
+            if chance < floor:
+                break
+        return Proposal(draft, rates, matched)
+
+
+MATCH_CAP = 16
+
+
+def _match_length(toks: list[int], e: int, context: list[int], cap: int = MATCH_CAP) -> int:
+    """How many tokens before ``toks[e]`` equal the end of ``context``."""
+    m = 0
+    n = len(context)
+    while m < cap and m < e and m < n and toks[e - 1 - m] == context[-1 - m]:
+        m += 1
+    return m
+
+
+def _pseudo(matched: int) -> float:
+    """The pseudo-count that shrinks a continuation's frequency towards 0,
+    by how far the occurrence matched the context: a long match makes it
+    small (a copy being made), a short one large (a phrase that happens to
+    recur)."""
+    return 2.0 if matched < 6 else 0.5 if matched < 12 else 0.15
+
+
+def _estimate(keys: list[tuple[tuple[int, ...], dict[tuple[int, ...], int], dict[tuple[int, ...], int]]],
+              token: int, matched: int) -> float:
+    """The chance that ``token`` comes next: how often it followed the
+    context's n-grams (``keys``, longest first) against how often they
+    occurred, the best of them (a shorter n-gram may have seen the fixed
+    text after an item's number more often than the longer one)."""
+    pseudo = _pseudo(matched)
+    rate = 0.0
+    for key, seen, follows in keys:
+        n = seen.get(key)
+        if n is not None:
+            rate = max(rate, follows.get(key + (token,), 0) / (n + pseudo))
+    return rate
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    # Per position: the chance it is right, given that those before it are.
+    rates: list[float]
+    # How many tokens the first position's occurrence matched (0: none).
+    matched: int
 
 
 class ForcedTokens(Protocol):
@@ -182,40 +274,86 @@ class DecodeStats:
 class Draft:
     source: str
     tokens: list[int]
+    # Per position: the chance it is right, given that those before it are
+    # (what the planner priced it at).
+    rates: list[float] = field(default_factory=list)
+
+    def cut(self, k: int) -> None:
+        del self.tokens[k:]
+        del self.rates[k:]
+
+
+# No draft position is ever taken for certain: a sampler at temperature may
+# pick anything, and a turn may end anywhere.
+RATE_CAP = 0.97
+
+
+@dataclass
+class Calibration:
+    """How one sequence's n-gram drafts fare against the index's estimates
+    (``Proposal.rates``): accepted positions over the positions expected,
+    an exponentially decaying count with a prior of 1. Where a model copies
+    a file it read once (every n-gram seen once: a cautious estimate) the
+    factor grows; where it samples at temperature, or writes its own
+    variant of the text, it shrinks."""
+
+    weight: float = 2.0
+    decay: float = 0.85
+    low: float = 0.25
+    high: float = 2.0
+    hits: float = 0.0
+    expected: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        return min(self.high, max(self.low, (self.hits + self.weight) / (self.expected + self.weight)))
+
+    def observe(self, rates: list[float], accepted: int) -> None:
+        # Positions tried: every accepted one and the first rejected one.
+        tried = min(len(rates), accepted + 1)
+        self.hits = self.decay * self.hits + accepted
+        self.expected = self.decay * self.expected + sum(rates[:tried])
+
+    def reset(self) -> None:
+        self.hits = self.expected = 0.0
 
 
 class SequenceSpeculation:
-    """One sequence's drafting state: its index, acceptance per source, and
-    whether it is resting after failed drafts."""
+    """One sequence's drafting state: its index, acceptance per source (and
+    how the index's estimates compare with it), and whether it is resting
+    after failed drafts."""
 
     def __init__(self, tokens: list[int], grammar: ForcedTokens | None) -> None:
         self.index = NgramIndex(tokens)
         self.grammar = grammar
         self.acceptance = {"grammar": Acceptance(prior=0.95), "ngram": Acceptance(prior=0.5)}
+        self.calibration = Calibration()
         self.stats = DecodeStats()
         self._failures = 0
         self._rest_until = 0  # output tokens
         self._rest = 16
         self.produced = 0  # output tokens taken so far
 
-    def candidate(self, tail: list[int], k: int) -> tuple[Draft | None, float]:
-        """The draft this sequence would make now (at most ``k`` tokens) and
-        its per-position acceptance estimate."""
+    def candidate(self, tail: list[int], k: int) -> Draft | None:
+        """The draft this sequence would make now (at most ``k`` tokens),
+        with the chance of each position (``Draft.rates``)."""
         if self.grammar is not None:
             forced = self.grammar.forced()
             if forced:
-                return Draft("grammar", forced[:k]), self.acceptance["grammar"].rate
-        tokens, matched = self.index.propose(tail, k)
-        if not tokens:
-            return None, 0.0
-        acc = self.acceptance["ngram"]
+                tokens = forced[:k]
+                return Draft("grammar", tokens, [self.acceptance["grammar"].rate] * len(tokens))
+        proposal = self.index.propose(tail, k)
+        if not proposal.tokens:
+            return None
         if self.produced < self._rest_until:
-            if matched < 12:
-                return None, 0.0
+            if proposal.matched < 12:
+                return None
             # A long match: the text has turned into a copy; try again now.
             self._rest_until = 0
-            acc.reset()
-        return Draft("ngram", tokens), acc.rate_with(_match_prior(matched))
+            self.acceptance["ngram"].reset()
+            self.calibration.reset()
+        factor = self.calibration.factor
+        return Draft("ngram", proposal.tokens, [min(RATE_CAP, r * factor) for r in proposal.rates])
 
     def pass_step(self) -> bool:
         """A step that can take no draft of this sequence's, whatever it
@@ -234,6 +372,9 @@ class SequenceSpeculation:
         self.acceptance[draft.source].observe(len(draft.tokens), accepted)
         if draft.source != "ngram":
             return
+        factor = self.calibration.factor
+        # The index's own estimates (the draft carries them calibrated).
+        self.calibration.observe([min(1.0, r / factor) for r in draft.rates], accepted)
         if accepted == 0:
             self._failures += 1
             if self._failures >= 3:
@@ -242,20 +383,11 @@ class SequenceSpeculation:
                 self._rest = min(self._rest * 2, 1024)
                 self._failures = 0
                 self.acceptance["ngram"].reset()
+                self.calibration.reset()
         else:
             self._failures = 0
             if accepted == len(draft.tokens):
                 self._rest = 16
-
-
-def _match_prior(matched: int) -> float:
-    """Acceptance to expect, before any draft is verified, from how long the
-    match is: a long one means the text is being copied."""
-    if matched >= 12:
-        return 0.9
-    if matched >= 6:
-        return 0.75
-    return 0.4
 
 
 @dataclass(frozen=True)
@@ -271,15 +403,18 @@ class Planner:
         than ``fair_slack``: then ``length`` is 0 for any draft."""
         return cost.ms(base_tokens + 1) > cost.ms(base_tokens) * (1 + self.fair_slack)
 
-    def length(self, cost: DecodeCost, rate: float, available: int, *, base_tokens: int, base_yield: int,
-               shared: bool) -> int:
+    def length(self, cost: DecodeCost, rate: float | Sequence[float], available: int, *, base_tokens: int,
+               base_yield: int, shared: bool) -> int:
         """The draft length (0: none) that maximizes the step's expected
-        tokens per millisecond. ``base_tokens``: the batch without this
-        draft; ``base_yield``: tokens the step yields without it (one per
-        decoding sequence); ``shared``: other sequences decode or prefill
-        in this step."""
+        tokens per millisecond. ``rate``: the chance that each position is
+        right given those before it (one for all, or one per position);
+        ``base_tokens``: the batch without this draft; ``base_yield``:
+        tokens the step yields without it (one per decoding sequence);
+        ``shared``: other sequences decode or prefill in this step."""
         limit = min(self.max_draft, available)
-        if limit <= 0 or rate <= 0.0:
+        rates = [rate] * limit if isinstance(rate, (int, float)) else list(rate[:limit])
+        limit = len(rates)
+        if limit <= 0 or rates[0] <= 0.0:
             return 0
         base_ms = cost.ms(base_tokens)
         best_k, best = 0, base_yield / base_ms
@@ -290,7 +425,7 @@ class Planner:
             ms = cost.ms(base_tokens + k)
             if ms > ceiling:
                 break
-            p *= rate
+            p *= rates[k - 1]
             gained += p
             value = (base_yield + gained) / ms
             if value > best:

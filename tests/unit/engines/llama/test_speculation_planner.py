@@ -15,17 +15,18 @@ def test_index_proposes_what_followed_the_latest_earlier_occurrence():
     tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2]
     index = NgramIndex(tokens, sizes=(3,))
     # The context ends "1 2" + pending "3": the latest earlier "1 2 3" is followed by 7 8.
-    draft, matched = index.propose([3], 4)
-    assert draft == [7, 8, 1, 2]
-    assert matched == 3
+    got = index.propose([3], 4)
+    assert got.tokens == [7, 8, 1, 2]
+    assert got.matched == 3
 
 
 def test_index_is_updated_incrementally_as_tokens_are_appended():
     tokens = [5, 6, 7, 8]
     index = NgramIndex(tokens, sizes=(2,))
-    assert index.propose([], 3) == ([], 0)
+    assert index.propose([], 3).tokens == []
     tokens.extend([1, 5, 6])  # "5 6" now recurs: what followed its first occurrence is proposed
-    assert index.propose([], 3) == ([7, 8, 1], 2)
+    got = index.propose([], 3, floor=0.0)
+    assert (got.tokens, got.matched) == ([7, 8, 1], 2)
 
 
 def test_index_builds_a_long_prompt_over_several_steps():
@@ -36,28 +37,33 @@ def test_index_builds_a_long_prompt_over_several_steps():
     assert index._done == 300
     for _ in range(4):
         index.propose([], 2)
-    assert index.propose([], 2) == ([13, 14], 3)
+    assert index.propose([], 2, floor=0.0).tokens == [13, 14]
 
 
 def test_a_prefill_step_indexes_what_it_evaluated():
     tokens = list(range(600)) + [10, 11, 12]
     index = NgramIndex(tokens, sizes=(3,), per_step=1)
     index.catch_up(1000)
-    assert index.propose([], 2) == ([13, 14], 3)
+    assert index.propose([], 2, floor=0.0).tokens == [13, 14]
 
 
 @given(st.lists(st.integers(0, 5), min_size=0, max_size=60), st.lists(st.integers(0, 5), max_size=3),
        st.integers(1, 8))
 def test_a_proposal_is_always_a_continuation_of_a_real_match(tokens, tail, k):
     index = NgramIndex(tokens, sizes=(4, 2))
-    draft, matched = index.propose(tail, k)
+    got = index.propose(tail, k, floor=0.0)
+    draft, matched = got.tokens, got.matched
     context = tokens + tail
     if not draft:
         return
-    assert 1 <= len(draft) <= k and matched >= 2
-    # Some earlier end e: tokens[e-matched:e] equals the context's last `matched`, draft = tokens[e:e+len].
-    assert any(tokens[e - matched:e] == context[-matched:] and tokens[e:e + len(draft)] == draft
-               for e in range(matched, len(tokens)))
+    assert 1 <= len(draft) <= k and matched >= 2 and len(got.rates) == len(draft)
+    assert all(0.0 < r < 1.0 for r in got.rates)
+    # Each token continues an earlier occurrence of the n-gram before it
+    # (the context's end, then the draft's): the walk copies what was seen.
+    walked = context + draft
+    for i, token in enumerate(draft):
+        at = len(context) + i
+        assert any(tokens[e - 2:e] == walked[at - 2:at] and tokens[e] == token for e in range(2, len(tokens)))
 
 
 class CpuCost(DecodeCost):
@@ -154,16 +160,16 @@ def test_failed_drafts_rest_then_a_long_match_resumes():
     tokens = [1, 2, 3, 4, 5, 6, 7, 8] * 3
     spec = SequenceSpeculation(tokens, None)
     for _ in range(3):
-        draft, rate = spec.candidate([], 4)
+        draft = spec.candidate([], 4)
         assert draft is not None
         spec.verified(draft, 0)
     spec.produced = 1
     # Resting: a short match proposes nothing.
     short = SequenceSpeculation([9, 9, 1, 2, 3, 5, 1, 2], None)
     short._rest_until, short.produced = 100, 0
-    assert short.candidate([3], 4)[0] is None
+    assert short.candidate([3], 4) is None
     # The text turned into a copy (a match of 12+ tokens): drafting again at once.
-    assert spec.candidate([], 4)[0] is not None
+    assert spec.candidate([], 4) is not None
 
 
 def test_acceptance_follows_the_outcomes():
@@ -183,3 +189,88 @@ def test_host_cost_histogram_is_cumulative():
     buckets = dict(snap["buckets"])  # type: ignore[arg-type]
     assert buckets["0.00025"] == 1 and buckets["0.0005"] == 2 and buckets["0.005"] == 3 and buckets["+Inf"] == 3
     assert snap["mean_ms_by_sequences"] == {4: 1.2}
+
+
+def _file_like(functions: int = 12) -> list[int]:
+    """A module's tokens: the same lines for every function but for its
+    number (``def restock_item_N(store, count): return store.items[N]``)."""
+    out: list[int] = []
+    for i in range(functions):
+        out += [1, 2, 3, 100 + i, 4, 5, 6, 7, 8, 9, 10, 100 + i, 11, 12]
+    return out
+
+
+def test_a_draft_stops_where_the_copied_text_branches():
+    """The n-gram before each function's number was followed by a different
+    number every time: a draft through it is a guess. The old index gave
+    every position one rate (the sequence's, or the match's) and drafted
+    through the number; now the position after a branch is priced as the
+    guess it is, and the draft ends just before it."""
+    tokens = _file_like()
+    # The model writes the module again and has reached "def restock_item_":
+    # the number comes next, then the fixed rest of the line.
+    tokens += [1, 2, 3]
+    got = NgramIndex(tokens).propose([], 8, floor=0.0)
+    assert got.tokens[0] == 100 + 11  # the latest occurrence's number: a guess
+    assert got.rates[0] < 0.2
+    # Past the number the line is the same every time.
+    tokens += [100 + 5]
+    got = NgramIndex(tokens).propose([], 8, floor=0.0)
+    assert got.tokens[:7] == [4, 5, 6, 7, 8, 9, 10]
+    assert min(got.rates[:7]) > 0.6
+    assert min(got.rates[3:7]) > 0.9  # "4 5 6" has been followed by 7 every time
+    # ... up to the next number: a guess again.
+    assert got.rates[7] < 0.2
+    spec = SequenceSpeculation(tokens, None)
+    draft = spec.candidate([], 16)
+    assert draft is not None
+    k = Planner().length(CpuCost(), draft.rates, len(draft.tokens), base_tokens=1, base_yield=1, shared=False)
+    assert 1 <= k <= 7  # never through the number
+    # Once the sequence's drafts have been kept more often than estimated
+    # (a model copying the file), the whole fixed run, still not the number.
+    for _ in range(4):
+        spec.verified(Draft("ngram", [4, 5, 6, 7], [0.6] * 4), 4)
+    draft = spec.candidate([], 16)
+    assert draft is not None
+    assert Planner().length(CpuCost(), draft.rates, len(draft.tokens), base_tokens=1, base_yield=1,
+                            shared=False) == 7
+
+
+def test_a_copy_of_text_seen_once_drafts_long_once_it_is_confirmed():
+    """Every n-gram of a file read once occurs once: alone, a cautious
+    estimate. A model that copies it has every draft accepted, and the
+    sequence's calibration lets the drafts grow to what the machine pays for."""
+    prompt = [(i * 7919) % 5000 + 10 for i in range(400)]  # no n-gram repeats
+    tokens = list(prompt)
+    spec = SequenceSpeculation(tokens, None)
+    spec.index.catch_up(10_000)
+    cost, planner = CpuCost(), Planner()
+    copied, lengths = 0, []
+    tokens += prompt[:2]  # the copy begins
+    copied = 2
+    while copied < 200:
+        draft = spec.candidate([prompt[copied]], 16)
+        assert draft is not None
+        k = planner.length(cost, draft.rates, len(draft.tokens), base_tokens=1, base_yield=1, shared=False)
+        lengths.append(k)
+        if k == 0:
+            tokens.append(prompt[copied])
+            copied += 1
+            continue
+        draft.cut(k)
+        assert draft.tokens == prompt[copied + 1:copied + 1 + k]
+        spec.verified(draft, k)
+        tokens.extend(prompt[copied:copied + 1 + k])
+        copied += 1 + k
+    assert max(lengths[-3:]) >= 8
+
+
+def test_a_sequence_whose_drafts_fail_more_than_estimated_drafts_less():
+    tokens = _file_like() + [1, 2, 3, 100 + 5]
+    spec = SequenceSpeculation(tokens, None)
+    before = spec.candidate([], 8)
+    assert before is not None
+    for _ in range(2):  # sampled at temperature: the fixed run is not kept
+        spec.verified(Draft("ngram", before.tokens[:4], before.rates[:4]), 0)
+    after = spec.candidate([], 8)
+    assert after is not None and after.rates[0] < before.rates[0] * 0.7
