@@ -70,18 +70,6 @@ from _common import (  # noqa: E402
 )
 
 LMSPD, INPROC, XLLAMA = "lmspd", "in-process", "xllamacpp"
-# Importing lmspd's engine package sets OMP_WAIT_POLICY (for its own process)
-# where it is unset; the servers started from here (a baseline lmspd@REF,
-# xllamacpp) get the environment this run was given instead.
-_OMP_GIVEN = os.environ.get("OMP_WAIT_POLICY")
-
-
-def _environment_as_given() -> None:
-    if _OMP_GIVEN is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
-        os.environ["OMP_WAIT_POLICY"] = _OMP_GIVEN
-
 ALL_SYSTEMS = (LMSPD, INPROC, XLLAMA)
 # lmspd's engine logs one INFO line per generation ending in "prefill_ms=N".
 PREFILL_LOG = re.compile(r"lmspd\.engine: generation\b.*?\bprefill_ms=([\d.]+)")
@@ -157,7 +145,6 @@ def render_with_lmspd(model: Path, model_id: str, bodies: list[dict[str, Any]], 
     from lmspd.core.limits import DEFAULT_LIMITS
     from lmspd.dialects import openai_responses
     from lmspd.engines.llama.engine import LlamaEngine
-    _environment_as_given()
 
     engine = LlamaEngine(model_id, model, n_ctx=ctx, n_threads=threads, n_batch=N_BATCH)
     try:
@@ -393,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmspd import __version__ as lmspd_version
     from lmspd.engines.llama.models import DEFAULT_MODEL_ID, served_id_for
-    _environment_as_given()
 
     model_id = DEFAULT_MODEL_ID if args.model is None else served_id_for(model)
     print(f"model {model}\nthreads {args.threads}, ctx {args.ctx}, batch {N_BATCH}, max tokens {args.max_tokens}, "
