@@ -430,7 +430,10 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
+    ran = {scen for r in results.values() for scen in r}
     for scen, title in (("agents", "1. four agent sessions"), ("shared", "2. four sessions, shared instructions")):
+        if scen not in ran:
+            continue
         print(f"\n### {title}\n")
         print("| system | aggregate tok/s | vs llama-4 | TTFT 2+ mean ms | p90 ms | vs llama-4 (mean) "
               "| waiting with (2+) | prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
@@ -445,6 +448,34 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                   f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x.get('waiting_with'), '{:.2f}')} "
                   f"| {fmt(x['prefill_turn1'], '{:.0f}')} "
                   f"| {fmt(x['prefill_later'], '{:.0f}')} | {x['prefill_total']} |")
+    if "decode" in ran:
+        report_decode4(results, base)
+    paired = results.get("paired", {}).get("decode-paired")
+    if paired:
+        print(f"\n### 3p. decode-heavy, paired: {len(paired['ratios'])} rounds taking turns, both servers up\n")
+        print("| round | lmspd-p4 tok/s | llama-4 tok/s | ratio |")
+        print("|---|---|---|---|")
+        for i, (a, b) in enumerate(zip(paired["rounds"]["lmspd-p4"], paired["rounds"]["llama-4"], strict=True)):
+            print(f"| {i + 1} | {fmt(a)} | {fmt(b)} | {ratio(a, b) if a == a and b == b else '—'} |")
+        q = sorted(paired["ratios"])
+        if q:
+            print(f"\nmedian ratio {paired['median_ratio']:.3f} (min {q[0]:.3f}, max {q[-1]:.3f})")
+    d16 = results.get("decode16", {}).get("decode16")
+    if d16:
+        report_decode16(d16)
+    if "short" not in ran:
+        return
+    print("\n### 4. a short request during a long generation\n")
+    print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
+    print("|---|---|---|---|---|")
+    for system, r in results.items():
+        x = r.get("short")
+        if x:
+            print(f"| {system} | {fmt(x['alone_ms'], '{:.0f}')} | {fmt(x['during_ms'], '{:.0f}')} "
+                  f"| {fmt(x['ratio'], '{:.2f}×')} | {'yes' if x['before_long_ended'] else 'no'} |")
+
+
+def report_decode4(results: dict[str, dict[str, Any]], base: str) -> None:
     print("\n### 3. decode-heavy: 4 streams\n")
     print("| system | output tokens per stream | aggregate decode tok/s | vs llama-4 | per-stream tok/s "
           "| vs llama-4 | TTFT mean ms | vs llama-4 |")
@@ -462,27 +493,6 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                   f"| {fmt(x.get('stream_tps_mean'))} "
                   f"| {ratio(x.get('stream_tps_mean'), b.get('stream_tps_mean')) if same else '—'} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {ratio(x['ttft_mean'], b.get('ttft_mean'))} |")
-    paired = results.get("paired", {}).get("decode-paired")
-    if paired:
-        print(f"\n### 3p. decode-heavy, paired: {len(paired['ratios'])} rounds taking turns, both servers up\n")
-        print("| round | lmspd-p4 tok/s | llama-4 tok/s | ratio |")
-        print("|---|---|---|---|")
-        for i, (a, b) in enumerate(zip(paired["rounds"]["lmspd-p4"], paired["rounds"]["llama-4"], strict=True)):
-            print(f"| {i + 1} | {fmt(a)} | {fmt(b)} | {ratio(a, b) if a == a and b == b else '—'} |")
-        q = sorted(paired["ratios"])
-        if q:
-            print(f"\nmedian ratio {paired['median_ratio']:.3f} (min {q[0]:.3f}, max {q[-1]:.3f})")
-    d16 = results.get("decode16", {}).get("decode16")
-    if d16:
-        report_decode16(d16)
-    print("\n### 4. a short request during a long generation\n")
-    print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
-    print("|---|---|---|---|---|")
-    for system, r in results.items():
-        x = r.get("short")
-        if x:
-            print(f"| {system} | {fmt(x['alone_ms'], '{:.0f}')} | {fmt(x['during_ms'], '{:.0f}')} "
-                  f"| {fmt(x['ratio'], '{:.2f}×')} | {'yes' if x['before_long_ended'] else 'no'} |")
 
 
 def report_decode16(d: dict[str, Any]) -> None:
