@@ -39,6 +39,21 @@ Every system gets the same streaming ``/v1/chat/completions`` bodies
    median. One run of scenario 3 per system swings by ±10% between runs on
    the 2-core machine (0.91× and 1.05× on the same code), more than the
    difference it measures.
+6. ``decode16`` — 16 streams of ``--decode16-tokens`` (128) output at once,
+   paired the same way: ``lmspd-p16`` (``lmspd serve --parallel 16``) and
+   ``llama-16`` (the llama.cpp server with 16 slots) both started with
+   ``--decode16-ctx`` per sequence/slot, one warm-up each, then
+   ``--decode16-rounds`` rounds taking turns. Per round and system: the
+   aggregate (all output tokens over the round's wall time), the decode
+   phase's aggregate (tokens after each stream's first, over the span from
+   the first stream's first token to the last stream's last), per-stream
+   TTFT (mean, max) and each server process's CPU time. lmspd's host cost
+   per step comes from its own ``/metrics`` histogram
+   ``lmspd_step_host_seconds``, read before and after the measured rounds
+   (p50 interpolated in its buckets, and the mean), and from ``/health``'s
+   per-sequence-count mean (``mean_ms_by_sequences``, the server's whole
+   life, warm-up included). Not in the default ``--scenarios``: pass
+   ``--scenarios decode16`` (it needs no ``--systems``).
 
 Ratios are printed against ``llama-4`` (and scenario 4 against itself).
 The development machine is 2 shared cores: quote numbers with the load they
@@ -46,6 +61,7 @@ were measured under (``--quick`` runs a smaller version of each scenario).
 
     python bench/concurrency.py --quick
     python bench/concurrency.py --systems lmspd-p4,llama-4 --turns 6
+    python bench/concurrency.py --scenarios decode16
 """
 
 from __future__ import annotations
@@ -74,6 +90,7 @@ from _common import (  # noqa: E402
     bundled_model_path,
     lmspd_gpu_flags,
     lmspd_server,
+    sched_ns,
     stream_chat_completions,
     xllamacpp_server,
 )
@@ -110,18 +127,21 @@ def tool_result(tokens: int, session: int, turn: int) -> str:
 
 
 def served_name(system: str, url: str) -> str:
-    return "bench" if system == "llama-4" else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    return "bench" if system.startswith("llama-") else httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
-def start(system: str, args: argparse.Namespace, model: Path, tmp: Path) -> ChildServer:
+def start(system: str, args: argparse.Namespace, model: Path, tmp: Path, ctx: int | None = None) -> ChildServer:
+    """``system``: ``lmspd-pN`` or ``llama-N`` (N sequences / slots)."""
+    ctx = args.ctx if ctx is None else ctx
     if system.startswith("lmspd"):
-        parallel = "4" if system == "lmspd-p4" else "1"
-        return lmspd_server(model if args.model else None, args.ctx, args.threads, tmp / f"{system}-data",
+        parallel = system.removeprefix("lmspd-p")
+        return lmspd_server(model if args.model else None, ctx, args.threads, tmp / f"{system}-data",
                             tmp / f"{system}.log", log_level="warning",
                             extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64",
                                    # The same work as a server without a guard (scenario 3).
                                    "--repetition-window", "0", *lmspd_gpu_flags(args)]).start()
-    return xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / f"{system}.log", parallel=4).start()
+    slots = int(system.removeprefix("llama-"))
+    return xllamacpp_server(model, ctx, args.threads, N_BATCH, tmp / f"{system}.log", parallel=slots).start()
 
 
 def chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int, system: str,
@@ -201,30 +221,154 @@ LONG_PROMPTS = ["Write a very long story about a dragon and a knight.", "Write a
                 "Describe, in great detail, a journey across a desert.", "Write a long poem about the northern sea."]
 
 
-def decode(url: str, model: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
-    out: list[Sample] = [None] * 4  # type: ignore[list-item]
+# Scenario 6's 16 prompts: four kinds of long writing on four subjects each.
+LONG_PROMPTS_16 = [f"{kind} {subject}." for kind in ("Write a very long story about", "Write a long essay about",
+                                                      "Describe, in great detail,", "Write a long poem about")
+                   for subject in ("a dragon and a knight", "the history of ships", "a journey across a desert",
+                                   "the northern sea")]
+
+
+def decode(url: str, model: str, system: str, args: argparse.Namespace, *, streams: int = 4,
+           tokens: int | None = None, pid: int | None = None) -> dict[str, Any]:
+    """``streams`` requests of ``tokens`` output at once, each its own client
+    (and connection), all sent together. ``pid``: the server's process,
+    whose CPU time over the round is reported."""
+    tokens = args.decode_tokens if tokens is None else tokens
+    prompts = LONG_PROMPTS if streams <= len(LONG_PROMPTS) else LONG_PROMPTS_16
+    assert streams <= len(prompts)
+    out: list[Sample] = [None] * streams  # type: ignore[list-item]
+    sent = [0.0] * streams
+    # Scenario 6's streams leave together (each client built first); scenario 3 as it always ran.
+    go = threading.Barrier(streams) if streams > 4 else None
 
     def one(i: int) -> None:
         with httpx.Client(timeout=600) as client:
-            out[i] = chat(client, url, model, [{"role": "user", "content": LONG_PROMPTS[i]}], args.decode_tokens,
-                          system, i)
+            if go is not None:
+                go.wait()
+            sent[i] = time.perf_counter()
+            out[i] = chat(client, url, model, [{"role": "user", "content": prompts[i]}], tokens, system, i)
 
+    cpu0 = sched_ns(pid) if pid else None
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu1 = sched_ns(pid) if pid else None
     per_stream = [s.output_tokens or 0 for s in out]
     # Each stream's own rate: its tokens after the first over its decode span.
     rates = [(s.output_tokens - 1) / (s.last_delta - s.first_delta) for s in out
              if s.output_tokens and s.output_tokens > 1 and s.first_delta is not None and s.last_delta is not None
              and s.last_delta > s.first_delta]
-    return {"agg_tps": sum(per_stream) / wall,
-            "ttft_mean": statistics.fmean(s.ttft_ms for s in out if s.ttft_ms is not None),
-            "tokens": sum(per_stream), "per_stream": per_stream, "full": all(n == args.decode_tokens for n in per_stream),
-            "stream_tps_mean": statistics.fmean(rates) if rates else None, "wall_s": wall}
+    ttfts = [s.ttft_ms for s in out if s.ttft_ms is not None]
+    # The decode phase, all streams together: every token after a stream's
+    # first, from the first stream's first token to the last stream's last.
+    firsts = [sent[i] + s.first_delta for i, s in enumerate(out) if s.first_delta is not None]
+    lasts = [sent[i] + s.last_delta for i, s in enumerate(out) if s.last_delta is not None]
+    span = max(lasts) - min(firsts) if firsts and lasts else 0.0
+    result = {"agg_tps": sum(per_stream) / wall,
+              "decode_tps": sum(max(0, n - 1) for n in per_stream) / span if span > 0 else None,
+              "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
+              "ttft_max": max(ttfts) if ttfts else None,
+              "ttfts": [round(t, 1) for t in ttfts],
+              "tokens": sum(per_stream), "per_stream": per_stream, "full": all(n == tokens for n in per_stream),
+              "stream_tps_mean": statistics.fmean(rates) if rates else None, "wall_s": wall}
+    if cpu0 and cpu1:
+        result["cpu_s"] = (cpu1[0] - cpu0[0]) / 1e9
+        result["cpu_wait_s"] = (cpu1[1] - cpu0[1]) / 1e9
+    return result
+
+
+# -- scenario 6: 16 streams ----------------------------------------------------------------
+
+
+def host_histogram(url: str) -> dict[str, Any]:
+    """lmspd's ``lmspd_step_host_seconds`` from ``/metrics`` (cumulative
+    buckets by upper bound in seconds, sum, count), and ``/health``'s mean
+    host ms per step by number of decoding sequences."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for line in text.splitlines():
+        if not line.startswith("lmspd_step_host_seconds"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("lmspd_step_host_seconds_bucket"):
+            le = name.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float("inf") if le == "+Inf" else float(le)] = float(value)
+        elif name.startswith("lmspd_step_host_seconds_sum"):
+            total = float(value)
+        elif name.startswith("lmspd_step_host_seconds_count"):
+            count = float(value)
+    by_sequences: dict[str, float] = {}
+    try:
+        models = httpx.get(url + "/health", timeout=30).json().get("models") or {}
+        for stats in models.values():
+            by_sequences = (stats.get("step_host_seconds") or {}).get("mean_ms_by_sequences") or {}
+    except (httpx.HTTPError, ValueError):
+        pass
+    return {"buckets": buckets, "sum_s": total, "count": count, "mean_ms_by_sequences": by_sequences}
+
+
+def histogram_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The steps observed between two ``host_histogram`` reads: count, mean
+    ms, and p50/p90 ms interpolated linearly inside their bucket."""
+    count = after["count"] - before["count"]
+    bounds = sorted(after["buckets"])
+    cum = [after["buckets"][b] - before["buckets"].get(b, 0.0) for b in bounds]
+
+    def quantile(q: float) -> float | None:
+        if count <= 0:
+            return None
+        rank = q * count
+        lo_bound, lo_cum = 0.0, 0.0
+        for bound, c in zip(bounds, cum, strict=True):
+            if c >= rank:
+                if bound == float("inf"):
+                    return lo_bound * 1000  # beyond the last bucket: its bound, a floor
+                return (lo_bound + (bound - lo_bound) * (rank - lo_cum) / max(c - lo_cum, 1e-9)) * 1000
+            lo_bound, lo_cum = bound, c
+        return None
+
+    return {"steps": int(count), "mean_ms": (after["sum_s"] - before["sum_s"]) / count * 1000 if count > 0 else None,
+            "p50_ms": quantile(0.5), "p90_ms": quantile(0.9),
+            "mean_ms_at_16_lifetime": after["mean_ms_by_sequences"].get("16"),
+            "mean_ms_by_sequences_lifetime": after["mean_ms_by_sequences"]}
+
+
+def decode16(servers: dict[str, tuple[str, str, int | None]], args: argparse.Namespace) -> dict[str, Any]:
+    """``servers``: system -> (url, model name, pid), ``lmspd-p16`` and ``llama-16``."""
+    n, tokens = 16, args.decode16_tokens
+    order = list(servers)
+    rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in servers}
+    for system, (url, name, pid) in servers.items():
+        w = decode(url, name, system, args, streams=n, tokens=tokens, pid=pid)  # warm-up
+        print(f"[decode16] warm-up {system}: {json.dumps(w)}", file=sys.stderr, flush=True)
+    lmspd_url = servers["lmspd-p16"][0]
+    before = host_histogram(lmspd_url)
+    for i in range(args.decode16_rounds):
+        for system in order if i % 2 == 0 else order[::-1]:
+            url, name, pid = servers[system]
+            r = decode(url, name, system, args, streams=n, tokens=tokens, pid=pid)
+            r["load"] = os.getloadavg()[0]
+            rounds[system].append(r)
+            print(f"[decode16] round {i + 1} {system}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    host = histogram_between(before, host_histogram(lmspd_url))
+    mine, base = rounds["lmspd-p16"], rounds["llama-16"]
+
+    def paired(key: str) -> list[float]:
+        # Like with like only: a round where a stream was cut short did less work.
+        return [a[key] / b[key] for a, b in zip(mine, base, strict=True)
+                if a["full"] and b["full"] and a.get(key) and b.get(key)]
+
+    ratios = paired("agg_tps")
+    decode_ratios = paired("decode_tps")
+    return {"rounds": rounds, "ratios": ratios, "decode_ratios": decode_ratios,
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "median_decode_ratio": statistics.median(decode_ratios) if decode_ratios else None,
+            "host": host}
 
 
 def decode_paired(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +430,10 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
+    ran = {scen for r in results.values() for scen in r}
     for scen, title in (("agents", "1. four agent sessions"), ("shared", "2. four sessions, shared instructions")):
+        if scen not in ran:
+            continue
         print(f"\n### {title}\n")
         print("| system | aggregate tok/s | vs llama-4 | TTFT 2+ mean ms | p90 ms | vs llama-4 (mean) "
               "| waiting with (2+) | prefilled turn 1 | prefilled/turn 2+ | prefilled total |")
@@ -301,6 +448,34 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                   f"| {ratio(x['ttft_mean'], b.get('ttft_mean'))} | {fmt(x.get('waiting_with'), '{:.2f}')} "
                   f"| {fmt(x['prefill_turn1'], '{:.0f}')} "
                   f"| {fmt(x['prefill_later'], '{:.0f}')} | {x['prefill_total']} |")
+    if "decode" in ran:
+        report_decode4(results, base)
+    paired = results.get("paired", {}).get("decode-paired")
+    if paired:
+        print(f"\n### 3p. decode-heavy, paired: {len(paired['ratios'])} rounds taking turns, both servers up\n")
+        print("| round | lmspd-p4 tok/s | llama-4 tok/s | ratio |")
+        print("|---|---|---|---|")
+        for i, (a, b) in enumerate(zip(paired["rounds"]["lmspd-p4"], paired["rounds"]["llama-4"], strict=True)):
+            print(f"| {i + 1} | {fmt(a)} | {fmt(b)} | {ratio(a, b) if a == a and b == b else '—'} |")
+        q = sorted(paired["ratios"])
+        if q:
+            print(f"\nmedian ratio {paired['median_ratio']:.3f} (min {q[0]:.3f}, max {q[-1]:.3f})")
+    d16 = results.get("decode16", {}).get("decode16")
+    if d16:
+        report_decode16(d16)
+    if "short" not in ran:
+        return
+    print("\n### 4. a short request during a long generation\n")
+    print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
+    print("|---|---|---|---|---|")
+    for system, r in results.items():
+        x = r.get("short")
+        if x:
+            print(f"| {system} | {fmt(x['alone_ms'], '{:.0f}')} | {fmt(x['during_ms'], '{:.0f}')} "
+                  f"| {fmt(x['ratio'], '{:.2f}×')} | {'yes' if x['before_long_ended'] else 'no'} |")
+
+
+def report_decode4(results: dict[str, dict[str, Any]], base: str) -> None:
     print("\n### 3. decode-heavy: 4 streams\n")
     print("| system | output tokens per stream | aggregate decode tok/s | vs llama-4 | per-stream tok/s "
           "| vs llama-4 | TTFT mean ms | vs llama-4 |")
@@ -318,24 +493,48 @@ def report(results: dict[str, dict[str, Any]], base: str = "llama-4") -> None:
                   f"| {fmt(x.get('stream_tps_mean'))} "
                   f"| {ratio(x.get('stream_tps_mean'), b.get('stream_tps_mean')) if same else '—'} "
                   f"| {fmt(x['ttft_mean'], '{:.0f}')} | {ratio(x['ttft_mean'], b.get('ttft_mean'))} |")
-    paired = results.get("paired", {}).get("decode-paired")
-    if paired:
-        print(f"\n### 3p. decode-heavy, paired: {len(paired['ratios'])} rounds taking turns, both servers up\n")
-        print("| round | lmspd-p4 tok/s | llama-4 tok/s | ratio |")
-        print("|---|---|---|---|")
-        for i, (a, b) in enumerate(zip(paired["rounds"]["lmspd-p4"], paired["rounds"]["llama-4"], strict=True)):
-            print(f"| {i + 1} | {fmt(a)} | {fmt(b)} | {ratio(a, b) if a == a and b == b else '—'} |")
-        q = sorted(paired["ratios"])
-        if q:
-            print(f"\nmedian ratio {paired['median_ratio']:.3f} (min {q[0]:.3f}, max {q[-1]:.3f})")
-    print("\n### 4. a short request during a long generation\n")
-    print("| system | TTFT alone ms | TTFT during ms | during/alone | finished before the long one |")
-    print("|---|---|---|---|---|")
-    for system, r in results.items():
-        x = r.get("short")
-        if x:
-            print(f"| {system} | {fmt(x['alone_ms'], '{:.0f}')} | {fmt(x['during_ms'], '{:.0f}')} "
-                  f"| {fmt(x['ratio'], '{:.2f}×')} | {'yes' if x['before_long_ended'] else 'no'} |")
+
+
+def report_decode16(d: dict[str, Any]) -> None:
+    mine, base = d["rounds"]["lmspd-p16"], d["rounds"]["llama-16"]
+    print(f"\n### 6. decode16: 16 streams at once, {len(mine)} rounds taking turns, both servers up\n")
+    print("| round | load | lmspd-p16 tok/s | llama-16 tok/s | ratio | decode-phase tok/s lmspd / llama | ratio "
+          "| TTFT mean ms lmspd / llama | TTFT max ms lmspd / llama | CPU s lmspd / llama | tokens per stream |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, (a, b) in enumerate(zip(mine, base, strict=True)):
+        same = a["full"] and b["full"]
+        cut = "" if same else " (cut short)"
+        counts = sorted(set(a["per_stream"]) | set(b["per_stream"]))
+        print(f"| {i + 1} | {a.get('load', 0):.1f} | {fmt(a['agg_tps'])} | {fmt(b['agg_tps'])} "
+              f"| {ratio(a['agg_tps'], b['agg_tps']) if same else '—'} "
+              f"| {fmt(a['decode_tps'])} / {fmt(b['decode_tps'])} "
+              f"| {ratio(a['decode_tps'], b['decode_tps']) if same else '—'} "
+              f"| {fmt(a['ttft_mean'], '{:.0f}')} / {fmt(b['ttft_mean'], '{:.0f}')} "
+              f"| {fmt(a['ttft_max'], '{:.0f}')} / {fmt(b['ttft_max'], '{:.0f}')} "
+              f"| {fmt(a.get('cpu_s'))} / {fmt(b.get('cpu_s'))} | {'/'.join(map(str, counts))}{cut} |")
+
+    def spread(xs: list[float]) -> str:
+        q = sorted(xs)
+        return f"median {statistics.median(q):.3f} (min {q[0]:.3f}, max {q[-1]:.3f})" if q else "—"
+
+    print(f"\naggregate lmspd-p16 / llama-16, paired: {spread(d['ratios'])}  [target ≥ 1.0: "
+          f"{'meets' if (d['median_ratio'] or 0) >= 1.0 else 'MISSES'}]")
+    print(f"decode phase lmspd-p16 / llama-16, paired: {spread(d['decode_ratios'])}")
+    for system, rs in (("lmspd-p16", mine), ("llama-16", base)):
+        tt = [t for r in rs for t in r["ttfts"]]
+        if tt:
+            q = sorted(tt)
+            print(f"{system} per-stream TTFT over all rounds: median {statistics.median(q):.0f} ms, "
+                  f"p90 {q[min(len(q) - 1, int(0.9 * len(q)))]:.0f} ms, max {q[-1]:.0f} ms")
+    h = d["host"]
+    by = h.get("mean_ms_by_sequences_lifetime") or {}
+    print(f"lmspd host per step (lmspd_step_host_seconds over the measured rounds, {h['steps']} steps): "
+          f"p50 {fmt(h['p50_ms'], '{:.3f}')} ms, p90 {fmt(h['p90_ms'], '{:.3f}')} ms, "
+          f"mean {fmt(h['mean_ms'], '{:.3f}')} ms; at exactly 16 sequences (/health, the server's life): "
+          f"mean {fmt(h['mean_ms_at_16_lifetime'], '{:.3f}')} ms  [target ≤ 1.5 ms]")
+    if by:
+        print("  mean host ms by decoding sequences (/health): "
+              + ", ".join(f"{k}: {v}" for k, v in sorted(by.items(), key=lambda kv: int(kv[0]))))
 
 
 def main() -> int:
@@ -351,6 +550,10 @@ def main() -> int:
     parser.add_argument("--tool-tokens", type=int, default=250)
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--decode16-tokens", type=int, default=128, help="scenario 6: output tokens per stream")
+    parser.add_argument("--decode16-rounds", type=int, default=4, help="scenario 6: measured rounds (quick 2)")
+    parser.add_argument("--decode16-ctx", type=int, default=2048,
+                        help="scenario 6: context per sequence / slot (16x this per server, both servers up)")
     parser.add_argument("--quick", action="store_true",
                         help="3 turns, a 600-token developer prompt, 120-token tool results, 128 decode tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -359,6 +562,7 @@ def main() -> int:
     if args.quick:
         args.turns, args.dev_tokens, args.tool_tokens, args.decode_tokens = 3, 600, 120, 128
         args.decode_rounds = 3
+        args.decode16_rounds = 2
     model = args.model or bundled_model_path()
     # SIGTERM unwinds like Ctrl-C, so that the servers started here are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -367,12 +571,12 @@ def main() -> int:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="lmspd-bench-conc-") as tmp_name:
         tmp = Path(tmp_name)
-        for system in args.systems.split(","):
+        for system in (args.systems.split(",") if set(scenarios) - {"decode-paired", "decode16"} else []):
             srv = start(system, args, model, tmp)
             try:
                 name = served_name(system, srv.url)
                 r: dict[str, Any] = {}
-                for scen in (s for s in scenarios if s != "decode-paired"):
+                for scen in (s for s in scenarios if s not in ("decode-paired", "decode16")):
                     print(f"[{system}] {scen} ...", file=sys.stderr, flush=True)
                     if scen in ("agents", "shared"):
                         r[scen] = agents(srv.url, name, system, args, shared=scen == "shared")
@@ -398,9 +602,25 @@ def main() -> int:
             finally:
                 for srv in started:
                     srv.stop()
+        if "decode16" in scenarios:
+            print("[decode16] ...", file=sys.stderr, flush=True)
+            (tmp / "decode16").mkdir()
+            started = []
+            try:
+                for system in ("lmspd-p16", "llama-16"):
+                    started.append(start(system, args, model, tmp / "decode16", ctx=args.decode16_ctx))
+                servers16 = {system: (srv.url, served_name(system, srv.url), srv.pid)
+                             for system, srv in zip(("lmspd-p16", "llama-16"), started, strict=True)}
+                results["decode16"] = {"decode16": decode16(servers16, args)}
+            finally:
+                for srv in started:
+                    srv.stop()
     print(f"\n## concurrency — {model.name}, ctx {args.ctx}/sequence, {args.threads} threads, {args.turns} turns, "
           f"dev {args.dev_tokens} / tool {args.tool_tokens} / reply {args.reply_tokens} tokens"
           f"{' (--quick)' if args.quick else ''}; load average at start {load[0]:.1f}")
+    if "decode16" in scenarios:
+        print(f"decode16: 16 streams x {args.decode16_tokens} tokens, ctx {args.decode16_ctx}/sequence, "
+              f"{args.decode16_rounds} rounds, load average at its end {os.getloadavg()[0]:.1f}")
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -115,10 +115,10 @@ def _serve(trace_path: str, argv: list[str]) -> int:
     around(coalesce._Coalescer, "_write", None, "written")
     flush = scheduler.Outbox.flush
 
-    def traced_flush(self: Any) -> None:
+    def traced_flush(self: Any, *a: Any, **kw: Any) -> None:
         if self._pending:
             mark("flush")
-        flush(self)
+        flush(self, *a, **kw)
     scheduler.Outbox.flush = traced_flush  # type: ignore[method-assign]
     return main(argv)
 
@@ -146,6 +146,7 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None, help="also write the per-request hops here")
+    parser.add_argument("--deadline", type=float, default=60.0, help="give up on a request after this many seconds")
     parser.add_argument("--events", action="store_true",
                         help="also print every request's marks (ms from its send), the scheduler's included")
     args = parser.parse_args()
@@ -178,6 +179,11 @@ def main() -> int:
                     for line in r.iter_lines():
                         if first is None and "response.output_text.delta" in line:
                             first = time.perf_counter()
+                        if time.perf_counter() - t0 > args.deadline:
+                            # Heartbeats keep a dead stream open: never wait forever (a broken wrapper
+                            # ended the scheduler thread once, and the run held its machine for 15 min).
+                            raise SystemExit(f"request {i} had no end after {args.deadline:g} s; server log:\n"
+                                             + srv.log_tail())
                 if i and first is not None:
                     sent.append((t0, first))
                 time.sleep(0.3)
