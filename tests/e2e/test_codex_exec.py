@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from support.codex import assert_turn_ended
 from support.npm import dev_client
 from support.server import MODEL, ServerProcess
 
@@ -68,11 +69,7 @@ stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
         [str(CODEX), "exec", "--skip-git-repo-check", "--json", "--ephemeral", "Say hello in one short sentence."],
         cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
-    kinds = [e["type"] for e in events]
-    assert "turn.completed" in kinds and "turn.failed" not in kinds, events
-    replies = [e["item"] for e in events if e["type"] == "item.completed" and e["item"].get("type") == "agent_message"]
-    assert replies and any(r.get("text", "").strip() for r in replies), events
+    assert_turn_ended(done, events)
     return events
 
 
