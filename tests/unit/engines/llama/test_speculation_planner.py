@@ -37,7 +37,8 @@ def test_index_builds_a_long_prompt_over_several_steps():
     assert index._done == 300
     for _ in range(4):
         index.propose([], 2)
-    assert index.propose([], 2, floor=0.0).tokens == [13, 14]
+    got = index.propose([], 2, floor=0.0)
+    assert (got.tokens, got.matched) == ([13, 14], 3)
 
 
 def test_a_prefill_step_indexes_what_it_evaluated():
