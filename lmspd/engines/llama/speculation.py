@@ -228,10 +228,7 @@ class Acceptance:
 
     @property
     def rate(self) -> float:
-        return self.rate_with(self.prior)
-
-    def rate_with(self, prior: float) -> float:
-        return (self.hits + prior * self.weight) / (self.tries + self.weight)
+        return (self.hits + self.prior * self.weight) / (self.tries + self.weight)
 
     def observe(self, drafted: int, accepted: int) -> None:
         # Positions tried: every accepted one and the first rejected one.
