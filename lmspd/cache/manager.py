@@ -140,6 +140,17 @@ class ContinuationCache:
     def unsettled_copies(self) -> list[Resident]:
         return self.residency.unsettled_copies()
 
+    def capture_ahead_due(self) -> bool:
+        """A sequence the next new prompt would take holds a state not kept
+        yet (``Residency.ahead``): the idle scheduler captures it now."""
+        return self.residency.ahead() is not None
+
+    def capture_ahead(self) -> None:
+        """Capture that state into RAM while nothing runs, so that placing a
+        new prompt there only clears the sequence (one capture a call)."""
+        if self.residency.capture_ahead():
+            self._publish()
+
     def finished(self, seq: int, state: SessionState) -> None:
         """The turn on ``seq`` is over; its state is set before the client
         gets the terminal event (its next request may look up its calls)."""

@@ -33,6 +33,7 @@ through which the planner resumes a branch of a finished turn.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,25 +82,30 @@ class Residency:
         # performs it: nothing may overwrite them until then.
         self.copying: set[int] = set()
         self._copied_into: set[int] = set()
+        # The state ``capture_ahead`` last looked at (kept or not: once),
+        # weakly: its bytes are not held for it once nothing else holds them.
+        self._looked_at: weakref.ref[SessionState] | None = None
 
     def by_recency(self) -> list[SessionState]:
         """The states the sequences hold, the most recently used first."""
         return [r.state for r in sorted(self.residents, key=lambda r: -r.last_used) if r.state is not None]
 
-    def target(self, req: CacheRequest) -> Resident | None:
+    def target(self, req: CacheRequest | None) -> Resident | None:
         """Where a request that continues no resident state goes: an empty
         sequence, else the least recently used idle one that no open
         connection holds and that is no running subagent's parent (nor this
         request's: a child never evicts its parent), else the least recently
-        used connection's, else a parent's."""
+        used connection's, else a parent's. ``req`` None: a request of no
+        subagent (where the next new prompt lands)."""
         usable = [r for r in self.residents if not r.busy and r.seq not in self.copying]
         for r in usable:
             if not r.tokens and r.state is None:
                 return r
         parents = {r.parent_agent for r in self.residents if r.busy and r.parent_agent is not None}
-        if req.parent_agent is not None:
+        if req is not None and req.parent_agent is not None:
             parents.add(req.parent_agent)
-        return min(usable, key=lambda r: (r.agent is not None and r.agent in parents and r.owner == req.owner,
+        owner = req.owner if req is not None else None
+        return min(usable, key=lambda r: (r.agent is not None and r.agent in parents and r.owner == owner,
                                           r.pinned, r.last_used), default=None)
 
     # -- residency changes (scheduler thread) ----------------------------------
@@ -153,6 +159,11 @@ class Residency:
                 # The end of the turn this one extends: the state a branch or
                 # an edit of the next turn resumes from.
                 self.evict(r, boundary="response")
+            elif r.state is not None and r.saved:
+                # Kept ahead (``capture_ahead``) for a new prompt that went
+                # elsewhere: the sequence goes on holding all of it, and a
+                # copy in RAM would only take budget from evicted states.
+                self.tiers.forget(r.state)
             if plan.keep < len(r.tokens):
                 self.ops.trim(r.seq, plan.keep)
                 del r.tokens[plan.keep:]
@@ -224,11 +235,14 @@ class Residency:
         r.agent = r.parent_agent = None
 
     def evict(self, r: Resident, boundary: str | None = None) -> None:
-        """``r``'s state leaves its sequence: kept in RAM (captured once).
-        With ``boundary`` the sequence goes on: the state is a checkpoint."""
+        """``r``'s state leaves its sequence: kept in RAM (captured once; not
+        again when ``capture_ahead`` kept it already and the sequence still
+        holds exactly it). With ``boundary`` the sequence goes on: the state
+        is a checkpoint."""
         state = r.state
-        if state is not None and not r.saved and self.enabled:
-            self._capture(r.seq, state)
+        if state is not None and self.enabled:
+            if not self._kept(r):
+                self._capture(r.seq, state)
             if boundary is not None:
                 state.boundary = boundary
                 self.stats.checkpoints += 1
@@ -237,6 +251,59 @@ class Residency:
             self.tiers.remember(state, displaced=boundary is None)
             r.saved = True
         r.state = None
+
+    # -- capture ahead (scheduler thread, idle) -----------------------------------
+
+    def ahead(self) -> Resident | None:
+        """The sequence whose state to capture now, while nothing runs, so
+        that placing a new prompt on it later only clears it: the one the
+        next new prompt takes (``target``), holding a finished turn that is
+        not kept yet, and not looked at before. Not an open connection's
+        (all sequences are, then: each most likely continues), nor the most
+        recently used sequence (with one sequence, or only one idle, the
+        next turn most likely continues it in place)."""
+        if not self.enabled:
+            return None
+        r = self.target(None)
+        if r is None or r.state is None or r.saved or r.pinned or (
+                self._looked_at is not None and self._looked_at() is r.state):
+            return None
+        if all(o is r or o.last_used < r.last_used for o in self.residents):
+            return None
+        return r
+
+    def capture_ahead(self) -> bool:
+        """Capture ``ahead``'s state into RAM now, as placement would (same
+        budget: the least recently kept states leave for disk). Without a
+        disk tier only into room the budget has left: a state pushed out
+        then would be lost, for a sequence that may never be taken. At most
+        one capture a call; True when a state was kept."""
+        r = self.ahead()
+        if r is None:
+            return False
+        state = r.state
+        assert state is not None
+        self._looked_at = weakref.ref(state)
+        if r.tokens != state.tokens or state.key in self.tiers.ram:
+            return False  # not exactly what the KV holds, or kept already: placement decides
+        floor = state.floor
+        self._capture(r.seq, state)
+        if not self.tiers.room_for(state.nbytes):
+            state.kv, state.floor = None, floor
+            return False
+        self.tiers.remember(state)
+        r.saved = True
+        self.stats.captures_ahead += 1
+        return True
+
+    def _kept(self, r: Resident) -> bool:
+        """``r``'s state was kept ahead and is still in RAM, its bytes those
+        of exactly the tokens the sequence holds (``saved`` is cleared by
+        every change to the sequence; the tokens are checked all the same:
+        a stale state must never be restored)."""
+        state = r.state
+        return (r.saved and state is not None and state.kv is not None and r.tokens == state.tokens
+                and self.tiers.ram.get(state.key) is state)
 
     def _capture(self, seq: int, state: SessionState) -> None:
         """``state``'s KV bytes, from ``seq`` which holds all of it."""
@@ -300,8 +367,9 @@ class Residency:
         states = []
         for r in self.residents:
             if r.state is not None and not r.busy:
-                if r.state.kv is None or not r.saved:
-                    self._capture(r.seq, r.state)
+                if self._kept(r):
+                    continue  # the RAM tier's own, saved with it
+                self._capture(r.seq, r.state)
                 states.append(r.state)
         return states
 

@@ -44,6 +44,7 @@ class CacheStats:
     copied_tokens: int = 0
     checkpoints: int = 0  # exact-state checkpoints taken (non-trimmable KV)
     checkpoint_restores: int = 0
+    captures_ahead: int = 0  # states captured while the scheduler was idle (``Residency.capture_ahead``)
 
 
 class Tiers:
@@ -83,6 +84,21 @@ class Tiers:
                 self.evictions.record(old.tokens, old.owner, by)
         self.stats.ram_sessions = len(self.ram)
         self.stats.ram_bytes = total
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether a state of ``nbytes`` captured ahead of need may be kept:
+        within the budget, and with a disk tier to take the states it
+        pushes out of RAM, else only in the room the budget has left."""
+        if nbytes > self.budget_bytes:
+            return False
+        return self.disk is not None or sum(s.nbytes for s in self.ram.values()) + nbytes <= self.budget_bytes
+
+    def forget(self, state: SessionState) -> None:
+        """Drop ``state`` from RAM (if it is the one kept under its key)."""
+        if self.ram.get(state.key) is state:
+            del self.ram[state.key]
+            self.stats.ram_sessions = len(self.ram)
+            self.stats.ram_bytes = sum(s.nbytes for s in self.ram.values())
 
     def write_behind(self, state: SessionState) -> None:
         """Write ``state`` to disk on the writer thread."""

@@ -437,7 +437,8 @@ class Scheduler:
                 # A request left waiting for a step (its sequence evaluating
                 # the last token of the turn it continues) is placed as soon
                 # as that step is done, not at the next poll.
-                while not (self._inbox or self._running or self._closing or (stepped and self._waiting)):
+                while not (self._inbox or self._running or self._closing or (stepped and self._waiting)
+                           or (not self._waiting and self.cache.capture_ahead_due())):
                     self._cond.wait(0.5 if self._waiting else None)
                     if self._waiting and not self._inbox:
                         break
@@ -468,6 +469,11 @@ class Scheduler:
                 elif self.cache.unsettled_copies():
                     self._settle_copies()
                     stepped = True
+                elif not self._waiting:
+                    # Idle: the state the next new prompt would evict goes to
+                    # RAM now, off that request's path; one capture a pass,
+                    # so a request arriving meanwhile waits for one at most.
+                    self.cache.capture_ahead()
             except Exception:  # never leave the thread dead with streams open
                 log.exception("scheduler step failed")
                 for run in list(self._running):
