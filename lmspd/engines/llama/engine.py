@@ -307,7 +307,8 @@ class LlamaEngine:
                       "ram_budget_bytes": self.cache.ram_budget_bytes,
                       "disk_budget_bytes": self.cache.disk.budget_bytes if self.cache.disk is not None else 0,
                       "disk_restores": c.disk_restores, "ram_restores": c.ram_restores,
-                      "evictions": c.evictions, "copies": c.copies, "copied_tokens": c.copied_tokens},
+                      "evictions": c.evictions, "captures_ahead": c.captures_ahead, "copies": c.copies,
+                      "copied_tokens": c.copied_tokens},
         }
 
     def last_output_token_ids(self) -> list[int]:
