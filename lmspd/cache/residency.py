@@ -14,7 +14,10 @@ connection first), so a connection's session stays resident while other
 traffic comes and goes, and so is the sequence of a running subagent's
 parent (a child never evicts its parent). A running sequence is never
 evicted, nor one a stream copy reads or writes before the next decode
-performs it.
+performs it. While nothing runs or waits, the state of the sequence a new
+request would take is **captured ahead** into RAM (``capture_ahead``):
+placing the request there then only clears the sequence, unless the
+sequence changed since (then it is captured as before).
 
 On a model whose KV cannot be trimmed exactly (sliding-window layers that
 keep only their last window, recurrent layers), it keeps **exact-state
