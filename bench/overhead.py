@@ -461,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
             servers.append(base_srv)
             base_srv.start()
             print(f"{base_name} ready at {base_srv.url} (pid {base_srv.pid})", flush=True)
+            # The same two requests as lmspd's check: both servers then start
+            # the rounds with the same sequences used, so that the first
+            # rounds compare the same placement (a free sequence on one and a
+            # used one on the other did not).
+            cache_opt_out_check(client, base_srv.url, model_id)
             base_url = base_srv.url + "/v1/responses"
             base_srv.new_log_text()
 
