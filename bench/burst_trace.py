@@ -128,8 +128,21 @@ def _serve(trace_path: str, argv: list[str]) -> int:
             finally:
                 mark("cost", what=attr, wall=(clock() - w) * 1000, cpu=(time.thread_time() - c) * 1000)
         setattr(owner, attr, wrapped)
-    for attr in ("plan", "diagnose", "apply"):
+    for attr in ("diagnose", "apply"):
         timed(manager.ContinuationCache, attr)
+    plan = manager.ContinuationCache.plan
+
+    def traced_plan(self: Any, req: Any) -> Any:
+        w, c = clock(), time.thread_time()
+        p = plan(self, req)
+        mark("cost", what="plan", wall=(clock() - w) * 1000, cpu=(time.thread_time() - c) * 1000)
+        res = self.residency
+        mark("planned", k=_key(req.text), source=None if p is None else p.source,
+             seq=None if p is None else p.seq, copy_from=None if p is None else p.copy_from,
+             suffix=None if p is None else len(p.suffix), busy=sum(1 for r in res.residents if r.busy),
+             copying=len(res.copying))
+        return p
+    manager.ContinuationCache.plan = traced_plan  # type: ignore[method-assign]
     timed(scheduler, "Generation")
     timed(scheduler, "SequenceSpeculation")
 
@@ -272,6 +285,12 @@ def main() -> int:
                 return f"{p[name]:.0f}" if name in p else "—"
             print(f"| {k} | {f('parsed')} | {f('prep0')}–{f('prep1')} | {f('submit')} | {f('placed')} "
                   f"| {p.get('step', '—')} | {f('ttft')} |")
+        planned = [e for e in window if e["ev"] == "planned"]
+        print("\nplans, in order: " + ", ".join(
+            f"{e['k']}:{e['source'] or 'NONE'}"
+            + (f"(seq{e['seq']}<-seq{e['copy_from']})" if e["copy_from"] is not None else f"(seq{e['seq']})"
+               if e["seq"] is not None else "") + f"[busy {e['busy']} copying {e['copying']}]"
+            for e in planned[:24]))
         gathers = [e for e in window if e["ev"] in ("gather_start", "gather_end")]
         print("\ngather: " + ", ".join(f"{e['ev'].removeprefix('gather_')}@{ms(e):.0f} (inbox {e['inbox']})"
                                         for e in gathers))
