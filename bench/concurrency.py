@@ -53,7 +53,10 @@ Every system gets the same streaming ``/v1/chat/completions`` bodies
    (p50 interpolated in its buckets, and the mean), and from ``/health``'s
    per-sequence-count mean (``mean_ms_by_sequences``, the server's whole
    life, warm-up included). Not in the default ``--scenarios``: pass
-   ``--scenarios decode16`` (it needs no ``--systems``).
+   ``--scenarios decode16`` (it needs no ``--systems``). ``--baseline REF``
+   adds ``lmspd-p16@REF``, the code of a git ref of this repository
+   (``git archive``, run as a third server beside the two), in the same
+   rounds, the order of the three alternating.
 
 Ratios are printed against ``llama-4`` (and scenario 4 against itself).
 The development machine is 2 shared cores: quote numbers with the load they
@@ -62,6 +65,7 @@ were measured under (``--quick`` runs a smaller version of each scenario).
     python bench/concurrency.py --quick
     python bench/concurrency.py --systems lmspd-p4,llama-4 --turns 6
     python bench/concurrency.py --scenarios decode16
+    python bench/concurrency.py --scenarios decode16 --baseline main
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ from _common import (  # noqa: E402
     Sample,
     add_gpu_arguments,
     bundled_model_path,
+    git_tree,
     lmspd_gpu_flags,
     lmspd_server,
     sched_ns,
@@ -131,12 +136,16 @@ def served_name(system: str, url: str) -> str:
 
 
 def start(system: str, args: argparse.Namespace, model: Path, tmp: Path, ctx: int | None = None) -> ChildServer:
-    """``system``: ``lmspd-pN`` or ``llama-N`` (N sequences / slots)."""
+    """``system``: ``lmspd-pN`` or ``llama-N`` (N sequences / slots);
+    ``lmspd-pN@REF``: the code of git ref REF (``git_tree``)."""
     ctx = args.ctx if ctx is None else ctx
     if system.startswith("lmspd"):
-        parallel = system.removeprefix("lmspd-p")
-        return lmspd_server(model if args.model else None, ctx, args.threads, tmp / f"{system}-data",
-                            tmp / f"{system}.log", log_level="warning",
+        name, _, ref = system.partition("@")
+        parallel = name.removeprefix("lmspd-p")
+        tag = system.replace("@", "-at-").replace("/", "-")
+        source = git_tree(ref, tmp / f"{tag}-src") if ref else None
+        return lmspd_server(model if args.model else None, ctx, args.threads, tmp / f"{tag}-data",
+                            tmp / f"{tag}.log", log_level="warning", source=source,
                             extra=["--parallel", parallel, "--kv-disk-space-mb", "0", "--max-queue", "64",
                                    # The same work as a server without a guard (scenario 3).
                                    "--repetition-window", "0", *lmspd_gpu_flags(args)]).start()
@@ -339,7 +348,8 @@ def histogram_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str
 
 
 def decode16(servers: dict[str, tuple[str, str, int | None]], args: argparse.Namespace) -> dict[str, Any]:
-    """``servers``: system -> (url, model name, pid), ``lmspd-p16`` and ``llama-16``."""
+    """``servers``: system -> (url, model name, pid), ``lmspd-p16`` and
+    ``llama-16`` (and ``lmspd-p16@REF`` with ``--baseline``)."""
     n, tokens = 16, args.decode16_tokens
     order = list(servers)
     rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in servers}
@@ -358,17 +368,24 @@ def decode16(servers: dict[str, tuple[str, str, int | None]], args: argparse.Nam
     host = histogram_between(before, host_histogram(lmspd_url))
     mine, base = rounds["lmspd-p16"], rounds["llama-16"]
 
-    def paired(key: str) -> list[float]:
+    def paired(key: str, mine: list[dict[str, Any]] = mine,
+               base: list[dict[str, Any]] = base) -> list[float]:
         # Like with like only: a round where a stream was cut short did less work.
         return [a[key] / b[key] for a, b in zip(mine, base, strict=True)
                 if a["full"] and b["full"] and a.get(key) and b.get(key)]
 
     ratios = paired("agg_tps")
     decode_ratios = paired("decode_tps")
-    return {"rounds": rounds, "ratios": ratios, "decode_ratios": decode_ratios,
-            "median_ratio": statistics.median(ratios) if ratios else None,
-            "median_decode_ratio": statistics.median(decode_ratios) if decode_ratios else None,
-            "host": host}
+    out = {"rounds": rounds, "ratios": ratios, "decode_ratios": decode_ratios,
+           "median_ratio": statistics.median(ratios) if ratios else None,
+           "median_decode_ratio": statistics.median(decode_ratios) if decode_ratios else None,
+           "host": host}
+    baseline = next((system for system in servers if "@" in system), None)
+    if baseline is not None:
+        out["baseline"] = baseline
+        out["baseline_ratios"] = paired("agg_tps", rounds[baseline], base)
+        out["vs_baseline_ratios"] = paired("agg_tps", mine, rounds[baseline])
+    return out
 
 
 def decode_paired(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict[str, Any]:
@@ -520,7 +537,15 @@ def report_decode16(d: dict[str, Any]) -> None:
     print(f"\naggregate lmspd-p16 / llama-16, paired: {spread(d['ratios'])}  [target ≥ 1.0: "
           f"{'meets' if (d['median_ratio'] or 0) >= 1.0 else 'MISSES'}]")
     print(f"decode phase lmspd-p16 / llama-16, paired: {spread(d['decode_ratios'])}")
-    for system, rs in (("lmspd-p16", mine), ("llama-16", base)):
+    baseline = d.get("baseline")
+    if baseline:
+        old = d["rounds"][baseline]
+        print(f"\n{baseline}, the same rounds: tok/s "
+              + ", ".join(f"{fmt(r['agg_tps'])}" for r in old) + "; TTFT mean / max ms "
+              + ", ".join(f"{fmt(r['ttft_mean'], '{:.0f}')} / {fmt(r['ttft_max'], '{:.0f}')}" for r in old))
+        print(f"aggregate {baseline} / llama-16, paired: {spread(d['baseline_ratios'])}")
+        print(f"aggregate lmspd-p16 / {baseline}, paired: {spread(d['vs_baseline_ratios'])}")
+    for system, rs in d["rounds"].items():
         tt = [t for r in rs for t in r["ttfts"]]
         if tt:
             q = sorted(tt)
@@ -557,6 +582,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="3 turns, a 600-token developer prompt, 120-token tool results, 128 decode tokens")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="decode16: also run this git ref's lmspd (lmspd-p16@REF), in the same rounds")
     add_gpu_arguments(parser)
     args = parser.parse_args()
     if args.quick:
@@ -606,11 +633,12 @@ def main() -> int:
             print("[decode16] ...", file=sys.stderr, flush=True)
             (tmp / "decode16").mkdir()
             started = []
+            systems16 = ["lmspd-p16", "llama-16"] + ([f"lmspd-p16@{args.baseline}"] if args.baseline else [])
             try:
-                for system in ("lmspd-p16", "llama-16"):
+                for system in systems16:
                     started.append(start(system, args, model, tmp / "decode16", ctx=args.decode16_ctx))
                 servers16 = {system: (srv.url, served_name(system, srv.url), srv.pid)
-                             for system, srv in zip(("lmspd-p16", "llama-16"), started, strict=True)}
+                             for system, srv in zip(systems16, started, strict=True)}
                 results["decode16"] = {"decode16": decode16(servers16, args)}
             finally:
                 for srv in started:

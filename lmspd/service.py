@@ -89,8 +89,13 @@ class Service:
                            f"Model {conversation.model!r} does not support structured output.",
                            path=(RequestField.OUTPUT_FORMAT,))
         ticket = served.queue.admit()
+        # The engine hears at once that this request is on its way: its
+        # preparation may wait behind others' in the pool (``announce``, in
+        # the Engine protocol's notes).
+        announce = getattr(served.engine, "announce", None)
         try:
-            prepared = await self.off_loop(lambda c: served.engine.prepare(c, run), conversation)
+            with contextlib.nullcontext() if announce is None else announce(conversation):
+                prepared = await self.off_loop(lambda c: served.engine.prepare(c, run), conversation)
         except BaseException:
             ticket.release()
             raise

@@ -78,6 +78,11 @@ class Prepared(Protocol):
 
 
 class Engine(Protocol):
+    """Optional beside these: ``announce(conversation)``, a context manager
+    the service holds around an admitted request's wait for ``prepare``
+    (an engine that batches requests arriving together may wait for it;
+    ``Service.begin``)."""
+
     info: ModelInfo
     @property
     def opens_first(self) -> bool:

@@ -99,6 +99,11 @@ class LazyEngine:
     def count_tokens(self, conversation: Any) -> int:
         return int(self._use(lambda engine: engine.count_tokens(conversation)))
 
+    def announce(self, conversation: Any) -> Any:
+        engine = self._engine if self.status == LOADED else None
+        announce = getattr(engine, "announce", None)
+        return contextlib.nullcontext() if announce is None else announce(conversation)
+
     def _use(self, work: Callable[[Any], Any]) -> Any:
         """``work(engine)`` while the model is held loaded (preparing threads);
         an unloaded model starts loading and the caller hears 503."""

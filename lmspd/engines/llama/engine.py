@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -236,6 +237,12 @@ class LlamaEngine:
 
     def count_tokens(self, conversation: Conversation) -> int:
         return len(self.tokenize(self.render(conversation)))
+
+    def announce(self, conversation: Conversation) -> AbstractContextManager[None]:
+        """Around an admitted request's wait for a preparing thread (the
+        service's): the scheduler, idle, waits for it to share its first
+        step (``Preparations.incoming``)."""
+        return self.preparations.incoming(conversation)
 
     def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> LlamaPrepared:
         with self.preparations.running(conversation) as landed:

@@ -258,22 +258,47 @@ class Preparations:
     whole prefill step: measured, a 242-token step took 2.8 s on one thread
     where it took 1.8 s on two.
 
-    ``arriving``: a short preparation still running, or one prepared less
-    than ``handoff_s`` ago and not yet submitted: a request the scheduler,
-    idle, waits for briefly so that it shares the first step
-    (``Scheduler._gather``).
+    ``arriving``: a request the scheduler, idle, waits for briefly so that
+    it shares the first step (``Scheduler._gather``), from the moment the
+    service has admitted it to its submission, in three legs, each bounded
+    in time (a request that never comes must not hold the others up):
+    ``incoming`` (admitted, waiting for a preparing thread: sixteen requests
+    released together queue behind the pool's two threads), a short
+    preparation still running (``running``), then prepared and not yet
+    submitted (``landed``, at most ``handoff_s``: the event loop, busy with
+    the others' bodies, takes a while to submit it). A big input is waited
+    for in none of them.
     """
 
-    def __init__(self, *, grace_s: float = 0.05, big_chars: int = 1 << 18, handoff_s: float = 0.01) -> None:
+    def __init__(self, *, grace_s: float = 0.05, big_chars: int = 1 << 18, handoff_s: float = 0.05) -> None:
         self.grace_s = grace_s
         self.big_chars = big_chars
         self.handoff_s = handoff_s
         self._lock = threading.Lock()
+        # Admitted, not yet preparing (by the conversation's id): until when it is waited for.
+        self._incoming: dict[int, float] = {}
         # One entry per running preparation: when it starts to count as long.
         self._long_from: dict[int, float] = {}
         # Prepared, not yet submitted (by the prepared object's id): until when it is waited for.
         self._landing: dict[int, float] = {}
         self._next = 0
+
+    @contextmanager
+    def incoming(self, conversation: Conversation) -> Iterator[None]:
+        """Around a request's way from its admission to its preparation
+        (the service's ``announce``): waited for from now, at most
+        ``grace_s``, until ``running`` takes it over."""
+        if input_chars(conversation) >= self.big_chars:
+            yield
+            return
+        key = id(conversation)
+        with self._lock:
+            self._incoming[key] = time.monotonic() + self.grace_s
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._incoming.pop(key, None)
 
     @contextmanager
     def running(self, conversation: Conversation) -> Iterator[Callable[[object], None]]:
@@ -282,6 +307,7 @@ class Preparations:
         now = time.monotonic()
         long_from = now if input_chars(conversation) >= self.big_chars else now + self.grace_s
         with self._lock:
+            self._incoming.pop(id(conversation), None)
             key = self._next
             self._next += 1
             self._long_from[key] = long_from
@@ -312,12 +338,12 @@ class Preparations:
             return sum(1 for t in self._long_from.values() if t <= now)
 
     def arriving(self, now: float | None = None) -> bool:
-        if not (self._long_from or self._landing):
+        if not (self._incoming or self._long_from or self._landing):
             return False
         now = time.monotonic() if now is None else now
         with self._lock:
-            return (any(t > now for t in self._long_from.values())
-                    or any(t > now for t in self._landing.values()))
+            return any(t > now for waits in (self._incoming, self._long_from, self._landing)
+                       for t in waits.values())
 
 
 def input_chars(conversation: Conversation) -> int:
@@ -371,8 +397,11 @@ class Scheduler:
         self.n_batch = n_batch
         self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
         self.checkpoint_every = checkpoint_every
-        # The longest an idle scheduler waits for requests arriving together (``_gather``).
+        # How long an idle scheduler waits for requests arriving together
+        # (``_gather``): up to ``gather_s`` past the last one submitted, at
+        # most ``gather_max_s`` in all.
         self.gather_s = 0.03
+        self.gather_max_s = 0.1
         self._batch = Batch(n_batch)
         self._tok, self._pos, self._seq, self._logits = (self._batch.tok, self._batch.pos, self._batch.seq,
                                                          self._batch.logits)
@@ -500,12 +529,24 @@ class Scheduler:
         the preparing pool prepares them a couple at a time; started at the
         first, a prefill step would leave the rest waiting all of it. So,
         with nothing running, a request about to arrive
-        (``Preparations.arriving``) is waited for, at most ``gather_s``.
+        (``Preparations.arriving``: admitted, being prepared, or prepared
+        and on its way) is waited for: ``gather_s``, again from each one
+        that is submitted meanwhile (sixteen released together reached the
+        scheduler over 35 ms, one every 2-3 ms, behind the event loop and
+        two preparing threads: a fixed 30 ms left the last few for the next
+        step, 300-450 ms later), and never more than ``gather_max_s`` in
+        all. A request that nothing is known to follow does not wait.
         Called holding ``_cond`` (``submit`` notifies it)."""
         preps = self.runtime.preparations
-        deadline = time.monotonic() + self.gather_s
+        began = time.monotonic()
+        deadline = began + self.gather_s
+        seen = len(self._inbox)
         while not self._closing and preps.arriving():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if len(self._inbox) > seen:
+                seen = len(self._inbox)
+                deadline = min(began + self.gather_max_s, now + self.gather_s)
+            left = deadline - now
             if left <= 0:
                 return
             # Polled too: a preparation's end does not notify.

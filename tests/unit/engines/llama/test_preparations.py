@@ -52,3 +52,23 @@ def test_arriving_covers_a_short_running_preparation_and_a_prepared_request_unti
     assert not preps.arriving()
     with preps.running(conv(5000)):
         assert not preps.arriving(), "a big preparation is not waited for"
+
+
+def test_an_announced_request_is_arriving_until_its_preparation_takes_it_over() -> None:
+    # Sixteen requests released together wait for the preparing pool's two
+    # threads: admitted but not yet preparing, they are on their way too
+    # (Preparations.incoming, held by the service around prepare).
+    preps = Preparations(grace_s=5, big_chars=1000, handoff_s=5)
+    queued, other = conv(10), conv(10)
+    with preps.incoming(queued):
+        assert preps.arriving(), "admitted, waiting for a preparing thread: about to arrive"
+        assert not preps.arriving(time.monotonic() + 6), "announced longer ago than the grace period: not waited for"
+        with preps.running(queued) as landed:
+            landed(prepared := object())
+        preps.submitted(prepared)
+        assert not preps.arriving(), "submitted: its announcement, still held, waits for nothing more"
+    with preps.incoming(other):
+        pass
+    assert not preps.arriving(), "refused before its preparation: no longer on its way"
+    with preps.incoming(conv(5000)):
+        assert not preps.arriving(), "a big input is not waited for"
