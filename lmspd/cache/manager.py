@@ -57,6 +57,11 @@ class ContinuationCache:
         self.planner = Planner(ops, self.residents, self.tiers.ram, disk=disk, copying=self.residency.copying,
                                enabled=enabled, trimmable=trimmable)
         self._snapshot: tuple[SessionState, ...] = ()
+        # How many requests behind the one being planned wait for a sequence
+        # in the same admission pass (the scheduler's ``_admit`` sets it):
+        # when sequences are that scarce, a shared prefix is kept in place
+        # rather than copied (``Planner._shared_candidates``).
+        self.contending = 0
 
     @property
     def enabled(self) -> bool:
@@ -118,8 +123,8 @@ class ContinuationCache:
 
     def plan(self, req: CacheRequest) -> CachePlan | None:
         """``Planner.plan``, offered the sequence the residency would evict
-        for a request that continues nothing."""
-        return self.planner.plan(req, self.residency.target(req))
+        for a request that continues nothing, and told ``contending``."""
+        return self.planner.plan(req, self.residency.target(req), contending=self.contending)
 
     def diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
         return self.planner.diagnose(req, plan, self.evictions)

@@ -202,6 +202,21 @@ def agent_tag(agent: str | None) -> str:
     return (agent or "-")[:8]
 
 
+def running_parents(residents: Sequence[Resident], req: CacheRequest | None) -> set[str]:
+    """The agents whose subagents run now, and ``req``'s parent: a child never
+    evicts its parent (``Residency.target``)."""
+    parents = {r.parent_agent for r in residents if r.busy and r.parent_agent is not None}
+    if req is not None and req.parent_agent is not None:
+        parents.add(req.parent_agent)
+    return parents
+
+
+def may_take(r: Resident, parents: set[str]) -> bool:
+    """Whether ``r`` may be given to another request while other sequences
+    are to be had: not an open connection's, not one of ``parents``'."""
+    return not r.pinned and not (r.agent is not None and r.agent in parents)
+
+
 def continues(req: CacheRequest, state: SessionState) -> bool:
     """Whether ``req`` could continue ``state`` in place (by any rule that
     keeps the whole state): string and list prefix tests, no tokenizing."""
@@ -275,13 +290,15 @@ class Planner:
 
     # -- matching (scheduler thread) -------------------------------------------
 
-    def plan(self, req: CacheRequest, target: Resident | None) -> CachePlan | None:
+    def plan(self, req: CacheRequest, target: Resident | None, *, contending: int = 0) -> CachePlan | None:
         """Where ``req`` runs and what it reuses, ``target`` being the sequence
         it takes when it continues none (None: every sequence is busy or
         being copied); None: not now (no sequence is free, or another
         sequence is about to hold what it needs) — ask again after the next
-        step."""
-        plan = self._plan(req, target)
+        step. ``contending``: how many requests behind this one wait for a
+        sequence in the same admission pass (``_shared_candidates``: when
+        sequences are scarce, a shared prefix is kept in place)."""
+        plan = self._plan(req, target, contending)
         if plan is None:
             return None
         # A replayed tool call without its reasoning (Codex, the Vercel AI SDK,
@@ -306,7 +323,7 @@ class Planner:
         return req.needs_reasoning_state and (plan.source in ("cold", "copy") or plan.detail == "text"
                                               or "partial" in plan.detail.split())
 
-    def _plan(self, req: CacheRequest, target: Resident | None) -> CachePlan | None:
+    def _plan(self, req: CacheRequest, target: Resident | None, contending: int = 0) -> CachePlan | None:
         idle = [r for r in self.residents if not r.busy]
         if not self.enabled or not req.reuse:
             return None if target is None else cold(req, target.seq)
@@ -360,7 +377,7 @@ class Planner:
             if fitted.source != "cold":
                 return fitted
 
-        shared = self._shared_candidates(req, target)
+        shared = self._shared_candidates(req, target, self._scarce(contending))
         held = max((p.keep for p in shared if self._serves(req, p)), default=0)
         candidates = self._saved_candidates(req, target, held) + shared
         best = max((c.keep for c in candidates), default=0)
@@ -444,11 +461,29 @@ class Planner:
                                             detail="partial", seq=target.seq))
         return candidates
 
-    def _shared_candidates(self, req: CacheRequest, target: Resident | None) -> list[CachePlan]:
+    def _scarce(self, contending: int) -> bool:
+        """A copy from an idle sequence would leave too few sequences for the
+        ``contending`` requests behind this one in the same admission pass:
+        a copy takes its source as well as its target until the next step
+        performs it (``Residency.apply``: both are ``copying``), and each
+        request behind needs one. Never with nobody contending."""
+        usable = sum(1 for r in self.residents if not r.busy and r.seq not in self.copying)
+        return contending > usable - 2
+
+    def _shared_candidates(self, req: CacheRequest, target: Resident | None, scarce: bool = False) -> list[CachePlan]:
         """A common token prefix with a sequence of the same owner: kept in
         place when that sequence is the target anyway, else copied into the
-        target (the sequence holding it stays as it is)."""
+        target (the sequence holding it stays as it is). When sequences are
+        ``scarce`` (``_scarce``), a copy that would lock an idle holder for
+        the step is kept in place on the holder instead, cut to the shared
+        prefix (its state goes to RAM first), so that every request of a
+        burst gets a sequence at once; not a holder ``target`` would never
+        hand out either (``may_take``: an open connection's, a running
+        subagent's parent). A copy from a holder that is running or copying
+        already (many requests sharing one system prompt) costs only its
+        target and stays a copy."""
         candidates: list[CachePlan] = []
+        parents = running_parents(self.residents, req) if scarce else set()
         for r in self.residents:
             if r.owner != req.owner or not r.tokens:
                 continue
@@ -459,16 +494,23 @@ class Planner:
             if target is not None and r.seq != target.seq:
                 aligned = state and self._aligned_plan(req, state, "copy", target.seq, floor=floor, beyond=common,
                                                        copy_from=r.seq)
+                copy: CachePlan | None = None
                 if aligned:
                     aligned.detail = f"from=seq{r.seq} aligned"
-                    candidates.append(aligned)
+                    copy = aligned
                 elif common >= MIN_COPY_TOKENS or (common >= MIN_CELL_COPY_TOKENS
                                                    and common * CELL_COPY_RATIO >= len(r.tokens)
                                                    and self.ops.cheap_copy(r.seq)):
                     parent = req.parent_agent is not None and r.agent == req.parent_agent
-                    candidates.append(CachePlan("copy", common, req.tokens[common:], req.text,
-                                                detail=f"from=seq{r.seq}" + (" parent" if parent else ""),
-                                                seq=target.seq, copy_from=r.seq))
+                    copy = CachePlan("copy", common, req.tokens[common:], req.text,
+                                     detail=f"from=seq{r.seq}" + (" parent" if parent else ""),
+                                     seq=target.seq, copy_from=r.seq)
+                if copy is not None and scarce and not r.busy and r.seq not in self.copying and may_take(r, parents):
+                    # Kept in place: the same tokens, on the holder.
+                    copy.source, copy.seq, copy.copy_from = "memory-token", r.seq, None
+                    copy.detail = "partial aligned scarce" if aligned else "partial scarce"
+                if copy is not None:
+                    candidates.append(copy)
             elif not r.busy and r.seq not in self.copying:
                 aligned = state and self._aligned_plan(req, state, "memory-token", r.seq, floor=floor, beyond=common)
                 if aligned:

@@ -40,7 +40,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from .planner import CachePlan, CacheRequest, agent_tag, cold
+from .planner import CachePlan, CacheRequest, agent_tag, cold, running_parents
 from .state import Resident, SessionState, common_prefix, state_key
 from .tiers import CacheStats, Tiers
 
@@ -104,9 +104,7 @@ class Residency:
         for r in usable:
             if not r.tokens and r.state is None:
                 return r
-        parents = {r.parent_agent for r in self.residents if r.busy and r.parent_agent is not None}
-        if req is not None and req.parent_agent is not None:
-            parents.add(req.parent_agent)
+        parents = running_parents(self.residents, req)
         owner = req.owner if req is not None else None
         return min(usable, key=lambda r: (r.agent is not None and r.agent in parents and r.owner == owner,
                                           r.pinned, r.last_used), default=None)

@@ -105,3 +105,37 @@ def test_a_lone_request_does_not_wait_for_the_gather(engine, batches, monkeypatc
 
     lone, after_refused = asyncio.run(asyncio.wait_for(go(), 120))
     assert lone < 2.5 and after_refused < 2.5, (lone, after_refused)
+
+
+def test_a_repeated_burst_keeps_each_prompt_in_place_and_shares_the_first_step(engine, batches,
+                                                                               monkeypatch) -> None:
+    # The same four prompts again, each held by the sequence its last round
+    # left it in: a copy of it into another sequence would hold both until
+    # the next step, and the last of the four would find no sequence
+    # (issue 30, decode16). With every sequence wanted, each keeps its
+    # prompt in place.
+    monkeypatch.setattr(engine.scheduler, "gather_s", 0.6)
+    monkeypatch.setattr(engine.scheduler, "gather_max_s", 10.0)
+    monkeypatch.setattr(engine.preparations, "grace_s", 10.0)
+    monkeypatch.setattr(engine.preparations, "handoff_s", 10.0)
+    convs = [conv(f"Name a {thing}, and say in a few words why you like it best of all.")
+             for thing in ("fruit", "colour", "tree", "bird")]
+
+    async def burst():
+        with ExitStack() as announced:
+            for c in convs:
+                announced.enter_context(engine.announce(c))
+            runs = []
+            for c in convs:
+                runs.append(asyncio.create_task(run(engine, engine.prepare(c))))
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*runs)
+
+    for _ in range(2):
+        assert all(isinstance(r[-1], Finished) for r in asyncio.run(asyncio.wait_for(burst(), 120)))
+    batches.clear()
+    copies = engine.cache.stats.copies
+    results = asyncio.run(asyncio.wait_for(burst(), 120))
+    assert all(isinstance(r[-1], Finished) for r in results)
+    assert len(batches[0]) == 4, f"the first step held fewer than the four: {batches[:4]}"
+    assert engine.cache.stats.copies == copies
