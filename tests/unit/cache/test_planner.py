@@ -368,3 +368,21 @@ def test_planning_changes_none_of_what_it_reads(held, saved, text, busy, trimmab
         p.diagnose(req, plan, EvictionLog())
         assert 0 <= plan.seq < len(residents) and plan.suffix
     assert copy.deepcopy((residents, p.ram)) == before
+
+
+def test_under_scarcity_an_aligned_branch_is_kept_in_place_on_its_holder_but_not_below_a_floor():
+    # A request waits behind this one and a copy would take both sequences
+    # until the next step (tests/unit/cache/test_scarcity.py).
+    turn2, before = sampled_turns()
+    kept = turn2.aligned[0][0]
+    branch = ask(before + "<u>other</u><a>")
+    target = seq(1)
+    plan = planner([seq(0, turn2), target]).plan(branch, target=target, contending=1)
+    assert (plan.source, plan.seq, plan.copy_from, plan.keep) == ("memory-token", 0, None, kept), plan
+    assert plan.detail == "partial aligned scarce"
+    assert plan.suffix == tokenize("<u>other</u><a>")
+    # Without contention: copied, as before.
+    plan = planner([seq(0, turn2), target]).plan(branch, target=target, contending=0)
+    assert (plan.source, plan.copy_from, plan.seq) == ("copy", 0, 1)
+    p = planner([seq(0, turn2), target], kv=Kv(floors={0: kept + 1}), trimmable=False)
+    assert p.plan(branch, target=target, contending=1).source == "cold"
