@@ -132,9 +132,9 @@ def _serve(trace_path: str, argv: list[str]) -> int:
         timed(manager.ContinuationCache, attr)
     plan = manager.ContinuationCache.plan
 
-    def traced_plan(self: Any, req: Any) -> Any:
+    def traced_plan(self: Any, req: Any, **kw: Any) -> Any:
         w, c = clock(), time.thread_time()
-        p = plan(self, req)
+        p = plan(self, req, **kw)
         mark("cost", what="plan", wall=(clock() - w) * 1000, cpu=(time.thread_time() - c) * 1000)
         res = self.residency
         mark("planned", k=_key(req.text), source=None if p is None else p.source,

@@ -57,11 +57,6 @@ class ContinuationCache:
         self.planner = Planner(ops, self.residents, self.tiers.ram, disk=disk, copying=self.residency.copying,
                                enabled=enabled, trimmable=trimmable)
         self._snapshot: tuple[SessionState, ...] = ()
-        # How many requests behind the one being planned wait for a sequence
-        # in the same admission pass (the scheduler's ``_admit`` sets it):
-        # when sequences are that scarce, a shared prefix is kept in place
-        # rather than copied (``Planner._shared_candidates``).
-        self.contending = 0
 
     @property
     def enabled(self) -> bool:
@@ -121,10 +116,14 @@ class ContinuationCache:
 
     # -- planning (scheduler thread) --------------------------------------------
 
-    def plan(self, req: CacheRequest) -> CachePlan | None:
+    def plan(self, req: CacheRequest, *, contending: int = 0) -> CachePlan | None:
         """``Planner.plan``, offered the sequence the residency would evict
-        for a request that continues nothing, and told ``contending``."""
-        return self.planner.plan(req, self.residency.target(req), contending=self.contending)
+        for a request that continues nothing. ``contending``: how many
+        requests behind this one wait for a sequence in the same admission
+        pass (the scheduler's ``_admit``): when sequences are that scarce, a
+        shared prefix is kept in place rather than copied
+        (``Planner._shared_candidates``)."""
+        return self.planner.plan(req, self.residency.target(req), contending=contending)
 
     def diagnose(self, req: CacheRequest, plan: CachePlan) -> CacheReport:
         return self.planner.diagnose(req, plan, self.evictions)

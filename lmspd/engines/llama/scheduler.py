@@ -558,33 +558,29 @@ class Scheduler:
         that would find too few sequences keeps shared prefixes in place
         rather than copy them (a copy holds two sequences until the next step)."""
         jobs = list(self._waiting)
-        try:
-            for i, job in enumerate(jobs):
-                if job.cancel.cancelled:
-                    self._waiting.remove(job)
-                    job.emit(_cancelled_event(job.cancel, Usage()))
-                    continue
-                self.cache.contending = len(jobs) - i - 1
-                try:
-                    plan = self.cache.plan(job.request)
-                except CacheRefused as exc:
-                    self._waiting.remove(job)
-                    job.emit(Failed("invalid_request", str(exc)))
-                    continue
-                except Exception:
-                    # Left waiting, it would fail again every step and never end.
-                    log.exception("could not place a request")
-                    self._waiting.remove(job)
-                    job.emit(Failed("server_error", "Generation failed."))
-                    continue
-                if plan is None:
-                    continue  # no sequence for it yet: asked again after the next step
+        for i, job in enumerate(jobs):
+            if job.cancel.cancelled:
                 self._waiting.remove(job)
-                if self._already_warm(job, plan):
-                    continue
-                self._start(job, plan)
-        finally:
-            self.cache.contending = 0
+                job.emit(_cancelled_event(job.cancel, Usage()))
+                continue
+            try:
+                plan = self.cache.plan(job.request, contending=len(jobs) - i - 1)
+            except CacheRefused as exc:
+                self._waiting.remove(job)
+                job.emit(Failed("invalid_request", str(exc)))
+                continue
+            except Exception:
+                # Left waiting, it would fail again every step and never end.
+                log.exception("could not place a request")
+                self._waiting.remove(job)
+                job.emit(Failed("server_error", "Generation failed."))
+                continue
+            if plan is None:
+                continue  # no sequence for it yet: asked again after the next step
+            self._waiting.remove(job)
+            if self._already_warm(job, plan):
+                continue
+            self._start(job, plan)
 
     def _already_warm(self, job: Job, plan: CachePlan) -> bool:
         """A warm-up (``generate: false``) whose prompt the cache already

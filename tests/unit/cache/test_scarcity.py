@@ -37,12 +37,10 @@ def _admit(cache, reqs, contending=None):
     for a request left waiting."""
     plans = []
     for i, req in enumerate(reqs):
-        cache.contending = len(reqs) - i - 1 if contending is None else contending
-        plan = cache.plan(req)
+        plan = cache.plan(req, contending=len(reqs) - i - 1 if contending is None else contending)
         if plan is not None:
             cache.apply(plan, req)
         plans.append(plan)
-    cache.contending = 0
     return plans
 
 

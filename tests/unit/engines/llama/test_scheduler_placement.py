@@ -27,7 +27,7 @@ async def events_of(engine):
 
 
 def test_a_request_whose_placement_fails_ends_with_an_error(engine, monkeypatch):
-    def broken(req):
+    def broken(req, **_):
         raise AssertionError("planning bug")
 
     monkeypatch.setattr(engine.cache, "plan", broken)
@@ -62,10 +62,10 @@ def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine
     real_plan = engine4.cache.plan
     times: dict[str, float] = {}
 
-    def plan(req):
+    def plan(req, **kw):
         if "second" in req.text and any(r.busy for r in engine4.cache.residents):
             return None  # as the cache does while a turn it waits for ends
-        return real_plan(req)
+        return real_plan(req, **kw)
 
     real_release, real_start = sched._release, sched._start
 
