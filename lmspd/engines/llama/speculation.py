@@ -456,6 +456,22 @@ class Planner:
         than ``fair_slack``: then ``length`` is 0 for any draft."""
         return cost.ms(base_tokens + 1) > cost.ms(base_tokens) * (1 + self.fair_slack)
 
+    def room(self, cost: DecodeCost, limit: int, *, base_tokens: int, shared: bool) -> int:
+        """The longest draft (at most ``limit``) that ``length`` could give:
+        beside other work, it stops where the step would cost more than
+        ``fair_slack`` more; alone, ``limit``. A sequence need not propose
+        more (on a CPU beside other sequences: a few tokens of 16): each
+        position walked costs a few µs of the step, and ``length`` gives
+        the shorter draft what it gives the longer one."""
+        limit = min(self.max_draft, limit)
+        if not shared:
+            return limit
+        ceiling = cost.ms(base_tokens) * (1 + self.fair_slack)  # as ``length`` computes it
+        k = 0
+        while k < limit and cost.ms(base_tokens + k + 1) <= ceiling:
+            k += 1
+        return k
+
     def length(self, cost: DecodeCost, rate: float | Sequence[float], available: int, *, base_tokens: int,
                base_yield: int, shared: bool) -> int:
         """The draft length (0: none) that maximizes the step's expected

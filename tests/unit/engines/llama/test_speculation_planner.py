@@ -391,3 +391,27 @@ def test_decode_cost_remembers_estimates_only_until_the_next_observation(observa
         for m, v in seen:
             fresh.observe(m, v)
         assert cost.ms(size) == fresh.ms(size) and cost.ms(n) == fresh.ms(n)
+
+
+@given(st.integers(1, 80), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=16), st.integers(1, 16),
+       st.booleans(), st.sampled_from(["cpu", "gpu", "prior", "noisy"]))
+def test_a_draft_cut_to_the_steps_room_gets_the_length_the_whole_draft_gets(base, rates, limit, shared, machine):
+    """The scheduler asks a sequence for at most ``Planner.room`` tokens:
+    ``length`` never gives more, and gives the shorter draft what it gives
+    the whole one (0 where the room is 0)."""
+    cost = CpuCost() if machine == "cpu" else DecodeCost()
+    if machine == "gpu":
+        for n in (1, 2, 4, 8, 16, 32):
+            cost.observe(n, 8.0 + n * 0.01)
+    if machine == "noisy":  # a bigger batch measured cheaper than a smaller one
+        for n, ms in ((1, 11), (4, 30), (5, 26), (16, 71), (200, 400)):
+            cost.observe(n, ms)
+    planner = Planner()
+    available = min(limit, len(rates))
+    whole = planner.length(cost, rates, available, base_tokens=base, base_yield=base, shared=shared)
+    room = planner.room(cost, limit, base_tokens=base, shared=shared)
+    assert whole <= room
+    cut = planner.length(cost, rates[:room], min(room, available), base_tokens=base, base_yield=base, shared=shared)
+    assert cut == whole
+    if shared:
+        assert (room == 0) == planner.no_room(cost, base)
