@@ -176,15 +176,17 @@ class NgramIndex:
         e_prev = -2
         m = 0
         tables = self._tables
+        longest = self._longest
         found: list[Entry] = []
         for _ in range(k):
             # The longest n-gram found proposes what followed its latest occurrence.
             found.clear()
             e = -1
+            ngram = tuple(cur[-longest:])  # the shorter n-grams are its tails
             for size, table in tables:
-                if len(cur) < size:
+                if len(ngram) < size:
                     continue
-                entry = table.get(tuple(cur[-size:]))
+                entry = table.get(ngram[-size:])
                 if entry is not None:
                     if e < 0:
                         e = entry[_END]
@@ -199,7 +201,19 @@ class NgramIndex:
                 if m < min_match:
                     return None
                 matched = m
-            rate = _estimate(found, token, m)
+            # The chance that ``token`` comes next: how often it followed the
+            # n-grams found (longest first) against how often they occurred,
+            # the best of them (a shorter n-gram may have seen the fixed
+            # text after an item's number more often than the longer one).
+            # The pseudo-count shrinks that towards 0 by how far the
+            # occurrence matched: a long match makes it small (a copy being
+            # made), a short one large (a phrase that happens to recur).
+            pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
+            rate = 0.0
+            for entry in found:
+                r = entry[_FOLLOWS].get(token, 0) / (entry[_SEEN] + pseudo)
+                if r > rate:
+                    rate = r
             draft.append(token)
             rates.append(rate)
             cur.append(token)
@@ -235,27 +249,6 @@ def _match_length(toks: list[int], e: int, context: list[int], cap: int = MATCH_
     while m < cap and m < e and m < n and toks[e - 1 - m] == context[-1 - m]:
         m += 1
     return m
-
-
-def _pseudo(matched: int) -> float:
-    """The pseudo-count that shrinks a continuation's frequency towards 0,
-    by how far the occurrence matched the context: a long match makes it
-    small (a copy being made), a short one large (a phrase that happens to
-    recur)."""
-    return 2.0 if matched < 6 else 0.5 if matched < 12 else 0.15
-
-
-def _estimate(found: list[Entry], token: int, matched: int) -> float:
-    """The chance that ``token`` comes next: how often it followed the
-    context's n-grams found in the index (``found``, longest first) against
-    how often they occurred, the best of them (a shorter n-gram may have
-    seen the fixed text after an item's number more often than the longer
-    one)."""
-    pseudo = _pseudo(matched)
-    rate = 0.0
-    for entry in found:
-        rate = max(rate, entry[_FOLLOWS].get(token, 0) / (entry[_SEEN] + pseudo))
-    return rate
 
 
 @dataclass(slots=True)
