@@ -798,9 +798,12 @@ class Scheduler:
             if limit <= 0:
                 continue
             spec.produced = len(gen.sampled)
-            if closed and spec.pass_step():
+            # Nothing past the step's fair room can be taken: not proposed either.
+            room = 0 if closed else planner.room(self.decode_cost, limit, base_tokens=n, shared=shared)
+            if room == 0 and spec.pass_step():
                 continue
-            draft = spec.candidate(run.pending, limit)
+            # (A resting sequence is asked even without room: a long match ends its rest.)
+            draft = spec.candidate(run.pending, max(1, room))
             if draft is None:
                 continue
             k = planner.length(self.decode_cost, draft.rates, len(draft.tokens), base_tokens=n,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .stepcost import DecodeCost
 
@@ -57,15 +57,27 @@ def speculation_mode(requested: str, kv: "SequenceKv") -> str:
     return requested if kv.trimmable else "off"
 
 
+# One n-gram's record in ``NgramIndex``: ``[end, seen, follows]`` — where it
+# last ended (exclusive), how often it occurred with a continuation, and
+# {next token: how often}. One probe of one table finds all three: they were
+# three tables keyed alike, the continuations keyed by a tuple one token
+# longer (built for every token indexed and every draft position), and
+# indexing each decoded token was most of what speculation cost a step that
+# drafts nothing. A plain list: a new n-gram (most of a long prompt's) costs
+# one small allocation, not an object's ``__init__``.
+Entry = list[Any]
+_END, _SEEN, _FOLLOWS = 0, 1, 2
+
+
 class NgramIndex:
     """Every n-gram (``sizes``) of ``tokens``, a list the owner appends to
     (the sequence's evaluated tokens): where it last ended, how often it
-    occurred with a continuation, and how often with each continuation (as
-    counts of the n-gram one longer). Caught up lazily, at most ``per_step``
-    positions a call, so that a long prompt's index is built over a few
-    steps rather than stalling one (and mostly during the prefill steps,
-    ``catch_up``); a prompt longer than ``window`` is indexed from its last
-    ``window`` tokens.
+    occurred with a continuation, and how often with each continuation
+    (``Entry``). Caught up lazily, at most ``per_step`` positions a call, so
+    that a long prompt's index is built over a few steps rather than
+    stalling one (and mostly during the prefill steps, ``catch_up``); a
+    prompt longer than ``window`` is indexed from its last ``window``
+    tokens.
 
     A proposal walks the text token by token: at each position the longest
     n-gram of the context (and of the draft so far) proposes what followed
@@ -76,17 +88,21 @@ class NgramIndex:
     ... in a file): the latest continuation of an n-gram seen with many is
     a guess, that of one always followed by the same token is not. The
     occurrence's own match length (how far back the context agrees with
-    it) firms the estimate up: a match of 16 tokens is a copy being made."""
+    it) firms the estimate up: a match of 16 tokens is a copy being made.
+
+    Most steps of free text match nothing: ``propose_or_none`` finds that
+    with one probe (the context's shortest n-gram: a longer one ending at the
+    same token is indexed only with it), before building anything."""
 
     def __init__(self, tokens: list[int], *, sizes: tuple[int, ...] = (6, 3), window: int = 16384,
                  per_step: int = 256) -> None:
         self.tokens = tokens
         self.sizes = sizes
-        # Per size: n-gram -> its latest end (exclusive), n-gram -> occurrences
-        # with a continuation, (n+1)-gram -> occurrences.
-        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
-        self._seen: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
-        self._follows: list[dict[tuple[int, ...], int]] = [{} for _ in sizes]
+        # Per size (in ``sizes``' order): n-gram -> its ``Entry``.
+        self._maps: list[dict[tuple[int, ...], Entry]] = [{} for _ in sizes]
+        self._tables = list(zip(sizes, self._maps, strict=True))
+        self._shortest = min(range(len(sizes)), key=lambda i: sizes[i])
+        self._longest = max(sizes)
         self._per_step = per_step
         # Every n-gram ending at or before ``_done`` (exclusive end) is in.
         self._done = max(0, len(tokens) - window)
@@ -98,24 +114,37 @@ class NgramIndex:
 
     def _catch_up(self, upto: int, budget: int) -> None:
         toks = self.tokens
+        start = self._done + 1
         end = min(upto, self._done + budget)
-        for size, ends, seen, follows in zip(self.sizes, self._maps, self._seen, self._follows, strict=True):
-            for e in range(max(self._done + 1, size), end + 1):
-                key = tuple(toks[e - size:e])
-                ends[key] = e
-                seen[key] = seen.get(key, 0) + 1
-                longer = key + (toks[e],)
-                follows[longer] = follows.get(longer, 0) + 1
+        longest = self._longest
+        for e in range(start, end + 1):
+            token = toks[e]
+            # One tuple of the longest n-gram ending here; the shorter ones
+            # are its tails (a tuple's whole slice is itself).
+            ngram = tuple(toks[e - longest:e] if e >= longest else toks[:e])
+            for size, table in self._tables:
+                if e < size:
+                    continue
+                key = ngram[-size:]
+                entry = table.get(key)
+                if entry is None:
+                    table[key] = [e, 1, {token: 1}]
+                    continue
+                entry[_END] = e
+                entry[_SEEN] += 1
+                follows = entry[_FOLLOWS]
+                follows[token] = follows.get(token, 0) + 1
         self._done = max(self._done, end)
 
     def keep_up(self) -> None:
         """Index what a ``propose`` now would index first (at most
         ``per_step`` positions)."""
         n = len(self.tokens)
+        if self._done == n - 1:  # the usual step: nothing new since the last call
+            return
         if n < self._done:  # the list was cut back (never, while a sequence runs): start over
-            self._maps = [{} for _ in self.sizes]
-            self._seen = [{} for _ in self.sizes]
-            self._follows = [{} for _ in self.sizes]
+            for table in self._maps:
+                table.clear()
             self._done = 0
         # Only n-grams with a continuation inside ``tokens``.
         if self._done < n - 1:
@@ -127,7 +156,17 @@ class NgramIndex:
         estimate that it is right given the ones before it; the walk stops
         where the chance that the whole draft so far is right falls below
         ``floor``."""
+        return self.propose_or_none(tail, k, floor=floor) or Proposal([], [], 0)
+
+    def propose_or_none(self, tail: list[int], k: int, *, floor: float = 0.02,
+                        min_match: int = 0) -> "Proposal | None":
+        """``propose``, or None where it would propose nothing or where its
+        first position's occurrence matches fewer than ``min_match`` tokens
+        (``Proposal.matched``: a resting sequence drafts only on a long
+        match; it learns that without walking the draft)."""
         self.keep_up()
+        if k <= 0 or not self._may_match(tail):
+            return None
         toks = self.tokens
         cur = toks[-MATCH_CAP:] + tail if tail else toks[-MATCH_CAP:]
         draft: list[int] = []
@@ -136,27 +175,45 @@ class NgramIndex:
         chance = 1.0
         e_prev = -2
         m = 0
-        tables = list(zip(self.sizes, self._maps, self._seen, self._follows, strict=True))
+        tables = self._tables
+        longest = self._longest
+        found: list[Entry] = []
         for _ in range(k):
             # The longest n-gram found proposes what followed its latest occurrence.
-            keys: list[tuple[tuple[int, ...], dict[tuple[int, ...], int], dict[tuple[int, ...], int]]] = []
+            found.clear()
             e = -1
-            for size, ends, seen, follows in tables:
-                if len(cur) < size:
+            ngram = tuple(cur[-longest:])  # the shorter n-grams are its tails
+            for size, table in tables:
+                if len(ngram) < size:
                     continue
-                key = tuple(cur[-size:])
-                keys.append((key, seen, follows))
-                if e < 0:
-                    e = ends.get(key, -1)
+                entry = table.get(ngram[-size:])
+                if entry is not None:
+                    if e < 0:
+                        e = entry[_END]
+                    found.append(entry)
             if e < 0:
                 break
             token = toks[e]
             # How far back the context agrees with the occurrence: one more
             # than at the last position where the walk goes on along it.
             m = min(m + 1, MATCH_CAP) if e == e_prev + 1 else _match_length(toks, e, cur)
-            rate = _estimate(keys, token, m)
             if not draft:
+                if m < min_match:
+                    return None
                 matched = m
+            # The chance that ``token`` comes next: how often it followed the
+            # n-grams found (longest first) against how often they occurred,
+            # the best of them (a shorter n-gram may have seen the fixed
+            # text after an item's number more often than the longer one).
+            # The pseudo-count shrinks that towards 0 by how far the
+            # occurrence matched: a long match makes it small (a copy being
+            # made), a short one large (a phrase that happens to recur).
+            pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
+            rate = 0.0
+            for entry in found:
+                r = entry[_FOLLOWS].get(token, 0) / (entry[_SEEN] + pseudo)
+                if r > rate:
+                    rate = r
             draft.append(token)
             rates.append(rate)
             cur.append(token)
@@ -164,7 +221,22 @@ class NgramIndex:
             chance *= rate
             if chance < floor:
                 break
-        return Proposal(draft, rates, matched)
+        return Proposal(draft, rates, matched) if draft else None
+
+    def _may_match(self, tail: list[int]) -> bool:
+        """Whether the context (``tokens`` + ``tail``) ends in an indexed
+        n-gram of the shortest size: one probe. Where it does not, no longer
+        one matches either (the n-grams ending at a position are indexed
+        together), and the walk would find nothing."""
+        size, table = self._tables[self._shortest]
+        t = len(tail)
+        if t >= size:
+            key = tuple(tail[t - size:])
+        elif len(self.tokens) + t < size:
+            return False
+        else:
+            key = (*self.tokens[t - size:], *tail)
+        return key in table
 
 
 MATCH_CAP = 16
@@ -179,30 +251,7 @@ def _match_length(toks: list[int], e: int, context: list[int], cap: int = MATCH_
     return m
 
 
-def _pseudo(matched: int) -> float:
-    """The pseudo-count that shrinks a continuation's frequency towards 0,
-    by how far the occurrence matched the context: a long match makes it
-    small (a copy being made), a short one large (a phrase that happens to
-    recur)."""
-    return 2.0 if matched < 6 else 0.5 if matched < 12 else 0.15
-
-
-def _estimate(keys: list[tuple[tuple[int, ...], dict[tuple[int, ...], int], dict[tuple[int, ...], int]]],
-              token: int, matched: int) -> float:
-    """The chance that ``token`` comes next: how often it followed the
-    context's n-grams (``keys``, longest first) against how often they
-    occurred, the best of them (a shorter n-gram may have seen the fixed
-    text after an item's number more often than the longer one)."""
-    pseudo = _pseudo(matched)
-    rate = 0.0
-    for key, seen, follows in keys:
-        n = seen.get(key)
-        if n is not None:
-            rate = max(rate, follows.get(key + (token,), 0) / (n + pseudo))
-    return rate
-
-
-@dataclass
+@dataclass(slots=True)
 class Proposal:
     tokens: list[int]
     # Per position: the chance it is right, given that those before it are.
@@ -339,12 +388,12 @@ class SequenceSpeculation:
             if forced:
                 tokens = forced[:k]
                 return Draft("grammar", tokens, [self.acceptance["grammar"].rate] * len(tokens))
-        proposal = self.index.propose(tail, k)
-        if not proposal.tokens:
+        resting = self.produced < self._rest_until
+        # Resting, only a long match drafts: a shorter one is None at once.
+        proposal = self.index.propose_or_none(tail, k, min_match=12 if resting else 0)
+        if proposal is None:
             return None
-        if self.produced < self._rest_until:
-            if proposal.matched < 12:
-                return None
+        if resting:
             # A long match: the text has turned into a copy; try again now.
             self._rest_until = 0
             self.acceptance["ngram"].reset()
@@ -399,6 +448,22 @@ class Planner:
         """Whether, beside other work, one more token already costs more
         than ``fair_slack``: then ``length`` is 0 for any draft."""
         return cost.ms(base_tokens + 1) > cost.ms(base_tokens) * (1 + self.fair_slack)
+
+    def room(self, cost: DecodeCost, limit: int, *, base_tokens: int, shared: bool) -> int:
+        """The longest draft (at most ``limit``) that ``length`` could give:
+        beside other work, it stops where the step would cost more than
+        ``fair_slack`` more; alone, ``limit``. A sequence need not propose
+        more (on a CPU beside other sequences: a few tokens of 16): each
+        position walked costs a few µs of the step, and ``length`` gives
+        the shorter draft what it gives the longer one."""
+        limit = min(self.max_draft, limit)
+        if not shared:
+            return limit
+        ceiling = cost.ms(base_tokens) * (1 + self.fair_slack)  # as ``length`` computes it
+        k = 0
+        while k < limit and cost.ms(base_tokens + k + 1) <= ceiling:
+            k += 1
+        return k
 
     def length(self, cost: DecodeCost, rate: float | Sequence[float], available: int, *, base_tokens: int,
                base_yield: int, shared: bool) -> int:

@@ -81,10 +81,16 @@ class DecodeCost:
         self._max = max_tokens
         self._ms: dict[int, float] = {}
         self._sizes: list[int] = []
+        # ``ms`` by batch size since the last ``observe``: a step asks for
+        # the same sizes once per sequence that may draft (the planner's
+        # every draft length), and the estimate only moves when a decode is
+        # observed (once a step).
+        self._memo: dict[int, float] = {}
 
     def observe(self, n_tokens: int, ms: float) -> None:
         if not 0 < n_tokens <= self._max:
             return
+        self._memo.clear()
         old = self._ms.get(n_tokens)
         if old is None:
             bisect.insort(self._sizes, n_tokens)
@@ -94,6 +100,12 @@ class DecodeCost:
 
     def ms(self, n_tokens: int) -> float:
         """The expected decode time of a batch of ``n_tokens``."""
+        got = self._memo.get(n_tokens)
+        if got is None:
+            got = self._memo[n_tokens] = self._estimate(n_tokens)
+        return got
+
+    def _estimate(self, n_tokens: int) -> float:
         n = max(1, n_tokens)
         got = self._ms.get(n)
         if got is not None:

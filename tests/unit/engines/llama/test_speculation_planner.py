@@ -4,10 +4,10 @@ fairness rule, and resting after failed drafts."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmspd.engines.llama.speculation import Draft, NgramIndex, Planner, SequenceSpeculation
+from lmspd.engines.llama.speculation import Draft, NgramIndex, Planner, Proposal, SequenceSpeculation
 from lmspd.engines.llama.stepcost import DecodeCost, HostCost
 
 
@@ -275,3 +275,143 @@ def test_a_sequence_whose_drafts_fail_more_than_estimated_drafts_less():
         spec.verified(Draft("ngram", before.tokens[:4], before.rates[:4]), 0)
     after = spec.candidate([], 8)
     assert after is not None and after.rates[0] < before.rates[0] * 0.7
+
+
+# -- the index's tables against a scan of the tokens themselves --------------------------------
+
+
+def _scanned(tokens: list[int], tail: list[int], k: int, sizes: tuple[int, ...], floor: float) -> Proposal:
+    """What ``NgramIndex.propose`` must answer, found by scanning every
+    earlier occurrence in ``tokens`` (no tables, nothing cached): at each
+    position the longest n-gram of the context that occurred with a
+    continuation proposes what followed its latest occurrence, at the best
+    of each size's count of that continuation over its occurrences."""
+    cap = 16
+    cur = tokens[-cap:] + tail
+    draft: list[int] = []
+    rates: list[float] = []
+    matched = 0
+    chance = 1.0
+    for _ in range(k):
+        ends_by_size = []
+        for size in sizes:
+            if len(cur) < size:
+                continue
+            ends = [e for e in range(size, len(tokens)) if tokens[e - size:e] == cur[-size:]]
+            if ends:
+                ends_by_size.append(ends)
+        if not ends_by_size:
+            break
+        e = ends_by_size[0][-1]
+        token = tokens[e]
+        m = 0
+        while m < cap and m < e and m < len(cur) and tokens[e - 1 - m] == cur[-1 - m]:
+            m += 1
+        pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
+        rate = 0.0
+        for ends in ends_by_size:
+            rate = max(rate, sum(1 for x in ends if tokens[x] == token) / (len(ends) + pseudo))
+        if not draft:
+            matched = m
+        draft.append(token)
+        rates.append(rate)
+        cur.append(token)
+        chance *= rate
+        if chance < floor:
+            break
+    return Proposal(draft, rates, matched)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=80), st.lists(st.integers(1, 12), min_size=1, max_size=12),
+       st.lists(st.integers(0, 4), max_size=2), st.integers(1, 8), st.sampled_from([0.0, 0.02, 0.3]))
+def test_an_index_kept_up_step_by_step_proposes_what_a_scan_of_the_tokens_gives(text, chunks, tail, k, floor):
+    """The index is updated in place as tokens arrive (a chunk at a prefill
+    step, one at a decoding step, some steps asking nothing) and answers
+    from its tables, after a probe that may answer 'no match' alone: after
+    every arrival its proposal equals a scan of the tokens, and its tables
+    those of an index built afresh. A table gone stale (a count, a latest
+    end not moved on, a probe that misses) fails this."""
+    sizes = (4, 2)
+    tokens: list[int] = []
+    index = NgramIndex(tokens, sizes=sizes)
+    at = 0
+    for i, chunk in enumerate(chunks):
+        tokens.extend(text[at:at + chunk])
+        at += chunk
+        if i % 3 == 2:
+            index.keep_up()  # a step that drafts nothing (``pass_step``)
+            continue
+        want = _scanned(tokens, tail, k, sizes, floor)
+        assert index.propose(tail, k, floor=floor) == want
+        got = index.propose_or_none(tail, k, floor=floor)
+        assert got == (want if want.tokens else None)
+        fresh = NgramIndex(list(tokens), sizes=sizes)
+        fresh.keep_up()
+        assert index._maps == fresh._maps and index._done == fresh._done
+
+
+@given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(0, 3), max_size=2), st.integers(1, 8),
+       st.integers(0, 14))
+def test_a_resting_sequences_minimum_match_answers_as_the_whole_proposal_would(tokens, tail, k, min_match):
+    """``propose_or_none(min_match=)`` stops at the first position where
+    the match is too short: None exactly where the proposal is empty or its
+    match shorter, the proposal itself otherwise."""
+    index = NgramIndex(tokens, sizes=(6, 3))
+    whole = index.propose(tail, k, floor=0.0)
+    got = index.propose_or_none(tail, k, floor=0.0, min_match=min_match)
+    assert got == (whole if whole.tokens and whole.matched >= min_match else None)
+
+
+def test_a_cut_back_token_list_is_indexed_afresh():
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    index = NgramIndex(tokens, sizes=(2,))
+    assert index.propose([], 2, floor=0.0).tokens == [3, 5]
+    del tokens[4:]
+    tokens += [9, 9, 1, 2]
+    assert index.propose([], 2, floor=0.0) == _scanned(tokens, [], 2, (2,), 0.0)
+    fresh = NgramIndex(list(tokens), sizes=(2,))
+    fresh.keep_up()
+    assert index._maps == fresh._maps
+
+
+@given(st.lists(st.tuples(st.integers(1, 40), st.floats(1.0, 500.0)), max_size=12), st.integers(1, 60))
+def test_decode_cost_remembers_estimates_only_until_the_next_observation(observations, size):
+    """``DecodeCost.ms`` keeps its answers between observations: after each
+    observation every size is estimated as by a cost that never answered
+    before."""
+    cost = DecodeCost()
+    seen: list[tuple[int, float]] = []
+    for n, ms in observations:
+        cost.ms(size)
+        cost.ms(n)
+        cost.observe(n, ms)
+        seen.append((n, ms))
+        fresh = DecodeCost()
+        for m, v in seen:
+            fresh.observe(m, v)
+        assert cost.ms(size) == fresh.ms(size) and cost.ms(n) == fresh.ms(n)
+
+
+@given(st.integers(1, 80), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=16), st.integers(1, 16),
+       st.booleans(), st.sampled_from(["cpu", "gpu", "prior", "noisy"]))
+def test_a_draft_cut_to_the_steps_room_gets_the_length_the_whole_draft_gets(base, rates, limit, shared, machine):
+    """The scheduler asks a sequence for at most ``Planner.room`` tokens:
+    ``length`` never gives more, and gives the shorter draft what it gives
+    the whole one (0 where the room is 0)."""
+    cost = CpuCost() if machine == "cpu" else DecodeCost()
+    if machine == "gpu":
+        for n in (1, 2, 4, 8, 16, 32):
+            cost.observe(n, 8.0 + n * 0.01)
+    if machine == "noisy":  # a bigger batch measured cheaper than a smaller one
+        for n, ms in ((1, 11), (4, 30), (5, 26), (16, 71), (200, 400)):
+            cost.observe(n, ms)
+    planner = Planner()
+    available = min(limit, len(rates))
+    whole = planner.length(cost, rates, available, base_tokens=base, base_yield=base, shared=shared)
+    room = planner.room(cost, limit, base_tokens=base, shared=shared)
+    assert whole <= room
+    cut = planner.length(cost, rates[:room], min(room, available), base_tokens=base, base_yield=base, shared=shared)
+    assert cut == whole
+    if shared:
+        assert (room == 0) == planner.no_room(cost, base)
