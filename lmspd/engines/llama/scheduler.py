@@ -788,7 +788,7 @@ class Scheduler:
         # most; where one more token already costs more than that (a CPU
         # decoding several sequences), ``Planner.length`` gives every
         # candidate 0, and asking for the candidates (the grammar's forced
-        # tokens, the n-gram search: ~30 µs a sequence) buys nothing.
+        # tokens, the n-gram walk) buys nothing.
         closed = shared and planner.no_room(self.decode_cost, n)
         for run in drafting:
             spec = run.spec
