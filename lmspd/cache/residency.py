@@ -47,6 +47,13 @@ from .tiers import CacheStats, Tiers
 # Alignment points a state keeps (two a turn): a branch resumes from one of
 # the last few turns.
 MAX_ALIGNED = 64
+# The largest state ``capture_ahead`` takes. A request that arrives during a
+# capture ahead waits for it, and the guess may be wrong (the sequence's own
+# session comes back and continues it in place): a few ms of copying is
+# worth it for a short request's first token; a long agent context's
+# hundreds of MB (a 20k-token context of an 8B model is ~2.6 GB) are
+# captured on placement, if that placement ever comes.
+AHEAD_MAX_BYTES = 64 << 20
 
 
 @dataclass
@@ -88,6 +95,9 @@ class Residency:
         # The state ``capture_ahead`` last looked at (kept or not: once),
         # weakly: its bytes are not held for it once nothing else holds them.
         self._looked_at: weakref.ref[SessionState] | None = None
+        # KV bytes per token, from the last capture (None: none yet): what a
+        # capture ahead would copy, known before copying it.
+        self._bytes_per_token: float | None = None
 
     def by_recency(self) -> list[SessionState]:
         """The states the sequences hold, the most recently used first."""
@@ -262,7 +272,8 @@ class Residency:
         not kept yet, and not looked at before. Not an open connection's
         (all sequences are, then: each most likely continues), nor the most
         recently used sequence (with one sequence, or only one idle, the
-        next turn most likely continues it in place)."""
+        next turn most likely continues it in place), nor a state larger
+        than ``AHEAD_MAX_BYTES`` (at the last capture's bytes per token)."""
         if not self.enabled:
             return None
         r = self.target(None)
@@ -270,6 +281,8 @@ class Residency:
                 self._looked_at is not None and self._looked_at() is r.state):
             return None
         if all(o is r or o.last_used < r.last_used for o in self.residents):
+            return None
+        if self._bytes_per_token is not None and self._bytes_per_token * len(r.tokens) > AHEAD_MAX_BYTES:
             return None
         return r
 
@@ -310,14 +323,20 @@ class Residency:
         """``state``'s KV bytes, from ``seq`` which holds all of it."""
         state.kv = self.ops.capture(seq)
         state.floor = self.ops.floor(seq, len(state.tokens))
+        self._learn_size(state.kv, len(state.tokens))
+
+    def _learn_size(self, kv: bytes | bytearray | None, n_tokens: int) -> None:
+        if kv and n_tokens:
+            self._bytes_per_token = len(kv) / n_tokens
 
     def _captured(self, seq: int, owner: str, visible: str | None = None,
                   boundary: str | None = None) -> SessionState:
         """A new state of what ``seq`` holds now, its KV captured."""
         tokens = list(self.residents[seq].tokens)
+        kv = self.ops.capture(seq)
+        self._learn_size(kv, len(tokens))
         return SessionState(tokens=tokens, kv_text=self.ops.detokenize(tokens), visible=visible,
-                            kv=self.ops.capture(seq), owner=owner, floor=self.ops.floor(seq, len(tokens)),
-                            boundary=boundary)
+                            kv=kv, owner=owner, floor=self.ops.floor(seq, len(tokens)), boundary=boundary)
 
     # -- exact-state checkpoints (scheduler thread) --------------------------------
 

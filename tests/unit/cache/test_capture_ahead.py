@@ -69,6 +69,28 @@ def test_the_least_recently_used_state_is_kept_ahead_and_placement_does_not_capt
     assert cache.stats.ram_restores == 1
 
 
+def test_a_state_too_big_to_capture_ahead_is_left_to_placement(cache, monkeypatch):
+    """A request arriving during a capture ahead waits for it: a state whose
+    bytes (at the last capture's bytes per token) exceed the cap is captured
+    on placement only, as before."""
+    from lmspd.cache import residency
+
+    states = four_sessions(cache)
+    cache.capture_ahead()  # teaches the bytes per token: b"kv-of-0" over sequence 0's tokens
+    assert captures(cache) == [0]
+    req = request(cache, "<|im_start|>user\nsomething new<|im_end|>\n")
+    cache.apply(cache.plan(req), req)  # sequence 0 taken; sequence 1 is next
+    per_token = len(b"kv-of-0") / len(states[0].tokens)
+    monkeypatch.setattr(residency, "AHEAD_MAX_BYTES", int(per_token * len(states[1].tokens)) - 1)
+    assert not cache.capture_ahead_due()
+    cache.capture_ahead()
+    assert captures(cache) == [0], "not captured ahead"
+    monkeypatch.setattr(residency, "AHEAD_MAX_BYTES", int(per_token * len(states[1].tokens)) + 1)
+    assert cache.capture_ahead_due()
+    cache.capture_ahead()
+    assert captures(cache) == [0, 1]
+
+
 def test_nothing_is_captured_ahead_while_a_sequence_is_free(cache):
     for seq in range(3):
         hold(cache, seq, turn(cache, f"<|im_start|>user\nold {seq}<|im_end|>"), last_used=seq + 1)
