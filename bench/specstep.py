@@ -20,8 +20,16 @@ kept): with ``--baseline REF`` that ref's code replays the same streams in a
 child process, and an equal hash shows that both made exactly the same
 drafts.
 
+With ``--memory`` (no model, no replay): what the n-gram index of one
+sequence holds, by tracemalloc, per indexed token — over 16,384 random
+tokens (every n-gram new: a full window of text that does not repeat) and
+over a module repeated 12 times (split into words and signs, numbered in
+order of appearance) — and how long indexing it takes, for this checkout
+and ``--baseline``'s.
+
     .venv/bin/python bench/specstep.py
     .venv/bin/python bench/specstep.py --baseline main
+    .venv/bin/python bench/specstep.py --memory --baseline main
 """
 
 from __future__ import annotations
@@ -146,7 +154,55 @@ def _measure(streams_path: str, reps: int, steps: int) -> list[dict[str, Any]]:
     return out
 
 
+def _memory_texts() -> dict[str, list[int]]:
+    import random
+    import re
+
+    rng = random.Random(0)
+    module = (ROOT / "lmspd" / "engines" / "llama" / "stepcost.py").read_text()
+    ids: dict[str, int] = {}
+    words = [ids.setdefault(w, 1000 + len(ids)) for w in re.findall(r"\w+|\S", module)]
+    return {"random 16384": [rng.randrange(49152) for _ in range(16384)], "module x12": words * 12}
+
+
+def _memory() -> list[dict[str, Any]]:
+    import gc
+    import tracemalloc
+
+    from lmspd.engines.llama.speculation import NgramIndex
+
+    out = []
+    for name, text in _memory_texts().items():
+        tokens = list(text)  # allocated before tracing: the sequence owns them, not the index
+        gc.collect()
+        tracemalloc.start()
+        index = NgramIndex(tokens)
+        index.catch_up(1 << 30)
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert index._done == len(tokens) - 1
+        del index
+        # And how long indexing the text takes, untraced (best of 5).
+        best = float("inf")
+        for _ in range(5):
+            index = NgramIndex(tokens)
+            t0 = time.perf_counter()
+            index.catch_up(1 << 30)
+            best = min(best, time.perf_counter() - t0)
+            del index
+        out.append({"text": name, "tokens": len(tokens), "bytes": size, "per_token": round(size / len(tokens), 1),
+                    "us_per_token": round(best / len(tokens) * 1e6, 2)})
+    return out
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_memory":  # the child: ROOT
+        sys.path.insert(0, sys.argv[2])
+        import lmspd
+
+        assert Path(lmspd.__file__).resolve().is_relative_to(Path(sys.argv[2]).resolve()), lmspd.__file__
+        print(json.dumps(_memory()))
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "_measure":  # the child: ROOT STREAMS REPS STEPS
         sys.path.insert(0, sys.argv[2])
         import lmspd
@@ -159,7 +215,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2, help="this and the baseline alternate, round by round")
+    parser.add_argument("--memory", action="store_true", help="the index's memory per indexed token instead")
     args = parser.parse_args()
+    if args.memory:
+        return _memory_main(args.baseline)
     with tempfile.TemporaryDirectory(prefix="lmspd-bench-specstep-") as tmp_name:
         tmp = Path(tmp_name)
         streams = tmp / "streams.json"
@@ -187,6 +246,29 @@ def main() -> int:
             row = min(rows, key=lambda r: r["us"])
             cells.append(f"{row['us']} | {row['drafts']} | {row['kept']} | {row['trace']}")
         print(f"| {kind}-{nseq} {shape} | " + " | ".join(cells) + " |")
+    return 0
+
+
+def _memory_main(baseline: str | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="lmspd-bench-specstep-") as tmp_name:
+        roots = {"this": ROOT}
+        if baseline:
+            sys.path.insert(0, str(ROOT))
+            from bench._common import git_tree
+
+            roots[baseline] = git_tree(baseline, Path(tmp_name) / "base")
+        results = {}
+        for name, root in roots.items():
+            cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "_memory", str(root)]
+            results[name] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    print("## specstep --memory — the n-gram index of one sequence (sizes 6, 3): tracemalloc, and µs per token"
+          " to index it (untraced, best of 5)\n")
+    print("| text | tokens | " + " | ".join(f"{n} bytes/token | {n} MB | {n} µs/token" for n in roots) + " |")
+    print("|---|---|" + "---|---|---|" * len(roots))
+    for i, row in enumerate(results["this"]):
+        cells = [f"{results[n][i]['per_token']} | {results[n][i]['bytes'] / 1e6:.2f} | {results[n][i]['us_per_token']}"
+                 for n in roots]
+        print(f"| {row['text']} | {row['tokens']} | " + " | ".join(cells) + " |")
     return 0
 
 

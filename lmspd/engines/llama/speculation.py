@@ -57,15 +57,26 @@ def speculation_mode(requested: str, kv: "SequenceKv") -> str:
     return requested if kv.trimmable else "off"
 
 
-# One n-gram's record in ``NgramIndex``: ``[end, seen, follows]`` — where it
-# last ended (exclusive), how often it occurred with a continuation, and
-# {next token: how often}. One probe of one table finds all three: they were
-# three tables keyed alike, the continuations keyed by a tuple one token
-# longer (built for every token indexed and every draft position), and
-# indexing each decoded token was most of what speculation cost a step that
-# drafts nothing. A plain list: a new n-gram (most of a long prompt's) costs
-# one small allocation, not an object's ``__init__``.
-Entry = list[Any]
+# One n-gram's record in ``NgramIndex``, in the smallest form that says it:
+#
+# - seen once: a plain int, where it ended (exclusive): it was followed by
+#   ``tokens[end]`` once. Most n-grams of a long prompt or of free text are
+#   seen once, and the index of a full window is mostly these: the key's
+#   tuple and an int shared by every size's table, no object of its own;
+# - seen again: ``[end, seen, follows]`` — where it last ended, how often it
+#   occurred with a continuation, and ``follows``: while every occurrence
+#   had the same continuation, that token (a plain int: its count is
+#   ``seen``, since each occurrence with a continuation counts once in
+#   both), and from the second distinct token on, {next token: how often}.
+#
+# A ``{token: 1}`` dict per entry was most of the index's memory (853 bytes
+# per indexed token of text where every n-gram is new, bench/README.md);
+# the forms are told apart by ``.__class__ is int``, one pointer compare.
+# One probe of one table finds all of an entry (they were three tables keyed
+# alike, the continuations keyed by a tuple one token longer, built for every
+# token indexed and every draft position); a list, not an object: a repeated
+# n-gram costs one small allocation, not an ``__init__``.
+Entry = Any  # int | list[Any]
 _END, _SEEN, _FOLLOWS = 0, 1, 2
 
 
@@ -98,7 +109,7 @@ class NgramIndex:
                  per_step: int = 256) -> None:
         self.tokens = tokens
         self.sizes = sizes
-        # Per size (in ``sizes``' order): n-gram -> its ``Entry``.
+        # Per size (in ``sizes``' order): n-gram -> its ``Entry`` (an int where seen once).
         self._maps: list[dict[tuple[int, ...], Entry]] = [{} for _ in sizes]
         self._tables = list(zip(sizes, self._maps, strict=True))
         self._shortest = min(range(len(sizes)), key=lambda i: sizes[i])
@@ -128,12 +139,21 @@ class NgramIndex:
                 key = ngram[-size:]
                 entry = table.get(key)
                 if entry is None:
-                    table[key] = [e, 1, {token: 1}]
+                    table[key] = e  # seen once: followed by toks[e]
+                    continue
+                if entry.__class__ is int:  # seen a second time
+                    first = toks[entry]
+                    table[key] = [e, 2, token if first == token else {first: 1, token: 1}]
                     continue
                 entry[_END] = e
-                entry[_SEEN] += 1
+                seen = entry[_SEEN]
+                entry[_SEEN] = seen + 1
                 follows = entry[_FOLLOWS]
-                follows[token] = follows.get(token, 0) + 1
+                if follows.__class__ is int:
+                    if follows != token:  # the second distinct continuation
+                        entry[_FOLLOWS] = {follows: seen, token: 1}
+                else:
+                    follows[token] = follows.get(token, 0) + 1
         self._done = max(self._done, end)
 
     def keep_up(self) -> None:
@@ -189,7 +209,7 @@ class NgramIndex:
                 entry = table.get(ngram[-size:])
                 if entry is not None:
                     if e < 0:
-                        e = entry[_END]
+                        e = entry if entry.__class__ is int else entry[_END]
                     found.append(entry)
             if e < 0:
                 break
@@ -211,7 +231,19 @@ class NgramIndex:
             pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
             rate = 0.0
             for entry in found:
-                r = entry[_FOLLOWS].get(token, 0) / (entry[_SEEN] + pseudo)
+                if entry.__class__ is int:  # seen once, followed by toks[entry]
+                    if toks[entry] != token:
+                        continue
+                    r = 1 / (1 + pseudo)
+                else:
+                    follows = entry[_FOLLOWS]
+                    seen = entry[_SEEN]
+                    if follows.__class__ is int:  # one continuation, ``seen`` times
+                        if follows != token:
+                            continue
+                        r = seen / (seen + pseudo)
+                    else:
+                        r = follows.get(token, 0) / (seen + pseudo)
                 if r > rate:
                     rate = r
             draft.append(token)

@@ -351,6 +351,36 @@ def test_an_index_kept_up_step_by_step_proposes_what_a_scan_of_the_tokens_gives(
         assert index._maps == fresh._maps and index._done == fresh._done
 
 
+def test_an_ngram_seen_once_then_with_one_continuation_then_with_another_rates_as_the_scan():
+    """An n-gram's entry changes form as it recurs (``Entry``): its end
+    alone while seen once, its one continuation inline while every
+    occurrence had the same, a dict from the second distinct continuation
+    on. At each form the rates equal the scan's, and the tables those of an
+    index built afresh."""
+    sizes = (3,)
+    tokens: list[int] = []
+    index = NgramIndex(tokens, sizes=sizes)
+    arrivals = [[1, 2, 3, 7]] + [[0, 1, 2, 3, 7]] * 3 + [[0, 1, 2, 3, 8]] + [[0, 1, 2, 3, 7]] * 2 + [[0, 1, 2, 3]]
+    forms = []
+    for chunk in arrivals:
+        for token in chunk:
+            tokens.append(token)
+            for tail in ([], [1, 2, 3], [2, 3]):
+                want = _scanned(tokens, tail, 4, sizes, 0.0)
+                assert index.propose(tail, 4, floor=0.0) == want
+            fresh = NgramIndex(list(tokens), sizes=sizes)
+            fresh.keep_up()
+            assert index._maps == fresh._maps
+        entry = index._maps[0].get((1, 2, 3))
+        forms.append(entry if entry is None or isinstance(entry, int) else type(entry[2]).__name__)
+    # Seen once (its end: 7 at 3), then 7 inline three times, then a dict from the 8 on.
+    assert forms == [3, "int", "int", "int", "dict", "dict", "dict", "dict"]
+    assert index._maps[0][(1, 2, 3)][1:] == [7, {7: 6, 8: 1}]
+    # The context ends "1 2 3": 7 followed it 6 times of 7 (the latest occurrence was followed by 7).
+    got = index.propose([], 1, floor=0.0)
+    assert got.tokens == [7] and got.rates[0] == _scanned(tokens, [], 1, sizes, 0.0).rates[0]
+
+
 @given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(0, 3), max_size=2), st.integers(1, 8),
        st.integers(0, 14))
 def test_a_resting_sequences_minimum_match_answers_as_the_whole_proposal_would(tokens, tail, k, min_match):
