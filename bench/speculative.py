@@ -289,7 +289,16 @@ def summary(rounds: list[list[Run]]) -> dict[str, Any]:
                     drafted[source] = drafted.get(source, 0) + counts["drafted"]
                     accepted[source] = accepted.get(source, 0) + (counts.get("accepted") or 0)
     acc = " ".join(f"{s} {accepted[s]}/{drafted[s]}" for s in drafted if drafted[s]) or "-"
-    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds]}
+    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds],
+            "rounds_tps": tps}
+
+
+def paired_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float]:
+    """``a``'s tok/s over ``b``'s, round by round: the two ran one after the
+    other (``measure_alternating``), under nearly the same load."""
+    if not a or not b:
+        return []
+    return [x / y for x, y in zip(a["rounds_tps"], b["rounds_tps"], strict=False) if x and y]
 
 
 def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
@@ -301,7 +310,7 @@ def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def show(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k != "texts"}
+    return {k: v for k, v in result.items() if k not in ("texts", "rounds_tps")}
 
 
 def fmt(v: float | None, spec: str = "{:.1f}") -> str:
@@ -412,6 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     print("(tok/s: output tokens after the first over first-to-last delta, median of rounds; mixed: all "
           "sessions' tokens over the round's span; TTFT: the slowest session's; same: rounds in which auto "
           "wrote exactly off's text)")
+    # A median of a few rounds on a shared 2-core machine moves by more than
+    # the few percent looked for (bench/README.md, speculative.py, chat at
+    # 0.7): each round's auto/off, the two run back to back, shows how far.
+    print("auto/off round by round (each round's auto and off back to back): min median max")
+    for scenario in scenarios:
+        for temp in temps:
+            a, o = results.get((scenario, temp, "auto")), results.get((scenario, temp, "off"))
+            ratios = paired_ratios(a, o)
+            if a and o and ratios:
+                pairs = " ".join(f"{fmt(x)}/{fmt(y)}" for x, y in zip(a["rounds_tps"], o["rounds_tps"], strict=False))
+                print(f"  {scenario:<8}{temp:>5}  {min(ratios):.2f}x {statistics.median(ratios):.2f}x "
+                      f"{max(ratios):.2f}x  (tok/s auto/off: {pairs})")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
