@@ -25,7 +25,11 @@ bit-identical logits to a single token, so a near-tie can go the other way
 runs its three n-gram modes (``ngram_simple``, ``ngram_mod``,
 ``ngram_map_k``) on ``edit`` at temperature 0 first; the best of them is the
 column, named in the output. Without ``xllamacpp`` installed that column is
-skipped.
+skipped. ``auto`` and ``off`` are two server processes, which differ by several
+percent with the same code (two ``off`` servers: 1.08x over ten rounds);
+``--off-in-auto`` makes ``off`` the auto server's own requests with
+``lmspd.speculative: false``, for a difference of a few percent. Each round's
+auto/off (the two back to back) is printed after the table.
 
   python bench/speculative.py                       # everything, bundled model
   python bench/speculative.py --model M.gguf --scenarios edit,chat --threads 8
@@ -239,7 +243,8 @@ def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int,
 
 
 def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], rounds: int,
-                        seed: int | None, settle_s: float) -> dict[str, list[list[Run]]]:
+                        seed: int | None, settle_s: float,
+                        extensions: dict[str, dict[str, Any]] | None = None) -> dict[str, list[list[Run]]]:
     """``measure`` on several lmspd servers at once, round by round in
     turn (the first server of a round rotates), so that the machine's load
     drifting during the run weighs on every system alike. Before each
@@ -248,18 +253,23 @@ def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], roun
     prefill (40 ms otherwise). Why was not found: the server that had just
     answered used 0.03 s of CPU after its turn; two llama.cpp threads that
     share their cores with anything stall at every barrier, so any
-    neighbour's burst would do it. With the pause it did not recur."""
+    neighbour's burst would do it. With the pause it did not recur.
+    ``extensions``: by name, added to that name's requests (two names may
+    share a server: ``--off-in-auto``)."""
     out: dict[str, list[list[Run]]] = {name: [] for name in urls}
     names = list(urls)
+    extra = extensions or {}
+    per_name = {name: [{**b, "extensions": {**b.get("extensions", {}), **extra[name]}} for b in bodies]
+                if name in extra else bodies for name in names}
     with httpx.Client(timeout=600) as client:
         for name in names:  # round 0 warms each server's prompt cache
             time.sleep(settle_s)
-            one_round("lmspd", client, urls[name], bodies, 0, seed)
+            one_round("lmspd", client, urls[name], per_name[name], 0, seed)
         for r in range(1, rounds + 1):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 time.sleep(settle_s)
-                out[name].append(one_round("lmspd", client, urls[name], bodies, r, seed))
+                out[name].append(one_round("lmspd", client, urls[name], per_name[name], r, seed))
     return out
 
 
@@ -289,7 +299,16 @@ def summary(rounds: list[list[Run]]) -> dict[str, Any]:
                     drafted[source] = drafted.get(source, 0) + counts["drafted"]
                     accepted[source] = accepted.get(source, 0) + (counts.get("accepted") or 0)
     acc = " ".join(f"{s} {accepted[s]}/{drafted[s]}" for s in drafted if drafted[s]) or "-"
-    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds]}
+    return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds],
+            "rounds_tps": tps}
+
+
+def paired_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float]:
+    """``a``'s tok/s over ``b``'s, round by round: the two ran one after the
+    other (``measure_alternating``), under nearly the same load."""
+    if not a or not b:
+        return []
+    return [x / y for x, y in zip(a["rounds_tps"], b["rounds_tps"], strict=False) if x and y]
 
 
 def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
@@ -301,7 +320,7 @@ def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def show(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k != "texts"}
+    return {k: v for k, v in result.items() if k not in ("texts", "rounds_tps")}
 
 
 def fmt(v: float | None, spec: str = "{:.1f}") -> str:
@@ -327,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's n-gram mode, not probed (a run split by scenario: the first run's pick)")
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds idle before each round of the alternating lmspd servers")
+    ap.add_argument("--off-in-auto", action="store_true",
+                    help="off = the auto server's own requests with lmspd.speculative false (one process: "
+                         "two server processes differ by several percent with the same code)")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     model = args.model or bundled_model_path()
@@ -350,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     # The lmspd servers run side by side (one request at a time between
     # them): their rounds alternate. ``base``: --baseline's code, auto.
     sources: dict[str, tuple[str, Path | None]] = {"auto": ("auto", None), "off": ("off", None)}
+    if args.off_in_auto:
+        del sources["off"]
     if args.baseline:
         sources["base"] = ("auto", git_tree(args.baseline, work / "baseline"))
         systems.append("base")
@@ -362,9 +386,12 @@ def main(argv: list[str] | None = None) -> int:
             srv.start()
         for scenario in scenarios:
             for temp in temps:
-                got = measure_alternating({mode: srv.url for mode, srv in servers.items()},
-                                          bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle)
-                for mode in servers:
+                urls = {mode: srv.url for mode, srv in servers.items()}
+                if args.off_in_auto:
+                    urls["off"] = servers["auto"].url
+                got = measure_alternating(urls, bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle,
+                                          {"off": {"lmspd.speculative": False}} if args.off_in_auto else None)
+                for mode in urls:
                     results[(scenario, temp, mode)] = summary(got[mode])
                     print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {show(results[(scenario, temp, mode)])}",
                           flush=True)
@@ -412,6 +439,18 @@ def main(argv: list[str] | None = None) -> int:
     print("(tok/s: output tokens after the first over first-to-last delta, median of rounds; mixed: all "
           "sessions' tokens over the round's span; TTFT: the slowest session's; same: rounds in which auto "
           "wrote exactly off's text)")
+    # A median of a few rounds on a shared 2-core machine moves by more than
+    # the few percent looked for (bench/README.md, speculative.py, chat at
+    # 0.7): each round's auto/off, the two run back to back, shows how far.
+    print("auto/off round by round (each round's auto and off back to back): min median max")
+    for scenario in scenarios:
+        for temp in temps:
+            a, o = results.get((scenario, temp, "auto")), results.get((scenario, temp, "off"))
+            ratios = paired_ratios(a, o)
+            if a and o and ratios:
+                pairs = " ".join(f"{fmt(x)}/{fmt(y)}" for x, y in zip(a["rounds_tps"], o["rounds_tps"], strict=False))
+                print(f"  {scenario:<8}{temp:>5}  {min(ratios):.2f}x {statistics.median(ratios):.2f}x "
+                      f"{max(ratios):.2f}x  (tok/s auto/off: {pairs})")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
