@@ -164,16 +164,23 @@ def test_a_kept_state_whose_sequence_no_longer_holds_its_tokens_is_captured_agai
     assert captures(cache) == [0, 0] and states[0].kv == b"v2"
 
 
-def test_capture_ahead_without_a_disk_takes_only_the_room_the_ram_budget_has_left(vocab):
-    """What it would push out of RAM would be lost, for a sequence that may
-    never be taken: placement captures it then, as before."""
-    cache = make_cache(vocab, n_seq=2)
+def an_old_state_in_ram_beside_two_sessions(cache) -> tuple[SessionState, list[SessionState]]:
+    """A state kept in RAM (100 bytes of KV), and two sequences holding a
+    finished turn each, sequence 0 the least recently used."""
     old = turn(cache, "<|im_start|>user\nkept in RAM<|im_end|>")
     old.kv = b"x" * 100
     cache.tiers.remember(old)
     states = [turn(cache, f"<|im_start|>user\nsession {seq}<|im_end|>") for seq in range(2)]
     for seq, state in enumerate(states):
         hold(cache, seq, state, last_used=seq + 1)
+    return old, states
+
+
+def test_capture_ahead_without_a_disk_takes_only_the_room_the_ram_budget_has_left(vocab):
+    """What it would push out of RAM would be lost, for a sequence that may
+    never be taken: placement captures it then, as before."""
+    cache = make_cache(vocab, n_seq=2)
+    old, states = an_old_state_in_ram_beside_two_sessions(cache)
     cache.ram_budget_bytes = old.nbytes + states[0].nbytes + len(b"kv-of-0") - 1
     assert cache.capture_ahead_due()
     cache.capture_ahead()
@@ -189,12 +196,7 @@ def test_capture_ahead_without_a_disk_takes_only_the_room_the_ram_budget_has_lef
 def test_capture_ahead_with_a_disk_pushes_out_to_disk_as_placement_does(vocab, tmp_path):
     disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
     cache = make_cache(vocab, n_seq=2, disk=disk)
-    old = turn(cache, "<|im_start|>user\nkept in RAM<|im_end|>")
-    old.kv = b"x" * 100
-    cache.tiers.remember(old)
-    states = [turn(cache, f"<|im_start|>user\nsession {seq}<|im_end|>") for seq in range(2)]
-    for seq, state in enumerate(states):
-        hold(cache, seq, state, last_used=seq + 1)
+    old, states = an_old_state_in_ram_beside_two_sessions(cache)
     cache.ram_budget_bytes = states[0].nbytes + len(b"kv-of-0")
     cache.capture_ahead()
     cache.flush()

@@ -42,6 +42,15 @@ def batches(engine, monkeypatch) -> list[set[int]]:
     return seen
 
 
+def slow_gather(engine, monkeypatch, *, gather_s: float) -> None:
+    """The gather and the preparations' windows in seconds, not
+    milliseconds, so that a loaded machine cannot break a test of them."""
+    monkeypatch.setattr(engine.scheduler, "gather_s", gather_s)
+    monkeypatch.setattr(engine.scheduler, "gather_max_s", 10.0)
+    monkeypatch.setattr(engine.preparations, "grace_s", 10.0)
+    monkeypatch.setattr(engine.preparations, "handoff_s", 10.0)
+
+
 def conv(text: str) -> Conversation:
     return Conversation(model="m", items=[Message("user", text)], max_output_tokens=3, sampling=Sampling(temperature=0))
 
@@ -55,10 +64,7 @@ def test_a_burst_reaching_the_scheduler_over_longer_than_gather_s_shares_the_fir
     # Seconds, not milliseconds, so that a loaded machine cannot break it:
     # each request arrives 0.3 s after the last, the burst over 0.9 s; a
     # gather of 0.6 s from its start (as before) would leave the last behind.
-    monkeypatch.setattr(engine.scheduler, "gather_s", 0.6)
-    monkeypatch.setattr(engine.scheduler, "gather_max_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "grace_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "handoff_s", 10.0)
+    slow_gather(engine, monkeypatch, gather_s=0.6)
     convs = [conv(f"Name a {thing}.") for thing in ("fruit", "colour", "tree", "bird")]
 
     async def go():
@@ -80,10 +86,7 @@ def test_a_burst_reaching_the_scheduler_over_longer_than_gather_s_shares_the_fir
 
 def test_a_lone_request_does_not_wait_for_the_gather(engine, batches, monkeypatch) -> None:
     # A gather that waited at all would wait seconds here.
-    monkeypatch.setattr(engine.scheduler, "gather_s", 5.0)
-    monkeypatch.setattr(engine.scheduler, "gather_max_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "grace_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "handoff_s", 10.0)
+    slow_gather(engine, monkeypatch, gather_s=5.0)
 
     async def first_token(prepared) -> float:
         t0 = time.monotonic()
@@ -114,10 +117,7 @@ def test_a_repeated_burst_keeps_each_prompt_in_place_and_shares_the_first_step(e
     # the next step, and the last of the four would find no sequence
     # (issue 30, decode16). With every sequence wanted, each keeps its
     # prompt in place.
-    monkeypatch.setattr(engine.scheduler, "gather_s", 0.6)
-    monkeypatch.setattr(engine.scheduler, "gather_max_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "grace_s", 10.0)
-    monkeypatch.setattr(engine.preparations, "handoff_s", 10.0)
+    slow_gather(engine, monkeypatch, gather_s=0.6)
     convs = [conv(f"Name a {thing}, and say in a few words why you like it best of all.")
              for thing in ("fruit", "colour", "tree", "bird")]
 
