@@ -6,6 +6,10 @@ Scenarios (each at temperature 0 and 0.7):
 
   edit     an edit turn: a ~1,500-token source file read by an earlier tool
            call; the reply writes the file again with one line changed
+  fenced   the same edit turn with the file read as a fenced block
+           (```python ... ```, as read tools often return a file): the
+           bundled model then copies the file at temperature 0, where after
+           ``edit``'s plain text it writes functions of its own
   patch    the same edit as a call of Codex's ``apply_patch`` custom tool
            (its Lark grammar; lmspd only: llama.cpp's server has no custom tools)
   call     a function call whose arguments repeat a long string of the prompt
@@ -25,7 +29,17 @@ bit-identical logits to a single token, so a near-tie can go the other way
 runs its three n-gram modes (``ngram_simple``, ``ngram_mod``,
 ``ngram_map_k``) on ``edit`` at temperature 0 first; the best of them is the
 column, named in the output. Without ``xllamacpp`` installed that column is
-skipped. ``auto`` and ``off`` are two server processes, which differ by several
+skipped. The chat-template column compares different prompts: llama.cpp's
+server renders the tool call and its result with its own template (the
+``tool`` role, no tool list), lmspd with its tool format (a
+``<tool_response>`` block in a user turn), and the model answers the two
+differently (on ``edit`` at temperature 0 it copies the file after
+llama.cpp's prompt, it writes other functions after lmspd's). So a second
+llama.cpp column, ``llama=``, gives its server lmspd's own prompt tokens
+(its ``/completion`` endpoint; for ``edit``, ``chat`` and ``mixed``, the
+scenarios without a tool call to constrain): the same text to decode, the
+drafting alone compared. Its n-gram mode is probed the same way, on
+``edit`` with lmspd's prompt. ``auto`` and ``off`` are two server processes, which differ by several
 percent with the same code (two ``off`` servers: 1.08x over ten rounds);
 ``--off-in-auto`` makes ``off`` the auto server's own requests with
 ``lmspd.speculative: false``, for a difference of a few percent. Each round's
@@ -64,7 +78,7 @@ from _common import (  # noqa: E402
 from constrained import APPLY_PATCH  # noqa: E402
 
 NGRAM_MODES = ("ngram_simple", "ngram_mod", "ngram_map_k")
-SCENARIOS = ("edit", "patch", "call", "chat", "mixed")
+SCENARIOS = ("edit", "fenced", "patch", "call", "chat", "mixed")
 PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
               "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
 WRITE_TOOL = {"type": "function", "name": "write_file", "description": "Write text to a file.",
@@ -87,11 +101,11 @@ NOTE = ("The shipping team wants every parcel above two kilograms insured, and t
         "at nine in the morning from the north gate, except on public holidays when it comes at noon.")
 
 
-def edit_input() -> list[dict[str, Any]]:
+def edit_input(fenced: bool = False) -> list[dict[str, Any]]:
     return [
         {"role": "user", "content": "Open inventory.py."},
         {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": '{"path": "inventory.py"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": FILE},
+        {"type": "function_call_output", "call_id": "call_1", "output": f"```python\n{FILE}```" if fenced else FILE},
         {"role": "user", "content": "Write out inventory.py again in full, exactly as it is, except that "
                                     "TIMEOUT = 30 becomes TIMEOUT = 60. Only the code."},
     ]
@@ -101,8 +115,8 @@ def requests(scenario: str) -> list[dict[str, Any]]:
     """The Responses bodies of one scenario (several for ``mixed``)."""
     tools = [{"type": "function", "name": "read_file", "description": "Read a file.",
               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
-    if scenario == "edit":
-        return [{"input": edit_input(), "tools": tools, "tool_choice": "none"}]
+    if scenario in ("edit", "fenced"):
+        return [{"input": edit_input(fenced=scenario == "fenced"), "tools": tools, "tool_choice": "none"}]
     if scenario == "patch":
         return [{"input": edit_input()[:-1] + [{"role": "user", "content":
                  "Change TIMEOUT = 30 to TIMEOUT = 60 in inventory.py with apply_patch."}],
@@ -122,6 +136,7 @@ class Run:
     output_tokens: int = 0
     decode: dict[str, Any] = field(default_factory=dict)
     text: str = ""
+    input_tokens: int | None = None
 
     @property
     def tps(self) -> float | None:
@@ -154,6 +169,7 @@ def stream_lmspd(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             response = data.get("response") or {}
             run.output_tokens = (response.get("usage") or {}).get("output_tokens") or 0
+            run.input_tokens = (response.get("usage") or {}).get("input_tokens")
             run.decode = (response.get("extensions") or {}).get("lmspd.decode") or {}
     return run
 
@@ -205,6 +221,81 @@ def stream_llama(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
     return run
 
 
+SAME_PROMPT = ("edit", "fenced", "chat", "mixed")  # no tool call: a raw completion decodes what lmspd does
+
+
+class LmspdPrompts:
+    """The prompt tokens lmspd's engine feeds the model for a Responses body:
+    the Responses dialect's decoding, then the engine's own rendering and
+    tokenizing, over the GGUF's vocabulary alone (no context is made)."""
+
+    def __init__(self, model: Path) -> None:
+        import llama_cpp
+        from llama_cpp import _internals as internals
+
+        from lmspd.cache.manager import ContinuationCache, KvOps
+        from lmspd.core.limits import DEFAULT_LIMITS
+        from lmspd.engines.llama.client_text import ClientText
+        from lmspd.engines.llama.models import fallback_template
+        from lmspd.engines.llama.preparation import Preparation
+        from lmspd.engines.llama.reasoning import ReasoningSyntax
+        from lmspd.engines.llama.template import ChatTemplate
+        from lmspd.engines.llama.tool_formats import detect_tool_format
+        from lmspd.engines.llama.vocab import Vocabulary
+
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        gguf = internals.LlamaModel(path_model=str(model), params=params, verbose=False)
+        vocab = Vocabulary(gguf)
+        meta = gguf.metadata()
+        source = meta.get("tokenizer.chat_template") or fallback_template(meta.get("general.architecture"))
+        template = ChatTemplate(source, bos_token=vocab.token_text(gguf.token_bos()),
+                                eos_token=vocab.token_text(gguf.token_eos()))
+        template.client_text = ClientText.from_vocab(vocab.vocab)
+        ops = KvOps(capture=lambda s: b"", restore=lambda s, d: True, copy=lambda a, b, n: None,
+                    trim=lambda s, k: None, tokenize=vocab.tokenize, detokenize=vocab.detokenize, n_ctx=1 << 20)
+        self.limits = DEFAULT_LIMITS.request
+        self.preparation = Preparation(model_id="m", vocab=vocab, template=template,
+                                       tool_format=detect_tool_format(source),
+                                       reasoning=ReasoningSyntax.detect(template), cache=ContinuationCache(ops),
+                                       n_ctx=1 << 20, limits=self.limits, sealer=None)
+        self._model = gguf  # the vocabulary's owner
+        self._known: dict[str, list[int]] = {}
+
+    def tokens(self, body: dict[str, Any]) -> list[int]:
+        from lmspd.dialects.openai_responses import decode_request
+
+        key = json.dumps(body, sort_keys=True)
+        if key not in self._known:
+            conversation = decode_request(body, self.limits).conversation
+            self._known[key] = self.preparation.prepare(conversation).tokens
+        return self._known[key]
+
+
+def stream_llama_same(client: httpx.Client, url: str, body: dict[str, Any], prompt: list[int]) -> Run:
+    """``body`` as lmspd's prompt tokens to llama.cpp's ``/completion``,
+    sampled as ``chat_body`` samples it (temperature and seed only)."""
+    run = Run(input_tokens=len(prompt))
+    req: dict[str, Any] = {"prompt": prompt, "n_predict": body["max_output_tokens"],
+                           "temperature": body["temperature"], "stream": True, "cache_prompt": True}
+    if body.get("seed") is not None:
+        req["seed"] = body["seed"]
+    t0 = time.perf_counter()
+    for _name, raw in post_sse(client, url + "/completion", req):
+        data = json.loads(raw)
+        now = time.perf_counter() - t0
+        if data.get("content"):
+            run.ttft_s = run.ttft_s if run.ttft_s is not None else now
+            run.last_s = now
+            run.text += data["content"]
+        timings = data.get("timings")
+        if isinstance(timings, dict):
+            run.output_tokens = timings.get("predicted_n") or run.output_tokens
+            if timings.get("draft_n") is not None:
+                run.decode = {"drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
+    return run
+
+
 def seeded(kind: str, body: dict[str, Any], seed: int) -> dict[str, Any]:
     """``body`` sampled with ``seed``: lmspd's ``lmspd.sampling`` extension,
     llama.cpp's own ``seed`` (added by ``chat_body``)."""
@@ -214,18 +305,24 @@ def seeded(kind: str, body: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def one_round(kind: str, client: httpx.Client, url: str, bodies: list[dict[str, Any]], r: int,
-              seed: int | None) -> list[Run]:
+              seed: int | None, prompts: LmspdPrompts | None = None) -> list[Run]:
     """The bodies at once (several: ``mixed``). ``seed``: at temperature,
     round ``r``'s ``i``-th body samples with ``seed + 10 r + i``, so that
     every system (and ``--speculative`` auto and off, which then take the
     same tokens wherever their logits agree) is measured on the same samples."""
-    stream = stream_lmspd if kind == "lmspd" else stream_llama
     runs: list[Run | None] = [None] * len(bodies)
 
     def one(i: int, body: dict[str, Any]) -> None:
+        if kind == "llama=":  # lmspd's prompt (seedless: the seed is not rendered)
+            assert prompts is not None
+            prompt = prompts.tokens(body)
+            if seed is not None and body.get("temperature"):
+                body = seeded(kind, body, seed + 10 * r + i)
+            runs[i] = stream_llama_same(client, url, body, prompt)
+            return
         if seed is not None and body.get("temperature"):
             body = seeded(kind, body, seed + 10 * r + i)
-        runs[i] = stream(client, url, body)
+        runs[i] = (stream_lmspd if kind == "lmspd" else stream_llama)(client, url, body)
 
     threads = [threading.Thread(target=one, args=(i, b)) for i, b in enumerate(bodies)]
     for t in threads:
@@ -236,10 +333,10 @@ def one_round(kind: str, client: httpx.Client, url: str, bodies: list[dict[str, 
 
 
 def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int,
-            seed: int | None = None) -> list[list[Run]]:
+            seed: int | None = None, prompts: LmspdPrompts | None = None) -> list[list[Run]]:
     """Each body once to warm the cache, then ``rounds`` times. Returns runs by round."""
     with httpx.Client(timeout=600) as client:
-        return [one_round(kind, client, url, bodies, r, seed) for r in range(rounds + 1)][1:]
+        return [one_round(kind, client, url, bodies, r, seed, prompts) for r in range(rounds + 1)][1:]
 
 
 def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], rounds: int,
@@ -300,7 +397,7 @@ def summary(rounds: list[list[Run]]) -> dict[str, Any]:
                     accepted[source] = accepted.get(source, 0) + (counts.get("accepted") or 0)
     acc = " ".join(f"{s} {accepted[s]}/{drafted[s]}" for s in drafted if drafted[s]) or "-"
     return {"tps": med(tps), "ttft": med(ttft), "acceptance": acc, "texts": [[r.text for r in runs] for runs in rounds],
-            "rounds_tps": tps}
+            "rounds_tps": tps, "input_tokens": [r.input_tokens for r in rounds[0]] if rounds else []}
 
 
 def paired_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float]:
@@ -320,7 +417,7 @@ def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def show(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k not in ("texts", "rounds_tps")}
+    return {k: v for k, v in result.items() if k not in ("texts", "rounds_tps", "input_tokens")}
 
 
 def fmt(v: float | None, spec: str = "{:.1f}") -> str:
@@ -399,25 +496,30 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()
 
-    llama_mode = None
+    llama_modes: dict[str, str] = {}
     if not args.no_llama:
         try:
             import xllamacpp  # noqa: F401
         except ImportError:
             print("xllamacpp is not installed: llama.cpp's column skipped", flush=True)
         else:
-            llama_mode = run_llama(args, model, scenarios, temps, bodies, results, work, seed)
-            systems.append("llama")
+            llama_modes = run_llama(args, model, scenarios, temps, bodies, results, work, seed)
+            systems += list(llama_modes)
 
     print()
     head = f"{'scenario':<8}{'temp':>5}"
     for s in systems:
         head += f"{s + ' tok/s':>13}{s + ' TTFT ms':>15}"
     head += f"{'auto/off':>10}" + (f"{'base/off':>10}" if "base" in systems else "")
-    head += (f"{'auto/llama':>12}" if "llama" in systems else "") + f"{'same':>6}"
+    head += "".join(f"{'auto/' + way:>13}" for way in llama_modes) + f"{'same':>6}"
+    head += f"{'llama=/off same':>16}" if "llama=" in llama_modes else ""
     head += "   acceptance (auto)"
-    if llama_mode:
-        print(f"llama = llama.cpp's server (xllamacpp) with {llama_mode}, the best of its n-gram modes here")
+    if "llama" in llama_modes:
+        print(f"llama = llama.cpp's server (xllamacpp), Chat Completions (its own chat template), with "
+              f"{llama_modes['llama']}, the best of its n-gram modes here")
+    if "llama=" in llama_modes:
+        print(f"llama= = the same server on lmspd's prompt tokens (/completion), with {llama_modes['llama=']}, "
+              "the best of its n-gram modes that way")
     print(head)
     for scenario in scenarios:
         for temp in temps:
@@ -431,14 +533,23 @@ def main(argv: list[str] | None = None) -> int:
             if "base" in systems:
                 b = got["base"]
                 line += f"{fmt(b and o and b['tps'] and o['tps'] and b['tps'] / o['tps'], '{:.2f}x'):>10}"
-            if "llama" in systems:
-                ll = got["llama"]
-                line += f"{fmt(a and ll and a['tps'] and ll['tps'] and a['tps'] / ll['tps'], '{:.2f}x'):>12}"
-            line += f"{same_text(a, o):>6}   {a['acceptance'] if a else '-'}"
+            for way in llama_modes:
+                ll = got[way]
+                line += f"{fmt(a and ll and a['tps'] and ll['tps'] and a['tps'] / ll['tps'], '{:.2f}x'):>13}"
+            line += f"{same_text(a, o):>6}"
+            line += f"{same_text(got['llama='], o):>16}" if "llama=" in llama_modes else ""
+            line += f"   {a['acceptance'] if a else '-'}"
             print(line)
+    for scenario in (s for s in scenarios if "llama=" in llama_modes and s in SAME_PROMPT):
+        # The same prompt, or the column means nothing: lmspd's own count of
+        # the request's input tokens against the tokens llama.cpp was sent.
+        a, same = results.get((scenario, temps[0], "auto")), results.get((scenario, temps[0], "llama="))
+        if a and same and a["input_tokens"] != same["input_tokens"]:
+            print(f"WARNING {scenario}: lmspd read {a['input_tokens']} input tokens, llama= was sent "
+                  f"{same['input_tokens']}: not the same prompt")
     print("(tok/s: output tokens after the first over first-to-last delta, median of rounds; mixed: all "
           "sessions' tokens over the round's span; TTFT: the slowest session's; same: rounds in which auto "
-          "wrote exactly off's text)")
+          "wrote exactly off's text; llama=/off same: llama.cpp on lmspd's prompt)")
     # A median of a few rounds on a shared 2-core machine moves by more than
     # the few percent looked for (bench/README.md, speculative.py, chat at
     # 0.7): each round's auto/off, the two run back to back, shows how far.
@@ -456,35 +567,43 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float], bodies: Any,
-              results: dict, work: Path, seed: int | None) -> str:
-    """llama.cpp's server: its n-gram modes on ``edit`` at temperature 0, then the best on everything."""
-    best, best_tps = NGRAM_MODES[0], -1.0
-    probe = "edit" if "edit" in scenarios else scenarios[0]
-    if args.llama_mode:  # chosen by an earlier run (the probe is on edit)
-        best, probe = args.llama_mode, ""
-    for mode in NGRAM_MODES if probe else ():
+              results: dict, work: Path, seed: int | None) -> dict[str, str]:
+    """llama.cpp's server, two ways: ``llama`` (Chat Completions, its own
+    chat template) and ``llama=`` (``/completion`` with lmspd's prompt
+    tokens, ``SAME_PROMPT`` scenarios). Its n-gram modes are tried on
+    ``edit`` at temperature 0 each way, then each way's best runs
+    everything. Returns the mode used by way."""
+    prompts = LmspdPrompts(model)
+    ways = {"llama": [s for s in scenarios if s != "patch"],  # no custom tools with a Lark grammar
+            "llama=": [s for s in scenarios if s in SAME_PROMPT]}
+    ways = {way: todo for way, todo in ways.items() if todo}
+    best = {way: (args.llama_mode or NGRAM_MODES[0], -1.0) for way in ways}
+    for mode in NGRAM_MODES if not args.llama_mode else ():  # else chosen by an earlier run
         srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
                                speculative=mode).start()
         try:
-            got = summary(measure("llama", srv.url, bodies(probe, 0.0, "llama"), 1))
+            for way, todo in ways.items():
+                probe = "edit" if "edit" in todo else todo[0]
+                got = summary(measure(way, srv.url, bodies(probe, 0.0, "llama"), 1, prompts=prompts))
+                print(f"  llama.cpp {mode} ({way}): {probe} t=0 {fmt(got['tps'])} tok/s, drafts {got['acceptance']}",
+                      flush=True)
+                if (got["tps"] or 0) > best[way][1]:
+                    best[way] = (mode, got["tps"] or 0)
         finally:
             srv.stop()
-        print(f"  llama.cpp {mode}: {probe} t=0 {fmt(got['tps'])} tok/s, drafts {got['acceptance']}", flush=True)
-        if (got["tps"] or 0) > best_tps:
-            best, best_tps = mode, got["tps"] or 0
-    srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / "llama.log", parallel=4,
-                           speculative=best).start()
-    try:
-        for scenario in scenarios:
-            if scenario == "patch":
-                continue  # no custom tools with a Lark grammar
-            for temp in temps:
-                results[(scenario, temp, "llama")] = summary(
-                    measure("llama", srv.url, bodies(scenario, temp, "llama"), args.rounds, seed))
-                print(f"  llama {scenario:<6} t={temp}: {show(results[(scenario, temp, 'llama')])}", flush=True)
-    finally:
-        srv.stop()
-    return best
+    for mode in dict.fromkeys(m for m, _ in best.values()):
+        srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-best-{mode}.log", parallel=4,
+                               speculative=mode).start()
+        try:
+            for way in (w for w in ways if best[w][0] == mode):
+                for scenario in ways[way]:
+                    for temp in temps:
+                        results[(scenario, temp, way)] = summary(
+                            measure(way, srv.url, bodies(scenario, temp, "llama"), args.rounds, seed, prompts))
+                        print(f"  {way:<6} {scenario:<6} t={temp}: {show(results[(scenario, temp, way)])}", flush=True)
+        finally:
+            srv.stop()
+    return {way: mode for way, (mode, _) in best.items()}
 
 
 if __name__ == "__main__":

@@ -101,6 +101,16 @@ class NgramIndex:
     occurrence's own match length (how far back the context agrees with
     it) firms the estimate up: a match of 16 tokens is a copy being made.
 
+    A copy being made is followed where the latest occurrence would jump
+    away from it: the index remembers how far back the text the last walk
+    copied lies (``_offset``, context position minus source position), and
+    a walk proposes that source's next token instead of the latest
+    occurrence's wherever the source matches the context further back.
+    Copying a module of numbered functions, the latest ``store.items[`` is
+    in the function just written (its number is the wrong one); the source
+    being copied has the right one. Such a position is priced as an n-gram
+    seen once at that match length would be (its own, longer n-gram is).
+
     Most steps of free text match nothing: ``propose_or_none`` finds that
     with one probe (the context's shortest n-gram: a longer one ending at the
     same token is indexed only with it), before building anything."""
@@ -117,6 +127,9 @@ class NgramIndex:
         self._per_step = per_step
         # Every n-gram ending at or before ``_done`` (exclusive end) is in.
         self._done = max(0, len(tokens) - window)
+        # The copy the last walk followed: a position of the context (with
+        # its tail) less that of the token it copied (0: none).
+        self._offset = 0
 
     def catch_up(self, budget: int) -> None:
         """Index up to ``budget`` more positions (a prefill step calls this
@@ -166,6 +179,7 @@ class NgramIndex:
             for table in self._maps:
                 table.clear()
             self._done = 0
+            self._offset = 0
         # Only n-grams with a continuation inside ``tokens``.
         if self._done < n - 1:
             self._catch_up(n - 1, self._per_step)
@@ -198,6 +212,9 @@ class NgramIndex:
         tables = self._tables
         longest = self._longest
         found: list[Entry] = []
+        n = len(toks)
+        pos = n + len(tail)  # the context position being proposed
+        offset = self._offset
         for _ in range(k):
             # The longest n-gram found proposes what followed its latest occurrence.
             found.clear()
@@ -213,10 +230,17 @@ class NgramIndex:
                     found.append(entry)
             if e < 0:
                 break
-            token = toks[e]
             # How far back the context agrees with the occurrence: one more
             # than at the last position where the walk goes on along it.
-            m = min(m + 1, MATCH_CAP) if e == e_prev + 1 else _match_length(toks, e, cur)
+            m_e = min(m + 1, MATCH_CAP) if e == e_prev + 1 else _match_length(toks, e, cur)
+            c = pos - offset  # where the copy followed so far goes on
+            copying = False
+            if offset and c != e and 0 < c < n:
+                m_c = min(m + 1, MATCH_CAP) if c == e_prev + 1 else _match_length(toks, c, cur)
+                if m_c > m_e and m_c >= COPY_MATCH:
+                    e, m_e, copying = c, m_c, True
+            m = m_e
+            token = toks[e]
             if not draft:
                 if m < min_match:
                     return None
@@ -229,7 +253,9 @@ class NgramIndex:
             # occurrence matched: a long match makes it small (a copy being
             # made), a short one large (a phrase that happens to recur).
             pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
-            rate = 0.0
+            # A copy followed past the latest occurrence: its own longer
+            # n-gram, seen once, at this match length.
+            rate = 1 / (1 + pseudo) if copying else 0.0
             for entry in found:
                 if type(entry) is int:  # seen once, followed by toks[entry]
                     if toks[entry] != token:
@@ -250,9 +276,13 @@ class NgramIndex:
             rates.append(rate)
             cur.append(token)
             e_prev = e
+            offset = pos - e
+            pos += 1
             chance *= rate
             if chance < floor:
                 break
+        if draft:
+            self._offset = offset
         return Proposal(draft, rates, matched) if draft else None
 
     def _may_match(self, tail: list[int]) -> bool:
@@ -272,6 +302,10 @@ class NgramIndex:
 
 
 MATCH_CAP = 16
+# A copy is followed past the latest occurrence only where it agrees with
+# the context as far back as a match is measured (shorter: a model writing
+# its own variant of a structure, bench/README.md).
+COPY_MATCH = MATCH_CAP
 
 
 def _match_length(toks: list[int], e: int, context: list[int], cap: int = MATCH_CAP) -> int:

@@ -237,6 +237,26 @@ def test_a_draft_stops_where_the_copied_text_branches():
                             shared=False) == 7
 
 
+def test_a_copy_being_made_is_followed_past_the_latest_occurrence():
+    """Copying a module it read, the model has written function 0 and is in
+    function 1: before the number, the latest occurrence of the n-gram is in
+    the function it has just written (its number, 100, is the wrong one);
+    the function it is copying, which agrees with the context all the way
+    back, has the right one. Once a walk has followed that copy, the next
+    walk goes on along it, priced as an n-gram seen once."""
+    source = _file_like(6)
+    tokens = source + [300, 301] + source[:19]  # "... 12 | 1 2 3 101 4"
+    index = NgramIndex(tokens)
+    assert index.propose([], 4, floor=0.0).tokens == [5, 6, 7, 8]  # one place has "101 4": the copy
+    tokens.extend(source[19:25])  # "... 101 4 5 6 7 8 9 10": the number comes next
+    got = index.propose([], 3, floor=0.0)
+    assert got.tokens == [101, 11, 12]
+    assert got.rates[0] > 0.8
+    # Without a copy followed: the latest occurrence's number, a guess.
+    fresh = NgramIndex(list(tokens)).propose([], 3, floor=0.0)
+    assert fresh.tokens[0] == 100 and fresh.rates[0] < 0.3
+
+
 def test_a_copy_of_text_seen_once_drafts_long_once_it_is_confirmed():
     """Every n-gram of a file read once occurs once: alone, a cautious
     estimate. A model that copies it has every draft accepted, and the
@@ -280,46 +300,78 @@ def test_a_sequence_whose_drafts_fail_more_than_estimated_drafts_less():
 # -- the index's tables against a scan of the tokens themselves --------------------------------
 
 
-def _scanned(tokens: list[int], tail: list[int], k: int, sizes: tuple[int, ...], floor: float) -> Proposal:
+class Scan:
     """What ``NgramIndex.propose`` must answer, found by scanning every
     earlier occurrence in ``tokens`` (no tables, nothing cached): at each
     position the longest n-gram of the context that occurred with a
     continuation proposes what followed its latest occurrence, at the best
-    of each size's count of that continuation over its occurrences."""
+    of each size's count of that continuation over its occurrences — unless
+    the text the previous walk copied (``offset``: context position less
+    source position, kept from call to call as the index keeps it) goes on
+    agreeing with the context for a whole match (16 tokens) where the
+    latest occurrence agrees less far: then that source's next token, at
+    least at the rate of an n-gram seen once."""
+
     cap = 16
-    cur = tokens[-cap:] + tail
-    draft: list[int] = []
-    rates: list[float] = []
-    matched = 0
-    chance = 1.0
-    for _ in range(k):
-        ends_by_size = []
-        for size in sizes:
-            if len(cur) < size:
-                continue
-            ends = [e for e in range(size, len(tokens)) if tokens[e - size:e] == cur[-size:]]
-            if ends:
-                ends_by_size.append(ends)
-        if not ends_by_size:
-            break
-        e = ends_by_size[0][-1]
-        token = tokens[e]
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def match(self, tokens: list[int], e: int, cur: list[int]) -> int:
         m = 0
-        while m < cap and m < e and m < len(cur) and tokens[e - 1 - m] == cur[-1 - m]:
+        while m < self.cap and m < e and m < len(cur) and tokens[e - 1 - m] == cur[-1 - m]:
             m += 1
-        pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
-        rate = 0.0
-        for ends in ends_by_size:
-            rate = max(rate, sum(1 for x in ends if tokens[x] == token) / (len(ends) + pseudo))
-        if not draft:
-            matched = m
-        draft.append(token)
-        rates.append(rate)
-        cur.append(token)
-        chance *= rate
-        if chance < floor:
-            break
-    return Proposal(draft, rates, matched)
+        return m
+
+    def propose(self, tokens: list[int], tail: list[int], k: int, sizes: tuple[int, ...], floor: float) -> Proposal:
+        cur = tokens[-self.cap:] + tail
+        draft: list[int] = []
+        rates: list[float] = []
+        matched = 0
+        chance = 1.0
+        pos = len(tokens) + len(tail)
+        offset = self.offset
+        for _ in range(k):
+            ends_by_size = []
+            for size in sizes:
+                if len(cur) < size:
+                    continue
+                ends = [e for e in range(size, len(tokens)) if tokens[e - size:e] == cur[-size:]]
+                if ends:
+                    ends_by_size.append(ends)
+            if not ends_by_size:
+                break
+            e = ends_by_size[0][-1]
+            m = self.match(tokens, e, cur)
+            c = pos - offset
+            copying = False
+            if offset and c != e and 0 < c < len(tokens):
+                m_c = self.match(tokens, c, cur)
+                if m_c > m and m_c >= self.cap:
+                    e, m, copying = c, m_c, True
+            token = tokens[e]
+            pseudo = 2.0 if m < 6 else 0.5 if m < 12 else 0.15
+            rate = 1 / (1 + pseudo) if copying else 0.0
+            for ends in ends_by_size:
+                rate = max(rate, sum(1 for x in ends if tokens[x] == token) / (len(ends) + pseudo))
+            if not draft:
+                matched = m
+            draft.append(token)
+            rates.append(rate)
+            cur.append(token)
+            offset = pos - e
+            pos += 1
+            chance *= rate
+            if chance < floor:
+                break
+        if draft:
+            self.offset = offset
+        return Proposal(draft, rates, matched)
+
+
+def _scanned(tokens: list[int], tail: list[int], k: int, sizes: tuple[int, ...], floor: float) -> Proposal:
+    """``Scan().propose``: no copy followed before."""
+    return Scan().propose(tokens, tail, k, sizes, floor)
 
 
 @settings(max_examples=300)
@@ -335,6 +387,7 @@ def test_an_index_kept_up_step_by_step_proposes_what_a_scan_of_the_tokens_gives(
     sizes = (4, 2)
     tokens: list[int] = []
     index = NgramIndex(tokens, sizes=sizes)
+    scan = Scan()
     at = 0
     for i, chunk in enumerate(chunks):
         tokens.extend(text[at:at + chunk])
@@ -342,13 +395,31 @@ def test_an_index_kept_up_step_by_step_proposes_what_a_scan_of_the_tokens_gives(
         if i % 3 == 2:
             index.keep_up()  # a step that drafts nothing (``pass_step``)
             continue
-        want = _scanned(tokens, tail, k, sizes, floor)
+        want = scan.propose(tokens, tail, k, sizes, floor)
         assert index.propose(tail, k, floor=floor) == want
-        got = index.propose_or_none(tail, k, floor=floor)
+        got = index.propose_or_none(tail, k, floor=floor)  # the same walk: the same copy followed
         assert got == (want if want.tokens else None)
         fresh = NgramIndex(list(tokens), sizes=sizes)
         fresh.keep_up()
         assert index._maps == fresh._maps and index._done == fresh._done
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 3), min_size=20, max_size=60), st.lists(st.integers(1, 6), min_size=1, max_size=20),
+       st.integers(1, 8))
+def test_an_index_copying_its_own_text_proposes_what_the_scan_gives(source, steps, k):
+    """A sequence writing out again a text it holds (a few-letter
+    alphabet: its n-grams recur all over, the latest occurrence often not
+    the place being copied): at every step the proposal, with the copy the
+    previous walks followed, equals the scan's."""
+    sizes = (6, 3)
+    tokens = source + [9]
+    index, scan = NgramIndex(tokens, sizes=sizes), Scan()
+    at = 0
+    for step in steps:
+        tokens.extend(source[at:at + step])
+        at += step
+        assert index.propose([], k, floor=0.0) == scan.propose(tokens, [], k, sizes, 0.0)
 
 
 def test_an_ngram_seen_once_then_with_one_continuation_then_with_another_rates_as_the_scan():
@@ -360,13 +431,14 @@ def test_an_ngram_seen_once_then_with_one_continuation_then_with_another_rates_a
     sizes = (3,)
     tokens: list[int] = []
     index = NgramIndex(tokens, sizes=sizes)
+    scan = Scan()
     arrivals = [[1, 2, 3, 7]] + [[0, 1, 2, 3, 7]] * 3 + [[0, 1, 2, 3, 8]] + [[0, 1, 2, 3, 7]] * 2 + [[0, 1, 2, 3]]
     forms = []
     for chunk in arrivals:
         for token in chunk:
             tokens.append(token)
             for tail in ([], [1, 2, 3], [2, 3]):
-                want = _scanned(tokens, tail, 4, sizes, 0.0)
+                want = scan.propose(tokens, tail, 4, sizes, 0.0)
                 assert index.propose(tail, 4, floor=0.0) == want
             fresh = NgramIndex(list(tokens), sizes=sizes)
             fresh.keep_up()
@@ -378,7 +450,7 @@ def test_an_ngram_seen_once_then_with_one_continuation_then_with_another_rates_a
     assert index._maps[0][(1, 2, 3)][1:] == [7, {7: 6, 8: 1}]
     # The context ends "1 2 3": 7 followed it 6 times of 7 (the latest occurrence was followed by 7).
     got = index.propose([], 1, floor=0.0)
-    assert got.tokens == [7] and got.rates[0] == _scanned(tokens, [], 1, sizes, 0.0).rates[0]
+    assert got.tokens == [7] and got.rates[0] == scan.propose(tokens, [], 1, sizes, 0.0).rates[0]
 
 
 @given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(0, 3), max_size=2), st.integers(1, 8),
