@@ -200,10 +200,16 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# A connection per request: llama.cpp's server closes an idle kept-alive
+# connection, and a request sent on it as it closes fails ("Server
+# disconnected without sending a response", seen between rounds).
+LLAMA_HEADERS = {"Connection": "close"}
+
+
 def stream_llama(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
     run = Run()
     t0 = time.perf_counter()
-    for _name, raw in post_sse(client, url + "/v1/chat/completions", chat_body(body)):
+    for _name, raw in post_sse(client, url + "/v1/chat/completions", chat_body(body), LLAMA_HEADERS):
         data = json.loads(raw)
         now = time.perf_counter() - t0
         for choice in data.get("choices") or []:
@@ -281,7 +287,7 @@ def stream_llama_same(client: httpx.Client, url: str, body: dict[str, Any], prom
     if body.get("seed") is not None:
         req["seed"] = body["seed"]
     t0 = time.perf_counter()
-    for _name, raw in post_sse(client, url + "/completion", req):
+    for _name, raw in post_sse(client, url + "/completion", req, LLAMA_HEADERS):
         data = json.loads(raw)
         now = time.perf_counter() - t0
         if data.get("content"):
