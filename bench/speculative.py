@@ -27,8 +27,9 @@ batch of several tokens, and llama.cpp's CPU kernels do not give a batch
 bit-identical logits to a single token, so a near-tie can go the other way
 (the column ``same`` counts the rounds in which auto wrote off's text). llama.cpp's server
 runs its three n-gram modes (``ngram_simple``, ``ngram_mod``,
-``ngram_map_k``) on ``edit`` at temperature 0 first; the best of them is the
-column, named in the output. Without ``xllamacpp`` installed that column is
+``ngram_map_k``) on ``edit`` and ``fenced`` at temperature 0 first; each of
+the two then runs with its best mode, every other scenario with ``edit``'s,
+named in the output. Without ``xllamacpp`` installed that column is
 skipped. The chat-template column compares different prompts: llama.cpp's
 server renders the tool call and its result with its own template (the
 ``tool`` role, no tool list), lmspd with its tool format (a
@@ -38,8 +39,8 @@ llama.cpp's prompt, it writes other functions after lmspd's). So a second
 llama.cpp column, ``llama=``, gives its server lmspd's own prompt tokens
 (its ``/completion`` endpoint; for ``edit``, ``chat`` and ``mixed``, the
 scenarios without a tool call to constrain): the same text to decode, the
-drafting alone compared. Its n-gram mode is probed the same way, on
-``edit`` with lmspd's prompt. ``auto`` and ``off`` are two server processes, which differ by several
+drafting alone compared. Its n-gram modes are probed the same way, with
+lmspd's prompt. ``auto`` and ``off`` are two server processes, which differ by several
 percent with the same code (two ``off`` servers: 1.08x over ten rounds);
 ``--off-in-auto`` makes ``off`` the auto server's own requests with
 ``lmspd.speculative: false``, for a difference of a few percent. Each round's
@@ -502,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         for srv in servers.values():
             srv.stop()
 
-    llama_modes: dict[str, str] = {}
+    llama_modes: dict[str, dict[str, str]] = {}
     if not args.no_llama:
         try:
             import xllamacpp  # noqa: F401
@@ -521,11 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     head += f"{'llama=/off same':>16}" if "llama=" in llama_modes else ""
     head += "   acceptance (auto)"
     if "llama" in llama_modes:
-        print(f"llama = llama.cpp's server (xllamacpp), Chat Completions (its own chat template), with "
-              f"{llama_modes['llama']}, the best of its n-gram modes here")
+        print(f"llama = llama.cpp's server (xllamacpp), Chat Completions (its own chat template), with the best "
+              f"of its n-gram modes: {llama_modes['llama']}")
     if "llama=" in llama_modes:
-        print(f"llama= = the same server on lmspd's prompt tokens (/completion), with {llama_modes['llama=']}, "
-              "the best of its n-gram modes that way")
+        print(f"llama= = the same server on lmspd's prompt tokens (/completion), with the best of its n-gram modes "
+              f"that way: {llama_modes['llama=']}")
     print(head)
     for scenario in scenarios:
         for temp in temps:
@@ -572,44 +573,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+PROBED = ("edit", "fenced")  # each picks its own best n-gram mode; the rest take the first's
+
+
 def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float], bodies: Any,
-              results: dict, work: Path, seed: int | None) -> dict[str, str]:
+              results: dict, work: Path, seed: int | None) -> dict[str, dict[str, str]]:
     """llama.cpp's server, two ways: ``llama`` (Chat Completions, its own
     chat template) and ``llama=`` (``/completion`` with lmspd's prompt
-    tokens, ``SAME_PROMPT`` scenarios). Its n-gram modes are tried on
-    ``edit`` at temperature 0 each way, then each way's best runs
-    everything. Returns the mode used by way."""
+    tokens, ``SAME_PROMPT`` scenarios). Its n-gram modes are tried at
+    temperature 0 on each of ``PROBED`` (one round), each way; each probed
+    scenario then runs with its fastest mode (they differ: on one run
+    ``ngram_map_k`` drafted nothing on ``fenced`` and was the best on
+    ``edit``), every other scenario with the first probed one's. Returns
+    the mode used by way and scenario."""
     prompts = LmspdPrompts(model)
     ways = {"llama": [s for s in scenarios if s != "patch"],  # no custom tools with a Lark grammar
             "llama=": [s for s in scenarios if s in SAME_PROMPT]}
     ways = {way: todo for way, todo in ways.items() if todo}
-    best = {way: (args.llama_mode or NGRAM_MODES[0], -1.0) for way in ways}
+    probes = {way: [s for s in todo if s in PROBED] or todo[:1] for way, todo in ways.items()}
+    best: dict[tuple[str, str], tuple[str, float]] = {
+        (way, probe): (args.llama_mode or NGRAM_MODES[0], -1.0) for way in ways for probe in probes[way]}
     for mode in NGRAM_MODES if not args.llama_mode else ():  # else chosen by an earlier run
         srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
                                speculative=mode).start()
         try:
-            for way, todo in ways.items():
-                probe = "edit" if "edit" in todo else todo[0]
+            for way, probe in best:
                 got = summary(measure(way, srv.url, bodies(probe, 0.0, "llama"), 1, prompts=prompts))
                 print(f"  llama.cpp {mode} ({way}): {probe} t=0 {fmt(got['tps'])} tok/s, drafts {got['acceptance']}",
                       flush=True)
-                if (got["tps"] or 0) > best[way][1]:
-                    best[way] = (mode, got["tps"] or 0)
+                if (got["tps"] or 0) > best[(way, probe)][1]:
+                    best[(way, probe)] = (mode, got["tps"] or 0)
         finally:
             srv.stop()
-    for mode in dict.fromkeys(m for m, _ in best.values()):
+    modes = {way: {s: best[(way, s if (way, s) in best else probes[way][0])][0] for s in todo}
+             for way, todo in ways.items()}
+    for mode in dict.fromkeys(m for by in modes.values() for m in by.values()):
         srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-best-{mode}.log", parallel=4,
                                speculative=mode).start()
         try:
-            for way in (w for w in ways if best[w][0] == mode):
-                for scenario in ways[way]:
+            for way, by in modes.items():
+                for scenario in (s for s, m in by.items() if m == mode):
                     for temp in temps:
                         results[(scenario, temp, way)] = summary(
                             measure(way, srv.url, bodies(scenario, temp, "llama"), args.rounds, seed, prompts))
-                        print(f"  {way:<6} {scenario:<6} t={temp}: {show(results[(scenario, temp, way)])}", flush=True)
+                        print(f"  {way:<6} {scenario:<6} t={temp} ({mode}): {show(results[(scenario, temp, way)])}",
+                              flush=True)
         finally:
             srv.stop()
-    return {way: mode for way, (mode, _) in best.items()}
+    return modes
 
 
 if __name__ == "__main__":
