@@ -37,8 +37,8 @@ server renders the tool call and its result with its own template (the
 differently (on ``edit`` at temperature 0 it copies the file after
 llama.cpp's prompt, it writes other functions after lmspd's). So a second
 llama.cpp column, ``llama=``, gives its server lmspd's own prompt tokens
-(its ``/completion`` endpoint; for ``edit``, ``chat`` and ``mixed``, the
-scenarios without a tool call to constrain): the same text to decode, the
+(its ``/completion`` endpoint; for ``edit``, ``fenced``, ``chat`` and
+``mixed``, the scenarios without a tool call to constrain): the same text to decode, the
 drafting alone compared. Its n-gram modes are probed the same way, with
 lmspd's prompt. ``auto`` and ``off`` are two server processes, which differ by several
 percent with the same code (two ``off`` servers: 1.08x over ten rounds);
