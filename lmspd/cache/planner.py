@@ -388,8 +388,12 @@ class Planner:
         # sequences) beats bytes restored from RAM or disk.
         # A subagent's copy from its own parent beats an equal one from
         # another session (lineage, not luck: the parent is kept resident).
+        # Else the target's own tokens beat an equal copy into it: a copy
+        # moves KV (on a split cache the whole stream) and holds its source
+        # until the next step (two sessions sending the same prompt again).
         for plan in sorted(candidates, key=lambda p: (p.keep, p.restore is None or p.restore.boundary is None,
-                                                      p.restore is None, "parent" in p.detail.split()),
+                                                      p.restore is None, "parent" in p.detail.split(),
+                                                      p.copy_from is None),
                            reverse=True):
             fitted = self._fits(req, plan)
             # A plan that would be refused for want of reasoning state gives

@@ -201,6 +201,21 @@ def test_a_shared_prefix_is_copied_and_a_subagent_prefers_its_parents():
     assert plan.detail.split() == ["from=seq1", "parent", "lineage=parent>child"]
 
 
+def test_a_prefix_the_target_holds_is_kept_in_place_rather_than_copied_from_an_equal_one():
+    # Two sessions send the same prompt again (a regenerate): the first runs
+    # on its own sequence, the second's target holds the same prompt.
+    prompt = SYSTEM + "<u>rewrite it</u><a>"
+    running = Resident(0, tokens=tokenize(prompt), owner="local", busy=True, prompt=tokenize(prompt))
+    target = seq(1, state(prompt + "two</a>"))
+    plan = planner([running, target]).plan(ask(prompt), target=target)
+    assert (plan.source, plan.seq, plan.copy_from) == ("memory-token", 1, None), plan
+    assert plan.keep == len(tokenize(prompt)) - 1 and plan.detail == "partial"
+    # Holding less than the running one, the target takes the longer copy.
+    shorter = seq(1, state(SYSTEM + "<u>other</u>"))
+    plan = planner([running, shorter]).plan(ask(prompt), target=shorter)
+    assert (plan.source, plan.seq, plan.copy_from) == ("copy", 1, 0), plan
+
+
 def test_a_shared_prefix_another_sequence_is_prefilling_is_waited_for_then_copied():
     prompt = tokenize(SYSTEM + "<u>x</u>")
     running = Resident(0, tokens=prompt[:5], owner="local", busy=True, prompt=prompt)
