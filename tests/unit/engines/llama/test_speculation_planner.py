@@ -94,6 +94,28 @@ def test_a_draft_where_batches_are_cheap_takes_the_whole_room():
     assert Planner().length(cost, 0.4, 16, base_tokens=1, base_yield=1, shared=False) == 16
 
 
+def test_a_copy_drafts_past_sixteen_tokens_where_batches_are_cheap():
+    # A file read once (every n-gram of it seen once), 41 tokens of it written out again.
+    source = list(range(1000, 1300))
+    tokens = [1, 2, 3, *source, 4, 5, *source[:40]]
+    spec = SequenceSpeculation(tokens, None)
+    spec.index.catch_up(len(tokens))
+    for _ in range(4):  # its drafts have all been kept
+        spec.verified(Draft("ngram", source[:8], [0.8] * 8), 8)
+    gpu = DecodeCost()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        gpu.observe(n, 8.0)
+    planner = Planner()
+    room = planner.room(gpu, 400, base_tokens=1, shared=False)
+    draft = spec.candidate([source[40]], room)
+    assert draft is not None
+    k = planner.length(gpu, draft.rates, len(draft.tokens), base_tokens=1, base_yield=1, shared=False)
+    assert k > 16 and draft.tokens[:k] == source[41:41 + k]
+    # At the CPU costs (16 tokens 6.5x one, 32 taken at the prior's ~12x): no further.
+    assert 1 <= planner.length(CpuCost(), draft.rates, len(draft.tokens), base_tokens=1, base_yield=1,
+                               shared=False) <= 16
+
+
 def test_fairness_a_draft_beside_other_work_keeps_the_step_within_its_slack():
     cost = CpuCost()
     planner = Planner(fair_slack=0.10)
