@@ -19,6 +19,17 @@ and prints the median and p90 of each hop:
   loop → written          stream session, encoder, SSE frame, coalesced write
   written → client        socket to the client's first ``output_text.delta``
 
+With ``--mixed MODES`` it traces ``speculative.py``'s ``mixed`` scenario
+instead (two ``edit`` and two ``chat`` sessions sent at once, 160 tokens
+each, their prompts cached by a first round): one server per mode of the
+comma-separated list (``off,auto,off``: ``--speculative`` of each), taking
+turns round by round, and per round the slowest session's TTFT split into
+when the last request was submitted to the scheduler (``gathered``), the
+placements (``apply``: ``ContinuationCache.apply``, which keeps a state cut
+short in RAM first), when the first step's decode began and how long it
+took, when the first tokens were taken (``prefilled``), the median decode
+of the next steps, and the round's tok/s.
+
 Everything but ``prefill decode`` is what lmspd adds around llama.cpp
 (bench/overhead.py measures the same total against llama-cpp-python in
 process; this shows where it goes). The clock is CLOCK_MONOTONIC on both
@@ -27,6 +38,7 @@ compare directly.
 
     .venv/bin/python bench/request_trace.py                  # 12 requests
     .venv/bin/python bench/request_trace.py --threads 2 --parallel 4 --ctx 4096
+    .venv/bin/python bench/request_trace.py --mixed off,auto,off --rounds 5
 """
 
 from __future__ import annotations
@@ -110,6 +122,8 @@ def _serve(trace_path: str, argv: list[str]) -> int:
     around(scheduler.Scheduler, "_gather", "gather_start", "gather_end")
     around(scheduler.Scheduler, "_admit", "admit_start", "admit_end")
     around(manager.ContinuationCache, "plan", "plan_start", "plan_end")
+    around(manager.ContinuationCache, "apply", "apply_start", "apply_end")
+    around(scheduler.Scheduler, "_prefilled", "prefilled")
     around(llama_cpp, "llama_decode", "decode_start", "decode_end")
     around(scheduler, "_deliver", "deliver")
     around(coalesce._Coalescer, "_write", None, "written")
@@ -149,7 +163,12 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=60.0, help="give up on a request after this many seconds")
     parser.add_argument("--events", action="store_true",
                         help="also print every request's marks (ms from its send), the scheduler's included")
+    parser.add_argument("--mixed", default=None, metavar="MODES",
+                        help="trace speculative.py's mixed scenario on one server per --speculative mode (off,auto)")
+    parser.add_argument("--rounds", type=int, default=5, help="with --mixed: measured rounds per server")
     args = parser.parse_args()
+    if args.mixed:
+        return mixed_main(args)
 
     import httpx
 
@@ -224,6 +243,83 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+MIXED_COLUMNS = ("TTFT", "gathered", "apply", "decode at", "first decode", "prefilled", "later decodes", "tok/s")
+
+
+def mixed_main(args: argparse.Namespace) -> int:
+    """``--mixed``: the mixed scenario's rounds, hop by hop, per server."""
+    import concurrent.futures
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import speculative
+    from _common import LMSPD_READY, ChildServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="lmspd-bench-trace-"))
+    servers: dict[str, ChildServer] = {}
+    load = os.getloadavg()
+    try:
+        for i, mode in enumerate(args.mixed.split(",")):
+            name = f"{mode}#{i + 1}"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_serve", str(tmp / f"trace{i}.jsonl"), "serve",
+                   "--port", "0", "--data-dir", str(tmp / f"data{i}"), "--ctx", str(max(args.ctx, 4096)),
+                   "--threads", str(args.threads), "--parallel", "4", "--speculative", mode,
+                   "--served-model", "m", "--log-level", "warning"]
+            servers[name] = ChildServer("lmspd", cmd, LMSPD_READY, tmp / f"server{i}.log").start()
+        bodies = [{**b, "model": "m", "temperature": 0.0, "max_output_tokens": 160, "store": False}
+                  for b in speculative.requests("mixed")]
+        sent: dict[str, list[tuple[float, list[Any]]]] = {name: [] for name in servers}
+        names = list(servers)
+        with httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            for r in range(args.rounds + 1):  # round 0 caches the prompts
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    time.sleep(2.0)  # as speculative.py's --settle
+                    t0 = time.perf_counter()
+                    url = servers[name].url
+                    runs = list(pool.map(speculative.stream_lmspd, [client] * len(bodies), [url] * len(bodies), bodies))
+                    if r:
+                        sent[name].append((t0, runs))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    print(f"\n## request_trace --mixed {args.mixed} — {args.rounds} rounds, --threads {args.threads}; "
+          f"load average at start {load[0]:.1f}\n")
+    print("ms from the round's requests sent; medians of the rounds (each round below)\n")
+    print("| server | " + " | ".join(MIXED_COLUMNS) + " |")
+    print("|---|" + "---|" * len(MIXED_COLUMNS))
+    for i, name in enumerate(servers):
+        events = sorted((json.loads(line) for line in (tmp / f"trace{i}.jsonl").read_text().splitlines()),
+                        key=lambda e: e["t"])
+        rows = [_mixed_round(events, t0, runs) for t0, runs in sent[name]]
+        medians = [statistics.median(r[c] for r in rows) for c in range(len(MIXED_COLUMNS))]
+        print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in medians) + " |")
+        for row in rows:
+            print("| | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    return 0
+
+
+def _mixed_round(events: list[dict[str, Any]], t0: float, runs: list[Any]) -> list[float]:
+    """One round's ``MIXED_COLUMNS``: ms from ``t0`` (the requests sent)."""
+    ev = [e for e in events if t0 <= e["t"] <= t0 + 5.0]
+
+    def at(name: str) -> float:
+        return next(((e["t"] - t0) * 1000 for e in ev if e["ev"] == name), float("nan"))
+
+    def spans(a: str, b: str) -> list[float]:
+        marks = [e for e in ev if e["ev"] in (a, b)]
+        return [(y["t"] - x["t"]) * 1000 for x, y in zip(marks, marks[1:]) if x["ev"] == a and y["ev"] == b]
+
+    submitted = [e for e in ev if e["ev"] == "submit"][:len(runs)]
+    decodes = spans("decode_start", "decode_end")
+    span = max(r.last_s for r in runs) - min(r.ttft_s for r in runs)
+    return [max(r.ttft_s for r in runs) * 1000, (submitted[-1]["t"] - t0) * 1000 if submitted else float("nan"),
+            sum(spans("apply_start", "apply_end")[:len(runs)]), at("decode_start"),
+            decodes[0] if decodes else float("nan"), at("prefilled"),
+            statistics.median(decodes[1:30]) if len(decodes) > 1 else float("nan"),
+            sum(r.output_tokens for r in runs) / span]
 
 
 if __name__ == "__main__":
