@@ -38,7 +38,7 @@ compare directly.
 
     .venv/bin/python bench/request_trace.py                  # 12 requests
     .venv/bin/python bench/request_trace.py --threads 2 --parallel 4 --ctx 4096
-    .venv/bin/python bench/request_trace.py --mixed off,auto,off --rounds 5
+    .venv/bin/python bench/request_trace.py --threads 2 --mixed off,auto,off --rounds 6
 """
 
 from __future__ import annotations
