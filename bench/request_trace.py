@@ -250,10 +250,6 @@ MIXED_COLUMNS = ("TTFT", "gathered", "apply", "decode at", "first decode", "pref
 
 def mixed_main(args: argparse.Namespace) -> int:
     """``--mixed``: the mixed scenario's rounds, hop by hop, per server."""
-    import concurrent.futures
-
-    import httpx
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import speculative
     from _common import LMSPD_READY, ChildServer
@@ -271,17 +267,9 @@ def mixed_main(args: argparse.Namespace) -> int:
             servers[name] = ChildServer("lmspd", cmd, LMSPD_READY, tmp / f"server{i}.log").start()
         bodies = [{**b, "model": "m", "temperature": 0.0, "max_output_tokens": 160, "store": False}
                   for b in speculative.requests("mixed")]
-        sent: dict[str, list[tuple[float, list[Any]]]] = {name: [] for name in servers}
-        names = list(servers)
-        with httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-            for r in range(args.rounds + 1):  # round 0 caches the prompts
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    time.sleep(2.0)  # as speculative.py's --settle
-                    t0 = time.perf_counter()
-                    url = servers[name].url
-                    runs = list(pool.map(speculative.stream_lmspd, [client] * len(bodies), [url] * len(bodies), bodies))
-                    if r:
-                        sent[name].append((t0, runs))
+        # Taking turns as speculative.py's servers do (its first round caches the prompts).
+        rounds = speculative.measure_alternating({name: srv.url for name, srv in servers.items()}, bodies,
+                                                 args.rounds, None, 2.0)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -293,7 +281,7 @@ def mixed_main(args: argparse.Namespace) -> int:
     for i, name in enumerate(servers):
         events = sorted((json.loads(line) for line in (tmp / f"trace{i}.jsonl").read_text().splitlines()),
                         key=lambda e: e["t"])
-        rows = [_mixed_round(events, t0, runs) for t0, runs in sent[name]]
+        rows = [_mixed_round(events, min(r.sent_at for r in runs), runs) for runs in rounds[name]]
         medians = [statistics.median(r[c] for r in rows) for c in range(len(MIXED_COLUMNS))]
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in medians) + " |")
         for row in rows:
@@ -302,7 +290,7 @@ def mixed_main(args: argparse.Namespace) -> int:
 
 
 def _mixed_round(events: list[dict[str, Any]], t0: float, runs: list[Any]) -> list[float]:
-    """One round's ``MIXED_COLUMNS``: ms from ``t0`` (the requests sent)."""
+    """One round's ``MIXED_COLUMNS``: ms from ``t0`` (the first request sent)."""
     ev = [e for e in events if t0 <= e["t"] <= t0 + 5.0]
 
     def at(name: str) -> float:

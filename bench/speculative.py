@@ -138,6 +138,10 @@ class Run:
     decode: dict[str, Any] = field(default_factory=dict)
     text: str = ""
     input_tokens: int | None = None
+    # ``time.perf_counter()`` when the request was sent (``ttft_s`` and
+    # ``last_s`` count from here): request_trace.py lines a round up with
+    # the server's marks by it.
+    sent_at: float = 0.0
 
     @property
     def tps(self) -> float | None:
@@ -153,7 +157,7 @@ RESPONSES_DELTAS = ("response.output_text.delta", "response.function_call_argume
 
 def stream_lmspd(client: httpx.Client, url: str, body: dict[str, Any]) -> Run:
     run = Run()
-    t0 = time.perf_counter()
+    t0 = run.sent_at = time.perf_counter()
     for name, raw in post_sse(client, url + "/v1/responses", {**body, "stream": True}):
         data = json.loads(raw)
         kind = data.get("type") or name
