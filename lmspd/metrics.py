@@ -112,12 +112,12 @@ class Metrics:
         return generate_latest(self.registry)
 
     async def observe(self, engine: "Engine", response_id: Callable[[], str | None],
-                      events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
-        """Pass ``events`` through, timing the first output and counting the
-        terminal event's usage. Costs two clock reads per generation plus
-        an isinstance per event."""
+                      events: AsyncIterator[EngineEvent], start: float) -> AsyncIterator[EngineEvent]:
+        """Pass ``events`` through, timing the first output from ``start``
+        (when the generation was asked for: it may run before it is read)
+        and counting the terminal event's usage. Costs two clock reads per
+        generation plus an isinstance per event."""
         model = engine.info.id
-        start = time.perf_counter()
         first: float | None = None
         try:
             async for event in events:

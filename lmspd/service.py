@@ -11,12 +11,14 @@ import functools
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
+from lmspd.core.events import EngineEvent
 from lmspd.core.limits import Limits
 from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, Engine, ModelQueue, Prepared, QueueTicket
@@ -236,6 +238,13 @@ class Run:
         finally:
             await paced.aclose()
 
+    def _generate(self, session: StreamSession) -> AsyncIterator[EngineEvent]:
+        # The engine remembers which response its KV state belongs to
+        # (previous_response_id continues from it).
+        start = time.perf_counter()
+        generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
+        return self._service.metrics.observe(self.engine, lambda: session.state.id, generation, start)
+
     async def events(
         self, session: StreamSession, on_start: Callable[[], None] | None = None
     ) -> AsyncIterator[WireEvent]:
@@ -245,6 +254,8 @@ class Run:
         background task records that it is no longer queued)."""
         service = self._service
         service._active.add(self.cancel)
+        generation: AsyncIterator[EngineEvent] | None = None
+        drained = False
         try:
             refused: ApiError | None = None
             if self.ticket.ready and self.opens_first:
@@ -254,15 +265,20 @@ class Run:
                     await self.open()
                 except ApiError as exc:
                     refused = exc
+            elif self.ticket.ready and not service.shutting_down:
+                # The model has room and is in this process: its prompt
+                # evaluates while response.created goes out.
+                generation = self._generate(session)
             for wire in session.start():
                 yield wire
             if refused is not None:
                 raise refused
-            # Queued: the client hears that the response is alive.
-            admitted = asyncio.ensure_future(self.ticket.wait())
-            async for wire in self._quiet(admitted, session):
-                yield wire
-            admitted.result()
+            if not self.ticket.ready:
+                # Queued: the client hears that the response is alive.
+                admitted = asyncio.ensure_future(self.ticket.wait())
+                async for wire in self._quiet(admitted, session):
+                    yield wire
+                admitted.result()
             async with self.ticket:
                 self.started = True
                 if service.shutting_down:
@@ -277,15 +293,14 @@ class Run:
                 for wire in progress:
                     yield wire
                 await self.open()
-                # The engine remembers which response its KV state belongs to
-                # (previous_response_id continues from it).
-                generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
-                events = service.metrics.observe(self.engine, lambda: session.state.id, generation)
+                if generation is None:
+                    generation = self._generate(session)
                 # Whenever the engine has been silent for a while (the
                 # prompt evaluating, a call's arguments held back, a stalled
                 # provider), the client hears that the response is alive.
-                async for wire in self._paced(events, session):
+                async for wire in self._paced(generation, session):
                     yield wire
+                drained = True
         except asyncio.CancelledError:
             self.cancel.cancel()
             raise
@@ -297,6 +312,10 @@ class Run:
             for wire in session.fail("server_error", f"Internal error: {type(exc).__name__}"):
                 yield wire
         finally:
+            if generation is not None and not drained:
+                # Started but not read to its end (a shutdown, a consumer
+                # gone before the first event): nobody will read the rest.
+                self.cancel.cancel()
             service._active.discard(self.cancel)
             self.ticket.release()
         if not session.terminated:

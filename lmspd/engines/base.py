@@ -102,7 +102,9 @@ class Engine(Protocol):
     def generate(self, prepared: Prepared, cancel: CancelToken,
                  response_id: str | None = None) -> AsyncIterator[EngineEvent]:
         """Run one generation; ends with exactly one ``Finished`` or ``Failed``.
-        ``response_id`` names the response it produces."""
+        ``response_id`` names the response it produces. It may start at the
+        call, before the events are read (the embedded engine does): a
+        caller that stops reading before the end cancels ``cancel``."""
 
     def count_tokens(self, conversation: Conversation) -> int:
         ...

@@ -25,7 +25,7 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import llama_cpp
 from llama_cpp import _internals as internals
@@ -258,17 +258,27 @@ class LlamaEngine:
 
     # -- generating ----------------------------------------------------------
 
-    async def generate(self, prepared: LlamaPrepared, cancel: CancelToken,
-                       response_id: str | None = None) -> AsyncIterator[EngineEvent]:
+    def generate(self, prepared: LlamaPrepared, cancel: CancelToken,
+                 response_id: str | None = None) -> AsyncIterator[EngineEvent]:
         """Run one generation on a sequence of the shared context.
         ``response_id`` names the response it produces (a later
-        ``previous_response_id`` continues from its state)."""
+        ``previous_response_id`` continues from its state).
+
+        The job reaches the scheduler now, not at the first iteration: the
+        prompt evaluates while the caller writes what precedes the first
+        token (``Run.events``: ``response.created``). A caller that never
+        iterates the events cancels ``cancel``."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
-
         # Delivered once per scheduler step (Scheduler.outbox).
         emit = self.scheduler.outbox.sender(loop, queue.put_nowait)
+        # A job waiting to be placed sleeps with the scheduler: a cancel wakes it.
+        unwatch = cancel.on_cancel(self.scheduler.wake)
         self.scheduler.submit(Job(prepared, cancel, emit, response_id, prepared.cache_request()))
+        return self._events(queue, cancel, unwatch)
+
+    async def _events(self, queue: asyncio.Queue[EngineEvent], cancel: CancelToken,
+                      unwatch: Callable[[], None]) -> AsyncIterator[EngineEvent]:
         finished = False
         try:
             while True:
@@ -283,7 +293,7 @@ class LlamaEngine:
                 # The consumer went away (client disconnect): the scheduler
                 # ends it at its next step.
                 cancel.cancel()
-                self.scheduler.wake()
+            unwatch()
 
     # -- stats and shutdown ------------------------------------------------------
 

@@ -94,3 +94,48 @@ def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine
     asyncio.run(asyncio.wait_for(go(), 120))
     gap = times["started"] - times["released"]
     assert 0 <= gap < 0.3, f"placed {gap * 1000:.0f} ms after the sequence it waited for was released"
+
+
+def test_a_generation_starts_when_asked_for_not_when_its_events_are_first_read(engine):
+    """``generate`` hands the job to the scheduler at the call: the prompt
+    is evaluated while the caller still writes what precedes the first
+    token (``Run.events``: response.created). Nothing here reads an event
+    until the prompt has been evaluated."""
+    async def go():
+        before = engine.stats()["generations"]  # counted when a prompt is evaluated
+        prepared = engine.prepare(Conversation(model="m", items=[Message("user", "Say hi.")], max_output_tokens=2))
+        events = engine.generate(prepared, CancelToken())
+        deadline = time.monotonic() + 60
+        while engine.stats()["generations"] == before:
+            assert time.monotonic() < deadline, "the prompt was never evaluated before its events were read"
+            await asyncio.sleep(0.01)
+        got = [e async for e in events]
+        assert isinstance(got[-1], Finished), got[-1]
+
+    asyncio.run(go())
+
+
+def test_a_generation_cancelled_before_its_events_are_read_frees_its_sequence(engine):
+    """A caller that gives up before reading (``Run.events`` when its
+    consumer leaves right after response.created) cancels the token: the
+    scheduler ends the job although nobody reads its events."""
+    async def go():
+        prepared = engine.prepare(Conversation(model="m", items=[Message("user", "Count to a thousand.")],
+                                               max_output_tokens=400))
+        cancel = CancelToken()
+        events = engine.generate(prepared, cancel)
+        deadline = time.monotonic() + 60
+        while engine.scheduler.active == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        cancel.cancel()
+        while engine.scheduler.active:
+            assert time.monotonic() < deadline, "a cancelled generation nobody reads kept its sequence"
+            await asyncio.sleep(0.01)
+        got = [e async for e in events]
+        assert isinstance(got[-1], Finished) and got[-1].reason == "cancelled", got[-1]
+        assert got[-1].usage.output_tokens < 400
+        after = await asyncio.wait_for(events_of(engine), 60)
+        assert isinstance(after[-1], Finished), "the scheduler still serves"
+
+    asyncio.run(go())
