@@ -10,7 +10,8 @@ and prints the median and p90 of each hop:
   send → handler          HTTP parse, routing (client → ``routes.responses._create``)
   handler → prepare       decode, validation, admission, hand-off to a prepare thread
   prepare                 render + tokenize (``LlamaEngine.prepare``, worker thread)
-  prepare → submit        back to the event loop, ``StreamSession`` start, ``Job`` built
+  prepare → submit        back to the event loop, the reply and its headers, ``Job`` built
+                          (``response.created`` is written after the submit, beside the prompt)
   submit → placed         the scheduler thread wakes and plans (``Scheduler._start`` entered)
   placed → decode         diagnosis, ``cache.apply``, ``Generation`` built
   prefill decode          ``llama_decode`` of the prompt (llama.cpp itself)
