@@ -112,7 +112,7 @@ class ContinuationCache:
             disk.prefetch(cp)
 
     def _publish(self) -> None:
-        self._snapshot = tuple(self.residency.by_recency() + list(reversed(self.tiers.ram.values())))
+        self._snapshot = tuple(self.residency.by_recency() + self.tiers.ram.newest_first())
 
     # -- planning (scheduler thread) --------------------------------------------
 

@@ -57,13 +57,14 @@ right now (it copies it once it is there, instead of prefilling it twice).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, TypeVar
 
 from lmspd.core.conversation import Item, SessionPin, ToolOutput
 
 from .diagnostics import CacheReport, EvictionLog, Signature, classify
+from .index import RamIndex
 from .state import Resident, SessionState, common_prefix
 
 log = logging.getLogger("lmspd.cache")
@@ -238,7 +239,7 @@ class Planner:
     the sequences a pending stream copy reads or writes. The cache hands it
     its own, live; it reads them when asked and changes none of them."""
 
-    def __init__(self, ops: KvReads, residents: Sequence[Resident], ram: dict[str, SessionState], *,
+    def __init__(self, ops: KvReads, residents: Sequence[Resident], ram: Mapping[str, SessionState], *,
                  disk: SavedStates[Any] | None = None, copying: Collection[int] = frozenset(),
                  enabled: bool = True, trimmable: bool = True) -> None:
         self.ops = ops
@@ -249,6 +250,12 @@ class Planner:
         self.enabled = enabled
         # False: a state is cut short only down to its floor.
         self.trimmable = trimmable
+
+    def _index(self) -> RamIndex:
+        """The RAM states' index: the tier's own (``RamStates``), kept in
+        step with it; a plain mapping of states (a test's) is indexed anew."""
+        index = getattr(self.ram, "index", None)
+        return index if isinstance(index, RamIndex) else RamIndex(self.ram)
 
     # -- guesses from a snapshot (any thread) ------------------------------------
 
@@ -367,9 +374,8 @@ class Planner:
                 state = r.state
                 if state.response_id == req.previous_response_id and state.visible and req.text.startswith(state.visible):  # type: ignore[union-attr]
                     return self._fits(req, self._continue(req, state, "response-id", r.seq))  # type: ignore[arg-type]
-            for state in reversed(self.ram.values()):
-                if (state.owner == req.owner and state.response_id == req.previous_response_id and state.visible
-                        and req.text.startswith(state.visible) and target is not None):
+            for state in reversed(self._index().by_response(req.owner, req.previous_response_id)):
+                if state.visible and req.text.startswith(state.visible) and target is not None:
                     return self._fits(req, self._continue(req, state, "response-id", target.seq, restore=True))
         resident_plans = [p for r in mine if (p := self._match_resident(req, r)) is not None]
         for plan in sorted(resident_plans, key=lambda p: p.keep, reverse=True):
@@ -428,7 +434,7 @@ class Planner:
         if target is None:
             return []
         candidates: list[CachePlan] = []
-        for state in [s for s in self.ram.values() if s.owner == req.owner]:
+        for state in self._ram_examined(req):
             plan = self._match_saved(req, state, "ram", target.seq)
             if plan is None:
                 # A branch or an edit: the longest common token prefix still
@@ -464,6 +470,55 @@ class Planner:
                 candidates.append(CachePlan("disk", keep, req.tokens[keep:], req.text, restore=loaded,
                                             detail="partial", seq=target.seq))
         return candidates
+
+    def _ram_examined(self, req: CacheRequest) -> list[SessionState]:
+        """The RAM states of ``req``'s owner whose candidate (the loop of
+        ``_saved_candidates``) can be the plan, in RAM order, found through
+        the index (lmspd.cache.index) instead of trying every state:
+
+        - every state whose visible transcript or KV text starts the request
+          (``_match_saved``: a whole state);
+        - every state with an alignment point whose text starts the request
+          and whose tokens it does not start (``_aligned_plan`` keeps more
+          than the common token prefix only then);
+        - of all other states, only the one whose partial restore the plan's
+          order tries first: the longest common token prefix, at least
+          ``MIN_COPY_TOKENS`` and the state's floor; then no checkpoint
+          (``boundary``); then the least recently kept (the sort is stable).
+          The rest offer the same plan with the same or a shorter prefix, and
+          ``_fits`` and ``_drops_reasoning`` treat every partial restore
+          alike (its suffix is the rest of the prompt, its cut at or above
+          the floor): one that loses to that one loses to it for good."""
+        index = self._index()
+        found = index.text_prefixes(req.owner, req.text)
+        found.update(index.aligned_branches(req.owner, req.text, req.tokens[:-1], MIN_COPY_TOKENS))
+        partial = self._longest_partial(index, req, skip=found)
+        if partial is not None:
+            found[partial[0]] = partial[1]
+        return index.in_order(found)
+
+    @staticmethod
+    def _longest_partial(index: RamIndex, req: CacheRequest,
+                         skip: Collection[str]) -> tuple[str, SessionState] | None:
+        """The state (key, state) of the partial RAM restore the plan would
+        try first, of those not in ``skip``. Levels come longest prefix
+        first; a level's states are in RAM order, and repeat the deeper
+        levels' states, which were below their floor there and are below it
+        here too. Trimmable: the first state of the first level."""
+        # The prefix a plan keeps leaves the prompt's last token to evaluate.
+        for depth, node in index.levels(req.owner, req.tokens[:-1]):
+            if depth < MIN_COPY_TOKENS:
+                return None
+            checkpoint: tuple[str, SessionState] | None = None
+            for key, state in node.below.items():
+                if key in skip or state.floor > depth:
+                    continue
+                if state.boundary is None:
+                    return key, state
+                checkpoint = checkpoint or (key, state)
+            if checkpoint is not None:
+                return checkpoint
+        return None
 
     def _scarce(self, contending: int) -> bool:
         """A copy from an idle sequence would leave too few sequences for the
@@ -641,7 +696,7 @@ class Planner:
         if self.trimmable or not self.enabled or not req.breakpoints:
             return []
         done = len(self.residents[seq].tokens)
-        ends = {len(s.tokens) for s in self.ram.values() if s.owner == req.owner}
+        ends = self._index().end_depths(req.owner, req.tokens)
         return [p for p in req.breakpoints
                 if done < p < len(req.tokens) and not (p in ends and self._remembers(req.tokens[:p], req.owner))]
 
@@ -714,7 +769,9 @@ class Planner:
         # (state, floor): a resident's floor is live, a saved state's was taken at capture.
         states = [(r.state, self.ops.floor(r.seq, len(r.tokens))) for r in self.residents
                   if r.state is not None and r.state.owner == req.owner]
-        states += [(s, s.floor) for s in self.ram.values() if s.owner == req.owner]
+        saved = self._longest_saved(req)
+        if saved is not None:
+            states.append((saved, saved.floor))
         rank: tuple = ()
         for state, floor in states:
             common = common_prefix(state.tokens, req.tokens)
@@ -729,3 +786,21 @@ class Planner:
             if shared is not None and shared[1] > longest:
                 longest = shared[1]
         return best, best_floor, longest
+
+    def _longest_saved(self, req: CacheRequest) -> SessionState | None:
+        """The RAM state ``_longest_remembered``'s scan would pick among the
+        RAM states: of those sharing the longest token prefix (the index's
+        first level), the first in RAM order of the best rank (the same
+        signature, then with items). States of one ``kind`` rank alike: only
+        the first of each kind is looked at."""
+        index = self._index()
+        for depth, node in index.levels(req.owner, req.tokens):
+            if depth == 0:
+                return None
+            firsts = [next(iter(same.items())) for same in node.kinds.values()]
+            if not firsts:
+                return None
+            _, best = max(firsts, key=lambda ks: (ks[1].signature == req.signature, bool(ks[1].items),
+                                                  -index.order[ks[0]]))
+            return best
+        return None

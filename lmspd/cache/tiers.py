@@ -10,9 +10,9 @@ disk tier a state that leaves RAM is gone, and the eviction log
 (lmspd.cache.diagnostics.EvictionLog) says why. At shutdown every
 remembered state goes to disk.
 
-The planner reads the RAM states and the disk index (lmspd.cache.planner);
-only the scheduler thread changes them, and the writer thread adds to the
-disk.
+The planner reads the RAM states, through their index (lmspd.cache.index),
+and the disk index (lmspd.cache.planner); only the scheduler thread changes
+them, and the writer thread adds to the disk.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .diagnostics import EvictionLog
 from .disk import DiskCheckpoints
+from .index import RamStates
 from .state import SessionState
 
 log = logging.getLogger("lmspd.cache")
@@ -59,7 +59,8 @@ class Tiers:
         self.evictions = EvictionLog()
         if disk is not None and disk.on_evict is None:
             disk.on_evict = lambda tokens, owner: self.evictions.record(tokens, owner, "disk_budget")
-        self.ram: OrderedDict[str, SessionState] = OrderedDict()
+        # By key, least recently kept first, indexed for the planner.
+        self.ram = RamStates()
         self._writes: queue.Queue[SessionState | None] = queue.Queue(maxsize=4)
         self._writer: threading.Thread | None = None
         if disk is not None:
@@ -69,11 +70,10 @@ class Tiers:
     def remember(self, state: SessionState, displaced: bool = False) -> None:
         """Keep ``state`` in RAM, the least recently kept leaving for disk
         when over budget. ``displaced``: another request took its sequence."""
-        self.ram[state.key] = state
-        self.ram.move_to_end(state.key)
+        self.ram.keep(state)
         total = sum(s.nbytes for s in self.ram.values())
         while total > self.budget_bytes and self.ram:
-            _, old = self.ram.popitem(last=False)
+            old = self.ram.pop_oldest()
             total -= old.nbytes
             if self.disk is not None:
                 self.write_behind(old)  # leaving RAM: the disk keeps it
@@ -96,7 +96,7 @@ class Tiers:
     def forget(self, state: SessionState) -> None:
         """Drop ``state`` from RAM (if it is the one kept under its key)."""
         if self.ram.get(state.key) is state:
-            del self.ram[state.key]
+            self.ram.drop(state.key)
             self.stats.ram_sessions = len(self.ram)
             self.stats.ram_bytes = sum(s.nbytes for s in self.ram.values())
 
