@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmspd.cache.planner as planner_module
-from lmspd.cache.index import RamStates
 from lmspd.cache.planner import MIN_COPY_TOKENS, CachePlan, CacheRequest, Planner, cold
 from lmspd.cache.state import Resident, SessionState, common_prefix
 from support.cache_rig import INSTRUCTIONS, request, turn
@@ -289,6 +288,8 @@ def worlds(draw):
 @given(world=worlds(), churn=st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=8),
        n_ctx=st.sampled_from([4096, 4096, 4096, 140]))
 def test_the_indexed_plan_is_the_plan_of_a_scan_of_every_state(world, churn, n_ctx):
+    from lmspd.cache.index import RamStates
+
     states, req = world
     # The tier's own container, kept in step through keeps, re-keeps (to
     # the end of the order) and drops.
@@ -312,3 +313,30 @@ def test_the_indexed_plan_is_the_plan_of_a_scan_of_every_state(world, churn, n_c
         assert got.restore is want.restore
         assert p._longest_remembered(req)[1:] == scan_longest(p, req)[1:]
         assert p._longest_remembered(req)[0] is scan_longest(p, req)[0]
+
+
+def test_equal_whole_states_tie_break_by_the_order_ram_kept_them():
+    """Two spellings of one turn (the same text, as many tokens, sampled
+    apart): the least recently kept is restored, as the scan's stable sort
+    chose; kept again, it goes last."""
+    text = "sys:" + "lo" * 40 + "ab"
+    tokens = tokenize(text)
+    first, second = (SessionState(tokens=tokens[:i] + [ord("l"), ord("o")] + tokens[i + 1:], kv_text=text,
+                                  visible=text, kv=b"kv", owner="o") for i in (2, 3))
+    assert len(first.tokens) == len(second.tokens) and first.key != second.key
+    from lmspd.cache.index import RamStates
+
+    ram = RamStates()
+    ram.keep(first)
+    ram.keep(second)
+    req = CacheRequest(text=text + "b", tokens=tokenize(text + "b"), items=[], owner="o")
+    target = Resident(0)
+
+    def restored() -> SessionState | None:
+        plan = Planner(Kv(), [target], ram)._plan(req, target)
+        assert plan is not None and (plan.source, plan.detail) == ("ram", "visible")
+        return plan.restore
+
+    assert restored() is first
+    ram.keep(first)
+    assert restored() is second
