@@ -47,6 +47,12 @@ is allowed only down to that state's ``floor``; below it the request falls
 back to the nearest **exact-state checkpoint** at or before the divergence
 (``checkpoint``), kept by the residency (lmspd.cache.residency).
 
+The RAM states are many (a short state of a small model is ~1 MB of a
+1 GiB budget) and the plan runs before every admission: they are found
+through their index (lmspd.cache.index), which hands the planner only the
+states whose candidate can be the plan (``_ram_examined``), and the
+diagnosis only the states that share the longest prefix (``_longest_saved``).
+
 A request that continues no resident state goes to the sequence the
 residency offers (``target``: its eviction order). A running sequence is
 never planned over: with no sequence to offer, the plan is "not now"
