@@ -324,6 +324,10 @@ class RamStates(Mapping[str, SessionState]):
     def __init__(self) -> None:
         self._states: OrderedDict[str, SessionState] = OrderedDict()
         self.index = RamIndex()
+        # Each state's bytes as it was kept, and their sum: the budget is
+        # checked at every capture, and summing every state's is linear.
+        self._sizes: dict[str, int] = {}
+        self.nbytes = 0
 
     def keep(self, state: SessionState) -> None:
         """``state`` under its key, the most recently kept (replacing any
@@ -331,17 +335,23 @@ class RamStates(Mapping[str, SessionState]):
         key = state.key
         old = self._states.pop(key, None)
         if old is not None:
-            self.index.remove(key, old)
+            self._forget(key, old)
         self._states[key] = state
         self.index.add(key, state)
+        self._sizes[key] = size = state.nbytes
+        self.nbytes += size
 
     def pop_oldest(self) -> SessionState:
         key, state = self._states.popitem(last=False)
-        self.index.remove(key, state)
+        self._forget(key, state)
         return state
 
     def drop(self, key: str) -> None:
-        self.index.remove(key, self._states.pop(key))
+        self._forget(key, self._states.pop(key))
+
+    def _forget(self, key: str, state: SessionState) -> None:
+        self.index.remove(key, state)
+        self.nbytes -= self._sizes.pop(key)
 
     def __getitem__(self, key: str) -> SessionState:
         return self._states[key]

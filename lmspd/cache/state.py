@@ -64,9 +64,22 @@ class SessionState:
     aligned: tuple[tuple[int, int], ...] = ()
     aligned_text: str = ""
 
+    # (owner, tokens list, its length) -> key: the hash of a long state's
+    # tokens costs ms (~1.5 ms at 10k tokens), and the scheduler thread asks
+    # for the key several times a placement. A state's tokens are a list of
+    # its own, never changed in place (every state is built from a copy);
+    # the list's identity and length are checked all the same.
+    _key: tuple[str, int, int, str] | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def key(self) -> str:
-        return state_key(self.owner, self.tokens)
+        cached = self._key
+        tokens = self.tokens
+        if cached is not None and cached[:3] == (self.owner, id(tokens), len(tokens)):
+            return cached[3]
+        key = state_key(self.owner, tokens)
+        self._key = (self.owner, id(tokens), len(tokens), key)
+        return key
 
     @property
     def nbytes(self) -> int:

@@ -71,10 +71,8 @@ class Tiers:
         """Keep ``state`` in RAM, the least recently kept leaving for disk
         when over budget. ``displaced``: another request took its sequence."""
         self.ram.keep(state)
-        total = sum(s.nbytes for s in self.ram.values())
-        while total > self.budget_bytes and self.ram:
+        while self.ram.nbytes > self.budget_bytes and self.ram:
             old = self.ram.pop_oldest()
-            total -= old.nbytes
             if self.disk is not None:
                 self.write_behind(old)  # leaving RAM: the disk keeps it
             else:
@@ -83,7 +81,7 @@ class Tiers:
                 by = "another_session" if old is state and displaced else "ram_budget"
                 self.evictions.record(old.tokens, old.owner, by)
         self.stats.ram_sessions = len(self.ram)
-        self.stats.ram_bytes = total
+        self.stats.ram_bytes = self.ram.nbytes
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a state of ``nbytes`` captured ahead of need may be kept:
@@ -91,14 +89,14 @@ class Tiers:
         pushes out of RAM, else only in the room the budget has left."""
         if nbytes > self.budget_bytes:
             return False
-        return self.disk is not None or sum(s.nbytes for s in self.ram.values()) + nbytes <= self.budget_bytes
+        return self.disk is not None or self.ram.nbytes + nbytes <= self.budget_bytes
 
     def forget(self, state: SessionState) -> None:
         """Drop ``state`` from RAM (if it is the one kept under its key)."""
         if self.ram.get(state.key) is state:
             self.ram.drop(state.key)
             self.stats.ram_sessions = len(self.ram)
-            self.stats.ram_bytes = sum(s.nbytes for s in self.ram.values())
+            self.stats.ram_bytes = self.ram.nbytes
 
     def write_behind(self, state: SessionState) -> None:
         """Write ``state`` to disk on the writer thread."""
