@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 
 from . import native_log
 from .client_text import ClientText
+from .cpus import default_threads
 from .kv import SequenceKv
 from .models import fallback_template
 from .placement import RuntimeConfig, plan
@@ -114,7 +114,11 @@ class LlamaEngine:
             runtime = plan(path, ctx=n_ctx, parallel=max(1, parallel), flash_attn=flash_attn, kv_type=kv_type,
                            swa_full=self.cache_settings.swa_full, check=False)
         self.parallel = runtime.parallel
-        threads = n_threads or max(1, (os.cpu_count() or 2))
+        if n_threads:
+            threads, threads_reason = n_threads, "--threads"
+        else:
+            chosen = default_threads()
+            threads, threads_reason = chosen.threads, chosen.reason
         self.threads = threads
         # Requests being prepared right now (render, tokenize: CPU-bound,
         # in the service's worker threads); the scheduler decodes with one
@@ -153,6 +157,7 @@ class LlamaEngine:
         # What llama.cpp made of it (it pads the window to 256 cells).
         self.runtime = dataclasses.replace(runtime, window=self.n_ctx)
         log.info("%s", self.runtime.line(model_id))
+        log.info("model %s: %d CPU threads (%s)", model_id, threads, threads_reason)
         self.vocab = Vocabulary(model)
         meta = model.metadata()
         # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
