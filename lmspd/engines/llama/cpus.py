@@ -9,8 +9,9 @@ every barrier; a container sees the host's CPUs but may run on a few
 (``--cpus``: the cgroup quota); and a hybrid CPU's efficiency cores are
 the last to arrive at every barrier. llama.cpp's workers meet at a
 spinning barrier after every operation, so a thread without a CPU of its
-own stalls all the others: two threads on two busy cores decoded the
-bundled model at 1.5 tokens/s instead of 65 (bench/README.md). llama.cpp's
+own stalls all the others: on two cores with one of them taken, two
+threads decoded the bundled model at 0.42× the speed of one
+(``bench/threads.py``). llama.cpp's
 own default counts physical cores (``cpu_get_num_math``); this adds the
 affinity mask and the quota.
 
