@@ -12,7 +12,8 @@ empty members is refused after ``max_body_members``, never copied once per
 member). Decoding a large body runs in a small pool of its own
 (``decode_off_loop``; WebSocket messages use it too): the event loop only
 reads the bytes, and slow bodies wait for each other, never for the default
-executor's other work.
+executor's other work. So does decoding the request a large body holds
+(``decoded``); a small one's is decoded on the loop, as its JSON was.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from starlette.requests import Request
@@ -30,12 +32,13 @@ from lmspd.core.errors import ApiError
 from lmspd.core.limits import BODY_DECODE_WORKERS, RequestLimits
 from lmspd.core.strict_json import decode_json, json_path
 
-__all__ = ["content_encodings", "decode_body", "decode_json", "decode_off_loop", "json_path", "parse_json_object",
-           "read_json_object"]
+__all__ = ["INLINE_BYTES", "JsonBody", "content_encodings", "decode_body", "decode_json", "decode_off_loop", "decoded",
+           "json_path", "parse_json_object", "read_json_body", "read_json_object"]
 
-# Bodies up to this size are decoded on the event loop (a thread hop costs
-# more than parsing them); larger ones in a worker thread.
-_INLINE_BYTES = 64 * 1024
+# Bodies up to this size are parsed on the event loop, and the requests they
+# hold decoded there (a thread hop costs more than either); larger ones in
+# a worker thread.
+INLINE_BYTES = 64 * 1024
 _ENCODINGS = ("gzip", "x-gzip", "zstd", "identity")
 _T = TypeVar("_T")
 _pool: ThreadPoolExecutor | None = None
@@ -53,7 +56,29 @@ async def decode_off_loop(fn: Callable[..., _T], *args: Any) -> _T:
     return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args))
 
 
+@dataclass(frozen=True)
+class JsonBody:
+    """A request body's JSON object; ``small``: it was sent uncompressed
+    and within ``INLINE_BYTES``, so the event loop parsed it and may decode
+    the request it holds (``decoded``)."""
+
+    value: dict[str, Any]
+    small: bool
+
+
+async def decoded(body: JsonBody, decode: Callable[[dict[str, Any]], _T]) -> _T:
+    """``decode(body.value)``: on the event loop for a small body, else in
+    the decoding pool (work proportional to the body never runs on the loop)."""
+    if body.small:
+        return decode(body.value)
+    return await decode_off_loop(decode, body.value)
+
+
 async def read_json_object(request: Request, limits: RequestLimits) -> dict[str, Any]:
+    return (await read_json_body(request, limits)).value
+
+
+async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise ApiError(
@@ -76,9 +101,9 @@ async def read_json_object(request: Request, limits: RequestLimits) -> dict[str,
             raise _too_large(limits)
         chunks.append(chunk)
     raw = b"".join(chunks)
-    if not encodings and len(raw) <= _INLINE_BYTES:
-        return decode_body(raw, encodings, limits)
-    return await decode_off_loop(decode_body, raw, encodings, limits)
+    if not encodings and len(raw) <= INLINE_BYTES:
+        return JsonBody(decode_body(raw, encodings, limits), small=True)
+    return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
 
 
 def content_encodings(header: str) -> list[str]:

@@ -176,6 +176,37 @@ class StoredContext:
         return stored_items([found], self.sealer, self.owner)[0]
 
 
+class NeedsStore(Exception):
+    """A decode on the event loop reached for the store (``OnLoop``)."""
+
+
+@dataclass(frozen=True)
+class OnLoop:
+    """A request's stored context for decoding it on the event loop: what
+    names stored data (``previous_response_id``, ``conversation``, an
+    ``item_reference``) raises ``NeedsStore``, and the decode starts over in
+    a worker thread (``routes.responses.begin_turn``). A small body that
+    names nothing stored is decoded without a thread hop; the store is never
+    read on the loop."""
+
+    context: Any
+
+    def history(self, previous_response_id: str | None, conversation_id: str | None,
+                expansion: Expansion) -> list[Item]:
+        raise NeedsStore
+
+    def resolve_reference(self, item_id: str, where: str) -> Item:
+        raise NeedsStore
+
+    def declared_tools(self, previous_response_id: str | None,
+                       conversation_id: str | None) -> list[tuple[str, Any]]:
+        raise NeedsStore
+
+    def open_compaction(self, blob: str, item_id: str | None, where: str) -> Item:
+        # The server key's work on a blob the (small) body holds: no store.
+        return self.context.open_compaction(blob, item_id, where)
+
+
 @dataclass
 class ResponseRecord:
     """What one response leaves in the store, written as it goes:

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lmspd.bodies import read_json_object
+from lmspd.bodies import decoded, read_json_body
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
@@ -82,8 +82,8 @@ async def _frames(events: AsyncIterator[WireEvent], frame: Frame,
 async def chat_create(request: Request) -> Response:
     app = app_state(request)
     who = principal(request, "responses:write")
-    raw = await read_json_object(request, app.limits)
-    req = chat_completions.decode_request(raw, app.limits)
+    body = await read_json_body(request, app.limits)
+    req = await decoded(body, lambda raw: chat_completions.decode_request(raw, app.limits))
     # The client's session header (``lmspd.dialects.session``): cache affinity.
     run_context = RunContext(owner=who.owner, session_key=session_key(request.headers))
     run = await _begin(app.service, req.conversation, run_context, req.field_names)
@@ -133,8 +133,8 @@ def anthropic_error(exc: ApiError) -> Response:
 async def messages_create(request: Request) -> Response:
     app = app_state(request)
     who = principal(request, "responses:write")
-    raw = await read_json_object(request, app.limits)
-    req = anthropic_messages.decode_request(raw, app.limits)
+    body = await read_json_body(request, app.limits)
+    req = await decoded(body, lambda raw: anthropic_messages.decode_request(raw, app.limits))
     # The client's session and agent (``lmspd.dialects.session``): cache affinity.
     agent, parent = agent_lineage(request.headers)
     run_context = RunContext(owner=who.owner, session_key=session_key(request.headers), agent_id=agent,
@@ -161,8 +161,9 @@ async def messages_count_tokens(request: Request) -> Response:
     # Counting creates nothing; a read credential may do it (a count reads
     # no remembered state: no owner reaches the engine).
     principal(request, "responses:read")
-    raw = await read_json_object(request, app.limits)
-    conversation: Conversation = anthropic_messages.decode_count_tokens(raw, app.limits).conversation
+    body = await read_json_body(request, app.limits)
+    conversation: Conversation = (await decoded(
+        body, lambda raw: anthropic_messages.decode_count_tokens(raw, app.limits))).conversation
     engine = app.service.model(conversation.model).engine
     # The count must be of a prompt the model could run: a create with these
     # tools would be refused, so the count is too (rather than counting a

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd import compaction, idempotency
-from lmspd.bodies import read_json_object
+from lmspd.bodies import read_json_body, read_json_object
 from lmspd.core.conversation import Item
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
@@ -31,7 +31,7 @@ from lmspd.dialects.decoded import ResponsesRequest
 from lmspd.dialects.registry import LMSP, OPENAI, Dialect
 from lmspd.dialects.responses_items import additional_tools_item
 from lmspd.dialects.session import agent_lineage, session_key
-from lmspd.history import ResponseRecord, StoredContext
+from lmspd.history import NeedsStore, OnLoop, ResponseRecord, StoredContext
 from lmspd.http import (
     LmspdApp,
     app_state,
@@ -67,23 +67,24 @@ async def lmsp_create_task(request: Request) -> Response:
 async def _create(request: Request, dialect: Dialect, *, as_task: bool = False) -> Response:
     app = app_state(request)
     who = lmsp_request(request, "responses:write") if dialect is LMSP else principal(request, "responses:write")
-    raw = await read_json_object(request, app.limits)
+    body = await read_json_body(request, app.limits)
+    raw = body.value
     return await idempotency.once(
         app.store, app.calls, who.owner, request, raw,
-        lambda: _run(request, app, who.owner, dialect, raw, as_task=as_task),
+        lambda: _run(request, app, who.owner, dialect, raw, as_task=as_task, small=body.small),
         follow=lambda task_id: _follow(app, who.owner, dialect, task_id),
     )
 
 
 async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, raw: dict,
-               *, as_task: bool) -> Reply:
+               *, as_task: bool, small: bool = False) -> Reply:
     # Who this run is for and which client session and agent sent it
     # (``lmspd.dialects.session``: cache affinity).
     agent, parent = agent_lineage(request.headers)
     run_context = RunContext(owner=owner, session_key=session_key(request.headers), agent_id=agent,
                              parent_agent_id=parent)
     turn = await begin_turn(app, run_context, dialect, raw, context=StoredContext(app.store, owner, app.sealer),
-                            queued=as_task or bool(raw.get("background")))
+                            queued=as_task or bool(raw.get("background")), small=small)
     req, run, session, record = turn.req, turn.run, turn.session, turn.record
     if turn.background:
         return await _start_task(app, owner, dialect, raw, req.stream, run, session, record, as_task=as_task)
@@ -133,7 +134,7 @@ class Turn:
 
 
 async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, raw: dict, *, context: Any,
-                     queued: bool = False) -> Turn:
+                     queued: bool = False, small: bool = False) -> Turn:
     """Decode and admit (every refusal before any byte is sent).
 
     ``run_context`` is who the turn runs for and how (its owner, the
@@ -146,8 +147,7 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     (``routes.websocket.Latest``). Such a response may exist only in that
     connection (``store: false``): this one then stores that history with
     its own input, so that it stands on its own in the store."""
-    # The stored history a request names is read and expanded off the loop.
-    req = await app.service.decode(lambda: dialect.decode(raw, app.limits, context=context))
+    req = await _decode(app, dialect, raw, context, small)
     continued = getattr(context, "continued", None)
     background = queued or req.background
     if req.background and not req.store:
@@ -190,6 +190,18 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     record = ResponseRecord(app.store, owner, input_items, keep=req.store, previous_response_id=previous,
                             conversation_id=req.conversation_id, tool_items=tool_items)
     return Turn(dialect, req, run, session, record, background, app.calls, window)
+
+
+async def _decode(app: LmspdApp, dialect: Dialect, raw: dict, context: Any, small: bool) -> Any:
+    """The decoded request. The stored history it names is read and expanded
+    off the event loop; a small body that names none is decoded on the loop
+    (lmspd.bodies: a thread hop costs more than that)."""
+    if small:
+        try:
+            return dialect.decode(raw, app.limits, context=OnLoop(context))
+        except NeedsStore:
+            pass
+    return await app.service.decode(lambda: dialect.decode(raw, app.limits, context=context))
 
 
 async def _begun(begun: Any) -> Run:

@@ -49,7 +49,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from lmspd.bodies import decode_off_loop, parse_json_object
+from lmspd.bodies import INLINE_BYTES, decode_off_loop, parse_json_object
 from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
@@ -73,8 +73,6 @@ _AGREEING = {"stream": True, "background": False}
 _DROPPED = ("stream_options",)
 # Client frames accepted and ignored (Codex acknowledges every response).
 _IGNORED = frozenset({"response.processed"})
-# Frames up to this size are decoded on the event loop (lmspd.bodies: 64 KiB).
-_INLINE_CHARS = 64 * 1024
 # Frames a turn may have produced ahead of the socket: beyond it the turn
 # waits for the client (back-pressure, as a paused HTTP write).
 _OUTBOX_FRAMES = 256
@@ -228,7 +226,7 @@ class Connection:
     async def _on_frame(self, text: str) -> None:
         try:
             # As an HTTP body: a large frame is decoded off the event loop.
-            if len(text) <= _INLINE_CHARS:
+            if len(text) <= INLINE_BYTES:
                 frame = parse_json_object(text, self.app.limits)
             else:
                 frame = await decode_off_loop(parse_json_object, text, self.app.limits)
