@@ -257,22 +257,26 @@ class Run:
         generation: AsyncIterator[EngineEvent] | None = None
         drained = False
         try:
-            refused: ApiError | None = None
+            # An error before the first event: raised once response.created is out.
+            deferred: Exception | None = None
             if self.ticket.ready and self.opens_first:
                 # The model has room: send the provider its request before
                 # building any event, so the first bytes wait on it, not on us.
                 try:
                     await self.open()
                 except ApiError as exc:
-                    refused = exc
+                    deferred = exc
             elif self.ticket.ready and not service.shutting_down:
                 # The model has room and is in this process: its prompt
                 # evaluates while response.created goes out.
-                generation = self._generate(session)
+                try:
+                    generation = self._generate(session)
+                except Exception as exc:
+                    deferred = exc
             for wire in session.start():
                 yield wire
-            if refused is not None:
-                raise refused
+            if deferred is not None:
+                raise deferred
             if not self.ticket.ready:
                 # Queued: the client hears that the response is alive.
                 admitted = asyncio.ensure_future(self.ticket.wait())

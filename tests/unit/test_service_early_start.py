@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from lmspd.core.conversation import Conversation, Message
+from lmspd.core.errors import ApiError
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects.registry import OPENAI
 from lmspd.service import Service
@@ -93,3 +94,19 @@ def test_a_consumer_gone_before_the_generation_is_read_cancels_it() -> None:
         assert run.ticket._released, "and its place in the queue is free"
 
     asyncio.run(go())
+
+
+def test_an_engine_refusing_at_the_call_still_gets_a_stream_that_starts_with_response_created() -> None:
+    class Refusing(ScriptedEngine):
+        def generate(self, prepared, cancel, response_id=None):
+            raise ApiError("server_overloaded", "No room after all.")
+
+    service = Service(DEFAULT_LIMITS)
+    service.add_engine(Refusing())
+
+    async def go() -> list[str]:
+        run = await service.begin(conversation())
+        return [name async for _, name, _ in run.events(session("resp_1"))]
+
+    names = asyncio.run(go())
+    assert names[0] == "response.created" and names[-1] == "response.failed", names
