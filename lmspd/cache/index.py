@@ -249,6 +249,22 @@ class RamIndex:
         self.owners.setdefault(state.owner, OwnerIndex()).add(key, state)
         self.order[key] = next(self._stamps)
 
+    def touch(self, key: str, state: SessionState) -> None:
+        """``state``, filed under ``key`` already, becomes the most recently
+        kept: a new stamp, and the last place in the maps along its token
+        path that keep RAM order (its tokens, texts and points are as they
+        were filed: nothing else moves). Placement keeps a state captured
+        ahead again this way, on the path to the request's first token."""
+        self.order[key] = next(self._stamps)
+        owner = self.owners[state.owner]
+        alike = owner.kind[key]
+        node: Node | None = owner.ends[key]
+        while node is not None:
+            node.below[key] = node.below.pop(key)
+            same = node.kinds[alike]
+            same[key] = same.pop(key)
+            node = node.parent
+
     def remove(self, key: str, state: SessionState) -> None:
         owner = self.owners[state.owner]
         owner.remove(key, state)
@@ -334,10 +350,14 @@ class RamStates(Mapping[str, SessionState]):
         state under that key)."""
         key = state.key
         old = self._states.pop(key, None)
-        if old is not None:
-            self._forget(key, old)
         self._states[key] = state
-        self.index.add(key, state)
+        if old is state:
+            self.index.touch(key, state)
+            self.nbytes -= self._sizes[key]
+        else:
+            if old is not None:
+                self._forget(key, old)
+            self.index.add(key, state)
         self._sizes[key] = size = state.nbytes
         self.nbytes += size
 

@@ -340,3 +340,33 @@ def test_equal_whole_states_tie_break_by_the_order_ram_kept_them():
     assert restored() is first
     ram.keep(first)
     assert restored() is second
+
+
+def test_partial_restores_of_an_equal_prefix_tie_break_by_the_order_ram_kept_them():
+    """Two sessions sharing the request's first tokens, then parting from it
+    (partial restores of an equal length): the least recently kept is
+    restored, as the scan chose; kept again (``RamStates.keep`` of the same
+    state: placement keeps a state captured ahead so), it goes last."""
+    shared = "sys:" + "x" * (MIN_COPY_TOKENS + 16)
+    first, second = (SessionState(tokens=tokenize(shared + tail), kv_text=shared + tail, visible=shared + tail,
+                                  kv=b"kv", owner="o") for tail in ("first turn", "other turn"))
+    from lmspd.cache.index import RamStates
+
+    ram = RamStates()
+    ram.keep(first)
+    ram.keep(second)
+    text = shared + "new turn"
+    req = CacheRequest(text=text, tokens=tokenize(text), items=[], owner="o")
+    target = Resident(0)
+
+    def restored() -> SessionState | None:
+        p = Planner(Kv(), [target], ram)
+        plan, scanned = p._plan(req, target), scan_plan(p, req, target)
+        assert plan is not None and (plan.source, plan.detail, plan.keep) == ("ram", "partial", len(tokenize(shared)))
+        assert plan.restore is scanned.restore
+        return plan.restore
+
+    assert restored() is first
+    ram.keep(first)
+    assert restored() is second
+    assert ram.nbytes == first.nbytes + second.nbytes
