@@ -98,19 +98,24 @@ def neutral_items(items: list[Any], client: ClientText) -> list[Any]:
 
 
 def llama_tokenize(vocab: Any, text: str) -> list[int]:
-    """``text`` as tokens, special tokens on, no BOS: one llama.cpp pass into
-    a buffer sized for the worst case (a token is at least one byte), where
-    llama-cpp-python's own ``tokenize`` makes two passes over a long text and
-    builds its list while holding the GIL (a 3M-token prompt stalled every
-    other thread for most of a second). Runs in the preparing pool; ctypes
-    releases the GIL for the C call."""
+    """``text`` as tokens, special tokens on, no BOS (``llama_tokenize_bytes``)."""
+    return llama_tokenize_bytes(vocab, text.encode("utf-8"), True)
+
+
+def llama_tokenize_bytes(vocab: Any, raw: bytes, special: bool) -> list[int]:
+    """``raw`` (UTF-8) as tokens, no BOS: one llama.cpp pass into a buffer
+    sized for the worst case (a token is at least one byte), where
+    llama-cpp-python's own ``tokenize`` makes two passes over a long text
+    and builds its list while holding the GIL (a 3M-token prompt stalled
+    every other thread for most of a second). ``special``: cut at special
+    tokens' texts (``lmspd.engines.llama.fragments``). Runs in the preparing
+    pool; ctypes releases the GIL for the C call."""
     import llama_cpp
     import numpy as np
 
-    raw = text.encode("utf-8")
     room = len(raw) + 8
     buf = (llama_cpp.llama_token * room)()
-    n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, room, False, True)
+    n = llama_cpp.llama_tokenize(vocab, raw, len(raw), buf, room, False, special)
     if n < 0:  # cannot happen (room is an upper bound), but never read past the buffer
         raise RuntimeError(f"tokenizing {len(raw)} bytes needs {-n} tokens")
     ids = np.frombuffer(buf, dtype=np.int32, count=n)  # type: ignore[call-overload]  # ctypes arrays are buffers

@@ -20,6 +20,7 @@ import llama_cpp
 from llama_cpp import _internals as internals
 
 from .client_text import llama_tokenize, tokenize_marked
+from .fragments import FragmentTokenizer
 
 
 class Vocabulary:
@@ -34,12 +35,14 @@ class Vocabulary:
         self._bos = llama_cpp.llama_vocab_bos(self.vocab)
         #: Special tokens whose text the output path keeps (``show_markers``).
         self.shown: frozenset[int] = frozenset()
+        self._fragments = FragmentTokenizer(self.vocab)
 
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
         # markers like <|im_start|> become their single tokens, split at the
-        # marks that keep client text from spelling them (client_text.py).
-        return tokenize_marked(text, lambda piece: llama_tokenize(self.vocab, piece))
+        # marks that keep client text from spelling them (client_text.py);
+        # each fragment between special tokens tokenized once (fragments.py).
+        return tokenize_marked(text, self._fragments.tokenize)
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens``, special tokens spelled out (the cache's KV
