@@ -24,6 +24,7 @@ either way. Any other vocabulary is tokenized by llama.cpp itself.
 from __future__ import annotations
 
 import array
+import contextlib
 import re
 import threading
 from collections import OrderedDict
@@ -40,6 +41,9 @@ _SPM, _BPE = 1, 2
 # fragment over the per-fragment bound is tokenized every time.
 CACHE_BYTES = 16 << 20
 FRAGMENT_BYTES = 1 << 20
+# A larger prompt is cut by llama.cpp, without the GIL: the cut here holds
+# it for ~1-3 µs a fragment (Gemma makes every newline a fragment's end).
+PROMPT_BYTES = 1 << 20
 
 
 def exact_cut(specials: dict[bytes, Any]) -> str | None:
@@ -140,7 +144,7 @@ class FragmentTokenizer:
     def tokenize(self, text: str) -> list[int]:
         """``text``'s tokens: llama.cpp's, special tokens on, no BOS."""
         raw = text.encode("utf-8")
-        if self.fallback is not None:
+        if self.fallback is not None or len(raw) > PROMPT_BYTES:
             return self._llama_tokenize(self._vocab, raw, True)
         # The prompt as fragments (bytes) and special tokens (ids), in order.
         parts: list[bytes | int] = []
@@ -153,8 +157,7 @@ class FragmentTokenizer:
                 at = match.end()
         if at < len(raw):
             parts.append(raw[at:])
-        with self._lock:
-            kept = [self._kept(part) if isinstance(part, bytes) else None for part in parts]
+        kept = [self._kept(part) if isinstance(part, bytes) else None for part in parts]
         tokens: list[int] = []
         i = 0
         while i < len(parts):
@@ -176,9 +179,12 @@ class FragmentTokenizer:
         return tokens
 
     def _kept(self, fragment: bytes) -> array.array[int] | None:
+        # No lock: each OrderedDict call is atomic under the GIL, and a
+        # fragment evicted in between is still a right answer.
         kept = self._cache.get(fragment)
         if kept is not None:
-            self._cache.move_to_end(fragment)
+            with contextlib.suppress(KeyError):
+                self._cache.move_to_end(fragment)
         return kept
 
     def _first_pass(self, run: list[bytes | int]) -> list[int]:

@@ -146,3 +146,16 @@ def test_the_cut_is_taken_over_only_where_it_cuts_as_llama_cpp_does(texts, why) 
         assert reason is None
     else:
         assert reason is not None and re.search(why, reason)
+
+
+def test_a_prompt_over_the_bound_is_cut_by_llama_cpp_without_the_gil_held_here(vocab, specials, monkeypatch) -> None:
+    from lmspd.engines.llama import fragments as module
+
+    monkeypatch.setattr(module, "PROMPT_BYTES", 100)
+    fragments = FragmentTokenizer(vocab)
+    calls: list[tuple[bytes, bool]] = []
+    real = fragments._llama_tokenize
+    fragments._llama_tokenize = lambda v, raw, special: calls.append((raw, special)) or real(v, raw, special)
+    text = specials[0].join(["a few words"] * 20)
+    assert fragments.tokenize(text) == llama_tokenize(vocab, text)
+    assert calls == [(text.encode(), True)] and fragments.held_bytes == 0
