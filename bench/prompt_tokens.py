@@ -17,8 +17,8 @@ turns), in each bundled model's own turn format:
 
 Every case is checked to give llama.cpp's tokens. Medians of ``--reps``.
 
-    .venv/bin/python bench/tokenize.py
-    .venv/bin/python bench/tokenize.py --turns 12 --reps 5
+    .venv/bin/python bench/prompt_tokens.py
+    .venv/bin/python bench/prompt_tokens.py --turns 12 --reps 5
 """
 
 from __future__ import annotations
