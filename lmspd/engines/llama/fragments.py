@@ -136,9 +136,17 @@ class FragmentTokenizer:
         self._pattern: re.Pattern[bytes] | None = None
         if self.fallback is None and specials:
             for text, tokens in specials.items():
-                # One text, several tokens: whichever llama.cpp's cut picks.
-                self._ids[text] = tokens[0] if len(tokens) == 1 else self._llama_tokenize(vocab, text, True)[0]
-            self._pattern = _trie_pattern(list(specials))
+                if len(tokens) > 1:
+                    # One text, several tokens: whichever llama.cpp's cut picks.
+                    tokens = self._llama_tokenize(vocab, text, True)
+                    if len(tokens) != 1:
+                        self.fallback = f"{text!r} is the text of several tokens"
+                        break
+                self._ids[text] = tokens[0]
+            else:
+                self._pattern = _trie_pattern(list(specials))
+        if self.fallback is not None:
+            self._ids.clear()
         self._texts = {token: text for text, token in self._ids.items()}
 
     def tokenize(self, text: str) -> list[int]:
