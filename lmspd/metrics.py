@@ -41,9 +41,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECENT_GENERATIONS = 64
 # Label value for a request no route matched: unbounded paths never become labels.
 UNMATCHED = "unmatched"
-# Label values for the request method: any other method (h11 takes any token,
-# up to the header bound) counts as OTHER_METHOD, or each distinct one would
-# be a label set kept forever.
+# Label values for the request method: any other method (the parser takes
+# some thirty more, WebDAV's among them) counts as OTHER_METHOD, or each
+# distinct one would be a label set kept forever.
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
 OTHER_METHOD = "other"
 

@@ -87,3 +87,45 @@ def test_a_keep_alive_client_survives_a_500(url) -> None:
             r = client.get("/lmsp/v1/responses/resp_boom", headers={"LMSP-Version": "1.0"})
             assert r.status_code == 500 and r.json()["code"] == "server_error"
             assert client.get("/v1/models").status_code == 200
+
+
+def _read_reply(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return data
+
+
+def _trickle_head(sock: socket.socket, request_line: bytes) -> bytes:
+    """A head that never ends, sent a header at a time; the reply."""
+    limit = DEFAULT_LIMITS.request.max_header_bytes
+    sock.sendall(request_line + b"Host: localhost\r\n")
+    try:
+        for i in range(4 * limit // 1000):
+            sock.sendall(b"x-piece-%d: %s\r\n" % (i, b"v" * 1000))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return _read_reply(sock)
+
+
+def test_a_head_trickled_in_small_pieces_is_refused_once_past_the_bound(url) -> None:
+    # httptools keeps no bound of its own: lmspd.http11 counts what arrives
+    # while the head is incomplete, read by read.
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        reply = _trickle_head(sock, b"POST /lmsp/v1/responses HTTP/1.1\r\n")
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b'"code":"headers_too_large"' in reply and b"problem+json" in reply
+
+
+def test_the_bound_applies_again_to_the_next_request_on_a_connection(url) -> None:
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        first = _exchange(sock, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 200")
+        reply = _trickle_head(sock, b"GET /v1/models HTTP/1.1\r\n")
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b'"code":"headers_too_large"' in reply

@@ -77,8 +77,9 @@ def test_upstream_endpoints_are_gauges(tmp_path):
 
 
 def test_unknown_methods_leave_metrics_the_same_size(tmp_path):
-    """An HTTP method is any token (h11 takes one up to the header bound):
-    each distinct one must not become a label set kept forever."""
+    """An HTTP method is any token to ASGI (llhttp, in front of lmspd,
+    takes some thirty beyond the usual ones): each distinct one must not
+    become a label set kept forever."""
     with make_client(tmp_path, ScriptedEngine(Usage(), "cold")) as client:
         # The first unknown method on each route makes its one 'other' series.
         client.request("FROB", "/v1/models")
