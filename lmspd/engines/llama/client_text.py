@@ -37,18 +37,6 @@ class ClientText:
         texts = sorted({t for t in control_texts if len(t) >= 2}, key=len, reverse=True)
         self._pattern = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
 
-    @classmethod
-    def from_vocab(cls, vocab: Any) -> "ClientText":
-        import llama_cpp
-
-        texts = []
-        for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
-            if llama_cpp.llama_vocab_get_attr(vocab, token) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
-                raw = llama_cpp.llama_vocab_get_text(vocab, token)
-                if raw:
-                    texts.append(raw.decode("utf-8", errors="ignore"))
-        return cls(texts)
-
     def neutral(self, text: str) -> str:
         """``text`` with every control token's spelling broken by ``MARK``
         (and any ``MARK`` the client sent removed: marks are ours)."""

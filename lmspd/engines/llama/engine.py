@@ -168,7 +168,7 @@ class LlamaEngine:
             bos_token=self.vocab.token_text(model.token_bos()),
             eos_token=self.vocab.token_text(model.token_eos()),
         )
-        self.template.client_text = ClientText.from_vocab(self.vocab.vocab)
+        self.template.client_text = ClientText(self.vocab.control_texts)
         self.tool_format: ToolFormat = detect_tool_format(template_source)
         self.reasoning = ReasoningSyntax.detect(self.template)
         # The markers the parsers read must reach them even where the model

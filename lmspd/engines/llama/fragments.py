@@ -120,11 +120,16 @@ class FragmentTokenizer:
         self._lock = threading.Lock()
         specials: dict[bytes, list[int]] = {}
         stripping = False
+        #: The control tokens' texts (``client_text.ClientText``: one walk of the vocabulary serves both).
+        self.control_texts: list[str] = []
         for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
             attr = llama_cpp.llama_vocab_get_attr(vocab, token)
             if attr & _CUT:
-                specials.setdefault(llama_cpp.llama_vocab_get_text(vocab, token) or b"", []).append(token)
+                text = llama_cpp.llama_vocab_get_text(vocab, token) or b""
+                specials.setdefault(text, []).append(token)
                 stripping = stripping or bool(attr & (_LSTRIP | _RSTRIP))
+                if attr & _CONTROL and text:
+                    self.control_texts.append(text.decode("utf-8", errors="ignore"))
         kind = llama_cpp.llama_vocab_type(vocab)
         #: Why llama.cpp cuts the prompt itself (None: this class does).
         self.fallback: str | None = (
@@ -132,7 +137,6 @@ class FragmentTokenizer:
             else "special tokens that strip the whitespace beside them" if stripping
             else exact_cut(specials))
         self._ids: dict[bytes, int] = {}
-        self._texts: dict[int, bytes] = {}
         self._pattern: re.Pattern[bytes] | None = None
         if self.fallback is None and specials:
             for text, tokens in specials.items():

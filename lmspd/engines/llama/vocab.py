@@ -37,6 +37,11 @@ class Vocabulary:
         self.shown: frozenset[int] = frozenset()
         self._fragments = FragmentTokenizer(self.vocab)
 
+    @property
+    def control_texts(self) -> list[str]:
+        """The control tokens' texts (``client_text.ClientText``)."""
+        return self._fragments.control_texts
+
     def tokenize(self, text: str) -> list[int]:
         # The template already wrote any BOS it wants; special=True so that
         # markers like <|im_start|> become their single tokens, split at the

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lmspd.cache.planner as planner_module
+from lmspd.cache.index import RamStates
 from lmspd.cache.planner import MIN_COPY_TOKENS, CachePlan, CacheRequest, Planner, cold
 from lmspd.cache.state import Resident, SessionState, common_prefix
 from support.cache_rig import INSTRUCTIONS, request, turn
@@ -288,7 +289,6 @@ def worlds(draw):
 @given(world=worlds(), churn=st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=8),
        n_ctx=st.sampled_from([4096, 4096, 4096, 140]))
 def test_the_indexed_plan_is_the_plan_of_a_scan_of_every_state(world, churn, n_ctx):
-    from lmspd.cache.index import RamStates
 
     states, req = world
     # The tier's own container, kept in step through keeps, re-keeps (to
@@ -324,7 +324,6 @@ def test_equal_whole_states_tie_break_by_the_order_ram_kept_them():
     first, second = (SessionState(tokens=tokens[:i] + [ord("l"), ord("o")] + tokens[i + 1:], kv_text=text,
                                   visible=text, kv=b"kv", owner="o") for i in (2, 3))
     assert len(first.tokens) == len(second.tokens) and first.key != second.key
-    from lmspd.cache.index import RamStates
 
     ram = RamStates()
     ram.keep(first)
@@ -350,7 +349,6 @@ def test_partial_restores_of_an_equal_prefix_tie_break_by_the_order_ram_kept_the
     shared = "sys:" + "x" * (MIN_COPY_TOKENS + 16)
     first, second = (SessionState(tokens=tokenize(shared + tail), kv_text=shared + tail, visible=shared + tail,
                                   kv=b"kv", owner="o") for tail in ("first turn", "other turn"))
-    from lmspd.cache.index import RamStates
 
     ram = RamStates()
     ram.keep(first)
