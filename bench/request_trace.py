@@ -110,6 +110,7 @@ def _serve(trace_path: str, argv: list[str]) -> int:
         setattr(owner, attr, wrapped)
 
     import lmspd.engines.llama.engine as engine
+    import lmspd.engines.llama.handover as handover
     import lmspd.engines.llama.scheduler as scheduler
     import lmspd.routes.responses as responses
     import lmspd.streaming.coalesce as coalesce
@@ -126,15 +127,15 @@ def _serve(trace_path: str, argv: list[str]) -> int:
     around(manager.ContinuationCache, "apply", "apply_start", "apply_end")
     around(scheduler.Scheduler, "_prefilled", "prefilled")
     around(llama_cpp, "llama_decode", "decode_start", "decode_end")
-    around(scheduler, "_deliver", "deliver")
+    around(handover, "_deliver", "deliver")
     around(coalesce._Coalescer, "_write", None, "written")
-    flush = scheduler.Outbox.flush
+    flush = handover.Outbox.flush
 
     def traced_flush(self: Any, *a: Any, **kw: Any) -> None:
         if self._pending:
             mark("flush")
         flush(self, *a, **kw)
-    scheduler.Outbox.flush = traced_flush  # type: ignore[method-assign]
+    handover.Outbox.flush = traced_flush  # type: ignore[method-assign]
     return main(argv)
 
 

@@ -16,9 +16,9 @@ from lmspd.core.limits import RequestLimits
 from lmspd.engines.base import CancelToken
 from lmspd.engines.llama.generation import Generation
 from lmspd.engines.llama.preparation import LlamaPrepared
+from lmspd.engines.llama.preparations import Preparations
 from lmspd.engines.llama.reasoning import ReasoningSyntax
 from lmspd.engines.llama.runtime import GenerationStats, LlamaRuntime
-from lmspd.engines.llama.scheduler import Preparations
 from lmspd.engines.llama.transcript import Transcript
 
 PROMPT = [1, 2, 3]  # what the KV holds before the first sampled token

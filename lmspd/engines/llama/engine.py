@@ -46,9 +46,10 @@ from .kv import SequenceKv
 from .models import fallback_template
 from .placement import RuntimeConfig, plan
 from .preparation import LlamaPrepared, Preparation, Repairs
+from .preparations import Preparations
 from .reasoning import ReasoningSyntax
 from .runtime import GenerationStats, LlamaRuntime
-from .scheduler import Job, Preparations, Scheduler
+from .scheduler import Job, Scheduler
 from .speculation import Planner, speculation_mode
 from .template import ChatTemplate
 from .tool_formats import ToolFormat, detect_tool_format

@@ -33,7 +33,7 @@ from .vocab import Vocabulary
 
 if TYPE_CHECKING:
     # The scheduler defines it and imports this module.
-    from .scheduler import Preparations
+    from .preparations import Preparations
 
 
 @dataclass

@@ -21,16 +21,11 @@ the decode releases the GIL (``Outbox``).
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
-import os
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,11 +35,11 @@ from llama_cpp._internals import LlamaContext, LlamaSampler
 
 from lmspd.cache.manager import CachePlan, CacheRefused, CacheRequest
 from lmspd.cache.state import SessionState
-from lmspd.core.conversation import Conversation
 from lmspd.core.events import EngineEvent, Failed, Finished, Usage
 from lmspd.engines.base import CancelToken
 
 from .generation import Generation
+from .handover import Outbox
 from .preparation import LlamaPrepared
 from .runtime import LlamaRuntime
 from .sampling import GrammarFirstRejection, Greedy, greedy_tokens
@@ -91,270 +86,6 @@ class Running:
         # Speculation (None: this sequence never drafts) and this step's draft.
         self.spec: SequenceSpeculation | None = None
         self.draft: Draft | None = None
-
-
-class Outbox:
-    """Events the scheduler thread produced, handed to the event loop once
-    per step rather than once per event. ``emit`` is called on the
-    scheduler thread only.
-
-    The hand-over must not give the GIL away. ``call_soon_threadsafe``
-    writes the loop's self-pipe through ``socket.send``, which releases the
-    GIL: the loop thread, woken by that very write, takes it first and keeps
-    it for up to the switch interval (5 ms) while the scheduler waits to
-    return from ``send`` — measured ~4 ms per step on the loaded 2-core
-    machine, ten times the rest of the step's host work. So each loop gets a
-    pipe of our own (``_Waker``) that the scheduler writes with the GIL
-    held, right before ``llama_decode`` releases it (``Scheduler._step``):
-    the loop wakes, and does its share of the work during the decode."""
-
-    __slots__ = ("_pending", "_wakers")
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[_Waker | asyncio.AbstractEventLoop, Callable[[EngineEvent], None],
-                                  EngineEvent]] = []
-        self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Waker | None] = (
-            weakref.WeakKeyDictionary())
-
-    def sender(self, loop: asyncio.AbstractEventLoop,
-               put: Callable[[EngineEvent], None]) -> Callable[[EngineEvent], None]:
-        """Called on ``loop``'s thread (its waker is registered there)."""
-        try:
-            waker = self._wakers[loop]
-        except KeyError:
-            waker = self._wakers[loop] = _Waker.attach(loop)
-        target: _Waker | asyncio.AbstractEventLoop = loop if waker is None else waker
-        pending = self._pending
-
-        def emit(event: EngineEvent) -> None:
-            pending.append((target, put, event))
-        return emit
-
-    def flush(self, *, yield_gil: bool = False) -> None:
-        """``yield_gil``: let the loop take the GIL now, as it wakes (a
-        first token: its client waits, the scheduler's next step can)."""
-        if not self._pending:
-            return
-        batch = self._pending[:]
-        self._pending.clear()
-        target = batch[0][0]
-        if all(item[0] is target for item in batch):
-            _hand_over(target, batch, yield_gil)
-            return
-        by_target: dict[_Waker | asyncio.AbstractEventLoop, list] = {}
-        for item in batch:
-            by_target.setdefault(item[0], []).append(item)
-        for target, items in by_target.items():
-            _hand_over(target, items, yield_gil)
-
-
-def _hand_over(target: "_Waker | asyncio.AbstractEventLoop", items: list, yield_gil: bool) -> None:
-    if isinstance(target, _Waker):
-        target.post(items, yield_gil)
-        return
-    try:
-        target.call_soon_threadsafe(_deliver, items)
-    except RuntimeError:  # that loop is closed: nobody is listening
-        pass
-
-
-def _deliver(items: list) -> None:
-    for _, put, event in items:
-        put(event)
-
-
-def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
-    """libc's ``write`` called with the GIL held (``ctypes.PyDLL``), or None
-    where there is none to be found."""
-    try:
-        write = ctypes.PyDLL(None).write
-    except (AttributeError, OSError, TypeError):
-        return None
-    write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    write.restype = ctypes.c_ssize_t
-    return write
-
-
-_WRITE = _gil_holding_write()
-
-
-class _Waker:
-    """A pipe whose read end the loop watches (``add_reader``) and a queue
-    of event batches: ``post`` (scheduler thread) queues a batch and writes
-    a byte, without releasing the GIL (the write end does not block: a full
-    pipe already has the loop awake); ``_drain`` (the loop) delivers every
-    batch queued, in order."""
-
-    __slots__ = ("_batches", "_r", "_w", "_loop", "__weakref__")
-
-    def __init__(self, r: int, w: int, loop: asyncio.AbstractEventLoop) -> None:
-        self._batches: deque[list] = deque()
-        self._r, self._w = r, w
-        # Weak: the loop holds the waker (its reader), and a closed loop must be freed with it.
-        self._loop = weakref.ref(loop)
-
-    @classmethod
-    def attach(cls, loop: asyncio.AbstractEventLoop) -> "_Waker | None":
-        """A waker on ``loop`` (called on its thread), or None where the loop
-        cannot watch a pipe (Windows' proactor) or no GIL-holding write exists."""
-        if _WRITE is None:
-            return None
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        waker = cls(r, w, loop)
-        try:
-            loop.add_reader(r, waker._drain)
-        except (NotImplementedError, RuntimeError):
-            os.close(r)
-            os.close(w)
-            return None
-        # The loop holds the waker (its reader); the pipe goes with the waker.
-        weakref.finalize(waker, _close_pipe, r, w)
-        return waker
-
-    def post(self, items: list, yield_gil: bool = False) -> None:
-        loop = self._loop()
-        if loop is None or loop.is_closed():
-            return  # nobody is listening
-        self._batches.append(items)
-        if yield_gil:
-            try:
-                os.write(self._w, b"\0")  # releases the GIL: the loop, woken, takes it
-            except BlockingIOError:  # a full pipe: the loop is awake already
-                pass
-            return
-        _WRITE(self._w, b"\0", 1)  # type: ignore[misc]  # -1 (EAGAIN) on a full pipe: the loop is awake already
-
-    def _drain(self) -> None:
-        try:
-            while os.read(self._r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        batches = self._batches
-        while batches:
-            _deliver(batches.popleft())
-
-
-def _close_pipe(r: int, w: int) -> None:
-    for fd in (r, w):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-class Preparations:
-    """Requests being prepared (render, tokenize, compile: CPU-bound, in the
-    service's worker threads) and those just prepared, on their way to the
-    scheduler, as the scheduler sees them.
-
-    Only a long preparation takes a decode thread away (``long``): one whose
-    input is big, or that has already run for ``grace_s``. The count is read
-    once per step and holds for the whole step, so a few-millisecond
-    preparation that happened to overlap a step's start (every turn of
-    sessions that arrive together) would otherwise halve the threads of a
-    whole prefill step: measured, a 242-token step took 2.8 s on one thread
-    where it took 1.8 s on two.
-
-    ``arriving``: a request the scheduler, idle, waits for briefly so that
-    it shares the first step (``Scheduler._gather``), from the moment the
-    service has admitted it to its submission, in three legs, each bounded
-    in time (a request that never comes must not hold the others up):
-    ``incoming`` (admitted, waiting for a preparing thread: sixteen requests
-    released together queue behind the pool's two threads), a short
-    preparation still running (``running``), then prepared and not yet
-    submitted (``landed``, at most ``handoff_s``: the event loop, busy with
-    the others' bodies, takes a while to submit it). A big input is waited
-    for in none of them.
-    """
-
-    def __init__(self, *, grace_s: float = 0.05, big_chars: int = 1 << 18, handoff_s: float = 0.05) -> None:
-        self.grace_s = grace_s
-        self.big_chars = big_chars
-        self.handoff_s = handoff_s
-        self._lock = threading.Lock()
-        # Admitted, not yet preparing (by the conversation's id): until when it is waited for.
-        self._incoming: dict[int, float] = {}
-        # One entry per running preparation: when it starts to count as long.
-        self._long_from: dict[int, float] = {}
-        # Prepared, not yet submitted (by the prepared object's id): until when it is waited for.
-        self._landing: dict[int, float] = {}
-        self._next = 0
-
-    @contextmanager
-    def incoming(self, conversation: Conversation) -> Iterator[None]:
-        """Around a request's way from its admission to its preparation
-        (the service's ``announce``): waited for from now, at most
-        ``grace_s``, until ``running`` takes it over."""
-        if input_chars(conversation) >= self.big_chars:
-            yield
-            return
-        key = id(conversation)
-        with self._lock:
-            self._incoming[key] = time.monotonic() + self.grace_s
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._incoming.pop(key, None)
-
-    @contextmanager
-    def running(self, conversation: Conversation) -> Iterator[Callable[[object], None]]:
-        """Around one preparation; call what it yields with the prepared
-        request once it is ready."""
-        now = time.monotonic()
-        long_from = now if input_chars(conversation) >= self.big_chars else now + self.grace_s
-        with self._lock:
-            self._incoming.pop(id(conversation), None)
-            key = self._next
-            self._next += 1
-            self._long_from[key] = long_from
-
-        def landed(prepared: object) -> None:
-            until = time.monotonic() + self.handoff_s
-            with self._lock:
-                for k in [k for k, t in self._landing.items() if t < until - self.handoff_s]:
-                    del self._landing[k]  # never submitted (refused, client gone)
-                self._landing[id(prepared)] = until
-
-        try:
-            yield landed
-        finally:
-            with self._lock:
-                del self._long_from[key]
-
-    def submitted(self, prepared: object) -> None:
-        if self._landing:
-            with self._lock:
-                self._landing.pop(id(prepared), None)
-
-    def long(self, now: float | None = None) -> int:
-        if not self._long_from:
-            return 0
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            return sum(1 for t in self._long_from.values() if t <= now)
-
-    def arriving(self, now: float | None = None) -> bool:
-        if not (self._incoming or self._long_from or self._landing):
-            return False
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            return any(t > now for waits in (self._incoming, self._long_from, self._landing)
-                       for t in waits.values())
-
-
-def input_chars(conversation: Conversation) -> int:
-    """A cheap size of what preparing ``conversation`` renders and tokenizes."""
-    n = len(conversation.instructions or "")
-    for item in conversation.items:
-        for name in ("text", "payload", "output"):
-            value = getattr(item, name, None)
-            if isinstance(value, str):
-                n += len(value)
-    return n
 
 
 class Batch:

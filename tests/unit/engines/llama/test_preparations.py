@@ -1,4 +1,4 @@
-"""Which preparations take a decode thread away (scheduler.Preparations):
+"""Which preparations take a decode thread away (preparations.Preparations):
 the count is read once per step and holds for the whole step, so a short
 preparation that merely overlaps a step's start must not halve the threads
 of a long prefill step; a long one (big input, or running for a while)
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from lmspd.core.conversation import Conversation, Message, ToolOutput
-from lmspd.engines.llama.scheduler import Preparations, input_chars
+from lmspd.engines.llama.preparations import Preparations, input_chars
 
 
 def conv(chars: int) -> Conversation:
