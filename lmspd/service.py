@@ -92,11 +92,9 @@ class Service:
                            path=(RequestField.OUTPUT_FORMAT,))
         ticket = served.queue.admit()
         # The engine hears at once that this request is on its way: its
-        # preparation may wait behind others' in the pool (``announce``, in
-        # the Engine protocol's notes).
-        announce = getattr(served.engine, "announce", None)
+        # preparation may wait behind others' in the pool.
         try:
-            with contextlib.nullcontext() if announce is None else announce(conversation):
+            with served.engine.announce(conversation):
                 prepared = await self.off_loop(lambda c: served.engine.prepare(c, run), conversation)
         except BaseException:
             ticket.release()

@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
@@ -78,17 +79,18 @@ class Prepared(Protocol):
 
 
 class Engine(Protocol):
-    """Optional beside these: ``announce(conversation)``, a context manager
-    the service holds around an admitted request's wait for ``prepare``
-    (an engine that batches requests arriving together may wait for it;
-    ``Service.begin``)."""
-
     info: ModelInfo
     @property
     def opens_first(self) -> bool:
         """Whether ``open`` has work to do: reaching the model before the
         first response byte (the upstream engine's provider request), so that
         a refusal is still an HTTP error reply, not a broken stream."""
+
+    def announce(self, conversation: Conversation) -> AbstractContextManager[None]:
+        """Held by the service around an admitted request's wait for a
+        preparing thread (``Service.begin``): an engine that batches requests
+        arriving together may wait for it. ``contextlib.nullcontext()``
+        where nothing does."""
 
     def prepare(self, conversation: Conversation, run: RunContext) -> Prepared:
         """Validate and render; raise ``ApiError`` for anything the client got wrong.

@@ -33,6 +33,7 @@ import logging
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 from lmspd.core.errors import ApiError
@@ -99,10 +100,9 @@ class LazyEngine:
     def count_tokens(self, conversation: Any) -> int:
         return int(self._use(lambda engine: engine.count_tokens(conversation)))
 
-    def announce(self, conversation: Any) -> Any:
+    def announce(self, conversation: Any) -> AbstractContextManager[None]:
         engine = self._engine if self.status == LOADED else None
-        announce = getattr(engine, "announce", None)
-        return contextlib.nullcontext() if announce is None else announce(conversation)
+        return contextlib.nullcontext() if engine is None else engine.announce(conversation)
 
     def _use(self, work: Callable[[Any], Any]) -> Any:
         """``work(engine)`` while the model is held loaded (preparing threads);

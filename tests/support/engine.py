@@ -14,8 +14,10 @@ shutdown), and ends every generation with exactly one terminal event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,9 @@ class ScriptedEngine:
 
     async def open(self, prepared: ScriptedPrepared, cancel: CancelToken) -> None:
         return None
+
+    def announce(self, conversation: Conversation) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> ScriptedPrepared:
         self.prepared += 1

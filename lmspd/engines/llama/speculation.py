@@ -12,7 +12,7 @@ Two sources, cheapest first:
   chance that it is right: how often that n-gram was followed by that
   token (``NgramIndex``, counts updated per accepted token), scaled by how
   the sequence's drafts have fared against those estimates
-  (``Calibration``).
+  (``SequenceSpeculation.calibration``).
 
 The scheduler evaluates the draft in the same batch as every other
 sequence's next token and the sampler picks at each position; a draft token
@@ -331,28 +331,32 @@ class ForcedTokens(Protocol):
 
 
 @dataclass
-class Acceptance:
-    """Per-position acceptance of one source's drafts, an exponentially
-    decaying count with a prior."""
+class DecayingRatio:
+    """Hits over trials, each an exponentially decaying sum (recent drafts
+    weigh most), pulled towards ``prior`` by ``weight`` trials' worth."""
 
     prior: float
-    weight: float = 4.0
+    weight: float
     decay: float = 0.85
     hits: float = 0.0
-    tries: float = 0.0
+    trials: float = 0.0
 
     @property
-    def rate(self) -> float:
-        return (self.hits + self.prior * self.weight) / (self.tries + self.weight)
+    def value(self) -> float:
+        return (self.hits + self.prior * self.weight) / (self.trials + self.weight)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        # Positions tried: every accepted one and the first rejected one.
-        tried = min(drafted, accepted + 1)
-        self.hits = self.decay * self.hits + accepted
-        self.tries = self.decay * self.tries + tried
+    def add(self, hits: float, trials: float) -> None:
+        self.hits = self.decay * self.hits + hits
+        self.trials = self.decay * self.trials + trials
 
     def reset(self) -> None:
-        self.hits = self.tries = 0.0
+        self.hits = self.trials = 0.0
+
+
+def positions_tried(drafted: int, accepted: int) -> int:
+    """A draft's positions the sampler judged: every accepted one and the
+    first rejected one (those after it were never in question)."""
+    return min(drafted, accepted + 1)
 
 
 @dataclass
@@ -400,34 +404,9 @@ class Draft:
 RATE_CAP = 0.97
 
 
-@dataclass
-class Calibration:
-    """How one sequence's n-gram drafts fare against the index's estimates
-    (``Proposal.rates``): accepted positions over the positions expected,
-    an exponentially decaying count with a prior of 1. Where a model copies
-    a file it read once (every n-gram seen once: a cautious estimate) the
-    factor grows; where it samples at temperature, or writes its own
-    variant of the text, it shrinks."""
-
-    weight: float = 2.0
-    decay: float = 0.85
-    low: float = 0.25
-    high: float = 2.0
-    hits: float = 0.0
-    expected: float = 0.0
-
-    @property
-    def factor(self) -> float:
-        return min(self.high, max(self.low, (self.hits + self.weight) / (self.expected + self.weight)))
-
-    def observe(self, rates: list[float], accepted: int) -> None:
-        # Positions tried: every accepted one and the first rejected one.
-        tried = min(len(rates), accepted + 1)
-        self.hits = self.decay * self.hits + accepted
-        self.expected = self.decay * self.expected + sum(rates[:tried])
-
-    def reset(self) -> None:
-        self.hits = self.expected = 0.0
+# How far a sequence's record may scale the index's estimates
+# (``SequenceSpeculation.calibration``).
+CALIBRATION_BOUNDS = (0.25, 2.0)
 
 
 class SequenceSpeculation:
@@ -438,8 +417,15 @@ class SequenceSpeculation:
     def __init__(self, tokens: list[int], grammar: ForcedTokens | None) -> None:
         self.index = NgramIndex(tokens)
         self.grammar = grammar
-        self.acceptance = {"grammar": Acceptance(prior=0.95), "ngram": Acceptance(prior=0.5)}
-        self.calibration = Calibration()
+        # Grammar drafts: accepted positions over positions tried (what
+        # their draft positions are priced at).
+        self.grammar_acceptance = DecayingRatio(prior=0.95, weight=4.0)
+        # N-gram drafts: accepted positions over those the index's estimates
+        # expected (``Proposal.rates``). Where a model copies a file it read
+        # once (every n-gram seen once: a cautious estimate) it grows; where
+        # it samples at temperature, or writes its own variant of the text,
+        # it shrinks.
+        self.calibration = DecayingRatio(prior=1.0, weight=2.0)
         self.stats = DecodeStats()
         self._failures = 0
         self._rest_until = 0  # output tokens
@@ -453,7 +439,7 @@ class SequenceSpeculation:
             forced = self.grammar.forced()
             if forced:
                 tokens = forced[:k]
-                return Draft("grammar", tokens, [self.acceptance["grammar"].rate] * len(tokens))
+                return Draft("grammar", tokens, [self.grammar_acceptance.value] * len(tokens))
         resting = self.produced < self._rest_until
         # Resting, only a long match drafts: a shorter one is None at once.
         proposal = self.index.propose_or_none(tail, k, min_match=12 if resting else 0)
@@ -462,9 +448,8 @@ class SequenceSpeculation:
         if resting:
             # A long match: the text has turned into a copy; try again now.
             self._rest_until = 0
-            self.acceptance["ngram"].reset()
             self.calibration.reset()
-        factor = self.calibration.factor
+        factor = self.factor
         return Draft("ngram", proposal.tokens, [min(RATE_CAP, r * factor) for r in proposal.rates])
 
     def pass_step(self) -> bool:
@@ -479,14 +464,21 @@ class SequenceSpeculation:
         self.index.keep_up()
         return True
 
+    @property
+    def factor(self) -> float:
+        """What this sequence's record scales the index's estimates by."""
+        low, high = CALIBRATION_BOUNDS
+        return min(high, max(low, self.calibration.value))
+
     def verified(self, draft: Draft, accepted: int) -> None:
         self.stats.add(draft.source, len(draft.tokens), accepted)
-        self.acceptance[draft.source].observe(len(draft.tokens), accepted)
-        if draft.source != "ngram":
+        tried = positions_tried(len(draft.tokens), accepted)
+        if draft.source == "grammar":
+            self.grammar_acceptance.add(accepted, tried)
             return
-        factor = self.calibration.factor
+        factor = self.factor
         # The index's own estimates (the draft carries them calibrated).
-        self.calibration.observe([min(1.0, r / factor) for r in draft.rates], accepted)
+        self.calibration.add(accepted, sum(min(1.0, r / factor) for r in draft.rates[:tried]))
         if accepted == 0:
             self._failures += 1
             if self._failures >= 3:
@@ -494,7 +486,6 @@ class SequenceSpeculation:
                 self._rest_until = self.produced + self._rest
                 self._rest = min(self._rest * 2, 1024)
                 self._failures = 0
-                self.acceptance["ngram"].reset()
                 self.calibration.reset()
         else:
             self._failures = 0

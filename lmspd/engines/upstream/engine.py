@@ -25,10 +25,12 @@ watchdog is the client's read timeout (see client.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +165,9 @@ class UpstreamEngine:
         self._outcomes: dict[str, int] = {}
 
     # -- preparing ---------------------------------------------------------------
+
+    def announce(self, conversation: Conversation) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # each request goes to the provider on its own
 
     def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> UpstreamPrepared:
         request = build_chat_request(conversation, self.spec.upstream_model, self._profile)

@@ -5,6 +5,7 @@ the budget, never a busy model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -29,6 +30,9 @@ class Real:
 
     async def open(self, prepared, cancel) -> None:
         return None
+
+    def announce(self, conversation):
+        return contextlib.nullcontext()
 
     def prepare(self, conversation, run=None):
         class P:

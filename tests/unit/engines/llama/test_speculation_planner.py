@@ -195,13 +195,43 @@ def test_failed_drafts_rest_then_a_long_match_resumes():
     assert spec.candidate([], 4) is not None
 
 
-def test_acceptance_follows_the_outcomes():
-    spec = SequenceSpeculation([1, 2, 3, 1, 2], None)
-    before = spec.acceptance["ngram"].rate
+class Forcing:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def forced(self) -> list[int]:
+        return self.tokens
+
+
+def test_a_grammar_drafts_price_follows_its_outcomes():
+    """Forced tokens are priced at the sequence's record with them: rejected
+    ones (a turn that ended where the grammar allowed more) cheapen the
+    next, kept ones restore it."""
+    spec = SequenceSpeculation([1, 2, 3], Forcing([7, 8, 9]))
+    first = spec.candidate([], 4)
+    assert first is not None and first.source == "grammar" and first.tokens == [7, 8, 9]
+    for _ in range(3):
+        spec.verified(Draft("grammar", [7, 8, 9], list(first.rates)), 0)
+    rejected = spec.candidate([], 4)
+    assert rejected is not None and rejected.rates[0] < first.rates[0] * 0.65
     for _ in range(5):
-        spec.verified(Draft("ngram", [3, 1, 2, 3]), 4)
-    assert spec.acceptance["ngram"].rate > before
-    assert spec.stats.as_json()["accepted"] == 20
+        spec.verified(Draft("grammar", [7, 8, 9], list(rejected.rates)), 3)
+    kept = spec.candidate([], 4)
+    assert kept is not None and kept.rates[0] > rejected.rates[0] * 1.3
+    assert spec.stats.as_json()["by_source"] == {"grammar": {"drafted": 24, "accepted": 15},
+                                                 "ngram": {"drafted": 0, "accepted": 0}}
+
+
+def test_ngram_drafts_that_keep_being_kept_are_priced_higher():
+    spec = SequenceSpeculation([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], None)
+    spec.index.catch_up(100)
+    before = spec.candidate([], 2)
+    assert before is not None and before.source == "ngram"
+    for _ in range(5):
+        spec.verified(Draft("ngram", list(before.tokens), list(before.rates)), len(before.tokens))
+    after = spec.candidate([], 2)
+    assert after is not None and after.tokens == before.tokens and after.rates[0] > before.rates[0]
+    assert spec.stats.as_json()["accepted"] == 5 * len(before.tokens)
 
 
 def test_host_cost_histogram_is_cumulative():

@@ -4,6 +4,7 @@ the service's early open of an upstream request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -110,6 +111,9 @@ class OpeningEngine:
         self.info = ModelInfo(id="m", context_window=100, capabilities={"streaming": True}, max_concurrency=2)
         self.log: list[str] = []
         self.refuse = refuse
+
+    def announce(self, conversation):
+        return contextlib.nullcontext()
 
     def prepare(self, conversation, run=None):
         class P:
