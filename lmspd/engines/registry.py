@@ -355,9 +355,9 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
         header = read_gguf(path)
     except GGUFError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    runtime = plan_llama(spec, path, settings, budget=registry.max_bytes)
-    info = ModelInfo(id=served, context_window=runtime.window, source=str(path), capabilities={
+    placement = plan_llama(spec, path, settings, budget=registry.max_bytes)
+    info = ModelInfo(id=served, context_window=placement.window, source=str(path), capabilities={
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
         "reasoning": header.capabilities["reasoning"]})
-    return registry.add(info, lambda: build_engine(spec, settings, runtime), runtime.cost_bytes)
+    return registry.add(info, lambda: build_engine(spec, settings, placement), placement.cost_bytes)

@@ -204,8 +204,8 @@ def plan_llama(spec: LlamaSpec, path: Path, settings: Any, budget: int | None = 
         raise ConfigError(f"model {spec.served_model or spec.model or path.name}: {exc}") from None
 
 
-def build_engine(spec: EngineSpec, settings: Any, runtime: Any = None) -> Any:
-    """The engine for ``spec``; a local model runs as ``runtime`` says
+def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
+    """The engine for ``spec``; a local model runs as ``placement`` says
     (``placement.RuntimeConfig``), planned now when not given."""
     if isinstance(spec, UpstreamSpec):
         from lmspd.engines.upstream.credentials import CredentialError, resolve_key
@@ -254,7 +254,7 @@ def build_engine(spec: EngineSpec, settings: Any, runtime: Any = None) -> Any:
             raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
     return LlamaEngine(served, path, n_threads=spec.threads, cache=cache, limits=settings.limits.request,
                        chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
-                       runtime=runtime or plan_llama(spec, path, settings),
+                       placement=placement or plan_llama(spec, path, settings),
                        speculative=getattr(settings, "speculative", "auto"))
 
 

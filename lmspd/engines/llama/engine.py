@@ -100,21 +100,21 @@ class LlamaEngine:
         chat_template: str | None = None,
         sealer: Sealer | None = None,
         grammars_at_start: bool = True,
-        runtime: RuntimeConfig | None = None,
+        placement: RuntimeConfig | None = None,
         flash_attn: str = "auto",
         kv_type: str = "f16",
         speculative: str = "auto",
     ) -> None:
-        """``runtime`` is where and how the model runs (``placement.plan``,
+        """``placement`` is where and how the model runs (``placement.plan``,
         fitted to memory); without it ``n_ctx`` (0: the trained length) and
         ``parallel`` are taken as given."""
         self.limits = limits
         self.sealer = sealer
         self.cache_settings = cache or CacheSettings()
-        if runtime is None:
-            runtime = plan(path, ctx=n_ctx, parallel=max(1, parallel), flash_attn=flash_attn, kv_type=kv_type,
+        if placement is None:
+            placement = plan(path, ctx=n_ctx, parallel=max(1, parallel), flash_attn=flash_attn, kv_type=kv_type,
                            swa_full=self.cache_settings.swa_full, check=False)
-        self.parallel = runtime.parallel
+        self.parallel = placement.parallel
         if n_threads:
             threads, threads_reason = n_threads, "--threads"
         else:
@@ -128,7 +128,7 @@ class LlamaEngine:
         llama_cpp.llama_backend_init()
         native_log.install()
         model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = runtime.n_gpu_layers
+        model_params.n_gpu_layers = placement.n_gpu_layers
         self._model = internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
         model = self._model
         params = llama_cpp.llama_context_default_params()
@@ -136,7 +136,7 @@ class LlamaEngine:
         # gets the context /v1/models reports, and a sequence attends only
         # over its own cells (a unified KV would make all of them pay for
         # every sequence's length).
-        params.n_ctx = runtime.window * self.parallel
+        params.n_ctx = placement.window * self.parallel
         params.n_seq_max = self.parallel
         params.kv_unified = False
         params.n_batch = n_batch
@@ -148,16 +148,16 @@ class LlamaEngine:
         # for it is the slower one for an agent's turn (SmolLM2, 2 threads, 58
         # tokens appended to an 8.8k-token history: 3.2-3.9 s with it, 0.9-1.3 s
         # without). placement.plan decided which.
-        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if runtime.flash_attn
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if placement.flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        params.type_k = params.type_v = _GGML_TYPES[runtime.kv_type]
+        params.type_k = params.type_v = _GGML_TYPES[placement.kv_type]
         params.swa_full = self.cache_settings.swa_full
         with suppress_stdout_stderr(disable=False):
             self.ctx = internals.LlamaContext(model=model, params=params, verbose=False)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
         # What llama.cpp made of it (it pads the window to 256 cells).
-        self.runtime = dataclasses.replace(runtime, window=self.n_ctx)
-        log.info("%s", self.runtime.line(model_id))
+        self.placement = dataclasses.replace(placement, window=self.n_ctx)
+        log.info("%s", self.placement.line(model_id))
         log.info("model %s: %d CPU threads (%s)", model_id, threads, threads_reason)
         self.vocab = Vocabulary(model)
         meta = model.metadata()
@@ -316,7 +316,7 @@ class LlamaEngine:
             "last_prefill_ms": round(s.last_prefill_ms, 1),
             "last_output_tokens": s.last_output_tokens,
             "parallel": self.parallel,
-            "runtime": self.runtime.public(),
+            "runtime": self.placement.public(),
             "speculative": self.speculative,
             "speculation": self.scheduler.decode_stats.as_json(),
             "step_host_seconds": self.scheduler.host_cost.snapshot(),
