@@ -262,7 +262,7 @@ class LmspdPrompts:
         source = meta.get("tokenizer.chat_template") or fallback_template(meta.get("general.architecture"))
         template = ChatTemplate(source, bos_token=vocab.token_text(gguf.token_bos()),
                                 eos_token=vocab.token_text(gguf.token_eos()))
-        template.client_text = ClientText.from_vocab(vocab.vocab)
+        template.client_text = ClientText(vocab.control_texts)
         ops = KvOps(capture=lambda s: b"", restore=lambda s, d: True, copy=lambda a, b, n: None,
                     trim=lambda s, k: None, tokenize=vocab.tokenize, detokenize=vocab.detokenize, n_ctx=1 << 20)
         self.limits = DEFAULT_LIMITS.request

@@ -69,7 +69,7 @@ def parse_models(body: bytes, base_url: str = "the server") -> list[ServedModel]
         for row in rows[:MAX_MODELS]:
             caps = row.get("capabilities") or {}
             window = row["context_window"]
-            if not isinstance(row["id"], str) or not row["id"] or not isinstance(window, int) or window <= 0:
+            if not isinstance(row["id"], str) or not row["id"] or type(window) is not int or window <= 0:
                 raise ValueError(f"a model without an id or a context window: {str(row)[:200]}")
             models.append(ServedModel(id=row["id"], context_window=window, reasoning=bool(caps.get("reasoning")),
                                       tools=bool(caps.get("tools", True))))

@@ -94,6 +94,9 @@ def test_seed_makes_sampling_reproducible(http):
             "max_tokens": 10, "seed": 1234}
     a = chat(http, **body)["choices"][0]["message"]["content"]
     assert chat(http, **body)["choices"][0]["message"]["content"] == a
+    # And the seed is what decides: other seeds sample other names (not greedy decoding).
+    others = {chat(http, **{**body, "seed": seed})["choices"][0]["message"]["content"] for seed in range(1, 5)}
+    assert others - {a}, others
 
 
 class Weather(BaseModel):

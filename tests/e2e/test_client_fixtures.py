@@ -1,4 +1,4 @@
-"""Every request real clients sent (../shared/clients/*/captured) replayed
+"""Every request real clients sent (../shared/clients/*/captured, copied into tests/fixtures/clients) replayed
 against a real server with the bundled model, and accepted (issue 3).
 
 A replay keeps the captured body as it is (ids, reasoning items with
@@ -45,11 +45,11 @@ from typing import Any
 import httpx
 import pytest
 
+from support.clients import CLIENTS
 from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_openai_stream
 
-CLIENTS = Path("/work/shared/clients")
 FIXTURES = sorted(CLIENTS.glob("*/captured/**/*-request.json"))
 CODEX = [f for f in FIXTURES if f.relative_to(CLIENTS).parts[0] == "codex-cli"]
 OTHERS = [f for f in FIXTURES if f not in CODEX]

@@ -1,5 +1,5 @@
 """Codex out of the box: ``lmspd serve`` with no ``--ctx`` accepts Codex's
-first request (the captures in ../shared/clients/codex-cli), which the old
+first request (the captures in tests/fixtures/clients/codex-cli), which the old
 default of 8192 refused with ``context_length_exceeded``, and reports the
 window it has where Codex and LMSP clients read it.
 
@@ -20,10 +20,11 @@ import httpx
 import pytest
 
 from lmspd.config import DEFAULT_CTX
+from support.clients import CODEX_CAPTURES
 from support.server import MODEL
 from support.sse import parse_frames
 
-CAPTURES = sorted(Path("/work/shared/clients/codex-cli/captured").glob("*/*-request.json"))
+CAPTURES = sorted(CODEX_CAPTURES.glob("*/*-request.json"))
 
 
 def codex_body(path: Path) -> dict:

@@ -61,8 +61,19 @@ def test_string_input_and_response_format_text(http):
     r = http.post("/lmsp/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4,
                                               "response_format": {"type": "text"}, "store": False})
     assert r.status_code == 200, r.text
+    body = r.json()
+    # The string is one user message; the reply, plain text.
+    [msg] = body["output"]
+    assert msg["type"] == "message" and [c["type"] for c in msg["content"]] == ["output_text"]
+    assert 0 < body["usage"]["output_tokens"] <= 4
+    if body["status"] == "incomplete":
+        assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert body["status"] == "completed"
 
 
 def test_lmsp_version_1x_accepted(http):
     r = http.post("/lmsp/v1/responses", json=lmsp_body(max_output_tokens=2), headers={"LMSP-Version": "1.3"})
     assert r.status_code == 200
+    # A 1.x client is answered in the version this server speaks.
+    assert r.headers["lmsp-version"] == "1.0" and r.json()["object"] == "response"

@@ -104,6 +104,10 @@ def test_seed_makes_sampling_reproducible(http):
     a = http.post("/v1/responses", json=body).json()
     b = http.post("/v1/responses", json=body).json()
     assert a["output"][0]["content"][0]["text"] == b["output"][0]["content"][0]["text"]
+    # And the seed is what decides: other seeds sample other names (not greedy decoding).
+    others = {http.post("/v1/responses", json={**body, "extensions": {"lmspd.sampling": {"seed": seed}}}).json()
+              ["output"][0]["content"][0]["text"] for seed in range(1, 5)}
+    assert others - {a["output"][0]["content"][0]["text"]}, others
 
 
 @pytest.mark.parametrize("field,value", [("top_logprobs", 3), ("prompt", {"id": "pmpt_1"}),

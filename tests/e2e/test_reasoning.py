@@ -129,7 +129,7 @@ def test_tool_call_replay_without_reasoning_state_renders_without_it(data_dir):
 
 def test_pi_loop_with_reasoning_summary_continues_cached(data_dir):
     """pi's reasoning loop (its request shape: captured in
-    /work/shared/clients/pi-coding-agent/captured/reasoning_model) asks for
+    tests/fixtures/clients/pi-coding-agent/captured/reasoning_model) asks for
     ``reasoning.summary: "auto"``: the reasoning item's summary is non-empty
     (pi drops an item whose summary is empty, then replays the turn without
     it), and pi's next request — the item replayed as pi replays it: id,

@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from support.clients import CODEX_CAPTURES
 from support.server import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_lmsp_stream, validate_openai_stream
@@ -41,8 +42,7 @@ TIME = {"type": "function", "name": "get_time", "description": "Get the current 
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
 QUESTION = "What's the weather in Paris?"
 
-CODEX_APPLY_PATCH = (Path("/work/shared/clients/codex-cli/captured/gpt-5.5_reasoning_apply_patch")
-                     / "001-POST-v1_responses-request.json")
+CODEX_APPLY_PATCH = CODEX_CAPTURES / "gpt-5.5_reasoning_apply_patch" / "001-POST-v1_responses-request.json"
 PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n"
 
 # Call and result markup of the fallback format (and of Hermes templates).

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lmspd.cli import main
@@ -65,6 +65,7 @@ def test_print_matches_golden(client, stub_url, tmp_path, capsys):
     golden = FIXTURES / f"{client}.txt"
     if os.environ.get("LMSPD_UPDATE_GOLDEN"):
         golden.write_text(normalized(out, tmp_path, stub_url))
+        pytest.fail(f"{golden} rewritten: review it, then run without LMSPD_UPDATE_GOLDEN")
     assert normalized(out, tmp_path, stub_url) == golden.read_text()
     assert not (tmp_path / "launch").exists(), "--print wrote files"
 
@@ -141,13 +142,37 @@ def test_print_without_a_server_starts_none(tmp_path, capsys):
     assert "no server answers at http://127.0.0.1:9" in err
 
 
-@given(st.binary(max_size=512))
+_json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=8)
+_rows = st.fixed_dictionaries({}, optional={"id": _json_values | st.text(max_size=8),
+                                            "context_window": _json_values | st.integers(-2, 10**6),
+                                            "capabilities": _json_values | st.fixed_dictionaries(
+                                                {}, optional={"reasoning": _json_values, "tools": _json_values})})
+# Bodies shaped like a model list (a ``data`` list of rows whose fields may
+# be anything), and bytes that are not JSON at all.
+_bodies = (st.builds(lambda data: json.dumps({"data": data}).encode(), st.lists(_rows, max_size=3) | _json_values)
+           | st.binary(max_size=512))
+
+
+@given(_bodies)
+@example(b'{"data": [{"id": "m", "context_window": true}]}')  # JSON's true is no window
 def test_parse_models_refuses_anything_but_a_model_list(body):
     try:
         models = parse_models(body)
     except ServerRefused:
         return
-    assert models and all(m.id and m.context_window > 0 for m in models)
+    assert models and all(type(m.id) is str and m.id and type(m.context_window) is int  # not a bool
+                          and m.context_window > 0 for m in models)
+
+
+def test_parse_models_reads_a_model_list():
+    body = json.dumps({"object": "list", "data": [
+        {"id": "a", "context_window": 4096, "capabilities": {"reasoning": True, "tools": False}},
+        {"id": "b", "context_window": 8192}]}).encode()
+    [a, b] = parse_models(body)
+    assert (a.id, a.context_window, a.reasoning, a.tools) == ("a", 4096, True, False)
+    assert (b.id, b.context_window, b.reasoning, b.tools) == ("b", 8192, False, True)
 
 
 @pytest.mark.parametrize("flags,url", [(("--no-start",), "http://127.0.0.1:9"), ((), "http://192.0.2.1:9")])

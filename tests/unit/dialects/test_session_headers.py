@@ -14,7 +14,7 @@ def test_each_documented_header_is_a_session_key():
 
 
 def test_codex_headers_as_captured():
-    # Codex CLI 0.171 (/work/shared/clients/codex-cli/captured): session-id, plus x-codex-window-id.
+    # Codex CLI 0.171 (tests/fixtures/clients/codex-cli/captured): session-id, plus x-codex-window-id.
     captured = Headers(raw=[(b"session-id", b"01a22807-69a7-7b00-9948-a1f7716bbc8f"),
                             (b"x-codex-window-id", b"01a22807-69a7-7b00-9948-a1f7716bbc8f:0")])
     assert session_key(captured) == "01a22807-69a7-7b00-9948-a1f7716bbc8f"

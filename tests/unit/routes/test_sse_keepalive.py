@@ -68,6 +68,7 @@ def test_no_comment_when_turned_off(tmp_path):
     with serve(tmp_path, every_s=0) as url:
         lines = lines_of(url, "/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
     assert not any(text.startswith(":") for _, text in lines)
+    assert events_of(lines)[-1]["type"] == "response.completed"  # the whole stream, silences included
 
 
 def test_sdks_parse_a_stream_with_comments(tmp_path):
@@ -127,14 +128,17 @@ def test_other_dialects_hear_their_own_keep_alive(tmp_path):
         messages = events_of(lines_of(url, "/v1/messages", {
             "model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
         lmsp = lines_of(url, "/lmsp/v1/responses", {"model": MODEL, "input": "hi", "stream": True})
-        chat = events_of(lines_of(url, "/v1/chat/completions", {
-            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
+        chat_lines = lines_of(url, "/v1/chat/completions", {
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
     kinds = [e["type"] for e in messages]
     assert kinds[0] == "message_start" and kinds.count("ping") >= 4, kinds
     # LMSP and Chat Completions have no such event: comments only.
     assert not any(text.startswith("event: response.in_progress") for _, text in lmsp)
     assert [text for _, text in lmsp].count(SSE_KEEPALIVE.decode().strip()) >= 3
-    assert all(c.get("object") == "chat.completion.chunk" for c in chat)
+    chat = events_of(chat_lines)
+    assert chat and all(c.get("object") == "chat.completion.chunk" for c in chat)
+    assert [text for _, text in chat_lines].count(SSE_KEEPALIVE.decode().strip()) >= 3
+    assert chat_lines[-1][1] == "data: [DONE]"
 
 
 def test_keep_alive_events_continue_through_the_whole_generation(tmp_path):

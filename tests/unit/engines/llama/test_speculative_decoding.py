@@ -86,7 +86,10 @@ def engine():
 
 def test_greedy_takes_the_same_tokens_with_and_without_drafts(engine):
     with drafting(engine):
+        before = engine.stats()["speculation"]["drafted"]
         plain, plain_events = run(engine, conversation(COPY, speculative=False))
+        # Turned off for the request, it drafted nothing (the same text drafts below).
+        assert engine.stats()["speculation"]["drafted"] == before
         fast, events = run(engine, conversation(COPY, speculative=True))
     assert fast == plain
     report = events[-1].usage.decode_report

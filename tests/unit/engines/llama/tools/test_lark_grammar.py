@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,11 +15,11 @@ from lmspd.core.conversation import CustomTool
 from lmspd.core.errors import ApiError
 from lmspd.engines.llama.grammars import tool_call_grammar
 from lmspd.engines.llama.tool_formats import FallbackFormat, HermesFormat
+from support.clients import CODEX_CAPTURES
 
-CODEX_REQUEST = Path("/work/shared/clients/codex-cli/captured/gpt-5.5_reasoning_apply_patch/001-POST-v1_responses-request.json")
+CODEX_REQUEST = CODEX_CAPTURES / "gpt-5.5_reasoning_apply_patch" / "001-POST-v1_responses-request.json"
 
-# The grammar Codex sends for apply_patch (kept here too, so the test does
-# not depend on the capture being present).
+# The grammar Codex sends for apply_patch (what the capture holds, checked below).
 APPLY_PATCH = r'''start: begin_patch hunk+ end_patch
 begin_patch: "*** Begin Patch" LF
 end_patch: "*** End Patch" LF?
@@ -51,8 +50,6 @@ NOT_PATCHES = ["hello", "*** Begin Patch\n*** End Patch\n", "*** Begin Patch\n**
 
 
 def test_codex_capture_matches_the_grammar_here() -> None:
-    if not CODEX_REQUEST.exists():
-        pytest.skip("capture not available")
     body = json.loads(CODEX_REQUEST.read_text())["body"]
     custom = [t for t in body["tools"] if t.get("type") == "custom"]
     assert custom[0]["format"]["definition"] == APPLY_PATCH
