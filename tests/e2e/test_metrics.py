@@ -19,14 +19,18 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def total(samples, name, **labels) -> float:
+def matching(samples, name, **labels) -> list[float]:
+    """The values of ``name``'s samples that carry ``labels`` (among others)."""
     want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+    return [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
+
+
+def total(samples, name, **labels) -> float:
+    return sum(matching(samples, name, **labels))
 
 
 def present(samples, name, **labels) -> bool:
-    want = set(labels.items())
-    return any(n == name and want <= set(ls) for n, ls in samples)
+    return bool(matching(samples, name, **labels))
 
 
 def turn(server, body):
