@@ -44,7 +44,11 @@ def test_a_two_turn_loop_moves_the_counters_by_its_usage(server):
     s0 = scrape(server)
     first = turn(server, {"instructions": "Answer briefly.", "input": "Name a colour."})
     s1 = scrape(server)
-    second = turn(server, {"previous_response_id": first["id"], "input": "And another one?"})
+    # Instructions are not carried over from the previous response (OpenAI's rule): a client
+    # resends them, and without them the prompt's system part would differ. Before, this
+    # turn reused tokens only when an earlier test had left a default-system prompt behind.
+    second = turn(server, {"instructions": "Answer briefly.", "previous_response_id": first["id"],
+                           "input": "And another one?"})
     s2 = scrape(server)
     u1, u2 = first["usage"], second["usage"]
     cached2 = u2["input_tokens_details"]["cached_tokens"]
