@@ -44,7 +44,18 @@ if [ -z "$gpu" ]; then
   fi
 fi
 case "$gpu" in
-  cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
+  cpu)
+    if [ "$(uname -s)" = Darwin ]; then cmake_args="-DGGML_METAL=off"
+    elif [ "$(uname -m)" = x86_64 ]; then
+      # Without llama.cpp's AMX kernels: built natively on an AMX CPU by
+      # GCC 12 they load a tile configuration whose second half was never
+      # written and fault on the first prompt (lmspd/engines/llama/amx.py).
+      # The macro is what the kernels are compiled under; the rest of the
+      # native build (AVX-512, the repacked kernels) stays.
+      cmake_args="-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__"
+      gpu=cpu-noamx
+    else cmake_args=""
+    fi ;;
   cuda)
     command -v nvcc >/dev/null 2>&1 || PATH="/usr/local/cuda/bin:$PATH"
     command -v nvcc >/dev/null 2>&1 || { say "LMSPD_GPU=cuda needs the CUDA toolkit (nvcc): see README"; exit 1; }

@@ -168,12 +168,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+    from lmspd.engines.llama.amx import setting as amx_setting
     from lmspd.engines.specs import check_kv_type, parse_ctx, parse_gpu_layers
 
     try:
         settings.ctx = parse_ctx(args.ctx)
         settings.gpu_layers = parse_gpu_layers(args.gpu_layers)
         check_kv_type(args.kv_type, args.flash_attn)
+        amx_setting()
     except ValueError as exc:
         parser.error(str(exc))
     settings.flash_attn = args.flash_attn

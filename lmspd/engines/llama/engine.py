@@ -39,7 +39,7 @@ from lmspd.core.run import LOCAL, RunContext
 from lmspd.core.sealing import Sealer
 from lmspd.engines.base import CancelToken, ModelInfo
 
-from . import native_log
+from . import amx, native_log
 from .client_text import ClientText
 from .cpus import default_threads
 from .kv import SequenceKv
@@ -127,7 +127,10 @@ class LlamaEngine:
         self.preparations = Preparations()
         llama_cpp.llama_backend_init()
         native_log.install()
-        model_params = llama_cpp.llama_model_default_params()
+        model_params = amx.model_params()
+        buffers = amx.extra_buffers()
+        if buffers.reason:
+            log.log(logging.INFO if buffers.use else logging.WARNING, "model %s: %s", model_id, buffers.reason)
         model_params.n_gpu_layers = placement.n_gpu_layers
         self._model = internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
         model = self._model

