@@ -44,18 +44,7 @@ if [ -z "$gpu" ]; then
   fi
 fi
 case "$gpu" in
-  cpu)
-    if [ "$(uname -s)" = Darwin ]; then cmake_args="-DGGML_METAL=off"
-    elif [ "$(uname -m)" = x86_64 ]; then
-      # Without llama.cpp's AMX kernels: built natively on an AMX CPU by
-      # GCC 12 they load a tile configuration whose second half was never
-      # written and fault on the first prompt (lmspd/engines/llama/amx.py).
-      # The macro is what the kernels are compiled under; the rest of the
-      # native build (AVX-512, the repacked kernels) stays.
-      cmake_args="-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__"
-      gpu=cpu-noamx
-    else cmake_args=""
-    fi ;;
+  cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
   cuda)
     command -v nvcc >/dev/null 2>&1 || PATH="/usr/local/cuda/bin:$PATH"
     command -v nvcc >/dev/null 2>&1 || { say "LMSPD_GPU=cuda needs the CUDA toolkit (nvcc): see README"; exit 1; }
@@ -69,6 +58,17 @@ case "$gpu" in
     cmake_args="-DGGML_VULKAN=on" ;;
   *) say "LMSPD_GPU must be cuda, metal, vulkan or cpu (not '$gpu')"; exit 2 ;;
 esac
+# Without llama.cpp's AMX kernels on x86-64 Linux, whatever the backend (the
+# layers a GPU does not hold run on the CPU): built natively on an AMX CPU
+# by GCC 12 they load a tile configuration whose second half was never
+# written and fault on the first prompt (lmspd/engines/llama/amx.py). The
+# macro is what the kernels are compiled under; the rest of the native
+# build (AVX-512, the repacked kernels) stays. Its own wheel: pip's cache
+# may hold a build with them.
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
+  cmake_args="${cmake_args:+$cmake_args }-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__"
+  gpu="$gpu-noamx"
+fi
 # What the venv's llama-cpp-python was built for (no file: an older
 # ./dev.sh's CPU build).
 built_for="$VENV/.lmspd-llama-backend"

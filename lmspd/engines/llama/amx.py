@@ -13,7 +13,8 @@ stack held before. Seen on this project's own machines; upstream,
 ggml-org/llama.cpp#20824 (GCC 11) and the workaround in
 stanfordnlp/dspy#10079. The tile instructions themselves work there.
 
-``./dev.sh`` builds llama.cpp without the AMX kernels (``-U__AMX_INT8__``).
+``./dev.sh`` builds llama.cpp without the AMX kernels on x86-64 Linux
+(``-U__AMX_INT8__``, every backend).
 A build that has them, on a CPU that has AMX, loads the model without the
 extra buffers (``use_extra_bufts``: llama.cpp has no switch for AMX alone,
 so the repacked kernels go too): slower prompts, no crash.

@@ -73,11 +73,11 @@ def test_the_cpu_is_read_from_its_flags(tmp_path: Path) -> None:
 
 
 def test_dev_sh_builds_llama_cpp_without_amx_kernels() -> None:
-    """Where ./dev.sh built the CPU backend on x86-64 (its stamp says so),
+    """Where ./dev.sh built llama.cpp on x86-64 Linux (its stamp says so),
     the library has no AMX kernels: the flag it builds with took effect."""
     stamp = Path(sys.prefix) / ".lmspd-llama-backend"
-    if not stamp.exists() or stamp.read_text().strip() != "cpu-noamx":
-        pytest.skip(f"llama.cpp not built by ./dev.sh for cpu-noamx here ({stamp})")
+    if not stamp.exists() or not stamp.read_text().strip().endswith("-noamx"):
+        pytest.skip(f"llama.cpp not built by ./dev.sh on x86-64 Linux here ({stamp})")
     assert not amx.built_with_amx()
 
 
