@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -155,7 +155,7 @@ def with_cpu(pid: int | None, fn: Callable[[], "Sample"]) -> "Sample":
 # -- SSE ------------------------------------------------------------------------------
 
 
-def iter_sse(lines: Any) -> Any:
+def iter_sse(lines: Iterable[str]) -> Iterator[tuple[str | None, str]]:
     """Yield ``(event_name, data_str)`` from an iterator of SSE lines."""
     name: str | None = None
     data: list[str] = []
@@ -469,7 +469,7 @@ class Summary:
         return f"{fmt.format(self.p25)}–{fmt.format(self.p75)}"
 
 
-def summarize(values: list[float | None]) -> Summary | None:
+def summarize(values: Sequence[float | None]) -> Summary | None:
     xs = sorted(v for v in values if v is not None)
     if not xs:
         return None

@@ -506,7 +506,7 @@ class Turn:
     note: str = ""
 
 
-def _first_output(kind: str, data: dict[str, Any]) -> bool:
+def _first_output(kind: str | None, data: dict[str, Any]) -> bool:
     if kind in ("response.output_text.delta", "response.function_call_arguments.delta",
                 "response.custom_tool_call_input.delta"):
         return True
@@ -756,6 +756,7 @@ class Bench:
                 paired = mirror is not None and session == "A"
                 prev_a = prev.get("A")
                 if paired and k % 2 == 0:
+                    assert mirror is not None
                     self.mirror_turn(mirror, k, body, prev_a)
                 turn, resp = self.lmspd_turn(srv, "lmspd", label, body, after_restart)
                 turn.after_synth = session in synthesized
@@ -784,6 +785,7 @@ class Bench:
                                               "call_id": call["call_id"], "output": self.wl.tool_output(session, k)}]
                 self.add(turn)
                 if paired and k % 2 == 1:
+                    assert mirror is not None
                     self.mirror_turn(mirror, k, body, prev_a)
             self.run_branch(srv, items["A"], prev["A"])
             h = self.health(srv)
@@ -1105,8 +1107,8 @@ class Bench:
                   and not t.after_synth]
         if steady:
             exact = [t for t in steady if _as_expected(t)]
-            worst = max(steady, key=lambda t: abs(t.prefilled - t.expected_suffix))
-            rel = [t.prefilled / t.expected_suffix for t in steady if t.expected_suffix]
+            worst = max(steady, key=_suffix_miss)
+            rel = [prefilled / expected for prefilled, expected in map(_suffix_counts, steady) if expected]
             out["prefill"] = {
                 "name": "lmspd steady-state prefilled / new suffix (turns >= 2, incl. after restart)",
                 "value": f"{len(exact)}/{len(steady)} turns exact; median ratio {statistics.median(rel):.2f}; "
@@ -1264,13 +1266,26 @@ def _work(t: Turn) -> tuple[int | None, int | None, int | None]:
     return (t.prompt_tokens, t.prefilled, t.output_tokens)
 
 
+def _suffix_counts(t: Turn) -> tuple[int, int]:
+    """Tokens prefilled and the expected new suffix, of a turn that has both
+    (the only turns ``_as_expected`` and the prefill ratio look at)."""
+    assert t.prefilled is not None and t.expected_suffix is not None
+    return t.prefilled, t.expected_suffix
+
+
+def _suffix_miss(t: Turn) -> int:
+    prefilled, expected = _suffix_counts(t)
+    return abs(prefilled - expected)
+
+
 def _as_expected(t: Turn) -> bool:
     """Prefilled exactly the new suffix; the edit (E) at most that: it may
     resume from a checkpoint after A's last call turn (the end of the tool
     output before the edited message), which leaves less to prefill."""
+    prefilled, expected = _suffix_counts(t)
     if t.label.startswith("E"):
-        return t.prefilled <= t.expected_suffix  # type: ignore[operator]
-    return t.prefilled == t.expected_suffix
+        return prefilled <= expected
+    return prefilled == expected
 
 
 def _json_ok(text: str) -> bool:

@@ -376,7 +376,7 @@ def decode16(servers: dict[str, tuple[str, str, int | None]], args: argparse.Nam
 
     ratios = paired("agg_tps")
     decode_ratios = paired("decode_tps")
-    out = {"rounds": rounds, "ratios": ratios, "decode_ratios": decode_ratios,
+    out: dict[str, Any] = {"rounds": rounds, "ratios": ratios, "decode_ratios": decode_ratios,
            "median_ratio": statistics.median(ratios) if ratios else None,
            "median_decode_ratio": statistics.median(decode_ratios) if decode_ratios else None,
            "host": host}

@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -104,7 +104,7 @@ eof_line: "*** End of File" LF
 '''
 TOOL = {"type": "function", "name": "report_weather", "description": "Record weather reports.", "strict": True,
         "parameters": WEATHER_SCHEMA}
-PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+PATCH_TOOL: dict[str, Any] = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
               "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
 MODES = ("free", "auto", "json", "tool", "lark")
 
@@ -255,8 +255,8 @@ def extract(ref: str, into: Path) -> Path:
     return into
 
 
-def median(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
+def median(values: Sequence[float | None]) -> float | None:
+    xs = sorted(x for x in values if x is not None)
     return None if not xs else xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
@@ -332,11 +332,12 @@ def report_decode(samples: list[dict[str, Any]], tokens: int) -> None:
     for mode in MODES:
         row = f"{mode:<6}"
         for name in ("old", "new"):
-            mine = [s.get("host_ms") for s in side(samples, name, mode)]
+            host_ms = [s.get("host_ms") for s in side(samples, name, mode)]
             free = [s for s in side(samples, name, "free") if s.get("host_ms") is not None]
-            host, free_host = median(mine), median([s["host_ms"] for s in free])
+            host, free_host = median(host_ms), median([s["host_ms"] for s in free])
             fwd = median([s["cpu_ms"] - s["host_ms"] for s in free])
-            implied = (fwd + free_host) / (fwd + host) if None not in (host, free_host, fwd) else None
+            implied = ((fwd + free_host) / (fwd + host)
+                       if host is not None and free_host is not None and fwd is not None else None)
             row += f"{fmt(host, '{:.3f}'):>16}{fmt(implied, '{:.3f}x'):>13}"
         print(row, flush=True)
 

@@ -84,7 +84,6 @@ try:
         for system in (["lmspd-p16", "llama-16", "in-process"] if r % 2 == 0 else ["in-process", "llama-16", "lmspd-p16"]):
             if system == "in-process":
                 row[system] = inproc_round()["decode_tps"]
-                row["inproc_step_ms"] = None
             else:
                 url, name, pid = servers[system]
                 x = c.decode(url, name, system, args, streams=16, tokens=128, pid=pid)

@@ -191,7 +191,9 @@ class InProcess:
         self._llama_cpp.llama_perf_context_reset(ctx)
         clock = time.perf_counter
         t0 = clock()
-        for chunk in llm.create_completion(prompt, stream=True, temperature=0, max_tokens=max_tokens):
+        chunks = llm.create_completion(prompt, stream=True, temperature=0, max_tokens=max_tokens)
+        assert not isinstance(chunks, dict)  # streamed: an iterator of chunks
+        for chunk in chunks:
             now = clock() - t0
             choice = chunk["choices"][0]
             if choice["text"]:

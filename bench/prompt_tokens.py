@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -65,8 +66,9 @@ def render(model: str, messages: list[tuple[str, str]]) -> str:
     return text + start.format(role=roles["model"])
 
 
-def timed(tokenize, text: str, reps: int) -> tuple[float, object]:
-    times, out = [], None
+def timed(tokenize: Callable[[str], list[int]], text: str, reps: int) -> tuple[float, list[int]]:
+    times: list[float] = []
+    out: list[int] = []  # never returned empty: without reps the median raises first
     for _ in range(reps):
         t = time.perf_counter()
         out = tokenize(text)

@@ -49,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -115,12 +115,12 @@ class Session:
             if not self.history:
                 self.history.append({"role": "system", "content": self.system})
             self.history.append({"role": "user", "content": question})
-            body = {"model": MODEL, "messages": self.history, "max_tokens": reply_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body: dict[str, Any] = {"model": MODEL, "messages": self.history, "max_tokens": reply_tokens,
+                                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             stream_chat_completions(client, base + "/v1/chat/completions", body, sample)
         else:
-            body: dict[str, Any] = {"model": MODEL, "instructions": self.system, "max_output_tokens": reply_tokens,
-                                    "temperature": 0, "stream": True}
+            body = {"model": MODEL, "instructions": self.system, "max_output_tokens": reply_tokens,
+                    "temperature": 0, "stream": True}
             if self.kind == "key":
                 self.history.append({"role": "user", "content": question})
                 body.update(input=self.history, store=False, prompt_cache_key=f"bench-session-{self.index}")
@@ -208,7 +208,7 @@ def run_policy(policy: str, args: argparse.Namespace, model: Path, workdir: Path
 # -- the report ---------------------------------------------------------------------------
 
 
-def mean(xs: list[float | int | None]) -> float | None:
+def mean(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.fmean(vals) if vals else None
 

@@ -163,10 +163,11 @@ def soak(args: argparse.Namespace) -> bool:
     warm = max(1, args.requests // 10)
 
     def run(i: int, client: httpx.Client) -> None:
+        code: int | str
         try:
             code = plan[i](client, random.Random(args.seed * 100_003 + i))
         except httpx.HTTPError as exc:
-            code = f"{type(exc).__name__}"  # type: ignore[assignment]
+            code = f"{type(exc).__name__}"
         with lock:
             statuses[f"{plan[i].__name__} {code}"] += 1
 

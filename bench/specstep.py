@@ -57,9 +57,10 @@ TOPICS = ("a lighthouse keeper and a storm", "the history of ships", "a journey 
 
 
 def _streams() -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT))
-    from bench._common import bundled_model_path
+    sys.path.insert(0, str(HERE))
     from llama_cpp import Llama
+
+    from _common import bundled_model_path
 
     llm = Llama(str(bundled_model_path()), n_ctx=4096, n_threads=2, verbose=False)
 
@@ -70,7 +71,9 @@ def _streams() -> dict[str, Any]:
     for topic in TOPICS:
         prompt = f"Write a story about {topic}."
         reply = llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=240, temperature=0.0)
+        assert isinstance(reply, dict)  # not streamed: the whole response
         text = reply["choices"][0]["message"]["content"]
+        assert text is not None
         out["free"].append({"prompt": chat(prompt), "output": llm.tokenize(text.encode(), add_bos=False)})
     # Free text that does not repeat itself: the first lines of the Python licence's history.
     history = Path(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "LICENSE.txt")
@@ -229,8 +232,8 @@ def main() -> int:
         streams.write_text(json.dumps(_streams()))
         roots = {"this": ROOT}
         if args.baseline:
-            sys.path.insert(0, str(ROOT))
-            from bench._common import git_tree
+            sys.path.insert(0, str(HERE))
+            from _common import git_tree
 
             roots[args.baseline] = git_tree(args.baseline, tmp / "base")
         results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in roots}
@@ -257,8 +260,8 @@ def _memory_main(baseline: str | None) -> int:
     with tempfile.TemporaryDirectory(prefix="lmspd-bench-specstep-") as tmp_name:
         roots = {"this": ROOT}
         if baseline:
-            sys.path.insert(0, str(ROOT))
-            from bench._common import git_tree
+            sys.path.insert(0, str(HERE))
+            from _common import git_tree
 
             roots[baseline] = git_tree(baseline, Path(tmp_name) / "base")
         results = {}

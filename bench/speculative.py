@@ -62,7 +62,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypedDict
 
 import httpx
 
@@ -386,10 +386,22 @@ def med(values: list[float | None]) -> float | None:
     return statistics.median(got) if got else None
 
 
-def summary(rounds: list[list[Run]]) -> dict[str, Any]:
+class Summary(TypedDict):
+    """``summary``'s result: one system's rounds of one scenario and temperature."""
+
+    tps: float | None
+    ttft: float | None
+    acceptance: str
+    texts: list[list[str]]
+    rounds_tps: list[float | None]
+    input_tokens: list[int | None]
+
+
+def summary(rounds: list[list[Run]]) -> Summary:
     """Median over rounds of: output tok/s (a round's tokens over its span, all sessions together),
     TTFT (ms, the worst session's), acceptance by source."""
-    tps, ttft = [], []
+    tps: list[float | None] = []
+    ttft: list[float | None] = []
     drafted: dict[str, int] = {}
     accepted: dict[str, int] = {}
     for runs in rounds:
@@ -411,7 +423,11 @@ def summary(rounds: list[list[Run]]) -> dict[str, Any]:
             "rounds_tps": tps, "input_tokens": [r.input_tokens for r in rounds[0]] if rounds else []}
 
 
-def paired_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[float]:
+# By scenario, temperature and system.
+Results = dict[tuple[str, float, str], Summary]
+
+
+def paired_ratios(a: Summary | None, b: Summary | None) -> list[float]:
     """``a``'s tok/s over ``b``'s, round by round: the two ran one after the
     other (``measure_alternating``), under nearly the same load."""
     if not a or not b:
@@ -419,7 +435,7 @@ def paired_ratios(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[fl
     return [x / y for x, y in zip(a["rounds_tps"], b["rounds_tps"], strict=False) if x and y]
 
 
-def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+def same_text(a: Summary | None, b: Summary | None) -> str:
     """In how many rounds two systems wrote exactly the same outputs."""
     if not a or not b:
         return "-"
@@ -427,7 +443,7 @@ def same_text(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     return f"{same}/{min(len(a['texts']), len(b['texts']))}"
 
 
-def show(result: dict[str, Any]) -> dict[str, Any]:
+def show(result: Summary) -> dict[str, object]:
     return {k: v for k, v in result.items() if k not in ("texts", "rounds_tps", "input_tokens")}
 
 
@@ -475,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                         "store": False})
         return out
 
-    results: dict[tuple[str, float, str], dict[str, Any]] = {}
+    results: Results = {}
     systems = ["auto", "off"]
     # The lmspd servers run side by side (one request at a time between
     # them): their rounds alternate. ``base``: --baseline's code, auto.
@@ -497,10 +513,10 @@ def main(argv: list[str] | None = None) -> int:
                 urls = {mode: srv.url for mode, srv in servers.items()}
                 if args.off_in_auto:
                     urls["off"] = servers["auto"].url
-                got = measure_alternating(urls, bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle,
-                                          {"off": {"lmspd.speculative": False}} if args.off_in_auto else None)
+                rounds = measure_alternating(urls, bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle,
+                                             {"off": {"lmspd.speculative": False}} if args.off_in_auto else None)
                 for mode in urls:
-                    results[(scenario, temp, mode)] = summary(got[mode])
+                    results[(scenario, temp, mode)] = summary(rounds[mode])
                     print(f"  lmspd {mode:<4} {scenario:<6} t={temp}: {show(results[(scenario, temp, mode)])}",
                           flush=True)
     finally:
@@ -580,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
 PROBED = ("edit", "fenced")  # each picks its own best n-gram mode; the rest take the first's
 
 
-def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float], bodies: Any,
-              results: dict, work: Path, seed: int | None) -> dict[str, dict[str, str]]:
+def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps: list[float],
+              bodies: Callable[[str, float, str], list[dict[str, Any]]], results: Results, work: Path,
+              seed: int | None) -> dict[str, dict[str, str]]:
     """llama.cpp's server, two ways: ``llama`` (Chat Completions, its own
     chat template) and ``llama=`` (``/completion`` with lmspd's prompt
     tokens, ``SAME_PROMPT`` scenarios). Its n-gram modes are tried at

@@ -55,9 +55,9 @@ def preparation(ctx: int):
 
 
 def conversation(messages: int):
-    from lmspd.core.conversation import Conversation, Message
+    from lmspd.core.conversation import Conversation, Item, Message
 
-    items = [Message("system", "You are terse.")]
+    items: list[Item] = [Message("system", "You are terse.")]
     for i in range(messages // 2):
         items += [Message("user", f"Question {i}: what is the capital of country number {i}?"),
                   Message("assistant", f"Answer {i}: it is city number {i}.")]

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator
 
 import httpx
 from websockets.sync.client import connect
@@ -87,7 +87,7 @@ def health(client: httpx.Client, model: str) -> dict[str, Any]:
 
 
 def http_loop(client: httpx.Client, model: str, turns: int, max_output: int,
-              name: str = "http") -> Iterator[dict[str, Any]]:
+              name: str = "http") -> Generator[dict[str, Any], None, None]:
     history: list[dict[str, Any]] = []
     for turn in range(1, turns + 1):
         history.append({"role": "user", "content": tool_result(name, turn)})
@@ -114,12 +114,12 @@ def http_loop(client: httpx.Client, model: str, turns: int, max_output: int,
 
 
 def ws_loop(url: str, client: httpx.Client, model: str, turns: int, max_output: int,
-            name: str = "ws") -> Iterator[dict[str, Any]]:
+            name: str = "ws") -> Generator[dict[str, Any], None, None]:
     previous = None
     with connect(url.replace("http://", "ws://", 1) + "/v1/responses", max_size=2**24) as ws:
         for turn in range(1, turns + 1):
             new = [{"role": "user", "content": tool_result(name, turn)}]
-            extra = {"previous_response_id": previous} if previous else {}
+            extra: dict[str, str] = {"previous_response_id": previous} if previous else {}
             frame = json.dumps({"type": "response.create", **request(model, new, max_output, **extra)})
             started = time.perf_counter()
             ws.send(frame)

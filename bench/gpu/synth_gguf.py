@@ -25,6 +25,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -56,7 +57,7 @@ TOKENIZER_KEYS = (
 )
 
 
-def _gguf(src: Path):  # type: ignore[no-untyped-def]
+def _gguf(src: Path) -> ModuleType:
     sys.path.insert(0, str(src))
     import gguf
 
