@@ -56,8 +56,9 @@ def decide(setting: str, *, built_with_amx: bool, cpu_has_amx: bool) -> ExtraBuf
         return ExtraBuffers(True, "")
     if setting == "on":
         return ExtraBuffers(True, "LMSPD_AMX=on: llama.cpp's AMX kernels in use")
-    return ExtraBuffers(False, "this llama.cpp was built with AMX kernels, which crash the first prompt where "
-                               "GCC 11-12 built them (ggml-org/llama.cpp#20824): the model loads without "
+    return ExtraBuffers(False, "this llama.cpp was built with AMX kernels, which have crashed the first prompt "
+                               "(built by GCC 12 on lmspd's machines, GCC 11 in ggml-org/llama.cpp#20824): "
+                               "the model loads without "
                                "llama.cpp's extra CPU weight buffers (AMX, repack), slower prompts rather than "
                                "a crash. ./dev.sh builds without them; LMSPD_AMX=on uses them")
 
