@@ -39,6 +39,28 @@ def bundled_model_path() -> Path:
     return path
 
 
+
+def llama_as_lmspd_loads(model: Path | str, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(model, **kwargs)`` loaded with the model parameters
+    lmspd's engine starts from (``amx.model_params``): an in-process
+    baseline runs wherever lmspd runs, as lmspd does. With a llama.cpp
+    built with AMX kernels on an AMX CPU those leave out the extra CPU
+    weight buffers, without which the baseline's first prompt would crash;
+    elsewhere they are llama.cpp's defaults. ``Llama`` takes no such
+    argument, so its defaults are swapped for the one construction."""
+    from unittest import mock
+
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+
+    from lmspd.engines.llama import amx
+
+    if amx.extra_buffers().use:
+        return llama_cpp.Llama(str(model), **kwargs)
+    params = amx.model_params()
+    with mock.patch.object(low, "llama_model_default_params", lambda: params):
+        return llama_cpp.Llama(str(model), **kwargs)
+
 # -- one measured generation ------------------------------------------------------
 
 

@@ -19,9 +19,10 @@ import llama_cpp
 
 import concurrency as c
 from _common import bundled_model_path
+from lmspd.engines.llama import amx
 
 model = str(bundled_model_path())
-mp = llama_cpp.llama_model_default_params()
+mp = amx.model_params()  # as lmspd loads it: no AMX kernels where they crash
 m = llama_cpp.llama_model_load_from_file(model.encode(), mp)
 cp = llama_cpp.llama_context_default_params()
 cp.n_ctx = 16 * 2048; cp.n_seq_max = 16; cp.kv_unified = False; cp.n_batch = cp.n_ubatch = 512

@@ -58,6 +58,7 @@ from _common import (  # noqa: E402
     add_gpu_arguments,
     bundled_model_path,
     git_tree,
+    llama_as_lmspd_loads,
     llama_gpu_kwargs,
     lmspd_gpu_flags,
     lmspd_server,
@@ -168,8 +169,8 @@ class InProcess:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(
-            model_path=str(model), n_ctx=ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
+        self.llm = llama_as_lmspd_loads(
+            model, n_ctx=ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
             n_threads=threads, n_threads_batch=threads, verbose=False, **placement,
         )
 

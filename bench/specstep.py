@@ -58,11 +58,9 @@ TOPICS = ("a lighthouse keeper and a storm", "the history of ships", "a journey 
 
 def _streams() -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
-    from llama_cpp import Llama
+    from _common import bundled_model_path, llama_as_lmspd_loads
 
-    from _common import bundled_model_path
-
-    llm = Llama(str(bundled_model_path()), n_ctx=4096, n_threads=2, verbose=False)
+    llm = llama_as_lmspd_loads(bundled_model_path(), n_ctx=4096, n_threads=2, verbose=False)
 
     def chat(text: str) -> list[int]:
         return llm.tokenize(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import bundled_model_path  # noqa: E402
+from _common import bundled_model_path, llama_as_lmspd_loads  # noqa: E402
 
 
 def decode_tps(llm, tokens: int) -> float:
@@ -48,11 +48,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
-    from llama_cpp import Llama
-
     cpus = os.cpu_count() or 1
     counts = list(range(1, cpus + 1))
-    llms = {n: Llama(str(bundled_model_path()), n_ctx=512, n_threads=n, n_threads_batch=n, verbose=False)
+    llms = {n: llama_as_lmspd_loads(bundled_model_path(), n_ctx=512, n_threads=n, n_threads_batch=n, verbose=False)
             for n in counts}
     results: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.rounds):

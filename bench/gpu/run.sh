@@ -48,7 +48,8 @@ fi
 # A CUDA toolkit installed from NVIDIA's wheels (as on some GPU images) has
 # nvcc and cudart but no cuBLAS, and no libcuda stub: take cuBLAS from the
 # nvidia-cublas wheel beside python3 (PyTorch's), and the driver's own libcuda,
-# through unversioned links that CMake's FindCUDAToolkit accepts.
+# through unversioned links that CMake's FindCUDAToolkit accepts. Adds to
+# cmake_args, and to cxx_flags (one CMAKE_CXX_FLAGS for the whole build).
 cuda_libraries() {
   local root shim hdr inc lib drv
   root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
@@ -62,26 +63,39 @@ print(next((str(h) for r in (s.submodule_search_locations if s else []) for h in
     inc=$(dirname "$hdr"); lib=$(dirname "$inc")/lib
     ln -sf "$(ls "$lib"/libcublas.so.* | head -1)" "$shim/libcublas.so"
     ln -sf "$(ls "$lib"/libcublasLt.so.* | head -1)" "$shim/libcublasLt.so"
-    printf ' %s' "-DCUDA_cublas_LIBRARY=$shim/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$shim/libcublasLt.so" \
-      "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_CXX_FLAGS=-I$inc"
+    cmake_args="$cmake_args -DCUDA_cublas_LIBRARY=$shim/libcublas.so -DCUDA_cublasLt_LIBRARY=$shim/libcublasLt.so"
+    cmake_args="$cmake_args -DCMAKE_CUDA_FLAGS=-I$inc"
+    cxx_flags="$cxx_flags -I$inc"
     echo "$lib" > "$WORK/cuda-libdir"
   fi
   if ! ls "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so >/dev/null 2>&1; then
     drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
     [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
-    [ -n "$drv" ] && ln -sf "$drv" "$shim/libcuda.so" && printf ' %s' "-DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
+    [ -n "$drv" ] && ln -sf "$drv" "$shim/libcuda.so" && cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
   fi
   return 0
 }
 cmake_args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+c_flags=""
+cxx_flags=""
 case "$backend" in
   cuda)
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
     say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); $(nvcc --version | tail -1)"
-    cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap $(cuda_libraries)" ;;
+    cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap"
+    cuda_libraries ;;
   cpu) cmake_args="$cmake_args -DGGML_CUDA=off" ;;
   *) say "unknown backend $backend"; exit 2 ;;
 esac
+# Without llama.cpp's AMX kernels, as ./dev.sh builds it (the layers on the
+# CPU would fault on an AMX host: lmspd/engines/llama/amx.py).
+if [ "$(uname -m)" = x86_64 ]; then
+  c_flags="$c_flags -U__AMX_INT8__"
+  cxx_flags="$cxx_flags -U__AMX_INT8__"
+fi
+# scikit-build-core splits CMAKE_ARGS as a shell would: one quoted value each.
+[ -n "$c_flags" ] && cmake_args="$cmake_args '-DCMAKE_C_FLAGS=${c_flags# }'"
+[ -n "$cxx_flags" ] && cmake_args="$cmake_args '-DCMAKE_CXX_FLAGS=${cxx_flags# }'"
 if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() == ('$backend' == 'cuda') else 1)" 2>/dev/null; then
   say "building llama-cpp-python ($backend; $cmake_args) with $(nproc) jobs"
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
