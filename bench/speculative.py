@@ -237,40 +237,15 @@ SAME_PROMPT = ("edit", "fenced", "chat", "mixed")  # no tool call: a raw complet
 
 class LmspdPrompts:
     """The prompt tokens lmspd's engine feeds the model for a Responses body:
-    the Responses dialect's decoding, then the engine's own rendering and
-    tokenizing, over the GGUF's vocabulary alone (no context is made)."""
+    the Responses dialect's decoding, then the engine's own preparation over
+    the GGUF's vocabulary alone (``lmspd render``'s ``PromptRenderer``)."""
 
     def __init__(self, model: Path) -> None:
-        import llama_cpp
-        from llama_cpp import _internals as internals
-
-        from lmspd.cache.manager import ContinuationCache, KvOps
         from lmspd.core.limits import DEFAULT_LIMITS
-        from lmspd.engines.llama.client_text import ClientText
-        from lmspd.engines.llama.models import fallback_template
-        from lmspd.engines.llama.preparation import Preparation
-        from lmspd.engines.llama.reasoning import ReasoningSyntax
-        from lmspd.engines.llama.template import ChatTemplate
-        from lmspd.engines.llama.tool_formats import detect_tool_format
-        from lmspd.engines.llama.vocab import Vocabulary
+        from lmspd.engines.llama.render import PromptRenderer
 
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        gguf = internals.LlamaModel(path_model=str(model), params=params, verbose=False)
-        vocab = Vocabulary(gguf)
-        meta = gguf.metadata()
-        source = meta.get("tokenizer.chat_template") or fallback_template(meta.get("general.architecture"))
-        template = ChatTemplate(source, bos_token=vocab.token_text(gguf.token_bos()),
-                                eos_token=vocab.token_text(gguf.token_eos()))
-        template.client_text = ClientText(vocab.control_texts)
-        ops = KvOps(capture=lambda s: b"", restore=lambda s, d: True, copy=lambda a, b, n: None,
-                    trim=lambda s, k: None, tokenize=vocab.tokenize, detokenize=vocab.detokenize, n_ctx=1 << 20)
         self.limits = DEFAULT_LIMITS.request
-        self.preparation = Preparation(model_id="m", vocab=vocab, template=template,
-                                       tool_format=detect_tool_format(source),
-                                       reasoning=ReasoningSyntax.detect(template), cache=ContinuationCache(ops),
-                                       n_ctx=1 << 20, limits=self.limits, sealer=None)
-        self._model = gguf  # the vocabulary's owner
+        self.renderer = PromptRenderer("m", model, n_ctx=1 << 20, limits=self.limits)
         self._known: dict[str, list[int]] = {}
 
     def tokens(self, body: dict[str, Any]) -> list[int]:
@@ -279,7 +254,7 @@ class LmspdPrompts:
         key = json.dumps(body, sort_keys=True)
         if key not in self._known:
             conversation = decode_request(body, self.limits).conversation
-            self._known[key] = self.preparation.prepare(conversation).tokens
+            self._known[key] = self.renderer.prepare(conversation).tokens
         return self._known[key]
 
 

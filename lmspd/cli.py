@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     from lmspd.launch.command import add_parser as _launch_parser
 
     _launch_parser(sub)
+    from lmspd.render import add_parser as _render_parser
+
+    _render_parser(sub)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``lmspd launch CLIENT [flags] -- CLIENT_ARGS``: what follows ``--`` is
@@ -111,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return _models(args.models_dir, as_json=args.json)
     if args.command == "config":
         return _config(args)
+    if args.command == "render":
+        from lmspd.render import run as render
+
+        return render(args)
     if args.command == "launch":
         from lmspd.launch.command import run as launch
 

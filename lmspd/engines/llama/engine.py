@@ -40,21 +40,17 @@ from lmspd.core.sealing import Sealer
 from lmspd.engines.base import CancelToken, ModelInfo
 
 from . import amx, native_log
-from .client_text import ClientText
 from .cpus import default_threads
 from .kv import SequenceKv
-from .models import fallback_template
+from .model_text import ModelText
 from .placement import RuntimeConfig, plan
 from .preparation import LlamaPrepared, Preparation, Repairs
 from .preparations import Preparations
-from .reasoning import ReasoningSyntax
 from .runtime import GenerationStats, LlamaRuntime
 from .scheduler import Job, Scheduler
 from .speculation import Planner, speculation_mode
-from .template import ChatTemplate
-from .tool_formats import ToolFormat, detect_tool_format
+from .tool_formats import ToolFormat
 from .transcript import Transcript
-from .vocab import Vocabulary
 
 __all__ = ["CacheSettings", "GenerationStats", "LlamaEngine", "LlamaPrepared"]
 
@@ -162,25 +158,12 @@ class LlamaEngine:
         self.placement = dataclasses.replace(placement, window=self.n_ctx)
         log.info("%s", self.placement.line(model_id))
         log.info("model %s: %d CPU threads (%s)", model_id, threads, threads_reason)
-        self.vocab = Vocabulary(model)
-        meta = model.metadata()
-        # --chat-template overrides the GGUF's own (e.g. a thinking-style one).
-        template_source = (chat_template or meta.get("tokenizer.chat_template")
-                           or fallback_template(meta.get("general.architecture")))
-        self.template = ChatTemplate(
-            template_source,
-            bos_token=self.vocab.token_text(model.token_bos()),
-            eos_token=self.vocab.token_text(model.token_eos()),
-        )
-        self.template.client_text = ClientText(self.vocab.control_texts)
-        self.tool_format: ToolFormat = detect_tool_format(template_source)
-        self.reasoning = ReasoningSyntax.detect(self.template)
-        # The markers the parsers read must reach them even where the model
-        # writes them as one special token (vocab.py); a model that does
-        # always gets the parser, so that its markup never becomes text.
-        reasoning_markers = (self.reasoning.open, self.reasoning.close) if self.reasoning else ()
-        self.parse_always = bool(self.vocab.show_markers(self.tool_format.markers))
-        self.vocab.show_markers(reasoning_markers)
+        text = ModelText.of(model, chat_template)
+        self.vocab = text.vocab
+        self.template = text.template
+        self.tool_format: ToolFormat = text.tool_format
+        self.reasoning = text.reasoning
+        self.parse_always = text.parse_always
         self.info = ModelInfo(
             id=model_id,
             context_window=self.n_ctx,

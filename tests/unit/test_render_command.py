@@ -1,0 +1,146 @@
+"""``lmspd render``: the prompt printed for a request body is the one the
+engine prepares for it (text and tokens), in every dialect, for both bundled
+models (their templates and tool syntaxes differ); what the routes refuse,
+it refuses with the route's own error; what only a server holds (stored
+history) is refused with a way forward."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from support.llama_engine import bundled_engine
+
+from lmspd.cli import main
+from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.dialects import anthropic_messages, chat_completions, lmsp, openai_responses
+
+PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+SOURCE = "def add(a, b):\n    return a + b\n"
+
+BODIES: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
+    "responses": ({
+        "model": "m", "instructions": "You edit files.",
+        "tools": [{"type": "function", "name": "read_file", "description": "Read a file.", "parameters": PARAMETERS}],
+        "tool_choice": "none",
+        "input": [
+            {"role": "user", "content": "Open add.py."},
+            {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": '{"path": "add.py"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": SOURCE},
+            {"role": "user", "content": "Write it out again."},
+        ],
+    }, openai_responses.decode_request),
+    "lmsp": ({
+        "model": "m", "max_output_tokens": 32,
+        "tools": [{"type": "function", "name": "read_file", "parameters": PARAMETERS}],
+        "tool_choice": "required",
+        "input": [{"role": "user", "content": "Open add.py."}],
+    }, lmsp.decode_request),
+    "chat": ({
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "read_file", "parameters": PARAMETERS}}],
+        "messages": [
+            {"role": "system", "content": "You edit files."},
+            {"role": "user", "content": "Open add.py."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "read_file",
+                                                                  "arguments": '{"path": "add.py"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": SOURCE},
+        ],
+    }, chat_completions.decode_request),
+    "messages": ({
+        "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "You edit files."}],
+        "tools": [{"name": "read_file", "description": "Read a file.", "input_schema": PARAMETERS}],
+        "messages": [
+            {"role": "user", "content": "Open add.py."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                               "input": {"path": "add.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": SOURCE}]},
+        ],
+    }, anthropic_messages.decode_request),
+}
+
+
+def render(capsys: pytest.CaptureFixture[str], tmp_path: Path, body: dict[str, Any] | bytes,
+           *args: str) -> tuple[int, str, str]:
+    path = tmp_path / "body.json"
+    path.write_bytes(body if isinstance(body, bytes) else json.dumps(body).encode())
+    code = main(["render", str(path), *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("model,origin", [("smollm2-135m-instruct", "gguf"),
+                                          ("gemma3-270m", "fallback")])  # its GGUF has no template: lmspd's
+def test_the_prompt_is_the_one_the_engine_prepares(model: str, origin: str, capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    with bundled_engine(n_ctx=2048, model=model, grammars_at_start=False) as engine:
+        for dialect, (body, decode) in BODIES.items():
+            code, out, err = render(capsys, tmp_path, body, "--model", model, "--dialect", dialect, "--json")
+            assert code == 0, err
+            shown = json.loads(out)
+            prepared = engine.prepare(decode(body, DEFAULT_LIMITS.request).conversation)
+            assert shown["tokens"] == prepared.tokens, dialect
+            assert shown["text"] == prepared.text and shown["input_tokens"] == len(prepared.tokens)
+            assert shown["grammar"] == (prepared.grammar is not None), dialect
+            assert shown["model"] == model and shown["template"] == origin and shown["dialect"] == dialect
+    # The tool list (tool_choice "none" still lists it), the call and its output are in the prompt.
+    assert "read_file" in json.loads(render(capsys, tmp_path, BODIES["responses"][0], "--json")[1])["text"]
+
+
+def test_plain_output_is_the_prompt_itself_and_a_summary_apart(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    code, out, err = render(capsys, tmp_path, {"model": "m", "instructions": "Be brief.", "input": "Hi."})
+    assert code == 0
+    assert out == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
+    assert "smollm2-135m-instruct:" in err and "tokens of a 8192-token window" in err
+
+
+def test_a_body_from_stdin(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    stdin = io.TextIOWrapper(io.BytesIO(json.dumps({"model": "m", "input": "Hi."}).encode()))
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(["render", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"].endswith("Hi.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_chat_template_file_replaces_the_ggufs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
+    code, out, _ = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--chat-template", str(template),
+                          "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["text"] == "[user] Hi.\n[assistant] " and shown["template"] == "--chat-template"
+
+
+def test_a_prompt_over_the_window_is_the_routes_refusal(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = render(capsys, tmp_path, {"model": "m", "input": "word " * 400}, "--ctx", "64")
+    assert code == 2 and "POST /v1/responses would answer context_length_exceeded" in err
+
+
+@pytest.mark.parametrize("body,args,message", [
+    (b'{"model": "m", "input":', (), "POST /v1/responses would answer invalid_json: The body is not valid JSON"),
+    (b'{"model": "m", "input": "a", "input": "b"}', (), "invalid_json"),
+    (b'[1]', (), "The JSON body must be an object."),
+    (b'{"model": "m", "messages": []}', ("--dialect", "messages"), "POST /v1/messages would answer "),
+    (b'{"model": "m", "input": "x", "previous_response_id": "resp_1"}', (),
+     "Previous response 'resp_1' not found. Stored history lives in a running server"),
+    (b'{"model": "m", "input": "x"}', ("--model", "no-such-model"), "unknown model 'no-such-model'"),
+    (b'{"model": "m", "input": "x"}', ("--ctx", "-1"), "--ctx must be 0"),
+    (b'{"model": "m", "input": "x"}', ("--chat-template", "/no/such/template"), "/no/such/template: No such file"),
+])
+def test_refusals_say_why(body: bytes, args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str],
+                          tmp_path: Path) -> None:
+    code, out, err = render(capsys, tmp_path, body, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("lmspd render: ") and message in err
+
+
+def test_a_body_over_the_routes_limit_is_refused_unread(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    limit = DEFAULT_LIMITS.request.max_body_bytes
+    body = b'{"model": "m", "input": "' + b"x" * limit + b'"}'
+    code, _, err = render(capsys, tmp_path, body)
+    assert code == 2 and f"the body is over {limit} bytes" in err
