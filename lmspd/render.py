@@ -45,8 +45,9 @@ def add_parser(sub: Any) -> None:
     render.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template to use instead of the GGUF's own (as for serve)")
     render.add_argument("--ctx", type=int, default=0, metavar="N",
-                        help="the window a long prompt is truncated to (default: the model's trained length; "
-                             "a server may have fitted a shorter one, GET /lmsp/v1/models says)")
+                        help="the context window the prompt must fit (truncation: auto cuts it to fit; "
+                             "default: the model's trained length, where a server may have fitted a shorter "
+                             "one: GET /v1/models says)")
     render.add_argument("--keep-billing-header", action="store_true", help="as for serve")
     render.add_argument("--keep-tool-order", action="store_true", help="as for serve")
     render.add_argument("--json", action="store_true",

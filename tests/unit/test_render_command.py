@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from support.llama_engine import bundled_engine
 
 from lmspd.cli import main
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects import anthropic_messages, chat_completions, lmsp, openai_responses
+from support.llama_engine import bundled_engine
 
 PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 SOURCE = "def add(a, b):\n    return a + b\n"

@@ -24,7 +24,6 @@ from . import native_log
 from .model_text import ModelText
 from .preparation import LlamaPrepared, Preparation, Repairs
 
-
 # For a GGUF that does not say its trained length.
 DEFAULT_WINDOW = 4096
 
@@ -32,8 +31,9 @@ DEFAULT_WINDOW = 4096
 class PromptRenderer:
     def __init__(self, model_id: str, path: Path, *, chat_template: str | None = None, n_ctx: int = 0,
                  repairs: Repairs | None = None, limits: RequestLimits = DEFAULT_LIMITS.request) -> None:
-        """``n_ctx``: the window a prompt is truncated to (0: the model's
-        trained length; a server may have fitted a shorter one)."""
+        """``n_ctx``: the context window a prompt must fit, as the
+        engine's (0: the model's trained length; a server may have fitted a
+        shorter one)."""
         llama_cpp.llama_backend_init()
         native_log.install()
         params = llama_cpp.llama_model_default_params()
