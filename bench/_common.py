@@ -39,7 +39,6 @@ def bundled_model_path() -> Path:
     return path
 
 
-
 def llama_as_lmspd_loads(model: Path | str, **kwargs: Any) -> Any:
     """``llama_cpp.Llama(model, **kwargs)`` loaded with the model parameters
     lmspd's engine starts from (``amx.model_params``): an in-process

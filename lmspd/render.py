@@ -7,7 +7,13 @@ prepared as the engine prepares it, over the GGUF's vocabulary alone
 reads it (special tokens as their text), a summary to stderr; ``--json``
 prints one object with both and the token ids. For a model that answers
 differently here than under another server: compare the prompts (llama.cpp's
-server shows its own at ``POST /apply-template``)."""
+server shows its own at ``POST /apply-template``).
+
+The model is ``--model``'s (the body's ``model`` is not looked up). What
+only a running server holds is not there: stored history
+(``previous_response_id``, ``conversation``: refused), the KV it would
+continue, reasoning it sealed (stays sealed), and compaction (a compaction
+trigger or a ``context_management`` threshold runs the model: not run)."""
 
 from __future__ import annotations
 
@@ -15,20 +21,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
-from lmspd.bodies import decode_body
-from lmspd.core.errors import ApiError
 from lmspd.core.limits import DEFAULT_LIMITS
-from lmspd.dialects import anthropic_messages, chat_completions, lmsp, openai_responses
 
-# The body's protocol, by the route it would be sent to.
-DIALECTS: dict[str, tuple[str, Callable[..., Any]]] = {
-    "responses": ("POST /v1/responses", openai_responses.decode_request),
-    "lmsp": ("POST /lmsp/v1/responses", lmsp.decode_request),
-    "chat": ("POST /v1/chat/completions", chat_completions.decode_request),
-    "messages": ("POST /v1/messages", anthropic_messages.decode_request),
+# The body's protocol: the route it would be sent to, and its decoder's
+# module (imported by ``run`` alone: the other commands need none of them).
+DIALECTS: dict[str, tuple[str, str]] = {
+    "responses": ("POST /v1/responses", "openai_responses"),
+    "lmsp": ("POST /lmsp/v1/responses", "lmsp"),
+    "chat": ("POST /v1/chat/completions", "chat_completions"),
+    "messages": ("POST /v1/messages", "anthropic_messages"),
 }
+# llama.cpp pads a context's window to a multiple of this many cells: a
+# server started with --ctx N serves the padded window.
+WINDOW_PADDING = 256
 
 
 def add_parser(sub: Any) -> None:
@@ -45,9 +52,9 @@ def add_parser(sub: Any) -> None:
     render.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template to use instead of the GGUF's own (as for serve)")
     render.add_argument("--ctx", type=int, default=0, metavar="N",
-                        help="the context window the prompt must fit (truncation: auto cuts it to fit; "
-                             "default: the model's trained length, where a server may have fitted a shorter "
-                             "one: GET /v1/models says)")
+                        help="the context window the prompt must fit, rounded up to a multiple of 256 as "
+                             "llama.cpp pads a server's (truncation: auto cuts it to fit; default: the model's "
+                             "trained length, where a server may have fitted a shorter one: GET /v1/models says)")
     render.add_argument("--keep-billing-header", action="store_true", help="as for serve")
     render.add_argument("--keep-tool-order", action="store_true", help="as for serve")
     render.add_argument("--json", action="store_true",
@@ -55,36 +62,51 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib
+
+    from lmspd.bodies import decode_body
+    from lmspd.core.errors import ApiError
     from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.models import ModelNotFound, resolve_model
     from lmspd.engines.llama.preparation import Repairs
     from lmspd.engines.llama.render import PromptRenderer
+    from lmspd.engines.llama.template import read_template_file
 
     limits = DEFAULT_LIMITS.request
     if args.ctx < 0:
         return _refuse("--ctx must be 0 (the model's trained length) or more")
+    name = "stdin" if args.body == "-" else args.body
     try:
-        raw = _read(sys.stdin.buffer if args.body == "-" else None, args.body, limits.max_body_bytes)
-        template = Path(args.chat_template).expanduser().read_text(encoding="utf-8") if args.chat_template else None
+        if args.body == "-" and sys.stdin is None:
+            raise OSError(0, "closed", name)
+        raw = _read(sys.stdin.buffer if args.body == "-" else None, name, limits.max_body_bytes)
+        template = read_template_file(args.chat_template) if args.chat_template else None
         model_id, path = resolve_model(args.model, Roots.default(args.models_dir.expanduser()
                                                                  if args.models_dir else None))
-    except (OSError, ModelNotFound) as exc:
-        return _refuse(str(exc) if isinstance(exc, ModelNotFound) else f"{exc.filename}: {exc.strerror}")
-    route, decode = DIALECTS[args.dialect]
+    except OSError as exc:
+        return _refuse(f"{exc.filename or name}: {exc.strerror or exc}")
+    except (ValueError, ModelNotFound) as exc:  # the template file's, or the model's name
+        return _refuse(str(exc))
+    route, module = DIALECTS[args.dialect]
+    decode = importlib.import_module(f"lmspd.dialects.{module}").decode_request
     try:
         conversation = decode(decode_body(raw, [], limits), limits).conversation
     except ApiError as exc:
         if exc.code in ("previous_response_not_found", "conversation_not_found"):
             return _refuse(f"{exc.message} Stored history lives in a running server: "
                            "render takes a body that holds the whole conversation.")
-        return _refuse(f"{route} would answer {exc.code}: {exc.message}")
-    renderer = PromptRenderer(model_id, path, chat_template=template, n_ctx=args.ctx, limits=limits,
-                              repairs=Repairs(strip_billing_header=not args.keep_billing_header,
-                                              canonical_tool_order=not args.keep_tool_order))
+        return _refuse(f"{route} would refuse it ({exc.code}): {exc.message}")
+    window = -(-args.ctx // WINDOW_PADDING) * WINDOW_PADDING
+    try:
+        renderer = PromptRenderer(model_id, path, chat_template=template, n_ctx=window, limits=limits,
+                                  repairs=Repairs(strip_billing_header=not args.keep_billing_header,
+                                                  canonical_tool_order=not args.keep_tool_order))
+    except (ValueError, OSError) as exc:  # a file llama.cpp cannot load, a template that does not compile
+        return _refuse(f"{path}{f' with {args.chat_template}' if args.chat_template else ''}: {exc}")
     try:
         prepared = renderer.prepare(conversation)
     except ApiError as exc:
-        return _refuse(f"{route} would answer {exc.code}: {exc.message}")
+        return _refuse(f"{route} would refuse it ({exc.code}): {exc.message}")
     finally:
         renderer.close()
     text = renderer.text
@@ -113,8 +135,7 @@ def _read(stream: BinaryIO | None, name: str, limit: int) -> bytes:
     else:
         raw = stream.read(limit + 1)
     if len(raw) > limit:
-        raise OSError(0, f"the body is over {limit} bytes, the most a route accepts",
-                      "stdin" if stream is not None else name)
+        raise OSError(0, f"the body is over {limit} bytes, the most a route accepts", name)
     return raw
 
 

@@ -69,8 +69,10 @@ print(next((str(h) for r in (s.submodule_search_locations if s else []) for h in
     echo "$lib" > "$WORK/cuda-libdir"
   fi
   if ! ls "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so >/dev/null 2>&1; then
-    drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
-    [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1)
+    # (|| true: called in the script's own shell, where set -e and pipefail
+    # would end it at ldconfig's SIGPIPE or at ls's missing path.)
+    drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}' || true)
+    [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)
     [ -n "$drv" ] && ln -sf "$drv" "$shim/libcuda.so" && cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
   fi
   return 0
@@ -96,7 +98,11 @@ fi
 # scikit-build-core splits CMAKE_ARGS as a shell would: one quoted value each.
 [ -n "$c_flags" ] && cmake_args="$cmake_args '-DCMAKE_C_FLAGS=${c_flags# }'"
 [ -n "$cxx_flags" ] && cmake_args="$cmake_args '-DCMAKE_CXX_FLAGS=${cxx_flags# }'"
-if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() == ('$backend' == 'cuda') else 1)" 2>/dev/null; then
+# Built already: for this backend, and without AMX kernels (not, say, a
+# llama-cpp-python that an earlier pip install left there).
+if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys
+ok = llama_cpp.llama_supports_gpu_offload() == ('$backend' == 'cuda')
+sys.exit(0 if ok and b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info() else 1)" 2>/dev/null; then
   say "building llama-cpp-python ($backend; $cmake_args) with $(nproc) jobs"
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
   set +e

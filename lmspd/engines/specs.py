@@ -248,10 +248,12 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
 
     template = None
     if spec.chat_template:
+        from lmspd.engines.llama.template import read_template_file
+
         try:
-            template = Path(spec.chat_template).expanduser().read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read chat template {spec.chat_template}: {exc.strerror}") from None
+            template = read_template_file(spec.chat_template)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return LlamaEngine(served, path, n_threads=spec.threads, cache=cache, limits=settings.limits.request,
                        chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
                        placement=placement or plan_llama(spec, path, settings),

@@ -22,12 +22,12 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = f"""
 import json, sys
 sys.path.insert(0, {str(BENCH)!r})
-import llama_cpp
+import llama_cpp.llama_cpp as low
 from _common import llama_as_lmspd_loads
 llm = llama_as_lmspd_loads({str(GGUF)!r}, n_ctx=256, n_threads=1, verbose=False)
 out = llm.create_completion("The sea is", max_tokens=4, temperature=0)
 print(json.dumps({{"loaded": llm.model_params.use_extra_bufts,
-                   "after": llama_cpp.llama_model_default_params().use_extra_bufts,
+                   "after": low.llama_model_default_params().use_extra_bufts,
                    "tokens": out["usage"]["completion_tokens"]}}))
 """
 
@@ -41,7 +41,8 @@ def _load(setting: str) -> dict[str, object]:
 
 def test_the_in_process_baseline_loads_as_lmspd_does() -> None:
     # ``off`` leaves the extra buffers out on any machine, as ``auto`` does
-    # on an AMX build on an AMX CPU; llama.cpp's defaults are back after.
+    # on an AMX build on an AMX CPU; llama.cpp's defaults are back after
+    # (read where ``Llama`` reads them, the binding swapped for the load).
     assert _load("off") == {"loaded": False, "after": True, "tokens": 4}
     auto = amx.decide("auto", built_with_amx=amx.built_with_amx(), cpu_has_amx=amx.cpu_has_amx()).use
     assert _load("auto") == {"loaded": auto, "after": True, "tokens": 4}

@@ -87,8 +87,10 @@ def test_the_prompt_is_the_one_the_engine_prepares(model: str, origin: str, caps
             assert shown["text"] == prepared.text and shown["input_tokens"] == len(prepared.tokens)
             assert shown["grammar"] == (prepared.grammar is not None), dialect
             assert shown["model"] == model and shown["template"] == origin and shown["dialect"] == dialect
-    # The tool list (tool_choice "none" still lists it), the call and its output are in the prompt.
-    assert "read_file" in json.loads(render(capsys, tmp_path, BODIES["responses"][0], "--json")[1])["text"]
+    # The tool list (tool_choice "none" still lists it: its description is
+    # nowhere else) and the tool's output are in the prompt.
+    text = json.loads(render(capsys, tmp_path, BODIES["responses"][0], "--json")[1])["text"]
+    assert "Read a file." in text and SOURCE in text
 
 
 def test_plain_output_is_the_prompt_itself_and_a_summary_apart(capsys: pytest.CaptureFixture[str],
@@ -118,19 +120,22 @@ def test_a_chat_template_file_replaces_the_ggufs(capsys: pytest.CaptureFixture[s
 
 def test_a_prompt_over_the_window_is_the_routes_refusal(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = render(capsys, tmp_path, {"model": "m", "input": "word " * 400}, "--ctx", "64")
-    assert code == 2 and "POST /v1/responses would answer context_length_exceeded" in err
+    assert code == 2 and "POST /v1/responses would refuse it (context_length_exceeded)" in err
 
 
 @pytest.mark.parametrize("body,args,message", [
-    (b'{"model": "m", "input":', (), "POST /v1/responses would answer invalid_json: The body is not valid JSON"),
+    (b'{"model": "m", "input":', (), "POST /v1/responses would refuse it (invalid_json): The body is not valid JSON"),
     (b'{"model": "m", "input": "a", "input": "b"}', (), "invalid_json"),
     (b'[1]', (), "The JSON body must be an object."),
-    (b'{"model": "m", "messages": []}', ("--dialect", "messages"), "POST /v1/messages would answer "),
+    (b'{"model": "m", "messages": []}', ("--dialect", "messages"), "POST /v1/messages would refuse it ("),
     (b'{"model": "m", "input": "x", "previous_response_id": "resp_1"}', (),
      "Previous response 'resp_1' not found. Stored history lives in a running server"),
+    (b'{"model": "m", "input": "x", "conversation": "conv_1"}', (),
+     "Conversation 'conv_1' not found. Stored history lives in a running server"),
     (b'{"model": "m", "input": "x"}', ("--model", "no-such-model"), "unknown model 'no-such-model'"),
     (b'{"model": "m", "input": "x"}', ("--ctx", "-1"), "--ctx must be 0"),
-    (b'{"model": "m", "input": "x"}', ("--chat-template", "/no/such/template"), "/no/such/template: No such file"),
+    (b'{"model": "m", "input": "x"}', ("--chat-template", "/no/such/template"),
+     "cannot read chat template /no/such/template: No such file"),
 ])
 def test_refusals_say_why(body: bytes, args: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str],
                           tmp_path: Path) -> None:
@@ -144,3 +149,45 @@ def test_a_body_over_the_routes_limit_is_refused_unread(capsys: pytest.CaptureFi
     body = b'{"model": "m", "input": "' + b"x" * limit + b'"}'
     code, _, err = render(capsys, tmp_path, body)
     assert code == 2 and f"the body is over {limit} bytes" in err
+
+
+def test_a_window_is_padded_as_llama_cpp_pads_a_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--ctx", "1000", "--json")
+    assert code == 0 and json.loads(out)["window"] == 1024
+
+
+def test_the_cache_repairs_are_serves_and_its_flags_turn_them_off(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    tools = [{"type": "function", "name": name, "description": f"Tool {name}.", "parameters": PARAMETERS}
+             for name in ("zeta", "alpha")]
+    body = {"model": "m", "tools": tools, "instructions": "x-anthropic-billing-header: cc_version=1; cch=abc;\nBe brief.",
+            "input": "Hi."}
+
+    def text(*flags: str) -> str:
+        code, out, err = render(capsys, tmp_path, body, "--json", *flags)
+        assert code == 0, err
+        return json.loads(out)["text"]
+
+    repaired = text()
+    assert repaired.index("## alpha") < repaired.index("## zeta") and "billing-header" not in repaired
+    kept = text("--keep-billing-header", "--keep-tool-order")
+    assert kept.index("## zeta") < kept.index("## alpha") and "x-anthropic-billing-header" in kept
+
+
+@pytest.mark.parametrize("template,message", [
+    (b"\xff\xfe{{ messages }}", "is not UTF-8 text"),
+    (b"{% for m in messages %}{{ m.content }}", "does not compile"),
+])
+def test_a_template_file_that_cannot_be_used_is_refused(template: bytes, message: str,
+                                                         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_bytes(template)
+    code, out, err = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--chat-template", str(path))
+    assert code == 2 and out == "" and err.startswith("lmspd render: ") and message in err
+
+
+def test_a_file_llama_cpp_cannot_load_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = tmp_path / "broken.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 64)
+    code, _, err = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--model", str(model))
+    assert code == 2 and err.startswith(f"lmspd render: {model}: ")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -26,6 +27,27 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+# A chat template file named on the command line (``--chat-template``): the
+# largest real ones are tens of KiB.
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
+
+
+def read_template_file(path: str | Path) -> str:
+    """The template's source; a ``ValueError`` naming the file where it
+    cannot be read, is over ``MAX_TEMPLATE_FILE_BYTES`` or is not UTF-8."""
+    try:
+        with Path(path).expanduser().open("rb") as f:
+            raw = f.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read chat template {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_TEMPLATE_FILE_BYTES:
+        raise ValueError(f"chat template {path} is over {MAX_TEMPLATE_FILE_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat template {path} is not UTF-8 text (byte {exc.start})") from None
 
 
 class TemplateError(Exception):
