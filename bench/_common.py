@@ -60,6 +60,7 @@ def llama_as_lmspd_loads(model: Path | str, **kwargs: Any) -> Any:
     with mock.patch.object(low, "llama_model_default_params", lambda: params):
         return llama_cpp.Llama(str(model), **kwargs)
 
+
 # -- one measured generation ------------------------------------------------------
 
 

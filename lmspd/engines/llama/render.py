@@ -61,9 +61,6 @@ class PromptRenderer:
         grammar cannot express)."""
         return self._preparation.prepare(conversation)
 
-    def token_text(self, token: int) -> str:
-        return self.text.vocab.token_text(token)
-
     def close(self) -> None:
         self._preparation.close()
         self._model.close()
