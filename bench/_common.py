@@ -39,6 +39,28 @@ def bundled_model_path() -> Path:
     return path
 
 
+# Runs first in a child and then becomes the command: the command gets
+# SIGTERM when this process ends, however it ends (Linux's
+# PR_SET_PDEATHSIG, which survives the exec). A benchmark that crashed (a
+# segfault in llama.cpp) or was killed otherwise left its servers running:
+# one ``lmspd serve`` ran on for an hour and a half. The signal comes when
+# the thread that started the child ends: start children from the main thread.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # 1: PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]):\n"  # the parent ended before the prctl
+    "    sys.exit(0)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` so that it ends when this process does (Linux; elsewhere ``cmd``)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
 def llama_as_lmspd_loads(model: Path | str, **kwargs: Any) -> Any:
     """``llama_cpp.Llama(model, **kwargs)`` loaded with the model parameters
     lmspd's engine starts from (``amx.model_params``): an in-process
@@ -303,7 +325,7 @@ class ChildServer:
     def start(self, timeout: float = 180.0) -> "ChildServer":
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            die_with_parent(self.cmd), stdout=subprocess.PIPE, stderr=self._log, text=True,
             env={**os.environ, **(self.env or {})}, start_new_session=True,
         )
         threading.Thread(target=self._pump, daemon=True).start()

@@ -116,6 +116,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     ChildServer,
     bundled_model_path,
+    die_with_parent,
     lmspd_server,
     post_sse,
     sched_ns,
@@ -584,8 +585,8 @@ class PolledServer(ChildServer):
 
     def start(self, timeout: float = 180.0) -> "PolledServer":
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(die_with_parent(self.cmd), stdout=self._log, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -43,6 +43,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import die_with_parent  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # -- the provider (a child process: `gateway.py provider PORT DELTAS`) ---------------------
@@ -327,8 +330,8 @@ def wait_http(port: int, path: str, timeout: float, proc: subprocess.Popen, log:
 
 
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            start_new_session=True)
+    return subprocess.Popen(die_with_parent(cmd), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
 
 
 def client(port: int, path: str, body: dict, marker: str, concurrency: int, count: int) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import bundled_model_path, llama_as_lmspd_loads  # noqa: E402
+from _common import bundled_model_path, die_with_parent, llama_as_lmspd_loads  # noqa: E402
 
 
 def decode_tps(llm, tokens: int) -> float:
@@ -55,7 +55,7 @@ def main() -> int:
     results: dict[tuple[bool, int], list[float]] = {}
     for _ in range(args.rounds):
         for busy in (False, True):
-            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            hogs = [subprocess.Popen(die_with_parent([sys.executable, "-c", "while True: pass"]))
                     for _ in range(args.busy if busy else 0)]
             try:
                 time.sleep(0.5)
