@@ -33,9 +33,6 @@ DIALECTS: dict[str, tuple[str, str]] = {
     "chat": ("POST /v1/chat/completions", "chat_completions"),
     "messages": ("POST /v1/messages", "anthropic_messages"),
 }
-# llama.cpp pads a context's window to a multiple of this many cells: a
-# server started with --ctx N serves the padded window.
-WINDOW_PADDING = 256
 
 
 def add_parser(sub: Any) -> None:
@@ -67,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from lmspd.bodies import decode_body
     from lmspd.core.errors import ApiError
     from lmspd.engines.llama.discovery import Roots
+    from lmspd.engines.llama.fit import pad
     from lmspd.engines.llama.models import ModelNotFound, resolve_model
     from lmspd.engines.llama.preparation import Repairs
     from lmspd.engines.llama.render import PromptRenderer
@@ -96,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             return _refuse(f"{exc.message} Stored history lives in a running server: "
                            "render takes a body that holds the whole conversation.")
         return _refuse(f"{route} would refuse it ({exc.code}): {exc.message}")
-    window = -(-args.ctx // WINDOW_PADDING) * WINDOW_PADDING
+    window = pad(args.ctx)  # a server started with --ctx N serves the padded window
     try:
         renderer = PromptRenderer(model_id, path, chat_template=template, n_ctx=window, limits=limits,
                                   repairs=Repairs(strip_billing_header=not args.keep_billing_header,
