@@ -6,6 +6,7 @@ every row. The bundled model, in process."""
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from support.llama_engine import bundled_engine, every_row_decoded
 
 @pytest.fixture(scope="module")
 def engine():
-    with bundled_engine(parallel=1) as eng:
+    with bundled_engine(parallel=2) as eng:
         yield eng
 
 
@@ -102,3 +103,39 @@ def test_greedy_tokens_reads_every_row_as_one_argmax_per_row_would(engine):
         assert greedy_tokens(engine.ctx, every, n_vocab) == [one(i) for i in every]
         for rows in ([3], [5, 4, 9], [0, len(tokens) - 1], every[::-3]):
             assert greedy_tokens(engine.ctx, rows, n_vocab) == [one(i) for i in rows]
+
+
+def test_each_position_reads_its_own_row_when_only_some_ask_and_sequences_interleave(engine):
+    """A step's batch as the scheduler builds one: two sequences' positions
+    interleaved (llama.cpp decodes them in micro-batches of one sequence and
+    puts the rows back in batch order), only some asking for logits. The
+    one pass over the step's rows reads, for each position, what an argmax
+    of that position's own row (``llama_get_logits_ith``) gives."""
+    assert engine.scheduler.active == 0
+    conv = Conversation(model="m", items=[Message("user", "Name three rivers of Europe and one of Asia.")],
+                        sampling=Sampling(temperature=0))
+    tokens = engine.prepare(conv).tokens[:40]
+    n, n_vocab = 2 * len(tokens), engine.vocab.n_vocab
+    batch = llama_cpp.llama_batch_init(n, 0, 1)
+    try:
+        for i in range(n):
+            seq, pos = i % 2, i // 2
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tokens[pos], pos, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = int(i % 3 == 0 or i >= n - 2)
+        batch.n_tokens = n
+        for seq in (0, 1):
+            engine.kv.clear(seq)
+        assert llama_cpp.llama_decode(engine.ctx.ctx, batch) == 0
+        asked = [i for i in range(n) if batch.logits[i]]
+        some = asked[1::4]
+        got = greedy_tokens(engine.ctx, asked, n_vocab)
+        got_some = greedy_tokens(engine.ctx, some[::-1], n_vocab)[::-1]
+        expected = {i: int(logits_row(engine.ctx, i, n_vocab).argmax()) for i in asked}
+        assert got == [expected[i] for i in asked]
+        assert got_some == [expected[i] for i in some]
+        assert len(set(got)) > 5, "rows with different answers"
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        for seq in (0, 1):
+            engine.kv.clear(seq)
