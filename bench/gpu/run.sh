@@ -8,7 +8,9 @@
 # a private site folder, build llama-cpp-python from the slim source for this
 # GPU's architecture only, write a synthetic GGUF, then run bench/overhead.py
 # (lmspd through HTTP against llama-cpp-python in-process on the same build)
-# and bench/concurrency.py (4 streams at once against 1), and print a summary.
+# bench/concurrency.py (4 streams at once against 1) and bench/backend_sampling.py
+# (the greedy pick in llama.cpp's graph against lmspd's on the host), and print
+# a summary.
 # Results and logs go to $OUT (or $LMSPD_GPU_WORK/results).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -146,6 +148,11 @@ say "bench/concurrency.py: 4 streams at once (--parallel 4) against one (--paral
 timeout 130 "$PY" bench/concurrency.py --model "$MODEL" --systems lmspd-p4,lmspd-p1 --scenarios decode,short \
   --threads "$threads" --ctx 4096 --decode-tokens 128 "${place[@]}" --json "$RESULTS/concurrency.json" \
   || say "concurrency.py ended with $?"
+
+say "bench/backend_sampling.py: the greedy pick in llama.cpp's graph against lmspd's on the host"
+timeout 90 "$PY" bench/backend_sampling.py --model "$MODEL" --threads "$threads" --parallel 4,16 \
+  --gpu-layers "${place[1]}" 2>&1 | grep -v '^llama_context' | tee "$RESULTS/backend_sampling.txt" \
+  || say "backend_sampling.py ended with $?"
 
 if [ -f bench/speculative.py ] && [ -n "${LMSPD_GPU_SPECULATIVE:-}" ]; then
   say "bench/speculative.py $LMSPD_GPU_SPECULATIVE"
