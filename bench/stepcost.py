@@ -26,7 +26,11 @@ development machine): host ≤ 0.5 ms per step at 4 sequences, ≤ 1.5 ms at 16.
 
 ``--baseline REF`` runs the code of a git ref too (``git archive`` into a
 temporary directory), both servers up, taking turns round by round, so that
-before and after are measured side by side under the same load.
+before and after are measured side by side under the same load. Half of the
+rounds run with the servers started in one order, half in the other: on the
+2-core machine the server started first measured ~6–9 % more host time per
+step with the same code on both sides (0.92–0.94× one way, 1.02–1.09× the
+other, 2026-12-06).
 ``--speculative off,auto`` (the default) measures each mode in turn; with
 ``auto`` a step may also verify drafts (more positions sampled per step).
 
@@ -198,13 +202,14 @@ def run_scenario(url: str, model: str, scenario: str, args: argparse.Namespace, 
 
 
 class Server:
-    def __init__(self, name: str, root: Path, tmp: Path, args: argparse.Namespace, speculative: str) -> None:
+    def __init__(self, name: str, root: Path, tmp: Path, args: argparse.Namespace, speculative: str,
+                 start: int = 0) -> None:
         sys.path.insert(0, str(HERE))
         from _common import LMSPD_READY, ChildServer
 
         self.name = name
         self.samples = tmp / f"{name}-{speculative}.jsonl"
-        profile = str(Path(args.profile) / f"{name}-{speculative}.prof") if args.profile else ""
+        profile = str(Path(args.profile) / f"{name}-{speculative}-{start}.prof") if args.profile else ""
         cmd = [sys.executable, str(Path(__file__).resolve()), "_serve", str(root), str(self.samples), profile,
                "serve", "--port", "0", "--data-dir", str(tmp / f"{name}-{speculative}-data"),
                "--ctx", str(args.ctx), "--threads", str(args.threads), "--parallel", "16",
@@ -270,26 +275,37 @@ def main() -> int:
             subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
             roots[args.baseline] = base
         for mode in args.speculative.split(","):
-            servers = [Server(name, root, tmp, args, mode) for name, root in roots.items()]
             windows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-            try:
-                for rnd in range(args.rounds + 1):
-                    order = servers if rnd % 2 == 0 else servers[::-1]
-                    for srv in order:
-                        for scen in scenarios:
-                            got = run_scenario(srv.url, srv.model, scen, args, nonce=rnd * 1000 + os.getpid() % 1000)
-                            if rnd:  # round 0 warms up (grammar compiles, first allocations)
-                                windows.setdefault((srv.name, scen), []).append(got)
-                            print(f"[{srv.name} {mode}] round {rnd} {scen}: {sum(got['tokens'])} tokens in "
-                                  f"{got['t1'] - got['t0']:.1f} s", file=sys.stderr, flush=True)
-                for srv in servers:
-                    steps = srv.steps()
-                    for scen in scenarios:
-                        n = int(scen.split("-")[1])
-                        results[(srv.name, mode, scen)] = summarize(steps, windows.get((srv.name, scen), []), n)
-            finally:
-                for srv in servers:
-                    srv.child.stop()
+            steps: dict[str, list[list[float]]] = {}
+            starts = [list(roots.items())]
+            if len(roots) > 1 and args.rounds > 1:
+                starts.append(starts[0][::-1])
+            done = 0
+            for half, start in enumerate(starts):
+                rounds = (args.rounds - done) // (len(starts) - half)
+                done += rounds
+                servers = [Server(name, root, tmp, args, mode, half) for name, root in start]
+                try:
+                    for rnd in range(rounds + 1):
+                        order = servers if rnd % 2 == 0 else servers[::-1]
+                        for srv in order:
+                            for scen in scenarios:
+                                nonce = (half * 100 + rnd) * 1000 + os.getpid() % 1000
+                                got = run_scenario(srv.url, srv.model, scen, args, nonce=nonce)
+                                if rnd:  # round 0 warms up (grammar compiles, first allocations)
+                                    windows.setdefault((srv.name, scen), []).append(got)
+                                print(f"[{srv.name} {mode}] round {rnd} {scen}: {sum(got['tokens'])} tokens in "
+                                      f"{got['t1'] - got['t0']:.1f} s", file=sys.stderr, flush=True)
+                    for srv in servers:
+                        # The samples file gathers both halves' steps (a restarted child appends).
+                        steps[srv.name] = srv.steps()
+                finally:
+                    for srv in servers:
+                        srv.child.stop()
+            for name in roots:
+                for scen in scenarios:
+                    n = int(scen.split("-")[1])
+                    results[(name, mode, scen)] = summarize(steps[name], windows.get((name, scen), []), n)
     print(f"\n## stepcost — bundled model, --threads {args.threads}, --parallel 16, --ctx {args.ctx}, "
           f"{args.max_tokens} tokens a stream, {args.rounds} rounds; load average at start "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
