@@ -93,10 +93,11 @@ class Lane:
         b.seq_id[i][0] = seq
 
     def read(self, rows: list[int]) -> list[int]:
-        """The picks at these batch positions."""
+        """The picks at these batch positions, one a sequence."""
         if self.graph:
             return [llama_cpp.llama_get_sampled_token_ith(self.ctx, i) for i in rows]
-        return greedy_tokens(SimpleNamespace(ctx=self.ctx), rows, self.n_vocab)  # type: ignore[arg-type]
+        # One output row a sequence, in sequence order.
+        return greedy_tokens(SimpleNamespace(ctx=self.ctx), self.every, self.n, self.n_vocab)  # type: ignore[arg-type]
 
     def step(self) -> None:
         for seq in range(self.n):

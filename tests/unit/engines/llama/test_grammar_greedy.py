@@ -99,18 +99,19 @@ def test_greedy_tokens_reads_every_row_as_one_argmax_per_row_would(engine):
         def one(i: int) -> int:
             return int(logits_row(engine.ctx, i, n_vocab).argmax())
 
+        # Every position asked for logits: a position's row is its index.
         every = list(range(len(tokens)))
-        assert greedy_tokens(engine.ctx, every, n_vocab) == [one(i) for i in every]
+        assert greedy_tokens(engine.ctx, every, len(tokens), n_vocab) == [one(i) for i in every]
         for rows in ([3], [5, 4, 9], [0, len(tokens) - 1], every[::-3]):
-            assert greedy_tokens(engine.ctx, rows, n_vocab) == [one(i) for i in rows]
+            assert greedy_tokens(engine.ctx, rows, len(tokens), n_vocab) == [one(i) for i in rows]
 
 
 def test_each_position_reads_its_own_row_when_only_some_ask_and_sequences_interleave(engine):
     """A step's batch as the scheduler builds one: two sequences' positions
     interleaved (llama.cpp decodes them in micro-batches of one sequence and
-    puts the rows back in batch order), only some asking for logits. The
-    one pass over the step's rows reads, for each position, what an argmax
-    of that position's own row (``llama_get_logits_ith``) gives."""
+    puts the rows back in batch order), only some asking for logits. A
+    position's row, counted among those that asked, holds what llama.cpp's
+    own lookup by position (``llama_get_logits_ith``) gives."""
     assert engine.scheduler.active == 0
     conv = Conversation(model="m", items=[Message("user", "Name three rivers of Europe and one of Asia.")],
                         sampling=Sampling(temperature=0))
@@ -128,9 +129,11 @@ def test_each_position_reads_its_own_row_when_only_some_ask_and_sequences_interl
             engine.kv.clear(seq)
         assert llama_cpp.llama_decode(engine.ctx.ctx, batch) == 0
         asked = [i for i in range(n) if batch.logits[i]]
+        row = {i: r for r, i in enumerate(asked)}
         some = asked[1::4]
-        got = greedy_tokens(engine.ctx, asked, n_vocab)
-        got_some = greedy_tokens(engine.ctx, some[::-1], n_vocab)[::-1]
+        # Through the whole buffer first, before llama.cpp's lookup by position has run.
+        got = greedy_tokens(engine.ctx, [row[i] for i in asked], len(asked), n_vocab)
+        got_some = greedy_tokens(engine.ctx, [row[i] for i in some[::-1]], len(asked), n_vocab)[::-1]
         expected = {i: int(logits_row(engine.ctx, i, n_vocab).argmax()) for i in asked}
         assert got == [expected[i] for i in asked]
         assert got_some == [expected[i] for i in some]
