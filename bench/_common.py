@@ -83,6 +83,26 @@ def llama_as_lmspd_loads(model: Path | str, **kwargs: Any) -> Any:
         return llama_cpp.Llama(str(model), **kwargs)
 
 
+def load_gguf(path: Path | None, gpu_layers: str) -> tuple[Any, Path]:
+    """A GGUF (default: the bundled model) through llama.cpp's C API, with
+    the model parameters lmspd's engine starts from (``amx.model_params``)
+    and ``gpu_layers`` layers offloaded (a number, or ``all``); llama.cpp's
+    log goes into Python's logging. Exits where llama.cpp cannot load it."""
+    import llama_cpp
+
+    from lmspd.engines.llama import amx, native_log
+
+    llama_cpp.llama_backend_init()
+    native_log.install()
+    params = amx.model_params()
+    params.n_gpu_layers = -1 if gpu_layers == "all" else int(gpu_layers)
+    path = path or bundled_model_path()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise SystemExit(f"cannot load {path}")
+    return model, path
+
+
 # -- one measured generation ------------------------------------------------------
 
 

@@ -35,8 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402
 
-from _common import bundled_model_path  # noqa: E402
-from lmspd.engines.llama import amx, native_log  # noqa: E402
+from _common import load_gguf  # noqa: E402
 from lmspd.engines.llama.sampling import greedy_tokens  # noqa: E402
 
 PROMPT = "Write a story about {topic}, in many short chapters."
@@ -128,14 +127,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpu-layers", default="0", help="layers on the GPU: a number or all")
     args = ap.parse_args()
-    llama_cpp.llama_backend_init()
-    native_log.install()  # llama.cpp's log into Python's logging (not shown)
-    params = amx.model_params()
-    params.n_gpu_layers = -1 if args.gpu_layers == "all" else int(args.gpu_layers)
-    path = args.model or bundled_model_path()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise SystemExit(f"cannot load {path}")
+    model, path = load_gguf(args.model, args.gpu_layers)
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     print(f"{path.name}: vocabulary {n_vocab}, {args.threads} threads, gpu layers {args.gpu_layers}, "

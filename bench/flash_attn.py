@@ -25,8 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp  # noqa: E402
 
-from _common import bundled_model_path  # noqa: E402
-from lmspd.engines.llama import amx, native_log  # noqa: E402
+from _common import load_gguf  # noqa: E402
 
 BATCH = 512
 APPEND = 58
@@ -84,14 +83,7 @@ def main() -> int:
     ap.add_argument("--gpu-layers", default="0", help="layers on the GPU: a number or all")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    llama_cpp.llama_backend_init()
-    native_log.install()  # llama.cpp's log into Python's logging (not shown)
-    params = amx.model_params()
-    params.n_gpu_layers = -1 if args.gpu_layers == "all" else int(args.gpu_layers)
-    path = args.model or bundled_model_path()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise SystemExit(f"cannot load {path}")
+    model, path = load_gguf(args.model, args.gpu_layers)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     # Token ids spread over the vocabulary: what attention costs does not depend on the text.
     tokens = [(i * 7919) % (n_vocab - 200) + 100 for i in range(args.tokens + APPEND + DECODE)]
