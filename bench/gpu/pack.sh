@@ -5,7 +5,25 @@
 # CPython 3.12 (manylinux x86-64), and the bundled model's tokenizer and chat
 # template. Run it here, where PyPI is reachable:
 #     bash bench/gpu/pack.sh
+#     bash bench/gpu/pack.sh --prebuild-cuda 90   # and llama-cpp-python built for sm_90 (H100, H200)
+# --prebuild-cuda ARCH also builds llama-cpp-python here, with CUDA for that
+# architecture and CPU code for any x86-64 with AVX2 (run.sh --build-only
+# --portable), so that the GPU machine skips its build, minutes of its time
+# (run.sh uses the build if it loads there, else builds). It needs nvcc on
+# PATH (NVIDIA's wheels will do: pip install
+# "cuda-toolkit[nvcc,cudart,cublas,cccl,crt]==13.0.*", then
+# PATH=.../site-packages/nvidia/cu13/bin:$PATH) and a Python with
+# scikit-build-core, cmake and ninja (BUILD_PYTHON, default PYTHON); no GPU.
+# Its build folder is $LMSPD_GPU_WORK if set (kept: a second run rebuilds
+# only what changed).
 set -euo pipefail
+prebuild=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prebuild-cuda) prebuild=$2; shift 2 ;;
+    *) echo "usage: pack.sh [--prebuild-cuda ARCH]" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")"
 ROOT=$(cd ../.. && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -60,5 +78,25 @@ rm -f "$OUT"/wheels/numpy-*.whl
 say "extracting the bundled model's tokenizer"
 "$PY" "$ROOT/bench/gpu/synth_gguf.py" extract-tokenizer --src "$V/gguf-py" --out "$OUT/tokenizer.json.gz"
 
-du -sh "$OUT" "$OUT"/* >&2
+# 4. The engine built here for the GPU machine's architecture (--prebuild-cuda).
+if [ -n "$prebuild" ]; then
+  work=${LMSPD_GPU_WORK:-$TMP/prebuild}
+  say "building llama-cpp-python for CUDA sm_$prebuild (portable CPU code) in $work: ~20 minutes on 2 cores"
+  OUT="$work/results" PYTHON="${BUILD_PYTHON:-$PY}" LMSPD_GPU_WORK="$work" LMSPD_GPU_SKIP_WHEELS=1 \
+    bash run.sh --build-only --arch "$prebuild" --portable >&2
+  # pip installs each library three times (libX.so, .so.0, .so.0.N.M): one
+  # file and two links in the tarball.
+  rm -rf "$TMP/prebuilt" && mkdir -p "$TMP/prebuilt" && cp -a "$work/site/llama_cpp" "$TMP/prebuilt/"
+  for f in "$TMP"/prebuilt/llama_cpp/lib/*.so.*.*; do
+    base=${f%%.so.*}
+    for alias in "$base.so" "$base.so.0"; do
+      [ "$alias" != "$f" ] && [ -f "$alias" ] && cmp -s "$alias" "$f" && ln -sf "$(basename "$f")" "$alias"
+    done
+  done
+  tar -C "$TMP/prebuilt" -cJf "$OUT/llama-cpp-python-cuda-sm$prebuild.tar.xz" llama_cpp
+fi
+
+# (One du each: du counts a folder it has been through once.)
+du -sh "$OUT"/* >&2
+du -sh "$OUT" >&2
 say "done: bench/gpu/payload (carry it to the GPU machine; run: bash bench/gpu/run.sh)"

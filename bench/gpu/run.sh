@@ -18,12 +18,23 @@ ROOT=$(pwd)
 backend=cuda
 shape=llama3.1-8b
 quick=0
+arch=""
+cap=""
+build_only=0
+portable=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --backend) backend=$2; shift 2 ;;
     --shape) shape=$2; shift 2 ;;
     --quick) quick=1; shift ;;
-    *) echo "usage: run.sh [--backend cuda|cpu] [--shape llama3.1-8b|tiny] [--quick]" >&2; exit 2 ;;
+    # The CUDA architecture to build for (90: H100, H200), instead of asking nvidia-smi.
+    --arch) arch=$2; shift 2 ;;
+    # Build, and stop: what pack.sh --prebuild does on a machine without a GPU.
+    --build-only) build_only=1; shift ;;
+    # CPU code for any x86-64 with AVX2, not for this CPU: a build carried to another machine.
+    --portable) portable=1; shift ;;
+    *) echo "usage: run.sh [--backend cuda|cpu] [--shape llama3.1-8b|tiny] [--quick] [--arch N] [--build-only] [--portable]" >&2
+       exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -47,46 +58,23 @@ SRC=$WORK/src
 if [ ! -d "$SRC" ]; then
   mkdir -p "$SRC" && tar xJf "$PAYLOAD/llama-cpp-python-src.tar.xz" -C "$SRC" --strip-components 1
 fi
-# A CUDA toolkit installed from NVIDIA's wheels (as on some GPU images) has
-# nvcc and cudart but no cuBLAS, and no libcuda stub: take cuBLAS from the
-# nvidia-cublas wheel beside python3 (PyTorch's), and the driver's own libcuda,
-# through unversioned links that CMake's FindCUDAToolkit accepts. Adds to
-# cmake_args, and to cxx_flags (one CMAKE_CXX_FLAGS for the whole build).
-cuda_libraries() {
-  local root shim hdr inc lib drv
-  root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-  shim=$WORK/cuda-shim
-  mkdir -p "$shim"
-  if ! ls "$root"/include/cublas_v2.h "$root"/targets/*/include/cublas_v2.h >/dev/null 2>&1; then
-    hdr=$("$PY" -c 'import importlib.util as u, pathlib as p
-s = u.find_spec("nvidia")
-print(next((str(h) for r in (s.submodule_search_locations if s else []) for h in p.Path(r).glob("*/include/cublas_v2.h")), ""))')
-    [ -n "$hdr" ] || { say "no cuBLAS: neither in $root nor in a python nvidia-cublas wheel" >&2; exit 1; }
-    inc=$(dirname "$hdr"); lib=$(dirname "$inc")/lib
-    ln -sf "$(ls "$lib"/libcublas.so.* | head -1)" "$shim/libcublas.so"
-    ln -sf "$(ls "$lib"/libcublasLt.so.* | head -1)" "$shim/libcublasLt.so"
-    cmake_args="$cmake_args -DCUDA_cublas_LIBRARY=$shim/libcublas.so -DCUDA_cublasLt_LIBRARY=$shim/libcublasLt.so"
-    cmake_args="$cmake_args -DCMAKE_CUDA_FLAGS=-I$inc"
-    cxx_flags="$cxx_flags -I$inc"
-    echo "$lib" > "$WORK/cuda-libdir"
-  fi
-  if ! ls "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so >/dev/null 2>&1; then
-    # (|| true: called in the script's own shell, where set -e and pipefail
-    # would end it at ldconfig's SIGPIPE or at ls's missing path.)
-    drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}' || true)
-    [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)
-    [ -n "$drv" ] && ln -sf "$drv" "$shim/libcuda.so" && cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
-  fi
-  return 0
-}
+# Finding the CUDA toolkit's parts, wherever it was installed from.
+. "$ROOT/bench/gpu/cuda_toolkit.sh"
 cmake_args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 c_flags=""
 cxx_flags=""
 case "$backend" in
   cuda)
-    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
-    say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); $(nvcc --version | tail -1)"
+    if [ -n "$arch" ]; then
+      cap=$arch
+      say "CUDA architecture $cap as asked; $(nvcc --version | tail -1)"
+    else
+      cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')
+      say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1); $(nvcc --version | tail -1)"
+    fi
     cmake_args="$cmake_args -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cap"
+    runtime_path=$(cuda_runtime_path)
+    [ -n "$runtime_path" ] && export LD_LIBRARY_PATH=$runtime_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     cuda_libraries ;;
   cpu) cmake_args="$cmake_args -DGGML_CUDA=off" ;;
   *) say "unknown backend $backend"; exit 2 ;;
@@ -96,6 +84,16 @@ esac
 if [ "$(uname -m)" = x86_64 ]; then
   c_flags="$c_flags -U__AMX_INT8__"
   cxx_flags="$cxx_flags -U__AMX_INT8__"
+  # (Portable builds are carried: nvcc's own fatbin compression off, since xz
+  # packs the library to 30 MB without it and to 41 MB with it.)
+  [ "$portable" = 1 ] && cmake_args="$cmake_args -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_CUDA_COMPRESSION_MODE=none"
+fi
+# A build made elsewhere for this backend and architecture (pack.sh --prebuild):
+# used if it loads here (the check below), else built again.
+prebuilt=$PAYLOAD/llama-cpp-python-$backend${cap:+-sm$cap}.tar.xz
+if [ "$build_only" = 0 ] && [ -f "$prebuilt" ] && [ ! -d "$SITE/llama_cpp" ]; then
+  say "unpacking $(basename "$prebuilt") into $SITE"
+  mkdir -p "$SITE" && tar xJf "$prebuilt" -C "$SITE"
 fi
 # scikit-build-core splits CMAKE_ARGS as a shell would: one quoted value each.
 [ -n "$c_flags" ] && cmake_args="$cmake_args '-DCMAKE_C_FLAGS=${c_flags# }'"
@@ -122,9 +120,13 @@ sys.exit(0 if ok and b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info() 
   cp "$WORK/build.log" "$RESULTS/build.log" 2>/dev/null || true
   if [ "$rc" -ne 0 ]; then tail -40 "$WORK/build.log"; say "build failed (rc=$rc)"; exit 1; fi
 fi
+if [ "$build_only" = 1 ]; then
+  for lib in "$SITE"/llama_cpp/lib/*.so; do
+    say "built $(basename "$lib") ($(du -h "$lib" | cut -f1)), needs: $(readelf -d "$lib" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
+  done
+  exit 0
+fi
 export PYTHONPATH=$SITE:$ROOT
-# cuBLAS from a wheel (see cuda_libraries) is found at run time through this.
-[ -f "$WORK/cuda-libdir" ] && export LD_LIBRARY_PATH=$(cat "$WORK/cuda-libdir")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 "$PY" -c "import llama_cpp; print('[gpu] llama-cpp-python', llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload())"
 
 MODEL=$WORK/synthetic-$shape.gguf
