@@ -35,10 +35,8 @@ cuda_libraries() {
     [ "$name" = cudart ] && cmake_args="$cmake_args -DCUDA_CUDART=$shim/libcudart.so"
   done
   for hdr in cuda_runtime.h cublas_v2.h; do
-    any_exists "$root"/include/$hdr "$root"/targets/*/include/$hdr && continue
-    # shellcheck disable=SC2086
-    inc=$(for d in $(nvidia_wheel_dirs include); do [ -f "$d/$hdr" ] && echo "$d" && break; done || true)
-    [ -n "$inc" ] || { say "no $hdr: neither in $root nor in python3's nvidia wheels" >&2; exit 1; }
+    inc=$(include_dir "$root" $hdr) || exit 1
+    case "$inc" in "$root"/*) continue ;; esac  # the toolkit's own: nvcc and CMake know it
     cuda_flags="$cuda_flags -I$inc"
     cxx_flags="$cxx_flags -I$inc"
   done
@@ -59,9 +57,7 @@ cuda_libraries() {
       # dropped from the library's NEEDED entries (--as-needed), leaving
       # cuMemCreate & co. unresolved where the build is loaded.
       say "no NVIDIA driver here: linking against a libcuda stub made from cuda.h"
-      inc=$(for d in "$root"/include "$root"/targets/*/include $(nvidia_wheel_dirs include); do
-              [ -f "$d/cuda.h" ] && echo "$d" && break; done || true)
-      [ -n "$inc" ] || { say "no cuda.h: neither in $root nor in python3's nvidia wheels" >&2; exit 1; }
+      inc=$(include_dir "$root" cuda.h) || exit 1
       echo '#include <cuda.h>' | cc -E -I"$inc" -x c - | grep -oE '\bcu[A-Z][A-Za-z0-9_]*[[:space:]]*\(' \
         | tr -d ' \t(' | sort -u | sed 's/.*/void &(void) {}/' \
         | cc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c - -o "$shim/libcuda.so"
@@ -69,6 +65,17 @@ cuda_libraries() {
     cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
   fi
   return 0
+}
+
+# The first include folder under the toolkit root $1 or in python3's nvidia
+# wheels that holds the header $2 (the caller stops where none does).
+include_dir() {
+  local d
+  for d in "$1"/include "$1"/targets/*/include $(nvidia_wheel_dirs include); do
+    [ -f "$d/$2" ] && echo "$d" && return 0
+  done
+  say "no $2: neither in $1 nor in python3's nvidia wheels" >&2
+  exit 1
 }
 
 any_exists() {
