@@ -32,26 +32,45 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
 # llama-cpp-python compiles llama.cpp from source: minutes, once per machine
 # and backend. Which backend: LMSPD_GPU=cuda|metal|vulkan|cpu, or found:
-# Metal on Apple Silicon; CUDA where nvcc is installed *and* an NVIDIA driver
-# answers (a toolkit without a GPU, as on CI, would build for minutes a
-# library that cannot load libcuda); else the CPU.
+# Metal on Apple Silicon; CUDA where an NVIDIA driver answers (the toolkit's
+# nvcc, or NVIDIA's toolkit wheels installed into the venv where there is
+# none: a toolkit without a GPU, as on CI, would build for minutes a library
+# that cannot load libcuda); else the CPU.
 gpu=${LMSPD_GPU:-}
+asked=$gpu
 if [ -z "$gpu" ]; then
   if [ "$(uname -s)" = Darwin ] && [ "$(uname -m)" = arm64 ]; then gpu=metal
-  elif { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } \
-       && { [ -e /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1; }; then gpu=cuda
+  elif [ -e /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1; then gpu=cuda
   else gpu=cpu
   fi
+fi
+c_flags=""
+cxx_flags=""
+# A GPU found but not usable: the CPU instead, saying why; where CUDA was
+# asked for, stop.
+no_cuda() {
+  if [ "$asked" = cuda ]; then say "LMSPD_GPU=cuda: $1"; exit 1; fi
+  say "an NVIDIA GPU answers, but $1: building for the CPU instead (LMSPD_GPU=cpu skips these checks)"
+  gpu=cpu
+}
+if [ "$gpu" = cuda ]; then
+  . scripts/cuda_toolkit.sh
+  PY=$VENV/bin/python
+  WORK=$(pwd)/$VENV  # (the shim's folder; absolute: the build runs elsewhere)
+  cuda_prepare || no_cuda "$cuda_unusable"
 fi
 case "$gpu" in
   cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
   cuda)
-    command -v nvcc >/dev/null 2>&1 || PATH="/usr/local/cuda/bin:$PATH"
-    command -v nvcc >/dev/null 2>&1 || { say "LMSPD_GPU=cuda needs the CUDA toolkit (nvcc): see README"; exit 1; }
     cmake_args="-DGGML_CUDA=on"
-    # Only this machine's GPU architecture (all of them would take far longer).
-    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .' || true)
-    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="cuda-sm$arch"; fi ;;
+    # Which toolkit's major version the build links (libcudart.so.13): a
+    # wheel built against another cannot load beside this one.
+    gpu="cuda$(cuda_nvcc_version | cut -d. -f1)"
+    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="$gpu-sm$arch"; fi
+    # Libraries the toolkit has only under versioned names, and their headers
+    # (NVIDIA's wheels), through a shim folder in the venv that the built
+    # library's RUNPATH names.
+    cuda_libraries ;;
   metal) cmake_args="-DGGML_METAL=on" ;;
   vulkan)
     command -v glslc >/dev/null 2>&1 || { say "LMSPD_GPU=vulkan needs the Vulkan SDK (glslc): see README"; exit 1; }
@@ -66,9 +85,13 @@ esac
 # build (AVX-512, the repacked kernels) stays. Its own wheel: pip's cache
 # may hold a build with them.
 if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
-  cmake_args="${cmake_args:+$cmake_args }-DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__"
+  c_flags="$c_flags -U__AMX_INT8__"
+  cxx_flags="$cxx_flags -U__AMX_INT8__"
   gpu="$gpu-noamx"
 fi
+# (CMAKE_ARGS is split as a shell would: one quoted value each.)
+[ -n "$c_flags" ] && cmake_args="${cmake_args:+$cmake_args }'-DCMAKE_C_FLAGS=${c_flags# }'"
+[ -n "$cxx_flags" ] && cmake_args="${cmake_args:+$cmake_args }'-DCMAKE_CXX_FLAGS=${cxx_flags# }'"
 # What the venv's llama-cpp-python was built for (no file: an older
 # ./dev.sh's CPU build).
 built_for="$VENV/.lmspd-llama-backend"
@@ -83,7 +106,16 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   if [ -n "$wheel" ]; then
     say "installing $LLAMA_CPP_PYTHON for $gpu (cached: $wheel)"
     $PIP install -q --force-reinstall --no-deps "$wheel"
-  else
+    # A GPU build finds its runtime through the shim of the venv it was built
+    # in (its RUNPATH): one cached by another checkout may not load here.
+    if ! "$VENV/bin/python" -c "import ctypes, glob, sysconfig
+ctypes.CDLL(glob.glob(sysconfig.get_paths()['purelib'] + '/llama_cpp/lib/libllama.*')[0])" >/dev/null 2>&1; then
+      say "the cached build does not load here: building it again"
+      rm -f "$wheel"
+      wheel=""
+    fi
+  fi
+  if [ -z "$wheel" ]; then
     say "installing $LLAMA_CPP_PYTHON for $gpu${cmake_args:+ ($cmake_args)}: built from source the first time (about 5-10 minutes on 2 cores), cached afterwards"
     log=$(mktemp)
     set +e

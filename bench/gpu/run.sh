@@ -59,7 +59,7 @@ if [ ! -d "$SRC" ]; then
   mkdir -p "$SRC" && tar xJf "$PAYLOAD/llama-cpp-python-src.tar.xz" -C "$SRC" --strip-components 1
 fi
 # Finding the CUDA toolkit's parts, wherever it was installed from.
-. "$ROOT/bench/gpu/cuda_toolkit.sh"
+. "$ROOT/scripts/cuda_toolkit.sh"
 cmake_args="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 c_flags=""
 cxx_flags=""
