@@ -42,10 +42,17 @@ class Device:
     total: int
 
 
+# What an NVIDIA driver puts on a Linux machine, with or without a toolkit.
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
+
 @dataclass(frozen=True)
 class Devices:
     backend: str  # "cuda", "metal", "vulkan", ... or "cpu"
     gpus: tuple[Device, ...]
+    # Where no GPU is listed though an NVIDIA driver is there: why, for the
+    # start-up log (empty otherwise).
+    unused: str = ""
 
     @property
     def offload(self) -> bool:
@@ -58,7 +65,8 @@ def probe() -> Devices:
 
     try:
         if not llama_cpp.llama_supports_gpu_offload():
-            return Devices("cpu", ())
+            return Devices("cpu", (), _unused("this llama-cpp-python is built for the CPU only (./dev.sh builds "
+                                              "it for CUDA where it can, and says why not)"))
         lib = _ggml()
         gpus = []
         for i in range(lib.ggml_backend_dev_count()):
@@ -74,8 +82,14 @@ def probe() -> Devices:
         log.warning("cannot list llama.cpp's devices (%s): planning for the CPU", exc)
         return Devices("cpu", ())
     if not gpus:
-        return Devices("cpu", ())
+        return Devices("cpu", (), _unused("llama.cpp's GPU backend lists no device (its own log above says why: "
+                                          "ggml_cuda_init)"))
     return Devices(_backend_name(gpus[0].name), tuple(gpus))
+
+
+def _unused(why: str) -> str:
+    """``why``, where an NVIDIA driver is there to make it worth saying."""
+    return f"an NVIDIA GPU is here but unused: {why}" if any(map(os.path.exists, NVIDIA_DRIVER_FILES)) else ""
 
 
 def _backend_name(device: str) -> str:

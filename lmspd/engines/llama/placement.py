@@ -91,7 +91,9 @@ def plan(path: Path, *, ctx: int | None = None, parallel: int | None = None, gpu
     shape = ModelShape.from_metadata(header.metadata)
     found = found if found is not None else devs.probe()
     offload = found.offload and gpu_layers != 0
-    if gpu_layers and not found.offload:
+    if found.unused and gpu_layers != 0:
+        log.warning("%s; running on the CPU", found.unused)
+    elif gpu_layers and not found.offload:
         log.warning("--gpu-layers %d: this llama-cpp-python build has no GPU backend with a device (./dev.sh "
                     "builds one: LMSPD_GPU=cuda|metal|vulkan); running on the CPU", gpu_layers)
     fa = flash_attn == "on" or (flash_attn == "auto" and (offload or kv_type != "f16"))

@@ -118,3 +118,34 @@ def test_layers_that_do_not_fit_the_card_stay_in_ram(monkeypatch: pytest.MonkeyP
     with pytest.raises(FitError, match=r"--gpu-layers 10 needs [\d,]+ MiB on CUDA0, more than its 512 MiB usable; "
                                        r"use --gpu-layers 3 or fewer"):
         plan(path, gpu_layers=10, found=a_gpu(1536))
+
+
+def test_an_nvidia_gpu_left_unused_is_named_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A machine with an NVIDIA driver whose llama.cpp cannot use it says so
+    at start, and why; a machine without one says nothing."""
+    import llama_cpp
+
+    driver = tmp_path / "version"
+    monkeypatch.setattr(devs, "NVIDIA_DRIVER_FILES", (str(tmp_path / "absent"),))
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
+    assert devs.probe() == Devices("cpu", ())
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04\n")
+    monkeypatch.setattr(devs, "NVIDIA_DRIVER_FILES", (str(tmp_path / "absent"), str(driver)))
+    cpu_build = devs.probe()
+    assert cpu_build.unused.startswith("an NVIDIA GPU is here but unused: this llama-cpp-python is built for the "
+                                       "CPU only")
+    # A CUDA build whose backend finds no device (no driver library, a driver too old for the runtime).
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(devs, "_ggml", lambda: type("NoDevices", (), {"ggml_backend_dev_count": lambda: 0}))
+    assert "GPU backend lists no device" in devs.probe().unused
+
+    path = resolve_model(None)[1]
+    with caplog.at_level("WARNING", logger="lmspd.engine"):
+        cpu = plan(path, ctx=1024, parallel=1, check=False, found=cpu_build)
+    assert cpu.backend == "cpu"
+    assert [r.getMessage() for r in caplog.records] == [f"{cpu_build.unused}; running on the CPU"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmspd.engine"):
+        plan(path, ctx=1024, parallel=1, check=False, found=cpu_build, gpu_layers=0)  # the CPU, as asked
+    assert caplog.records == []
