@@ -53,24 +53,26 @@ no_cuda() {
   say "an NVIDIA GPU answers, but $1: building for the CPU instead (LMSPD_GPU=cpu skips these checks)"
   gpu=cpu
 }
+cmake_args=""
 if [ "$gpu" = cuda ]; then
   . scripts/cuda_toolkit.sh
   PY=$VENV/bin/python
   WORK=$(pwd)/$VENV  # (the shim's folder; absolute: the build runs elsewhere)
-  cuda_prepare || no_cuda "$cuda_unusable"
+  # Libraries the toolkit has only under versioned names, and headers outside
+  # it (NVIDIA's wheels), go to CMake through a shim folder in the venv that
+  # the built library's RUNPATH names.
+  if ! cuda_prepare; then no_cuda "$cuda_unusable"
+  elif ! cuda_libraries; then cxx_flags=""; no_cuda "the CUDA toolkit is incomplete (above)"
+  fi
 fi
 case "$gpu" in
   cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
   cuda)
-    cmake_args="-DGGML_CUDA=on"
+    cmake_args="-DGGML_CUDA=on${cmake_args:+ $cmake_args}"
     # Which toolkit's major version the build links (libcudart.so.13): a
     # wheel built against another cannot load beside this one.
     gpu="cuda$(cuda_nvcc_version | cut -d. -f1)"
-    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="$gpu-sm$arch"; fi
-    # Libraries the toolkit has only under versioned names, and their headers
-    # (NVIDIA's wheels), through a shim folder in the venv that the built
-    # library's RUNPATH names.
-    cuda_libraries ;;
+    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="$gpu-sm$arch"; fi ;;
   metal) cmake_args="-DGGML_METAL=on" ;;
   vulkan)
     command -v glslc >/dev/null 2>&1 || { say "LMSPD_GPU=vulkan needs the Vulkan SDK (glslc): see README"; exit 1; }
@@ -102,6 +104,11 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   # CMAKE_ARGS, so nothing else may go there); a GPU wheel is built without
   # it, into a directory per backend.
   wheels="${XDG_CACHE_HOME:-$HOME/.cache}/lmspd/wheels/$gpu"
+  # A build that finds NVIDIA's wheels' libraries through this venv's shim
+  # is this checkout's own: another's would depend on this venv.
+  if ls "$VENV"/cuda-shim/*.so.[0-9]* >/dev/null 2>&1; then
+    wheels="$wheels-$(printf %s "$(pwd)" | cksum | cut -d' ' -f1)"
+  fi
   wheel=$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -1 || true)
   if [ -n "$wheel" ]; then
     say "installing $LLAMA_CPP_PYTHON for $gpu (cached: $wheel)"

@@ -1,8 +1,11 @@
 # Sourced by ./dev.sh, bench/gpu/run.sh and tests/unit/test_cuda_toolkit.py:
 # the parts of the CUDA toolkit a llama.cpp build links, wherever nvcc came
 # from, and which of NVIDIA's toolkit wheels to install where parts are missing.
-# Uses PY (a python3, whose NVIDIA wheels count), WORK (a folder for the shim)
-# and say.
+# Uses PY (a python3, whose NVIDIA wheels count), WORK (a folder for the shim),
+# PIP (cuda_prepare's installer) and say. A distribution's toolkit (Debian's
+# nvidia-cuda-toolkit) keeps its libraries where the loader's cache lists them
+# and its headers in $SYSTEM_INCLUDE (/usr/include): both count too.
+SYSTEM_INCLUDE=${SYSTEM_INCLUDE:-/usr/include}
 
 # The toolkit's root: the folder above nvcc's bin, as nvcc itself reports it
 # (the nvcc on PATH may be a wrapper script elsewhere), else as its path says.
@@ -29,7 +32,7 @@ cuda_libraries() {
   shim=$WORK/cuda-shim
   mkdir -p "$shim"
   for name in cudart cublas cublasLt; do
-    found=$(library_file $name) || { say "no lib$name: neither in $root nor in python3's nvidia wheels" >&2; exit 1; }
+    found=$(library_file $name) || { say "no lib$name: neither in $root nor in python3's nvidia wheels" >&2; return 1; }
     case "$found" in *.so) continue ;; esac  # unversioned: CMake finds it
     # (and under its own name: a build's RUNPATH names the shim, so that the
     # engine finds the library where it was built, without a loader path)
@@ -40,8 +43,10 @@ cuda_libraries() {
     [ "$name" = cudart ] && cmake_args="$cmake_args -DCUDA_CUDART=$shim/libcudart.so"
   done
   for hdr in cuda_runtime.h cublas_v2.h cub/cub.cuh; do
-    inc=$(include_dir "$root" $hdr) || exit 1
-    case "$inc" in "$root"/*) continue ;; esac  # the toolkit's own: nvcc and CMake know it
+    inc=$(include_dir "$root" $hdr) || return 1
+    # The toolkit's own and the system's: the compilers know them (an -I
+    # /usr/include would break libstdc++'s #include_next).
+    case "$inc" in "$root"/*|"$SYSTEM_INCLUDE"|"$SYSTEM_INCLUDE"/*) continue ;; esac
     cuda_flags="$cuda_flags -I$inc"
     cxx_flags="$cxx_flags -I$inc"
   done
@@ -52,7 +57,7 @@ cuda_libraries() {
   if ! any_exists "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so; then
     # (|| true: called in the script's own shell, where set -e and pipefail
     # would end it at ldconfig's SIGPIPE or at ls's missing path.)
-    drv=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}' || true)
+    drv=$(loader_cache | awk '/libcuda\.so\.1 /{print $NF; exit}' || true)
     [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)
     if [ -n "$drv" ]; then
       ln -sf "$drv" "$shim/libcuda.so"
@@ -62,10 +67,11 @@ cuda_libraries() {
       # dropped from the library's NEEDED entries (--as-needed), leaving
       # cuMemCreate & co. unresolved where the build is loaded.
       say "no NVIDIA driver here: linking against a libcuda stub made from cuda.h"
-      inc=$(include_dir "$root" cuda.h) || exit 1
+      inc=$(include_dir "$root" cuda.h) || return 1
       echo '#include <cuda.h>' | cc -E -I"$inc" -x c - | grep -oE '\bcu[A-Z][A-Za-z0-9_]*[[:space:]]*\(' \
         | tr -d ' \t(' | sort -u | sed 's/.*/void &(void) {}/' \
-        | cc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c - -o "$shim/libcuda.so"
+        | cc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c - -o "$shim/libcuda.so" \
+        || { say "could not make the libcuda stub (a C compiler?)" >&2; return 1; }
     fi
     cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
   fi
@@ -80,10 +86,19 @@ library_file() {
   for d in "$root"/lib64 "$root"/lib "$root"/targets/*/lib; do
     [ -e "$d/lib$1.so" ] && echo "$d/lib$1.so" && return 0
   done
+  f=$(loader_cache | awk -v n="lib$1.so" '$1 == n {print $NF; exit}')
+  [ -n "$f" ] && echo "$f" && return 0
   for d in "$root"/lib64 "$root"/lib "$root"/targets/*/lib $(nvidia_wheel_dirs lib); do
     for f in "$d"/lib$1.so.[0-9]*; do [ -e "$f" ] && echo "$f" && return 0; done
   done
+  f=$(loader_cache | awk -v n="lib$1.so." 'index($1, n) == 1 {print $NF; exit}')
+  [ -n "$f" ] && echo "$f" && return 0
   return 1
+}
+
+# The dynamic loader's cache (ldconfig -p; $LDCONFIG), or nothing.
+loader_cache() {
+  "${LDCONFIG:-$(command -v ldconfig || echo /sbin/ldconfig)}" -p 2>/dev/null || true
 }
 
 # The first include folder under the toolkit root $1 or in python3's nvidia
@@ -92,11 +107,11 @@ include_dir() {
   local d
   # (CUDA 13 keeps CCCL's headers, cub/ and thrust/, in include/cccl.)
   for d in "$1"/include "$1"/include/cccl "$1"/targets/*/include $(nvidia_wheel_dirs include) \
-           $(nvidia_wheel_dirs include | sed 's|$|/cccl|'); do
+           $(nvidia_wheel_dirs include | sed 's|$|/cccl|') "$SYSTEM_INCLUDE"; do
     [ -f "$d/$2" ] && echo "$d" && return 0
   done
-  say "no $2: neither in $1 nor in python3's nvidia wheels" >&2
-  exit 1
+  say "no $2: neither in $1 nor in python3's nvidia wheels nor in $SYSTEM_INCLUDE" >&2
+  return 1
 }
 
 any_exists() {
@@ -131,7 +146,7 @@ cuda_runtime_path() {
 # capability, "90"; empty where nvidia-smi does not say) and PATH. Fails where
 # it cannot, with the reason in cuda_unusable.
 cuda_prepare() {
-  local parts nvcc_version="" requirement
+  local parts nvcc_version="" requirement failed
   command -v nvcc >/dev/null 2>&1 || PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
   cuda_wheel_nvcc
   arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .' || true)
@@ -142,11 +157,19 @@ cuda_prepare() {
     cuda_unusable="no CUDA toolkit fits (install one: see README)"
     return 1
   fi
+  # (A failed install is not tried again on every run: offline, pip's retries take a while.)
+  failed=$WORK/.lmspd-cuda-wheels-failed
+  if [ "$(cat "$failed" 2>/dev/null)" = "$requirement" ]; then
+    cuda_unusable="NVIDIA's toolkit wheels ($requirement) could not be installed before (rm $failed to try again)"
+    return 1
+  fi
   say "the CUDA toolkit here lacks $parts: installing NVIDIA's wheels ($requirement; up to 1.5 GB)"
   if ! $PIP install -q "$requirement"; then
+    mkdir -p "$WORK" && echo "$requirement" > "$failed"
     cuda_unusable="NVIDIA's toolkit wheels ($requirement) could not be installed (offline? install the CUDA toolkit)"
     return 1
   fi
+  rm -f "$failed"
   cuda_wheel_nvcc
   parts=$(cuda_missing_parts)
   [ -z "$parts" ] || { cuda_unusable="NVIDIA's wheels ($requirement) did not bring $parts"; return 1; }
@@ -176,17 +199,17 @@ cuda_nvcc_version() {
 # nor python3's NVIDIA wheels hold, named as the extras of PyPI's cuda-toolkit
 # package (nothing printed: all there). Without nvcc, all of them.
 cuda_missing_parts() {
-  local root missing="" name hdr
+  local root missing=""
   if ! command -v nvcc >/dev/null 2>&1; then
     echo "nvcc crt cudart cublas cccl"
     return 0
   fi
   root=$(cuda_root)
-  for name in cudart cublas; do
-    hdr=$([ $name = cudart ] && echo cuda_runtime.h || echo cublas_v2.h)
-    { library_file $name && (include_dir "$root" $hdr); } >/dev/null 2>&1 || missing="$missing $name"
-  done
-  (include_dir "$root" cub/cub.cuh) >/dev/null 2>&1 || missing="$missing cccl"  # (headers only)
+  # (cuBLAS is two libraries; CCCL is headers only.)
+  { library_file cudart && include_dir "$root" cuda_runtime.h; } >/dev/null 2>&1 || missing="$missing cudart"
+  { library_file cublas && library_file cublasLt && include_dir "$root" cublas_v2.h; } >/dev/null 2>&1 \
+    || missing="$missing cublas"
+  include_dir "$root" cub/cub.cuh >/dev/null 2>&1 || missing="$missing cccl"
   echo "${missing# }"
 }
 

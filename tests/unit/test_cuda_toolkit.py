@@ -45,10 +45,20 @@ def _nvcc(bin_dir: Path) -> None:
 
 
 def _driver_here() -> bool:
-    """What the script looks for before it makes a stub."""
-    listed = subprocess.run(["sh", "-c", "ldconfig -p 2>/dev/null | grep -q 'libcuda\\.so\\.1 '"]).returncode == 0
-    return listed or any(Path(p).exists() for p in ("/usr/local/nvidia/lib64/libcuda.so.1",
-                                                   "/usr/lib/x86_64-linux-gnu/libcuda.so.1"))
+    """What the script looks for before it makes a stub, besides the loader's
+    cache (an empty one in these tests)."""
+    return any(Path(p).exists() for p in ("/usr/local/nvidia/lib64/libcuda.so.1",
+                                          "/usr/lib/x86_64-linux-gnu/libcuda.so.1"))
+
+
+def _system(tmp_path: Path, *libraries: Path) -> dict[str, str]:
+    """The machine's own places, as fakes: a loader cache that lists only
+    ``libraries`` (``ldconfig -p``) and an empty system include folder (a
+    machine with Debian's CUDA toolkit has real ones)."""
+    lines = "".join(f"\t{lib.name} (libc6,x86-64) => {lib}\n" for lib in libraries)
+    ldconfig = _touch(tmp_path / "ldconfig", f"#!/bin/sh\nprintf '{lines}'\n")
+    ldconfig.chmod(0o755)
+    return {"LDCONFIG": str(ldconfig), "SYSTEM_INCLUDE": str(tmp_path / "usr" / "include")}
 
 
 def _run(tmp_path: Path, nvcc_bin: Path, site: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -65,7 +75,7 @@ PY={py}; WORK={work}; cmake_args=""; cxx_flags=""
 cuda_libraries
 printf '%s\\n' "$cmake_args" "$cxx_flags" "$(cuda_runtime_path)"
 """
-    env = {**os.environ, "PATH": f"{nvcc_bin}:{os.environ['PATH']}", "PYTHONPATH": str(site)}
+    env = {**os.environ, "PATH": f"{nvcc_bin}:{os.environ['PATH']}", "PYTHONPATH": str(site), **_system(tmp_path)}
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     return done, work / "cuda-shim"
 
@@ -158,19 +168,32 @@ def test_a_toolkit_without_cublas_is_named_and_stops_the_build(tmp_path):
     assert "no libcublas: neither in" in done.stderr
 
 
-def _shell(tmp_path: Path, body: str, path: list[Path], site: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    """``body`` after sourcing the script, with only ``path`` and the system's
-    folders on PATH (not /usr/local: a machine here may have a real nvcc)."""
+TOOLS = ("bash", "sh", "sed", "awk", "grep", "head", "tr", "cut", "sort", "cat", "ls", "ln", "mkdir", "rm",
+         "touch", "chmod", "dirname", "basename", "readlink", "printf", "env")
+
+
+def _shell(tmp_path: Path, body: str, path: list[Path], site: Path,
+           libraries: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``body`` after sourcing the script, with ``path`` and the shell's own
+    tools on PATH, and nothing of the machine's CUDA: no nvcc or nvidia-smi
+    of its own (a GPU machine has them in /usr/bin), a loader cache listing
+    only ``libraries``, an empty system include folder."""
     py = _touch(tmp_path / "py", f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
     py.chmod(0o755)
+    tools = tmp_path / "tools"
+    if not tools.exists():
+        tools.mkdir()
+        for name in TOOLS:
+            if (found := shutil.which(name)) is not None:
+                (tools / name).symlink_to(found)
     script = f"""set -euo pipefail
 say() {{ echo "say: $*" >&2; }}
 PY={py}; WORK={tmp_path / "work"}; cmake_args=""; cxx_flags=""
 . {SCRIPT}
 {body}
 """
-    environ = {"PATH": ":".join([*map(str, path), "/usr/bin", "/bin"]), "PYTHONPATH": str(site),
-               "CUDA_HOME": str(tmp_path / "no-cuda-home"), "HOME": str(tmp_path), **env}
+    environ = {"PATH": ":".join([*map(str, path), str(tools)]), "PYTHONPATH": str(site),
+               "CUDA_HOME": str(tmp_path / "no-cuda-home"), "HOME": str(tmp_path), **_system(tmp_path, *libraries)}
     return subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60)
 
 
@@ -243,6 +266,7 @@ def _toolkit(root: Path, *, cublas: bool, cccl: bool = True) -> Path:
         _touch(root / "include" / "cccl" / "cub" / "cub.cuh")
     if cublas:
         _touch(root / "lib64" / "libcublas.so")
+        _touch(root / "lib64" / "libcublasLt.so")
         _touch(root / "include" / "cublas_v2.h")
     return root / "bin"
 
@@ -259,6 +283,8 @@ def test_missing_parts_are_what_neither_the_toolkit_nor_the_wheels_hold(tmp_path
     _touch(site / "nvidia" / "cu13" / "lib" / "libcublas.so.13")
     assert _shell(tmp_path, "cuda_missing_parts", [partial], site).stdout.strip() == "cublas"
     _touch(site / "nvidia" / "cu13" / "include" / "cublas_v2.h")
+    assert _shell(tmp_path, "cuda_missing_parts", [partial], site).stdout.strip() == "cublas"  # no cublasLt
+    _touch(site / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13")
     assert _shell(tmp_path, "cuda_missing_parts", [partial], site).stdout.strip() == ""
     # CCCL's headers (cub, thrust: llama.cpp's kernels include cub), in CUDA 13's
     # include/cccl or CUDA 12's include, the toolkit's or a wheel's.
@@ -329,3 +355,47 @@ def test_where_no_toolkit_can_be_had_the_reason_is_given(tmp_path, cuda, fails, 
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("unusable: ") and why in done.stdout
     assert (tmp_path / "pip.log").exists() == fails  # 12.4: nothing tried
+
+
+def test_a_distribution_s_toolkit_is_found_where_the_system_keeps_it(tmp_path):
+    """Debian's and Ubuntu's nvidia-cuda-toolkit: /usr/bin/nvcc runs the real
+    one in /usr/lib/nvidia-cuda-toolkit, the libraries are where the loader's
+    cache lists them, the headers in /usr/include. Nothing is missing, and
+    the build is told nothing (CMake finds them; an -I/usr/include would
+    break libstdc++'s #include_next)."""
+    root = tmp_path / "usr" / "lib" / "nvidia-cuda-toolkit"
+    real = _touch(root / "bin" / "nvcc", f"""#!/bin/sh
+case "$*" in *--dryrun*) echo '#$ _HERE_={root / "bin"}' >&2 ;; *) echo 'release 12.0, V12.0.140' ;; esac
+""")
+    real.chmod(0o755)
+    wrapper = _touch(tmp_path / "usr" / "bin" / "nvcc", f'#!/bin/sh\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    system_lib = tmp_path / "usr" / "lib" / "x86_64-linux-gnu"
+    libraries = tuple(_touch(system_lib / name) for name in ("libcudart.so", "libcublas.so", "libcublasLt.so",
+                                                              "libcuda.so.1"))
+    for header in ("cuda_runtime.h", "cublas_v2.h", "cub/cub.cuh"):
+        _touch(tmp_path / "usr" / "include" / header)
+    site = tmp_path / "site"
+    done = _shell(tmp_path, 'echo "[$(cuda_missing_parts)]"; cuda_libraries; echo "[$cmake_args] [$cxx_flags]"',
+                  [tmp_path / "usr" / "bin"], site, libraries)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", f"[ -DCUDA_cuda_driver_LIBRARY={tmp_path / 'work' / 'cuda-shim'}"
+                                                   "/libcuda.so] []"]
+    # Without the loader's cache entries the same toolkit lacks the runtime and cuBLAS.
+    done = _shell(tmp_path, "cuda_missing_parts", [tmp_path / "usr" / "bin"], site)
+    assert done.stdout.strip() == "cudart cublas"
+
+
+def test_a_failed_install_is_not_tried_again_on_every_run(tmp_path):
+    site = tmp_path / "site"
+    pip = _fake_pip(tmp_path, site, fails=True)
+    body = f'PIP={pip}; cuda_prepare || echo "unusable: $cuda_unusable"'
+    first = _shell(tmp_path, body, [_nvidia_smi(tmp_path / "bin")], site)
+    again = _shell(tmp_path, body, [tmp_path / "bin"], site)
+    assert len((tmp_path / "pip.log").read_text().splitlines()) == 1
+    assert "could not be installed (offline?" in first.stdout
+    marker = tmp_path / "work" / ".lmspd-cuda-wheels-failed"
+    assert f"could not be installed before (rm {marker} to try again)" in again.stdout
+    marker.unlink()  # as the message says: tried again
+    _shell(tmp_path, body, [tmp_path / "bin"], site)
+    assert len((tmp_path / "pip.log").read_text().splitlines()) == 2

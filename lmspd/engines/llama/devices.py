@@ -82,8 +82,7 @@ def probe() -> Devices:
         log.warning("cannot list llama.cpp's devices (%s): planning for the CPU", exc)
         return Devices("cpu", ())
     if not gpus:
-        return Devices("cpu", (), _unused("llama.cpp's GPU backend lists no device (its own log above says why: "
-                                          "ggml_cuda_init)"))
+        return Devices("cpu", (), _unused("llama.cpp's GPU backend lists no device (its own log above says why)"))
     return Devices(_backend_name(gpus[0].name), tuple(gpus))
 
 

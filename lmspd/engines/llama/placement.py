@@ -92,7 +92,8 @@ def plan(path: Path, *, ctx: int | None = None, parallel: int | None = None, gpu
     found = found if found is not None else devs.probe()
     offload = found.offload and gpu_layers != 0
     if found.unused and gpu_layers != 0:
-        log.warning("%s; running on the CPU", found.unused)
+        log.warning("%s; running on the CPU%s (--gpu-layers 0 says the CPU is meant)", found.unused,
+                    f", not the --gpu-layers {gpu_layers} asked for" if gpu_layers else "")
     elif gpu_layers and not found.offload:
         log.warning("--gpu-layers %d: this llama-cpp-python build has no GPU backend with a device (./dev.sh "
                     "builds one: LMSPD_GPU=cuda|metal|vulkan); running on the CPU", gpu_layers)

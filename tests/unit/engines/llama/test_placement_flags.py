@@ -144,7 +144,14 @@ def test_an_nvidia_gpu_left_unused_is_named_with_the_reason(monkeypatch: pytest.
     with caplog.at_level("WARNING", logger="lmspd.engine"):
         cpu = plan(path, ctx=1024, parallel=1, check=False, found=cpu_build)
     assert cpu.backend == "cpu"
-    assert [r.getMessage() for r in caplog.records] == [f"{cpu_build.unused}; running on the CPU"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{cpu_build.unused}; running on the CPU (--gpu-layers 0 says the CPU is meant)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lmspd.engine"):
+        plan(path, ctx=1024, parallel=1, check=False, found=cpu_build, gpu_layers=8)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{cpu_build.unused}; running on the CPU, not the --gpu-layers 8 asked for (--gpu-layers 0 says the CPU "
+        "is meant)"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="lmspd.engine"):
         plan(path, ctx=1024, parallel=1, check=False, found=cpu_build, gpu_layers=0)  # the CPU, as asked
