@@ -32,7 +32,7 @@ cuda_libraries() {
   shim=$WORK/cuda-shim
   mkdir -p "$shim"
   for name in cudart cublas cublasLt; do
-    found=$(library_file $name) || { say "no lib$name: neither in $root nor in python3's nvidia wheels" >&2; return 1; }
+    found=$(library_file $name) || { say "no lib$name: not in $root, python3's nvidia wheels or the loader's cache" >&2; return 1; }
     case "$found" in *.so) continue ;; esac  # unversioned: CMake finds it
     # (and under its own name: a build's RUNPATH names the shim, so that the
     # engine finds the library where it was built, without a loader path)
@@ -56,7 +56,7 @@ cuda_libraries() {
   [ -n "$cuda_flags" ] && cmake_args="$cmake_args '-DCMAKE_CUDA_FLAGS=${cuda_flags# }'"
   if ! any_exists "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so; then
     # (|| true: called in the script's own shell, where set -e and pipefail
-    # would end it at ldconfig's SIGPIPE or at ls's missing path.)
+    # would end it at ls's missing path.)
     drv=$(loader_cache | awk '/libcuda\.so\.1 /{print $NF; exit}' || true)
     [ -n "$drv" ] || drv=$(ls /usr/local/nvidia/lib64/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1 2>/dev/null | head -1 || true)
     if [ -n "$drv" ]; then
@@ -78,8 +78,9 @@ cuda_libraries() {
   return 0
 }
 
-# The toolkit's or python3's NVIDIA wheels' file for the library $1
-# (cudart): lib$1.so, or else a versioned lib$1.so.13 (the wheels have only those).
+# The file of the library $1 (cudart): lib$1.so, the toolkit's or else one the
+# loader's cache lists; or else a versioned lib$1.so.13, the toolkit's, python3's
+# NVIDIA wheels' (they have only those) or the cache's.
 library_file() {
   local root d f
   root=$(cuda_root)
@@ -101,8 +102,9 @@ loader_cache() {
   "${LDCONFIG:-$(command -v ldconfig || echo /sbin/ldconfig)}" -p 2>/dev/null || true
 }
 
-# The first include folder under the toolkit root $1 or in python3's nvidia
-# wheels that holds the header $2 (the caller stops where none does).
+# The first include folder under the toolkit root $1, in python3's nvidia
+# wheels or $SYSTEM_INCLUDE that holds the header $2 (fails, saying so, where
+# none does).
 include_dir() {
   local d
   # (CUDA 13 keeps CCCL's headers, cub/ and thrust/, in include/cccl.)
