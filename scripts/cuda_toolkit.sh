@@ -149,8 +149,7 @@ cuda_runtime_path() {
 # it cannot, with the reason in cuda_unusable.
 cuda_prepare() {
   local parts nvcc_version="" requirement failed
-  command -v nvcc >/dev/null 2>&1 || PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"
-  cuda_wheel_nvcc
+  cuda_find_nvcc
   arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .' || true)
   parts=$(cuda_missing_parts)
   [ -z "$parts" ] && return 0
@@ -172,17 +171,20 @@ cuda_prepare() {
     return 1
   fi
   rm -f "$failed"
-  cuda_wheel_nvcc
+  cuda_find_nvcc
   parts=$(cuda_missing_parts)
   [ -z "$parts" ] || { cuda_unusable="NVIDIA's wheels ($requirement) did not bring $parts"; return 1; }
 }
 
-# Where there is no nvcc on PATH, the one among python3's NVIDIA wheels (an
-# earlier ./dev.sh installed it) goes there, if any.
-cuda_wheel_nvcc() {
+# Where there is no nvcc on PATH, the toolkit's in $CUDA_HOME (by default
+# /usr/local/cuda) goes there, else one among python3's NVIDIA wheels (an
+# earlier ./dev.sh installed it), if any.
+cuda_find_nvcc() {
   local d
   command -v nvcc >/dev/null 2>&1 && return 0
-  for d in $(nvidia_wheel_dirs bin); do [ -x "$d/nvcc" ] && PATH="$d:$PATH" && return 0; done
+  for d in "${CUDA_HOME:-/usr/local/cuda}/bin" $(nvidia_wheel_dirs bin); do
+    [ -x "$d/nvcc" ] && PATH="$d:$PATH" && return 0
+  done
   return 0
 }
 

@@ -65,7 +65,7 @@ c_flags=""
 cxx_flags=""
 case "$backend" in
   cuda)
-    command -v nvcc >/dev/null 2>&1 || PATH="${CUDA_HOME:-/usr/local/cuda}/bin:$PATH"  # (as ./dev.sh looks for it)
+    cuda_find_nvcc  # (as ./dev.sh looks for it)
     if [ -n "$arch" ]; then
       cap=$arch
       say "CUDA architecture $cap as asked; $(nvcc --version | tail -1)"

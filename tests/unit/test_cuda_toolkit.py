@@ -62,22 +62,11 @@ def _system(tmp_path: Path, *libraries: Path) -> dict[str, str]:
 
 
 def _run(tmp_path: Path, nvcc_bin: Path, site: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Source the script as run.sh does and call ``cuda_libraries``: prints
-    cmake_args, cxx_flags and ``cuda_runtime_path`` one a line."""
-    # python3 without site-packages: the test's own environment may hold nvidia wheels.
-    py = _touch(tmp_path / "py", f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
-    py.chmod(0o755)
-    work = tmp_path / "work"
-    script = f"""set -euo pipefail
-say() {{ echo "say: $*" >&2; }}
-PY={py}; WORK={work}; cmake_args=""; cxx_flags=""
-. {SCRIPT}
-cuda_libraries
-printf '%s\\n' "$cmake_args" "$cxx_flags" "$(cuda_runtime_path)"
-"""
-    env = {**os.environ, "PATH": f"{nvcc_bin}:{os.environ['PATH']}", "PYTHONPATH": str(site), **_system(tmp_path)}
-    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    return done, work / "cuda-shim"
+    """``cuda_libraries`` as run.sh calls it: prints cmake_args, cxx_flags and
+    ``cuda_runtime_path`` one a line (the machine's PATH too: the stub is
+    compiled)."""
+    body = "cuda_libraries\nprintf '%s\\n' \"$cmake_args\" \"$cxx_flags\" \"$(cuda_runtime_path)\""
+    return _shell(tmp_path, body, [nvcc_bin], site, compiler=True), tmp_path / "work" / "cuda-shim"
 
 
 def test_a_system_toolkit_needs_nothing(tmp_path):
@@ -172,12 +161,14 @@ TOOLS = ("bash", "sh", "sed", "awk", "grep", "head", "tr", "cut", "sort", "cat",
          "touch", "chmod", "dirname", "basename", "readlink", "printf", "env")
 
 
-def _shell(tmp_path: Path, body: str, path: list[Path], site: Path,
-           libraries: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+def _shell(tmp_path: Path, body: str, path: list[Path], site: Path, libraries: tuple[Path, ...] = (),
+           compiler: bool = False) -> subprocess.CompletedProcess[str]:
     """``body`` after sourcing the script, with ``path`` and the shell's own
     tools on PATH, and nothing of the machine's CUDA: no nvcc or nvidia-smi
     of its own (a GPU machine has them in /usr/bin), a loader cache listing
-    only ``libraries``, an empty system include folder."""
+    only ``libraries``, an empty system include folder. ``compiler``: the
+    machine's PATH after those (a C compiler finds its tools there)."""
+    # python3 without site-packages: the test's own environment may hold nvidia wheels.
     py = _touch(tmp_path / "py", f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
     py.chmod(0o755)
     tools = tmp_path / "tools"
@@ -192,7 +183,8 @@ PY={py}; WORK={tmp_path / "work"}; cmake_args=""; cxx_flags=""
 . {SCRIPT}
 {body}
 """
-    environ = {"PATH": ":".join([*map(str, path), str(tools)]), "PYTHONPATH": str(site),
+    search = [*map(str, path), str(tools), *([os.environ["PATH"]] if compiler else [])]
+    environ = {"PATH": ":".join(search), "PYTHONPATH": str(site),
                "CUDA_HOME": str(tmp_path / "no-cuda-home"), "HOME": str(tmp_path), **_system(tmp_path, *libraries)}
     return subprocess.run(["bash", "-c", script], env=environ, capture_output=True, text=True, timeout=60)
 
