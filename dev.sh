@@ -31,79 +31,24 @@ fi
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 
 # llama-cpp-python compiles llama.cpp from source: minutes, once per machine
-# and backend. Which backend: LMSPD_GPU=cuda|metal|vulkan|cpu, or found:
-# Metal on Apple Silicon; CUDA where an NVIDIA driver answers (the toolkit's
-# nvcc, or NVIDIA's toolkit wheels installed into the venv where there is
-# none: a toolkit without a GPU, as on CI, would build for minutes a library
-# that cannot load libcuda); else the CPU.
-gpu=${LMSPD_GPU:-}
-asked=$gpu
-if [ -z "$gpu" ]; then
-  if [ "$(uname -s)" = Darwin ] && [ "$(uname -m)" = arm64 ]; then gpu=metal
-  elif [ -e /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1; then gpu=cuda
-  else gpu=cpu
-  fi
-fi
-c_flags=""
-cxx_flags=""
-# A GPU found but not usable: the CPU instead, saying why; where CUDA was
-# asked for, stop.
-no_cuda() {
-  if [ "$asked" = cuda ]; then say "LMSPD_GPU=cuda: $1"; exit 1; fi
-  say "an NVIDIA GPU answers, but $1: building for the CPU instead (LMSPD_GPU=cpu skips these checks)"
-  gpu=cpu
-}
-cmake_args=""
-if [ "$gpu" = cuda ]; then
-  . scripts/cuda_toolkit.sh
-  PY=$VENV/bin/python
-  WORK=$(pwd)/$VENV  # (the shim's folder; absolute: the build runs elsewhere)
-  # Libraries the toolkit has only under versioned names, and headers outside
-  # it (NVIDIA's wheels), go to CMake through a shim folder in the venv that
-  # the built library's RUNPATH names.
-  if ! cuda_prepare; then no_cuda "$cuda_unusable"
-  elif ! cuda_libraries; then cxx_flags=""; no_cuda "the CUDA toolkit is incomplete (above)"
-  fi
-fi
-case "$gpu" in
-  cpu) cmake_args=$([ "$(uname -s)" = Darwin ] && echo "-DGGML_METAL=off" || echo "") ;;
-  cuda)
-    cmake_args="-DGGML_CUDA=on${cmake_args:+ $cmake_args}"
-    # Which toolkit's major version the build links (libcudart.so.13): a
-    # wheel built against another cannot load beside this one.
-    gpu="cuda$(cuda_nvcc_version | cut -d. -f1)"
-    if [ -n "$arch" ]; then cmake_args="$cmake_args -DCMAKE_CUDA_ARCHITECTURES=$arch"; gpu="$gpu-sm$arch"; fi ;;
-  metal) cmake_args="-DGGML_METAL=on" ;;
-  vulkan)
-    command -v glslc >/dev/null 2>&1 || { say "LMSPD_GPU=vulkan needs the Vulkan SDK (glslc): see README"; exit 1; }
-    cmake_args="-DGGML_VULKAN=on" ;;
-  *) say "LMSPD_GPU must be cuda, metal, vulkan or cpu (not '$gpu')"; exit 2 ;;
-esac
-# Without llama.cpp's AMX kernels on x86-64 Linux, whatever the backend (the
-# layers a GPU does not hold run on the CPU): built natively on an AMX CPU
-# by GCC 12 they load a tile configuration whose second half was never
-# written and fault on the first prompt (lmspd/engines/llama/amx.py). The
-# macro is what the kernels are compiled under; the rest of the native
-# build (AVX-512, the repacked kernels) stays. Its own wheel: pip's cache
-# may hold a build with them.
-if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
-  c_flags="$c_flags -U__AMX_INT8__"
-  cxx_flags="$cxx_flags -U__AMX_INT8__"
-  gpu="$gpu-noamx"
-fi
-# (CMAKE_ARGS is split as a shell would: one quoted value each.)
-[ -n "$c_flags" ] && cmake_args="${cmake_args:+$cmake_args }'-DCMAKE_C_FLAGS=${c_flags# }'"
-[ -n "$cxx_flags" ] && cmake_args="${cmake_args:+$cmake_args }'-DCMAKE_CXX_FLAGS=${cxx_flags# }'"
+# and backend (scripts/llama_backend.sh: LMSPD_GPU=cuda|metal|vulkan|cpu, or
+# what it finds). PY, WORK: where NVIDIA's toolkit wheels go, if CUDA needs
+# them, and the shim folder its build links through (absolute: the build
+# runs elsewhere).
+. scripts/llama_backend.sh
+PY=$VENV/bin/python
+WORK=$(pwd)/$VENV
+llama_backend
 # What the venv's llama-cpp-python was built for (no file: an older
 # ./dev.sh's CPU build).
 built_for="$VENV/.lmspd-llama-backend"
 have=$(cat "$built_for" 2>/dev/null || echo cpu)
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama-cpp-python') != '0.3.36')" 2>/dev/null \
-   || [ "$have" != "$gpu" ]; then
-  # The CPU wheel lives in pip's own cache (keyed by the source, not by
-  # CMAKE_ARGS, so nothing else may go there); a GPU wheel is built without
-  # it, into a directory per backend.
-  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/lmspd/wheels/$gpu"
+   || [ "$have" != "$backend" ]; then
+  # A plain CPU build (no CMAKE_ARGS: not x86-64 Linux) lives in pip's own
+  # cache, which is keyed by the source, not by CMAKE_ARGS, so nothing else
+  # may go there; any other is built without it, into a folder per backend.
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/lmspd/wheels/$backend"
   # A build that finds NVIDIA's wheels' libraries through this venv's shim
   # is this checkout's own: another's would depend on this venv.
   if ls "$VENV"/cuda-shim/*.so.[0-9]* >/dev/null 2>&1; then
@@ -111,7 +56,7 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   fi
   wheel=$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl 2>/dev/null | head -1 || true)
   if [ -n "$wheel" ]; then
-    say "installing $LLAMA_CPP_PYTHON for $gpu (cached: $wheel)"
+    say "installing $LLAMA_CPP_PYTHON for $backend (cached: $wheel)"
     $PIP install -q --force-reinstall --no-deps "$wheel"
     # A GPU build finds its runtime through the shim of the venv it was built
     # in (its RUNPATH): one cached by another checkout may not load here.
@@ -123,10 +68,10 @@ ctypes.CDLL(glob.glob(sysconfig.get_paths()['purelib'] + '/llama_cpp/lib/libllam
     fi
   fi
   if [ -z "$wheel" ]; then
-    say "installing $LLAMA_CPP_PYTHON for $gpu${cmake_args:+ ($cmake_args)}: built from source the first time (about 5-10 minutes on 2 cores), cached afterwards"
+    say "installing $LLAMA_CPP_PYTHON for $backend${cmake_args:+ ($cmake_args)}: built from source the first time (about 5-10 minutes on 2 cores), cached afterwards"
     log=$(mktemp)
     set +e
-    if [ "$gpu" = cpu ] && [ "$(uname -s)" != Darwin ]; then
+    if [ "$backend" = cpu ] && [ "$(uname -s)" != Darwin ]; then
       # (On a Mac pip's cache may hold an older ./dev.sh's Metal build: not this.)
       CMAKE_ARGS="$cmake_args ${CMAKE_ARGS:-}" $PIP install -v --force-reinstall --no-deps "$LLAMA_CPP_PYTHON" 2>&1 | tee "$log" | progress
       status=${PIPESTATUS[0]}
@@ -144,10 +89,10 @@ ctypes.CDLL(glob.glob(sysconfig.get_paths()['purelib'] + '/llama_cpp/lib/libllam
     fi
     set -e
     printf '\n' >&2
-    if [ "$status" -ne 0 ]; then tail -40 "$log" >&2; say "llama-cpp-python failed to build for $gpu (log: $log)"; exit 1; fi
+    if [ "$status" -ne 0 ]; then tail -40 "$log" >&2; say "llama-cpp-python failed to build for $backend (log: $log)"; exit 1; fi
     rm -f "$log"
   fi
-  echo "$gpu" > "$built_for"
+  echo "$backend" > "$built_for"
 fi
 
 # The web console's browser test drives Debian's chromium (Playwright's own

@@ -38,22 +38,26 @@ cuda_libraries() {
     # engine finds the library where it was built, without a loader path)
     ln -sf "$found" "$shim/lib$name.so"
     ln -sf "$found" "$shim/$(basename "$found")"
-    cmake_args="$cmake_args -DCUDA_${name}_LIBRARY=$shim/lib$name.so"
+    cmake_arg "-DCUDA_${name}_LIBRARY=$shim/lib$name.so"
     # (CMake 3.25+ looks for cudart under this name first.)
-    [ "$name" = cudart ] && cmake_args="$cmake_args -DCUDA_CUDART=$shim/libcudart.so"
+    [ "$name" = cudart ] && cmake_arg "-DCUDA_CUDART=$shim/libcudart.so"
   done
   for hdr in cuda_runtime.h cublas_v2.h cub/cub.cuh; do
     inc=$(include_dir "$root" $hdr) || return 1
     # The toolkit's own and the system's: the compilers know them (an -I
     # /usr/include would break libstdc++'s #include_next).
     case "$inc" in "$root"/*|"$SYSTEM_INCLUDE"|"$SYSTEM_INCLUDE"/*) continue ;; esac
-    cuda_flags="$cuda_flags -I$inc"
-    cxx_flags="$cxx_flags -I$inc"
+    nvcc_takes "$inc" || return 1
+    cuda_flags="$cuda_flags -I$(flag_path "$inc")"
+    cxx_flags="$cxx_flags -I$(flag_path "$inc")"
   done
   # nvcc.profile names lib64 for its own runtime (libcudart_static.a), which
   # CUDA 13's wheel keeps in lib: nvcc cannot link even CMake's test program.
-  [ ! -d "$root/lib64" ] && [ -d "$root/lib" ] && cuda_flags="$cuda_flags -L$root/lib"
-  [ -n "$cuda_flags" ] && cmake_args="$cmake_args '-DCMAKE_CUDA_FLAGS=${cuda_flags# }'"
+  if [ ! -d "$root/lib64" ] && [ -d "$root/lib" ]; then
+    nvcc_takes "$root/lib" || return 1
+    cuda_flags="$cuda_flags -L$(flag_path "$root/lib")"
+  fi
+  [ -n "$cuda_flags" ] && cmake_arg "-DCMAKE_CUDA_FLAGS=${cuda_flags# }"
   if ! any_exists "$root"/lib64/stubs/libcuda.so "$root"/targets/*/lib/stubs/libcuda.so "$root"/lib64/libcuda.so; then
     # (|| true: called in the script's own shell, where set -e and pipefail
     # would end it at ls's missing path.)
@@ -73,7 +77,7 @@ cuda_libraries() {
         | cc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c - -o "$shim/libcuda.so" \
         || { say "could not make the libcuda stub (a C compiler?)" >&2; return 1; }
     fi
-    cmake_args="$cmake_args -DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
+    cmake_arg "-DCUDA_cuda_driver_LIBRARY=$shim/libcuda.so"
   fi
   return 0
 }
@@ -82,7 +86,7 @@ cuda_libraries() {
 # loader's cache lists; or else a versioned lib$1.so.13, the toolkit's, python3's
 # NVIDIA wheels' (they have only those) or the cache's.
 library_file() {
-  local root d f
+  local root d f IFS=$'\n'  # (one folder a line: a path may hold spaces)
   root=$(cuda_root)
   for d in "$root"/lib64 "$root"/lib "$root"/targets/*/lib; do
     [ -e "$d/lib$1.so" ] && echo "$d/lib$1.so" && return 0
@@ -106,7 +110,7 @@ loader_cache() {
 # wheels or $SYSTEM_INCLUDE that holds the header $2 (fails, saying so, where
 # none does).
 include_dir() {
-  local d
+  local d IFS=$'\n'  # (one folder a line: a path may hold spaces)
   # (CUDA 13 keeps CCCL's headers, cub/ and thrust/, in include/cccl.)
   for d in "$1"/include "$1"/include/cccl "$1"/targets/*/include $(nvidia_wheel_dirs include) \
            $(nvidia_wheel_dirs include | sed 's|$|/cccl|') "$SYSTEM_INCLUDE"; do
@@ -114,6 +118,34 @@ include_dir() {
   done
   say "no $2: neither in $1 nor in python3's nvidia wheels nor in $SYSTEM_INCLUDE" >&2
   return 1
+}
+
+# Adds $1 to cmake_args, quoted: scikit-build-core splits CMAKE_ARGS as a
+# shell would (shlex), so that a value may hold spaces or quotes (a checkout
+# in "~/My Projects").
+cmake_arg() {
+  local q="'\\''"
+  cmake_args="${cmake_args:+$cmake_args }'${1//\'/$q}'"
+}
+
+# The path $1 as one word of a compiler's command line, which CMake writes
+# into its build rules from CMAKE_<LANG>_FLAGS as given (the shell splits it).
+flag_path() {
+  case "$1" in
+    *[[:space:]]*) printf '"%s"' "$1" ;;
+    *) printf '%s' "$1" ;;
+  esac
+}
+
+# nvcc hands a path on to the tools it runs, which take one with spaces but
+# not one with a quote ("fatal error: cuda_runtime.h: No such file"); nor
+# would the shell that runs CMake's rules take a $, \ or ` inside -I"...".
+nvcc_takes() {
+  case "$1" in
+    *[\'\"\\\$\`]*)
+      say "nvcc cannot take a path with a quote, \$, \\ or \` in it: $1 (move the checkout, or install the CUDA toolkit outside it)" >&2
+      return 1 ;;
+  esac
 }
 
 any_exists() {
@@ -132,7 +164,7 @@ print("\n".join(str(d) for r in (s.submodule_search_locations if s else []) for 
 # Where the CUDA runtime and cuBLAS a build links are found at run time when
 # no loader path names them: the toolkit's own folders, then the wheels'.
 cuda_runtime_path() {
-  local root d path=""
+  local root d path="" IFS=$'\n'  # (one folder a line: a path may hold spaces)
   root=$(cuda_root)
   for d in "$root"/lib64 "$root"/lib "$root"/targets/*/lib $(nvidia_wheel_dirs lib); do
     case "$path:" in *":$d:"*) continue ;; esac  # (a wheel's toolkit is among the wheels)
@@ -180,7 +212,7 @@ cuda_prepare() {
 # /usr/local/cuda) goes there, else one among python3's NVIDIA wheels (an
 # earlier ./dev.sh installed it), if any.
 cuda_find_nvcc() {
-  local d
+  local d IFS=$'\n'  # (one folder a line: a path may hold spaces)
   command -v nvcc >/dev/null 2>&1 && return 0
   for d in "${CUDA_HOME:-/usr/local/cuda}/bin" $(nvidia_wheel_dirs bin); do
     [ -x "$d/nvcc" ] && PATH="$d:$PATH" && return 0

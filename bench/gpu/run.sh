@@ -96,9 +96,8 @@ if [ "$build_only" = 0 ] && [ -f "$prebuilt" ] && [ ! -d "$SITE/llama_cpp" ]; th
   say "unpacking $(basename "$prebuilt") into $SITE"
   mkdir -p "$SITE" && tar xJf "$prebuilt" -C "$SITE"
 fi
-# scikit-build-core splits CMAKE_ARGS as a shell would: one quoted value each.
-[ -n "$c_flags" ] && cmake_args="$cmake_args '-DCMAKE_C_FLAGS=${c_flags# }'"
-[ -n "$cxx_flags" ] && cmake_args="$cmake_args '-DCMAKE_CXX_FLAGS=${cxx_flags# }'"
+[ -n "$c_flags" ] && cmake_arg "-DCMAKE_C_FLAGS=${c_flags# }"
+[ -n "$cxx_flags" ] && cmake_arg "-DCMAKE_CXX_FLAGS=${cxx_flags# }"
 # Built already: for this backend, and without AMX kernels (not, say, a
 # llama-cpp-python that an earlier pip install left there).
 if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys
