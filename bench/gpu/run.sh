@@ -98,11 +98,14 @@ if [ "$build_only" = 0 ] && [ -f "$prebuilt" ] && [ ! -d "$SITE/llama_cpp" ]; th
 fi
 [ -n "$c_flags" ] && cmake_arg "-DCMAKE_C_FLAGS=${c_flags# }"
 [ -n "$cxx_flags" ] && cmake_arg "-DCMAKE_CXX_FLAGS=${cxx_flags# }"
-# Built already: for this backend, and without AMX kernels (not, say, a
-# llama-cpp-python that an earlier pip install left there).
+# Built already: for this backend (and CUDA architecture), and without AMX
+# kernels (not, say, a llama-cpp-python that an earlier pip install left
+# there). Read from the build's own features, which a CUDA build lists
+# without a GPU too (--build-only on a machine without one).
 if ! PYTHONPATH=$SITE "$PY" -c "import llama_cpp, sys
-ok = llama_cpp.llama_supports_gpu_offload() == ('$backend' == 'cuda')
-sys.exit(0 if ok and b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info() else 1)" 2>/dev/null; then
+info = llama_cpp.llama_print_system_info()
+ok = (b'CUDA : ARCHS = ${cap}0' in info) if '$backend' == 'cuda' else b'CUDA : ' not in info
+sys.exit(0 if ok and b'AMX_INT8 = 1' not in info else 1)" 2>/dev/null; then
   say "building llama-cpp-python ($backend; $cmake_args) with $(nproc) jobs"
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
   set +e
