@@ -29,7 +29,7 @@ Codex's requests carry a ~20k-character developer prompt and ~8k characters
 of tool schemas: 8.2k-9.1k tokens in this model's fallback tool format, more
 than the shared server's 4096-token window and more than the model's 8192
 (llama.cpp runs past the trained length; only acceptance is checked). They
-run on the server with every default (no ``--ctx``: what ``./dev.sh serve``
+run on the server with the default window (no ``--ctx``: what ``./dev.sh serve``
 gives Codex out of the box) that the Codex CLI's tests share, paired so
 that the second request of each pair reuses the first one's prefix from the
 KV cache.
@@ -211,7 +211,7 @@ def test_replay_as_a_chain(http, path):
 
 @pytest.fixture(scope="module")
 def codex_http(default_server):
-    """The server with every default (tests/conftest.py), which the other
+    """The server with the default window (tests/conftest.py), which the other
     Codex tests share: Codex's instructions are prefilled there once per
     run. No ``--ctx``: what ``./dev.sh serve`` gives Codex out of the box."""
     with httpx.Client(base_url=default_server.url, timeout=1800) as client:

@@ -7,8 +7,8 @@ Acceptance is checked up to the stream's start (200 and
 ``response.created``, after every refusal would have happened); the whole
 replay, prefill and all, is ``test_client_fixtures.py::test_replay_codex``
 (slow: a cold ~9k-token prefill takes many minutes on a loaded machine).
-``default_server`` (tests/conftest.py) is started with no flags at all, so
-the context window is the default.
+``default_server`` (tests/conftest.py) is started without ``--ctx`` (its
+one flag is an output ceiling), so the context window is the default.
 """
 
 from __future__ import annotations

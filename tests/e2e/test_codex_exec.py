@@ -1,6 +1,6 @@
 """The Codex CLI itself (``codex exec``, the version ../shared/clients
-captured) against a server started with no flags but its port and data
-dir, as ``./dev.sh serve`` runs (``default_server``, tests/conftest.py,
+captured) against a server started with the defaults ``./dev.sh serve``
+gives it, but for an output ceiling (``default_server``, tests/conftest.py,
 shared with the other Codex tests): one turn over HTTP, then one with the
 provider's WebSocket transport on, asserting from the server log which
 transport carried it.

@@ -15,9 +15,9 @@ def assert_turn_ended(done: subprocess.CompletedProcess[str], events: list[dict[
     """The turn ran end to end: the model's answer reached Codex as an
     agent message, and the turn completed — or Codex reported only that the
     answer was cut. The bundled 135M model, at the sampling Codex leaves to
-    the server, now and then writes on until the repetition guard ends it
-    (1,371 tokens in one CI run); how long it writes is not what these tests
-    are about. Any other error fails."""
+    the server, now and then writes on until the repetition guard or the
+    server's output ceiling ends it (tests/conftest.py: default_server); how
+    long it writes is not what these tests are about. Any other error fails."""
     context = (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
     kinds = [e["type"] for e in events]
     replies = [e["item"] for e in events if e["type"] == "item.completed" and e["item"].get("type") == "agent_message"]
