@@ -63,6 +63,8 @@ def test_a_loop_ends_as_incomplete_in_every_dialect(srv):
     # What was generated before the loop was caught is kept.
     text = lmsp["output"][0]["content"][0]["text"]
     assert text.count("A,") > WINDOW // 4
+    # The operator's log says how each generation ended.
+    srv.wait_for_log(rf"decode response={lmsp['id']} seq=\d+ output={lmsp['usage']['output_tokens']} end=repetition ")
 
 
 # A schema that forces a long answer of numbers sampled at temperature 0.8:
@@ -80,6 +82,7 @@ def test_no_limit_given_stops_at_the_default_ceiling(srv):
     r = post(srv, "/v1/responses", LONG)
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}, r
     assert r["usage"]["output_tokens"] == CEILING
+    srv.wait_for_log(rf"decode response={r['id']} seq=\d+ output={CEILING} end=length ")
 
 
 def test_a_limit_given_by_the_client_is_not_capped(srv):

@@ -38,7 +38,8 @@ def test_responses_report_drafted_and_accepted_tokens(srv, path):
     # Asked to repeat code it was given, greedily, the model copies it: drafts are made and kept.
     assert 0 < decode["accepted"] <= decode["drafted"]
     assert "lmspd.cache" in body["extensions"]
-    srv.wait_for_log(rf"decode response={body['id']} seq=\d+ output=\d+ speculation "
+    # (24 tokens, the request's max_output_tokens: it ended at that length.)
+    srv.wait_for_log(rf"decode response={body['id']} seq=\d+ output=24 end=length decode_ms=[\d.]+ speculation "
                      rf"grammar=0/0 ngram={decode['accepted']}/{decode['drafted']}")
 
 
@@ -53,6 +54,7 @@ def test_a_request_turns_speculation_off(srv, path):
     assert "lmspd.decode" not in body["extensions"]
     # The same request drafts when speculation is on (the test above): off, it drafted nothing.
     assert drafted(srv) == before
+    srv.wait_for_log(rf"decode response={body['id']} seq=\d+ output=24 end=length decode_ms=[\d.]+\n")
 
 
 def test_the_extension_takes_only_a_boolean(srv):

@@ -176,6 +176,7 @@ class Generation:
         event, so that the KV matches the state's text)."""
         self._finish_tokens()
         self._remember(None, pending)
+        self.reason = "cancelled"
         if self.cancel.reason == "shutdown":
             self.emit(Failed("server_shutting_down", "The server is shutting down.", self.usage))
         else:

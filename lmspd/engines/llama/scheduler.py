@@ -79,6 +79,7 @@ class Running:
         # Prefill positions to stop at for a breakpoint checkpoint (ascending).
         self.breaks: list[int] = []
         self.started = time.perf_counter()
+        self.decoding_since = 0.0  # (set when the prefill ends)
         # Greedy sampling (with or without a grammar): its first pick is the
         # row's highest logit, which the step reads for all such rows at once.
         sampler = gen.sampler
@@ -698,7 +699,8 @@ class Scheduler:
     def _prefilled(self, run: Running) -> None:
         self._first_token = True
         plan = run.plan
-        prefill_ms = (time.perf_counter() - run.started) * 1000
+        run.decoding_since = time.perf_counter()
+        prefill_ms = (run.decoding_since - run.started) * 1000
         stats = self.runtime.stats
         stats.generations += 1
         stats.prefilled_tokens += len(plan.suffix)
@@ -725,9 +727,15 @@ class Scheduler:
 
     def _release(self, run: Running) -> None:
         self._running.remove(run)
-        if run.spec is not None and not run.prefilling:
-            log.info("decode response=%s seq=%d output=%d speculation %s", run.job.response_id, run.seq,
-                     len(run.gen.sampled), run.spec.stats.log_text())
+        # What a generation came to, beside the line its prefill wrote: how
+        # many tokens, how it ended (stop, length, repetition: a run that went
+        # on to the output ceiling shows here) and in what time.
+        if not run.prefilling and not run.job.prepared.run.prefill_only:
+            gen = run.gen
+            log.info("decode response=%s seq=%d output=%d end=%s decode_ms=%.1f%s", run.job.response_id, run.seq,
+                     len(gen.sampled), gen.reason,
+                     (time.perf_counter() - run.decoding_since) * 1000,
+                     f" speculation {run.spec.stats.log_text()}" if run.spec is not None else "")
         self.cache.release(run.seq)
         close = getattr(run.gen.sampler, "close", None)
         if close is not None:
