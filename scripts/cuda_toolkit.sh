@@ -197,7 +197,8 @@ cuda_prepare() {
     return 1
   fi
   say "the CUDA toolkit here lacks $parts: installing NVIDIA's wheels ($requirement; up to 1.5 GB)"
-  if ! $PIP install -q "$requirement"; then
+  # (pip's own progress, not -q: a gigabyte downloaded without a word looks hung.)
+  if ! $PIP install "$requirement" >&2; then
     mkdir -p "$WORK" && echo "$requirement" > "$failed"
     cuda_unusable="NVIDIA's toolkit wheels ($requirement) could not be installed (offline? install the CUDA toolkit)"
     return 1

@@ -201,7 +201,7 @@ def test_a_driver_without_a_toolkit_gets_nvidia_s_wheels_and_their_nvcc(tmp_path
     body = f'PIP={pip}; cuda_prepare; echo "arch=$arch"; command -v nvcc'
     done = cuda_shell(tmp_path, body, [nvidia_smi(tmp_path / "bin", "13.0", "9.0")], site)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "pip.log").read_text() == "install -q cuda-toolkit[nvcc,crt,cudart,cublas,cccl]>=13.0,<13.1\n"
+    assert (tmp_path / "pip.log").read_text() == "install cuda-toolkit[nvcc,crt,cudart,cublas,cccl]>=13.0,<13.1\n"
     assert done.stdout.split() == ["arch=90", str(site / "nvidia" / "cu13" / "bin" / "nvcc")]
     assert "lacks nvcc crt cudart cublas cccl: installing NVIDIA's wheels" in done.stderr
     # Again (the next ./dev.sh): the wheels' nvcc is found, nothing installed.
@@ -218,7 +218,7 @@ def test_a_toolkit_without_cublas_gets_only_cublas_for_its_own_version(tmp_path)
     done = cuda_shell(tmp_path, f"PIP={pip}; cuda_prepare; command -v nvcc", [toolkit, nvidia_smi(tmp_path / "smi")],
                   site)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "pip.log").read_text() == "install -q cuda-toolkit[cublas]==13.0.*\n"
+    assert (tmp_path / "pip.log").read_text() == "install cuda-toolkit[cublas]==13.0.*\n"
     assert done.stdout.strip() == str(toolkit / "nvcc")  # the toolkit's nvcc still
 
 
