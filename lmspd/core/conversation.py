@@ -130,6 +130,37 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A model's own sampling settings, for what a request leaves unset:
+    its GGUF's ``general.sampling.*`` (llama.cpp's converters write them
+    from the model's generation_config.json: Qwen3's temperature 0.6, top-k
+    20, top-p 0.95), as llama.cpp's server uses them. Clients such as Codex
+    send no temperature; the generic 1.0 without a top-k is not what these
+    models were tuned to be sampled with. None: the generic default (1.0,
+    no top-p, top-k or min-p)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    def temperature_of(self, sampling: Sampling) -> float:
+        if sampling.temperature is not None:
+            return sampling.temperature
+        return 1.0 if self.temperature is None else self.temperature
+
+    def top_p_of(self, sampling: Sampling) -> float:
+        if sampling.top_p is not None:
+            return sampling.top_p
+        return 1.0 if self.top_p is None else self.top_p
+
+    def describe(self) -> str:
+        """For the start-up log: ``temperature 0.6, top_k 20`` (or "none")."""
+        pairs = [(name, getattr(self, name)) for name in ("temperature", "top_p", "top_k", "min_p")]
+        return ", ".join(f"{name} {value:g}" for name, value in pairs if value is not None) or "none"
+
+
 class SessionPin:
     """A client connection that is one KV session (a WebSocket on
     ``/v1/responses``). While it is open an engine keeps the connection's

@@ -13,7 +13,16 @@ from typing import Any, Literal, Union
 from pydantic import Field, ValidationError
 
 from lmspd.core import compaction
-from lmspd.core.conversation import Conversation, Item, Message, Reasoning, Sampling, ToolCall, ToolOutput
+from lmspd.core.conversation import (
+    Conversation,
+    Item,
+    Message,
+    Reasoning,
+    Sampling,
+    SamplingDefaults,
+    ToolCall,
+    ToolOutput,
+)
 from lmspd.core.errors import ApiError, invalid, unsupported
 from lmspd.core.events import Usage
 from lmspd.core.limits import RequestLimits
@@ -237,8 +246,10 @@ def _refuse_unhonourable(body: CreateResponse) -> None:
         raise invalid("'conversation' and 'previous_response_id' cannot be used together.", "previous_response_id")
 
 
-def echo_fields(req: OpenAIRequest) -> dict[str, Any]:
-    """The request fields a Response object reports back."""
+def echo_fields(req: OpenAIRequest, sampling: SamplingDefaults) -> dict[str, Any]:
+    """The request fields a Response object reports back; the temperature
+    and top-p it samples with where the request gave none (the model's own,
+    ``sampling``, or 1.0)."""
     b = req.body
     fmt = (b.text.format if b.text and b.text.format else None) or {"type": "text"}
     text: dict[str, Any] = {"format": fmt}
@@ -260,12 +271,12 @@ def echo_fields(req: OpenAIRequest) -> dict[str, Any]:
         "service_tier": "default",
         "store": req.store,
         "background": bool(b.background),
-        "temperature": 1.0 if b.temperature is None else b.temperature,
+        "temperature": sampling.temperature_of(req.conversation.sampling),
         "text": text,
         "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
         "tools": [_echo_tool(t) for t in (b.tools or [])],
         "top_logprobs": b.top_logprobs or 0,
-        "top_p": 1.0 if b.top_p is None else b.top_p,
+        "top_p": sampling.top_p_of(req.conversation.sampling),
         "truncation": b.truncation or "disabled",
         "user": b.user,
     }

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable
 
-from lmspd.core.conversation import Item
+from lmspd.core.conversation import Item, SamplingDefaults
 from lmspd.core.errors import ApiError, RequestField
 from lmspd.streaming.session import Encoder, ResponseState
 from lmspd.streaming.sse import SSE_DONE, sse_event
@@ -22,13 +22,13 @@ from .fields import FieldNames, responses_items
 Rebuild = Callable[[list[tuple[str, dict[str, Any]]], str, int], tuple[ResponseState, "int | None"]]
 
 
-def _no_echo(req: ResponsesRequest) -> dict[str, Any]:
+def _no_echo(req: ResponsesRequest, sampling: SamplingDefaults) -> dict[str, Any]:
     return {}
 
 
-def _openai_echo(req: ResponsesRequest) -> dict[str, Any]:
+def _openai_echo(req: ResponsesRequest, sampling: SamplingDefaults) -> dict[str, Any]:
     assert isinstance(req, openai_responses.OpenAIRequest)
-    return openai_responses.echo_fields(req)
+    return openai_responses.echo_fields(req, sampling)
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class Dialect:
     # dialect, so store seq = wire seq - first_seq + 1.
     first_seq: int
     # The request fields the response object repeats (OpenAI's echo of
-    # instructions, tools, sampling...; LMSP repeats none).
-    echo: Callable[[ResponsesRequest], dict[str, Any]] = _no_echo
+    # instructions, tools, sampling...; LMSP repeats none), with the
+    # model's own sampling settings where the request left them unset.
+    echo: Callable[[ResponsesRequest, SamplingDefaults], dict[str, Any]] = _no_echo
     # What its requests call the neutral fields of the core's errors.
     field_names: Mapping[RequestField, str] = field(
         default_factory=lambda: MappingProxyType({RequestField.ITEMS: "input"}))

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from lmspd.core.conversation import Conversation
+from lmspd.core.conversation import Conversation, SamplingDefaults
 from lmspd.core.errors import ApiError
 from lmspd.core.events import EngineEvent
 from lmspd.core.limits import QueueLimits
@@ -38,6 +38,9 @@ class ModelInfo:
     # (--parallel); a remote provider batches requests itself, so the
     # upstream engine takes many.
     max_concurrency: int = 1
+    # The model's own sampling settings, for what a request leaves unset
+    # (none for a remote provider: it applies its own).
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class CancelToken:

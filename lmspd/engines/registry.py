@@ -345,7 +345,7 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
     loads with, within ``--models-max-mem``), its cost the file plus the KV
     of all its ``parallel`` windows and its compute buffers."""
     from lmspd.engines.llama.discovery import Roots
-    from lmspd.engines.llama.gguf import GGUFError, read_gguf
+    from lmspd.engines.llama.gguf import GGUFError, read_gguf, sampling_defaults
     from lmspd.engines.llama.models import resolve_model
     from lmspd.engines.specs import build_engine, plan_llama
 
@@ -359,5 +359,5 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
     info = ModelInfo(id=served, context_window=placement.window, source=str(path), capabilities={
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
-        "reasoning": header.capabilities["reasoning"]})
+        "reasoning": header.capabilities["reasoning"]}, sampling=sampling_defaults(header.metadata))
     return registry.add(info, lambda: build_engine(spec, settings, placement), placement.cost_bytes)

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from lmspd import compaction, idempotency
 from lmspd.bodies import read_json_body, read_json_object
-from lmspd.core.conversation import Item
+from lmspd.core.conversation import Item, SamplingDefaults
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
@@ -159,7 +159,9 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     # An OpenAI background response says it is queued until the model takes
     # it; LMSP has no such status (its task object does).
     status = "queued" if background and dialect is OPENAI else "in_progress"
-    state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req), status=status)
+    served = app.service.models.get(model)
+    sampling = served.engine.info.sampling if served is not None else SamplingDefaults()
+    state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req, sampling), status=status)
     try:
         lead = await compaction.before_turn(app, run_context, req, dialect) if dialect is OPENAI else None
         if lead is not None:

@@ -48,3 +48,45 @@ def model_metadata(*, arch: str = "llama", ctx: int = 4096, file_type: int | Non
     if template is not None:
         meta["tokenizer.chat_template"] = template
     return meta
+
+
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _skip(data: bytes, pos: int, vtype: int) -> int:
+    if vtype in _SIZES:
+        return pos + _SIZES[vtype]
+    if vtype == 8:
+        return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+    item_type, count = struct.unpack_from("<IQ", data, pos)
+    pos += 12
+    for _ in range(count):
+        pos = _skip(data, pos, item_type)
+    return pos
+
+
+def with_metadata(source: bytes, extra: dict[str, Any]) -> bytes:
+    """A whole GGUF (weights and all) with ``extra`` keys added to its
+    metadata: the header grows, so the tensor data is re-aligned after it
+    (tensors' offsets count from the data's start and stay as they are)."""
+    version, tensors, keys = struct.unpack_from("<IQQ", source, 4)
+    pos, alignment = 24, 32
+    for _ in range(keys):
+        length = struct.unpack_from("<Q", source, pos)[0]
+        key = source[pos + 8:pos + 8 + length].decode()
+        vtype = struct.unpack_from("<I", source, pos + 8 + length)[0]
+        value_at = pos + 12 + length
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", source, value_at)[0]
+        pos = _skip(source, value_at, vtype)
+    metadata_end = pos
+    for _ in range(tensors):
+        pos += 8 + struct.unpack_from("<Q", source, pos)[0]  # the name
+        dims = struct.unpack_from("<I", source, pos)[0]
+        pos += 4 + 8 * dims + 4 + 8  # shape, type, offset
+    data_start = pos + (-pos) % alignment
+    added = b"".join(_string(k) + struct.pack("<I", vtype) + blob
+                     for k, (vtype, blob) in ((k, _value(v)) for k, v in extra.items()))
+    header = (source[:4] + struct.pack("<IQQ", version, tensors, keys + len(extra)) + source[24:metadata_end]
+              + added + source[metadata_end:pos])
+    return header + b"\0" * ((-len(header)) % alignment) + source[data_start:]

@@ -32,7 +32,7 @@ from llama_cpp._utils import suppress_stdout_stderr
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import ContinuationCache, KvOps
-from lmspd.core.conversation import Conversation
+from lmspd.core.conversation import Conversation, SamplingDefaults
 from lmspd.core.events import TERMINAL_EVENTS, EngineEvent
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.core.run import LOCAL, RunContext
@@ -41,6 +41,7 @@ from lmspd.engines.base import CancelToken, ModelInfo
 
 from . import amx, native_log
 from .cpus import default_threads
+from .gguf import sampling_defaults
 from .kv import SequenceKv
 from .model_text import ModelText
 from .placement import RuntimeConfig, plan
@@ -164,6 +165,10 @@ class LlamaEngine:
         self.tool_format: ToolFormat = text.tool_format
         self.reasoning = text.reasoning
         self.parse_always = text.parse_always
+        sampling = sampling_defaults(model.metadata())
+        if sampling != SamplingDefaults():
+            log.info("model %s: its own sampling settings for what a request leaves unset: %s", model_id,
+                     sampling.describe())
         self.info = ModelInfo(
             id=model_id,
             context_window=self.n_ctx,
@@ -171,6 +176,7 @@ class LlamaEngine:
                           "reasoning": self.reasoning is not None},
             source=str(path),
             max_concurrency=self.parallel,
+            sampling=sampling,
         )
         self.stats_ = GenerationStats()
         self.kv = SequenceKv(self.ctx, model, swa_full=self.cache_settings.swa_full)
@@ -183,6 +189,7 @@ class LlamaEngine:
             reasoning=self.reasoning, cache=self.cache, n_ctx=self.n_ctx, limits=limits, sealer=sealer,
             repairs=Repairs(strip_billing_header=self.cache_settings.strip_billing_header,
                             canonical_tool_order=self.cache_settings.canonical_tool_order),
+            sampling=sampling,
         )
         if grammars_at_start:
             self.preparation.build_grammars_in_background()

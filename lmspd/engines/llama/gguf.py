@@ -16,7 +16,9 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Mapping
+
+from lmspd.core.conversation import SamplingDefaults
 
 MAGIC = b"GGUF"
 MAX_KEYS = 65_536
@@ -95,6 +97,34 @@ class GGUFInfo:
         t = self.chat_template or ""
         return {"tools": bool(_RENDERS_TOOLS.search(t)),
                 "reasoning": "<think>" in t or "reasoning_content" in t}
+
+
+def sampling_defaults(metadata: Mapping[str, Any]) -> SamplingDefaults:
+    """The model's own sampling settings (``general.sampling.temp``,
+    ``.top_p``, ``.top_k``, ``.min_p``: llama.cpp's keys), from this module's
+    header or llama.cpp's metadata (where every value is a string). A value
+    out of its range, or one that turns the sampler off (top-k 0, top-p 1,
+    min-p 0), is left out."""
+
+    def number(key: str, low: float, high: float) -> float | None:
+        value = metadata.get(f"general.sampling.{key}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            return None
+        try:
+            x = float(value)
+        except ValueError:
+            return None
+        return x if low <= x <= high else None
+
+    temperature = number("temp", 0.0, 2.0)
+    top_p = number("top_p", 1e-6, 1.0)
+    top_k = number("top_k", 1.0, 1e9)
+    min_p = number("min_p", 1e-6, 1.0)
+    return SamplingDefaults(
+        temperature=None if temperature is None else round(temperature, 6),
+        top_p=None if top_p is None or top_p >= 1.0 else round(top_p, 6),
+        top_k=None if top_k is None else int(top_k),
+        min_p=None if min_p is None else round(min_p, 6))
 
 
 def quantization_from_name(filename: str) -> str | None:

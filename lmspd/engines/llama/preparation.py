@@ -29,6 +29,7 @@ from lmspd.core.conversation import (
     Message,
     Reasoning,
     Role,
+    SamplingDefaults,
     ToolCall,
     orphan_tool_outputs,
 )
@@ -128,8 +129,11 @@ class Repairs:
 class Preparation:
     def __init__(self, *, model_id: str, vocab: Vocabulary, template: ChatTemplate, tool_format: ToolFormat,
                  reasoning: ReasoningSyntax | None, cache: ContinuationCache, n_ctx: int, limits: RequestLimits,
-                 sealer: Sealer | None, repairs: Repairs | None = None) -> None:
+                 sealer: Sealer | None, repairs: Repairs | None = None,
+                 sampling: SamplingDefaults | None = None) -> None:
         self.repairs = repairs or Repairs()
+        # The model's own sampling settings, for what a request leaves unset.
+        self.sampling = sampling or SamplingDefaults()
         self.model_id = model_id
         self.vocab = vocab
         self.template = template
@@ -479,17 +483,24 @@ class Preparation:
     def sampler(self, prepared: LlamaPrepared) -> internals.LlamaSampler | Greedy | GrammarFirstRejection:
         """A fresh sampler for one sequence: ``sample(ctx, idx)`` reads the
         logits of batch row ``idx``."""
-        sampling = prepared.conversation.sampling
-        temperature = 1.0 if sampling.temperature is None else sampling.temperature
+        sampling, defaults = prepared.conversation.sampling, self.sampling
+        temperature = defaults.temperature_of(sampling)
         if temperature <= 0 and prepared.grammar is None:
             return Greedy(self.vocab.n_vocab)
         chain = internals.LlamaSampler()
         if temperature <= 0:
             chain.add_greedy()
         else:
-            top_p = 1.0 if sampling.top_p is None else sampling.top_p
+            # llama.cpp's order: top-k, top-p, min-p, then the temperature.
+            # Each keeps no per-token state, which speculation's verification
+            # relies on (sampling.py).
+            if defaults.top_k is not None:
+                chain.add_top_k(defaults.top_k)
+            top_p = defaults.top_p_of(sampling)
             if top_p < 1.0:
                 chain.add_top_p(top_p, 1)
+            if defaults.min_p is not None:
+                chain.add_min_p(defaults.min_p, 1)
             chain.add_temp(temperature)
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
             chain.add_dist(seed)

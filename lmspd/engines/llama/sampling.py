@@ -166,7 +166,8 @@ class GrammarFirstRejection:
         # but first writes a 49k-entry candidate array (~0.6 MB, more than
         # a core's L2 here) every token, which free decoding never does.
         # The chain's accept of a token the grammar then rejects is
-        # harmless: greedy, temperature, top-p and dist keep no per-token state.
+        # harmless: greedy, top-k, top-p, min-p, temperature and dist keep no
+        # per-token state.
         if self._greedy:
             token = top if top is not None else int(logits_row(ctx, idx, self._n_vocab).argmax())
         else:

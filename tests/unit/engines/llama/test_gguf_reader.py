@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmspd.engines.llama.gguf import MAX_STRING_BYTES, GGUFError, SkippedArray, parse, read_gguf
+from lmspd.core.conversation import SamplingDefaults
+from lmspd.engines.llama.gguf import MAX_STRING_BYTES, GGUFError, SkippedArray, parse, read_gguf, sampling_defaults
 from lmspd.engines.llama.models import resolve_model
 from support.gguf_writer import gguf_bytes, model_metadata
 
@@ -111,3 +112,23 @@ def test_arbitrary_bytes_never_crash(blob):
         parse(io.BytesIO(b"GGUF" + blob))
     except GGUFError:
         pass
+
+
+def test_a_model_s_sampling_settings_are_read_from_its_header_or_llama_cpp_s_strings():
+    header = parse(io.BytesIO(gguf_bytes({"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
+                                          "general.sampling.top_p": 0.95, "general.sampling.min_p": 0.05})))
+    assert sampling_defaults(header.metadata) == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05)
+    # llama.cpp's metadata() gives every value as a string.
+    strings = {"general.sampling.temp": "0.600000", "general.sampling.top_k": "20"}
+    assert sampling_defaults(strings) == SamplingDefaults(temperature=0.6, top_k=20)
+    assert sampling_defaults(strings).describe() == "temperature 0.6, top_k 20"
+    assert sampling_defaults({}).describe() == "none"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    # Values that turn the sampler off (Spark-style "top_k -1") and values out of range are left out.
+    ("top_k", -1), ("top_k", 0), ("top_p", 1.0), ("top_p", 0.0), ("min_p", 0.0), ("min_p", 1.5),
+    ("temp", -0.1), ("temp", 3.0), ("temp", "warm"), ("temp", True), ("temp", [0.6]),
+])
+def test_sampling_settings_that_do_nothing_or_make_no_sense_are_left_out(key, value):
+    assert sampling_defaults({f"general.sampling.{key}": value}) == SamplingDefaults()
