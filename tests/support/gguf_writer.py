@@ -18,7 +18,9 @@ def _value(value: Any) -> tuple[int, bytes]:
     if isinstance(value, bool):
         return 7, struct.pack("<?", value)
     if isinstance(value, int):
-        return 4, struct.pack("<I", value) if 0 <= value < 2**32 else struct.pack("<q", value)
+        if 0 <= value < 2**32:
+            return 4, struct.pack("<I", value)
+        return 11, struct.pack("<q", value)  # (an i64: negative, or past a u32)
     if isinstance(value, float):
         return 6, struct.pack("<f", value)
     if isinstance(value, str):

@@ -132,3 +132,8 @@ def test_a_model_s_sampling_settings_are_read_from_its_header_or_llama_cpp_s_str
 ])
 def test_sampling_settings_that_do_nothing_or_make_no_sense_are_left_out(key, value):
     assert sampling_defaults({f"general.sampling.{key}": value}) == SamplingDefaults()
+
+
+def test_the_test_writer_s_integers_read_back_whatever_their_sign_or_size():
+    values = {"a": 7, "b": -1, "c": 2**40, "general.sampling.top_k": -1}
+    assert parse(io.BytesIO(gguf_bytes(values))).metadata == values
