@@ -128,6 +128,9 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # No field of the protocols (lmspd's extension): 0 turns each off.
+    top_k: int | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,14 @@ class SamplingDefaults:
         if sampling.top_p is not None:
             return sampling.top_p
         return 1.0 if self.top_p is None else self.top_p
+
+    def top_k_of(self, sampling: Sampling) -> int:
+        """0: no top-k."""
+        return sampling.top_k if sampling.top_k is not None else self.top_k or 0
+
+    def min_p_of(self, sampling: Sampling) -> float:
+        """0: no min-p."""
+        return sampling.min_p if sampling.min_p is not None else self.min_p or 0.0
 
     def describe(self) -> str:
         """For the start-up log: ``temperature 0.6, top_k 20`` (or "none")."""

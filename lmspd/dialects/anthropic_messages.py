@@ -25,7 +25,6 @@ from lmspd.core.conversation import (
     Message,
     OutputFormat,
     Reasoning,
-    Sampling,
     ToolCall,
     ToolOutput,
 )
@@ -159,12 +158,8 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         tool_choice=choice,
         parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         output_format=_output_format(body.output_config),
-        sampling=Sampling(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=extensions.seed,
-            stop=decode_stop(body.stop_sequences, limits, "stop_sequences"),
-        ),
+        sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p,
+                                     stop=decode_stop(body.stop_sequences, limits, "stop_sequences")),
         max_output_tokens=body.max_tokens,
         max_output_tokens_is_ceiling=True,
         reasoning_effort=_effort(body),

@@ -23,7 +23,6 @@ from lmspd.core.conversation import (
     Item,
     Message,
     Reasoning,
-    Sampling,
     ToolCall,
     ToolOutput,
 )
@@ -191,7 +190,6 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletion
     tools = decode_tools(_flat_tools(body.tools), limits)
     choice = decode_tool_choice(_flat_tool_choice(body.tool_choice), tools)
     extensions = decode_extensions(body.extensions)
-    seed = body.seed if body.seed is not None else extensions.seed
     conversation = Conversation(
         model=body.model,
         items=items,
@@ -199,12 +197,8 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletion
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,
         output_format=decode_json_format(body.response_format, "response_format"),
-        sampling=Sampling(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=seed32(seed),
-            stop=decode_stop(body.stop, limits, "stop"),
-        ),
+        sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p, seed=seed32(body.seed),
+                                     stop=decode_stop(body.stop, limits, "stop")),
         # max_tokens is the deprecated spelling; the newer field wins.
         max_output_tokens=body.max_completion_tokens or body.max_tokens,
         reasoning_effort=body.reasoning_effort,

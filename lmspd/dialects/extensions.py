@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from lmspd.core.conversation import Sampling
 from lmspd.core.errors import invalid
 from lmspd.streaming.session import ResponseState
 
@@ -16,6 +17,9 @@ from .responses_items import Strict, validation_error
 
 class SamplingExtension(Strict):
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    # Over the model's own settings (its GGUF's); 0 turns each off.
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    min_p: float | None = Field(default=None, ge=0, le=1)
 
 
 class CacheExtension(Strict):
@@ -26,9 +30,18 @@ class CacheExtension(Strict):
 @dataclass
 class Extensions:
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     cache_reuse: bool = True
     # False: no speculative decoding for this request.
     speculative: bool = True
+
+    def sampling(self, *, temperature: float | None, top_p: float | None, seed: int | None = None,
+                 stop: list[str] | None = None) -> Sampling:
+        """A request's sampling: its dialect's own fields (a ``seed`` of its
+        own over the extension's), with the extension's top-k and min-p."""
+        return Sampling(temperature=temperature, top_p=top_p, seed=self.seed if seed is None else seed,
+                        stop=stop or [], top_k=self.top_k, min_p=self.min_p)
 
 
 _KNOWN: dict[str, type[Strict]] = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}
@@ -59,7 +72,7 @@ def decode_extensions(raw: dict[str, Any] | None) -> Extensions:
         except ValidationError as exc:
             raise validation_error(exc, f"extensions.{key}") from None
         if isinstance(parsed, SamplingExtension):
-            out.seed = parsed.seed
+            out.seed, out.top_k, out.min_p = parsed.seed, parsed.top_k, parsed.min_p
         elif isinstance(parsed, CacheExtension):
             out.cache_reuse = parsed.reuse
     return out

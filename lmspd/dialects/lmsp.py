@@ -12,7 +12,7 @@ from typing import Any, Union
 from pydantic import Field, ValidationError
 
 from lmspd.core import compaction
-from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, Sampling, ToolCall
+from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, ToolCall
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.limits import RequestLimits
 from lmspd.streaming import steps
@@ -120,7 +120,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,
         output_format=decode_json_format(body.response_format, "response_format"),
-        sampling=Sampling(temperature=body.temperature, top_p=body.top_p, seed=extensions.seed),
+        sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p),
         max_output_tokens=body.max_output_tokens,
         previous_response_id=body.previous_response_id,
         cache_reuse=extensions.cache_reuse,

@@ -67,6 +67,14 @@ def test_a_temperature_the_request_gives_is_kept_and_the_model_s_top_k_still_app
     assert text(given) == text(greedy)
 
 
+def test_the_extension_overrides_the_model_s_top_k(srv):
+    """``{"lmspd.sampling": {"top_k": 0}}`` turns the model's top-k off: the
+    same draw then writes other than the greedy text."""
+    greedy = respond(srv, temperature=0)
+    free = respond(srv, extensions={"lmspd.sampling": {"seed": 1, "top_k": 0}})
+    assert text(free) != text(greedy)
+
+
 def test_a_model_without_settings_samples_as_before():
     """The control: the bundled model itself (no ``general.sampling.*``) at the
     generic temperature 1.0 does not write the greedy text with the same
@@ -75,9 +83,12 @@ def test_a_model_without_settings_samples_as_before():
     try:
         body = {"model": MODEL, "input": STORY, "max_output_tokens": 40, "store": False}
         replies = [httpx.post(server.url + "/v1/responses", json={**body, **extra}, timeout=120).json()
-                   for extra in ({"temperature": 0}, seeded(1), seeded(2))]
+                   for extra in ({"temperature": 0}, seeded(1), seeded(2),
+                                 {"extensions": {"lmspd.sampling": {"seed": 1, "top_k": 1}}})]
     finally:
         server.stop()
-    assert [r["temperature"] for r in replies] == [0, 1.0, 1.0]
+    assert [r["temperature"] for r in replies] == [0, 1.0, 1.0, 1.0]
     assert "its own sampling settings" not in server.log()
     assert text(replies[1]) != text(replies[0]) and text(replies[2]) != text(replies[0])
+    # The extension's top-k 1, on this model, is the greedy text again.
+    assert text(replies[3]) == text(replies[0])

@@ -494,13 +494,13 @@ class Preparation:
             # llama.cpp's order: top-k, top-p, min-p, then the temperature.
             # Each keeps no per-token state, which speculation's verification
             # relies on (sampling.py).
-            if defaults.top_k is not None:
-                chain.add_top_k(defaults.top_k)
-            top_p = defaults.top_p_of(sampling)
+            top_k, top_p, min_p = defaults.top_k_of(sampling), defaults.top_p_of(sampling), defaults.min_p_of(sampling)
+            if top_k > 0:
+                chain.add_top_k(top_k)
             if top_p < 1.0:
                 chain.add_top_p(top_p, 1)
-            if defaults.min_p is not None:
-                chain.add_min_p(defaults.min_p, 1)
+            if min_p > 0:
+                chain.add_min_p(min_p, 1)
             chain.add_temp(temperature)
             seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
             chain.add_dist(seed)

@@ -140,6 +140,11 @@ def build_chat_request(
         body["top_p"] = sampling.top_p
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    # (lmspd's extension; vLLM, SGLang and llama.cpp's server take both.)
+    if sampling.top_k is not None:
+        body["top_k"] = sampling.top_k
+    if sampling.min_p is not None:
+        body["min_p"] = sampling.min_p
     if sampling.stop:
         body["stop"] = list(sampling.stop)
     if conversation.max_output_tokens is not None:

@@ -105,6 +105,9 @@ def test_sampling_caps_and_formats():
     assert req.stream and req.include_usage and req.conversation.reasoning_effort == "low"
     assert req.conversation.cache_reuse is False
     assert decode(extensions={"lmspd.sampling": {"seed": 5}}).conversation.sampling.seed == 5
+    # The request's own seed over the extension's; top-k and min-p from the extension (0: off).
+    sampling = decode(seed=7, extensions={"lmspd.sampling": {"seed": 5, "top_k": 0, "min_p": 0.1}}).conversation.sampling
+    assert (sampling.seed, sampling.top_k, sampling.min_p) == (7, 0, 0.1)
     # Harmless bookkeeping fields are accepted.
     decode(user="u", metadata={"k": "v"}, store=False, service_tier="auto", prompt_cache_key="k",
            parallel_tool_calls=False, n=1, presence_penalty=0, frequency_penalty=0, logprobs=False,
@@ -123,6 +126,8 @@ def test_sampling_caps_and_formats():
     ({"stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
     ({"temperature": 3}, "invalid_request", "temperature"),
+    ({"extensions": {"lmspd.sampling": {"top_k": -1}}}, "invalid_request", "extensions.lmspd.sampling.top_k"),
+    ({"extensions": {"lmspd.sampling": {"min_p": 1.5}}}, "invalid_request", "extensions.lmspd.sampling.min_p"),
     ({"messages": []}, "invalid_request", "messages"),
     ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, "invalid_request", "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "invalid_request", "messages[0].content"),

@@ -42,6 +42,13 @@ def test_plain_request():
     }
 
 
+def test_a_requested_top_k_and_min_p_go_to_the_provider():
+    """(lmspd's ``lmspd.sampling`` extension: vLLM, SGLang and llama.cpp's server take both.)"""
+    body = build(sampling=Sampling(top_k=20, min_p=0.05)).body
+    assert (body["top_k"], body["min_p"]) == (20, 0.05)
+    assert "top_k" not in build().body and "min_p" not in build().body
+
+
 def test_profiles_differ_only_where_providers_do():
     conv = Conversation(model="s", items=[Message(role="user", text="x")], max_output_tokens=5,
                         output_format=OutputFormat(type="json_schema", name="answer", schema={"type": "object"},
