@@ -72,7 +72,7 @@ class CreateMessage(Strict):
     stream: bool | None = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000)
     tools: list[Any] | None = None
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
@@ -158,7 +158,7 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
         tool_choice=choice,
         parallel_tool_calls=False if body.tool_choice and body.tool_choice.disable_parallel_tool_use else None,
         output_format=_output_format(body.output_config),
-        sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p,
+        sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                      stop=decode_stop(body.stop_sequences, limits, "stop_sequences")),
         max_output_tokens=body.max_tokens,
         max_output_tokens_is_ceiling=True,
@@ -173,8 +173,6 @@ def _decode(model: type[CreateMessage], raw: dict[str, Any], limits: RequestLimi
 
 
 def _refuse_unhonourable(body: CreateMessage) -> None:
-    if body.top_k is not None:
-        raise unsupported("top_k", "'top_k' is not supported yet; use 'top_p' or 'temperature'.")
     for name in ("container", "mcp_servers"):
         if getattr(body, name) is not None:
             raise unsupported(name, f"'{name}' is an Anthropic-hosted feature that lmspd does not provide.")

@@ -37,11 +37,12 @@ class Extensions:
     speculative: bool = True
 
     def sampling(self, *, temperature: float | None, top_p: float | None, seed: int | None = None,
-                 stop: list[str] | None = None) -> Sampling:
-        """A request's sampling: its dialect's own fields (a ``seed`` of its
-        own over the extension's), with the extension's top-k and min-p."""
+                 top_k: int | None = None, stop: list[str] | None = None) -> Sampling:
+        """A request's sampling: its dialect's own fields (a ``seed`` or
+        ``top_k`` of its own over the extension's), with the extension's
+        top-k and min-p."""
         return Sampling(temperature=temperature, top_p=top_p, seed=self.seed if seed is None else seed,
-                        stop=stop or [], top_k=self.top_k, min_p=self.min_p)
+                        stop=stop or [], top_k=self.top_k if top_k is None else top_k, min_p=self.min_p)
 
 
 _KNOWN: dict[str, type[Strict]] = {"lmspd.sampling": SamplingExtension, "lmspd.cache": CacheExtension}

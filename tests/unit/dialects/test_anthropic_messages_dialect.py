@@ -117,12 +117,16 @@ def test_sampling_thinking_and_output_format():
     # count_tokens needs no max_tokens.
     counted = decode_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, LIMITS)
     assert counted.conversation.max_output_tokens is None
+    # top_k is sampled with (the llama engine's chain has a top-k), over lmspd's extension.
+    assert decode(top_k=5).conversation.sampling.top_k == 5
+    assert decode(top_k=5, extensions={"lmspd.sampling": {"top_k": 9}}).conversation.sampling.top_k == 5
+    assert decode(extensions={"lmspd.sampling": {"top_k": 9}}).conversation.sampling.top_k == 9
 
 
 @pytest.mark.parametrize("body,code,param", [
     ({"frobnicate": 1}, "unsupported_parameter", "frobnicate"),
     ({"max_tokens": None}, "invalid_request", "max_tokens"),
-    ({"top_k": 5}, "unsupported_parameter", "top_k"),
+    ({"top_k": -1}, "invalid_request", "top_k"),
     ({"temperature": 1.5}, "invalid_request", "temperature"),
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "unsupported_parameter",
      "context_management"),
