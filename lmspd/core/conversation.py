@@ -128,7 +128,8 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    # No field of the protocols (lmspd's extension): 0 turns each off.
+    # Anthropic's top_k, else lmspd's extension (no other protocol has a
+    # field for them): 0 turns each off.
     top_k: int | None = None
     min_p: float | None = None
 
