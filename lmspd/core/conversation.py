@@ -167,10 +167,14 @@ class SamplingDefaults:
         """0: no min-p."""
         return sampling.min_p if sampling.min_p is not None else self.min_p or 0.0
 
+    def as_json(self) -> dict[str, float | int]:
+        """The settings the model carries (for the model listings)."""
+        names = ("temperature", "top_p", "top_k", "min_p")
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
+
     def describe(self) -> str:
         """For the start-up log: ``temperature 0.6, top_k 20`` (or "none")."""
-        pairs = [(name, getattr(self, name)) for name in ("temperature", "top_p", "top_k", "min_p")]
-        return ", ".join(f"{name} {value:g}" for name, value in pairs if value is not None) or "none"
+        return ", ".join(f"{name} {value:g}" for name, value in self.as_json().items()) or "none"
 
 
 class SessionPin:

@@ -35,7 +35,7 @@ async def openai_models(request: Request) -> Response:
         info = m.engine.info
         data.append({"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by,
                      "served": True, "context_window": info.context_window,
-                     "status": getattr(m.engine, "status", "loaded")})
+                     "status": getattr(m.engine, "status", "loaded"), "sampling": info.sampling.as_json()})
     served = {d["id"].lower() for d in data}
     # Found models are the operator's (private repository names): admin
     # only. Directory walks and header reads: off the event loop.
@@ -90,6 +90,7 @@ async def lmsp_models(request: Request) -> Response:
         caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
         # loaded, or (a model that loads on first use) unloaded / loading / unloading.
         status = getattr(m.engine, "status", "loaded")
+        # The model's own sampling settings, for what a request leaves unset.
         data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
-                     "status": status})
+                     "status": status, "sampling": info.sampling.as_json()})
     return json_reply({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})

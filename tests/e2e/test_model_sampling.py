@@ -52,6 +52,9 @@ def text(response: dict) -> str:
 
 def test_the_model_s_settings_fill_what_the_request_leaves_unset(srv):
     srv.wait_for_log(r"its own sampling settings for what a request leaves unset: temperature 0\.7, top_k 1")
+    listed = httpx.get(srv.url + "/v1/models").json()["data"][0]["sampling"]
+    lmsp = httpx.get(srv.url + "/lmsp/v1/models", headers={"LMSP-Version": "1.0"}).json()["data"][0]["sampling"]
+    assert listed == lmsp == {"temperature": 0.7, "top_k": 1}
     greedy = respond(srv, temperature=0)
     unset = [respond(srv, **seeded(seed)) for seed in (1, 2)]
     # The model's temperature is what the response reports (not OpenAI's 1.0)...
@@ -85,10 +88,11 @@ def test_a_model_without_settings_samples_as_before():
         replies = [httpx.post(server.url + "/v1/responses", json={**body, **extra}, timeout=120).json()
                    for extra in ({"temperature": 0}, seeded(1), seeded(2),
                                  {"extensions": {"lmspd.sampling": {"seed": 1, "top_k": 1}}})]
+        listed = httpx.get(server.url + "/v1/models").json()["data"][0]["sampling"]
     finally:
         server.stop()
     assert [r["temperature"] for r in replies] == [0, 1.0, 1.0, 1.0]
-    assert "its own sampling settings" not in server.log()
+    assert "its own sampling settings" not in server.log() and listed == {}
     assert text(replies[1]) != text(replies[0]) and text(replies[2]) != text(replies[0])
     # The extension's top-k 1, on this model, is the greedy text again.
     assert text(replies[3]) == text(replies[0])
