@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lmspd import __version__
 from lmspd.config import DEFAULT_CTX, Settings
+from lmspd.core.conversation import SamplingDefaults
 from lmspd.core.limits import DEFAULT_LIMITS
 
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="close Responses WebSocket connections after this long (default 3600, as OpenAI)")
     _engine_flags(serve)
     _cache_flags(serve)
+    _sampling_flags(serve)
     store = serve.add_argument_group("stored state (responses, conversations, tasks and their events)")
     store.add_argument("--response-retention-s", type=float, default=None,
                        help="keep stored responses this long (default 30 days)")
@@ -282,6 +284,16 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                             "reordered tool list keeps the cached prompt)")
 
 
+def _sampling_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("sampling where a request sets none (local models; a provider has its own)")
+    group.add_argument("--temperature", type=float, default=None, metavar="T",
+                       help="sampling for a request that sets none (Codex sends no temperature), over the GGUF's "
+                            "own general.sampling.temp (default: the model's, else 1.0)")
+    group.add_argument("--top-p", type=float, default=None, metavar="P", help="likewise top-p (1: off)")
+    group.add_argument("--top-k", type=int, default=None, metavar="K", help="likewise top-k (0: off)")
+    group.add_argument("--min-p", type=float, default=None, metavar="P", help="likewise min-p (0: off)")
+
+
 def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
     for flag in ("kv_disk_space_mb", "kv_ram_mb", "kv_checkpoint_every"):
         if getattr(args, flag) < 0:
@@ -294,6 +306,12 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_checkpoint_every = args.kv_checkpoint_every
     settings.swa_full = args.swa_full
     settings.speculative = args.speculative
+    for flag, value, low, high in (("--temperature", args.temperature, 0, 2), ("--top-p", args.top_p, 0, 1),
+                                   ("--top-k", args.top_k, 0, 1_000_000), ("--min-p", args.min_p, 0, 1)):
+        if value is not None and not low <= value <= high:
+            parser.error(f"{flag} must be between {low} and {high}")
+    settings.sampling = SamplingDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                         min_p=args.min_p)
     settings.strip_billing_header = not args.keep_billing_header
     settings.canonical_tool_order = not args.keep_tool_order
 

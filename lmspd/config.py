@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmspd.core.conversation import SamplingDefaults
 from lmspd.core.limits import DEFAULT_LEASE_S, DEFAULT_LIMITS, Limits, Retention
 
 # The window ``--ctx auto`` gives a model trained on less (lmspd.engines.llama.fit
@@ -73,6 +74,9 @@ class Settings:
     swa_full: bool = False
     # Speculative decoding of local models (--speculative: auto or off).
     speculative: str = "auto"
+    # What a request leaves unset is sampled with, over each local model's own
+    # settings (--temperature, --top-p, --top-k, --min-p).
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Cache-killer repairs (README: "Cache repairs").
     strip_billing_header: bool = True
     canonical_tool_order: bool = True

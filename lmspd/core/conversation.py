@@ -167,6 +167,12 @@ class SamplingDefaults:
         """0: no min-p."""
         return sampling.min_p if sampling.min_p is not None else self.min_p or 0.0
 
+    def under(self, over: SamplingDefaults) -> SamplingDefaults:
+        """These settings with each one ``over`` sets taken from it instead
+        (the operator's flags over the model's own)."""
+        return SamplingDefaults(**{name: getattr(self, name) if getattr(over, name) is None else getattr(over, name)
+                                   for name in ("temperature", "top_p", "top_k", "min_p")})
+
     def as_json(self) -> dict[str, float | int]:
         """The settings the model carries (for the model listings)."""
         names = ("temperature", "top_p", "top_k", "min_p")

@@ -36,6 +36,7 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
+from lmspd.core.conversation import SamplingDefaults
 from lmspd.core.errors import ApiError
 from lmspd.engines.base import ModelInfo
 
@@ -359,5 +360,6 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
     info = ModelInfo(id=served, context_window=placement.window, source=str(path), capabilities={
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
-        "reasoning": header.capabilities["reasoning"]}, sampling=sampling_defaults(header.metadata))
+        "reasoning": header.capabilities["reasoning"]},
+        sampling=sampling_defaults(header.metadata).under(getattr(settings, "sampling", SamplingDefaults())))
     return registry.add(info, lambda: build_engine(spec, settings, placement), placement.cost_bytes)

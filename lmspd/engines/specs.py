@@ -257,7 +257,8 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
     return LlamaEngine(served, path, n_threads=spec.threads, cache=cache, limits=settings.limits.request,
                        chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
                        placement=placement or plan_llama(spec, path, settings),
-                       speculative=getattr(settings, "speculative", "auto"))
+                       speculative=getattr(settings, "speculative", "auto"),
+                       sampling=getattr(settings, "sampling", None))
 
 
 def _is_loopback_url(url: str) -> bool:

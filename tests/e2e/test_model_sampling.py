@@ -26,11 +26,16 @@ def seeded(seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def gguf(tmp_path_factory) -> Path:
     path = Path(tmp_path_factory.mktemp("sampling")) / "smollm2-sampling.gguf"
     path.write_bytes(with_metadata(Path(bundled_gguf()).read_bytes(),
                                    {"general.sampling.temp": 0.7, "general.sampling.top_k": 1}))
-    server = ServerProcess("--model", str(path), "--ctx", "1024", "--parallel", "1").start()
+    return path
+
+
+@pytest.fixture(scope="module")
+def srv(gguf):
+    server = ServerProcess("--model", str(gguf), "--ctx", "1024", "--parallel", "1").start()
     yield server
     server.stop()
 
@@ -51,7 +56,8 @@ def text(response: dict) -> str:
 
 
 def test_the_model_s_settings_fill_what_the_request_leaves_unset(srv):
-    srv.wait_for_log(r"its own sampling settings for what a request leaves unset: temperature 0\.7, top_k 1")
+    srv.wait_for_log(r"sampling for what a request leaves unset: temperature 0\.7, top_k 1 \(its own settings: "
+                     r"temperature 0\.7, top_k 1\)")
     listed = httpx.get(srv.url + "/v1/models").json()["data"][0]["sampling"]
     lmsp = httpx.get(srv.url + "/lmsp/v1/models", headers={"LMSP-Version": "1.0"}).json()["data"][0]["sampling"]
     assert listed == lmsp == {"temperature": 0.7, "top_k": 1}
@@ -78,6 +84,23 @@ def test_the_extension_overrides_the_model_s_top_k(srv):
     assert text(free) != text(greedy)
 
 
+def test_the_operator_s_flags_win_over_the_model_s_settings(gguf):
+    """``--temperature 0.5 --top-k 0``: the model's top-k 1 is off (the same
+    draw writes other than the greedy text) and 0.5 is what is reported; the
+    model's other settings stay."""
+    server = ServerProcess("--model", str(gguf), "--ctx", "1024", "--parallel", "1", "--temperature", "0.5",
+                           "--top-k", "0").start()
+    try:
+        greedy, drawn = respond(server, temperature=0), respond(server, **seeded(1))
+        listed = httpx.get(server.url + "/v1/models").json()["data"][0]["sampling"]
+    finally:
+        server.stop()
+    assert drawn["temperature"] == 0.5 and text(drawn) != text(greedy)
+    assert listed == {"temperature": 0.5, "top_k": 0}
+    assert ("sampling for what a request leaves unset: temperature 0.5, top_k 0 "
+            "(its own settings: temperature 0.7, top_k 1)") in server.log()
+
+
 def test_a_model_without_settings_samples_as_before():
     """The control: the bundled model itself (no ``general.sampling.*``) at the
     generic temperature 1.0 does not write the greedy text with the same
@@ -92,7 +115,7 @@ def test_a_model_without_settings_samples_as_before():
     finally:
         server.stop()
     assert [r["temperature"] for r in replies] == [0, 1.0, 1.0, 1.0]
-    assert "its own sampling settings" not in server.log() and listed == {}
+    assert "sampling for what a request leaves unset" not in server.log() and listed == {}
     assert text(replies[1]) != text(replies[0]) and text(replies[2]) != text(replies[0])
     # The extension's top-k 1, on this model, is the greedy text again.
     assert text(replies[3]) == text(replies[0])

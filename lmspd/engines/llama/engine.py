@@ -101,6 +101,7 @@ class LlamaEngine:
         flash_attn: str = "auto",
         kv_type: str = "f16",
         speculative: str = "auto",
+        sampling: SamplingDefaults | None = None,
     ) -> None:
         """``placement`` is where and how the model runs (``placement.plan``,
         fitted to memory); without it ``n_ctx`` (0: the trained length) and
@@ -165,10 +166,13 @@ class LlamaEngine:
         self.tool_format: ToolFormat = text.tool_format
         self.reasoning = text.reasoning
         self.parse_always = text.parse_always
-        sampling = sampling_defaults(model.metadata())
+        # What a request leaves unset: the operator's flags (``sampling``)
+        # over the model's own settings.
+        own = sampling_defaults(model.metadata())
+        sampling = own.under(sampling or SamplingDefaults())
         if sampling != SamplingDefaults():
-            log.info("model %s: its own sampling settings for what a request leaves unset: %s", model_id,
-                     sampling.describe())
+            log.info("model %s: sampling for what a request leaves unset: %s (its own settings: %s)", model_id,
+                     sampling.describe(), own.describe())
         self.info = ModelInfo(
             id=model_id,
             context_window=self.n_ctx,
