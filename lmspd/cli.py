@@ -10,7 +10,6 @@ from pathlib import Path
 
 from lmspd import __version__
 from lmspd.config import DEFAULT_CTX, Settings
-from lmspd.core.conversation import SamplingDefaults
 from lmspd.core.limits import DEFAULT_LIMITS
 
 
@@ -187,6 +186,9 @@ def _apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         amx_setting()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.engine == "upstream" and any(v is not None for v in (args.temperature, args.top_p, args.top_k, args.min_p)):
+        parser.error("--temperature, --top-p, --top-k and --min-p are for local models: a provider samples a "
+                     "request that sets none with its own defaults")
     settings.flash_attn = args.flash_attn
     settings.kv_type = args.kv_type
 
@@ -306,12 +308,13 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.kv_checkpoint_every = args.kv_checkpoint_every
     settings.swa_full = args.swa_full
     settings.speculative = args.speculative
-    for flag, value, low, high in (("--temperature", args.temperature, 0, 2), ("--top-p", args.top_p, 0, 1),
-                                   ("--top-k", args.top_k, 0, 1_000_000), ("--min-p", args.min_p, 0, 1)):
-        if value is not None and not low <= value <= high:
-            parser.error(f"{flag} must be between {low} and {high}")
-    settings.sampling = SamplingDefaults(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                         min_p=args.min_p)
+    from lmspd.engines.specs import parse_sampling
+
+    try:
+        settings.sampling = parse_sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                           min_p=args.min_p)
+    except ValueError as exc:
+        parser.error(str(exc))
     settings.strip_billing_header = not args.keep_billing_header
     settings.canonical_tool_order = not args.keep_tool_order
 

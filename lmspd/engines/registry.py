@@ -36,7 +36,6 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-from lmspd.core.conversation import SamplingDefaults
 from lmspd.core.errors import ApiError
 from lmspd.engines.base import ModelInfo
 
@@ -348,7 +347,7 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
     from lmspd.engines.llama.discovery import Roots
     from lmspd.engines.llama.gguf import GGUFError, read_gguf, sampling_defaults
     from lmspd.engines.llama.models import resolve_model
-    from lmspd.engines.specs import build_engine, plan_llama
+    from lmspd.engines.specs import build_engine, plan_llama, spec_sampling
 
     model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))
     served = spec.served_model or model_id
@@ -361,5 +360,5 @@ def lazy_llama_engine(spec: Any, settings: Any, registry: ModelRegistry) -> Lazy
         # What the llama engine offers (tools and structured output by grammar).
         "streaming": True, "tools": True, "structured_output": True,
         "reasoning": header.capabilities["reasoning"]},
-        sampling=sampling_defaults(header.metadata).under(getattr(settings, "sampling", SamplingDefaults())))
+        sampling=sampling_defaults(header.metadata).under(spec_sampling(spec, settings)))
     return registry.add(info, lambda: build_engine(spec, settings, placement), placement.cost_bytes)

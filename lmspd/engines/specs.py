@@ -8,6 +8,8 @@ by side::
     engine = "llama"
     model = "smollm2-135m-instruct"     # a bundled id or a path to a .gguf
     ctx = 4096
+    temperature = 0.7                    # and top_p, top_k, min_p: for what a request leaves
+                                         # unset, over --temperature & co. and the GGUF's own
 
     [models.qwen]
     engine = "upstream"
@@ -26,10 +28,11 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from lmspd.core.conversation import SamplingDefaults
 from lmspd.engines.llama.placement import check_kv_type
 from lmspd.engines.upstream.engine import UpstreamSpec
 
@@ -58,6 +61,9 @@ class LlamaSpec:
     gpu_layers: int | None = None
     flash_attn: str = "auto"  # "auto" (on with a GPU), "on", "off"
     kv_type: str = "f16"  # K and V cache type: "f16", "q8_0", "q4_0"
+    # What a request leaves unset is sampled with, over the model's own
+    # settings (and over --temperature & co.).
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 EngineSpec = Union[LlamaSpec, UpstreamSpec]
@@ -65,7 +71,8 @@ EngineSpec = Union[LlamaSpec, UpstreamSpec]
 # Field name -> accepted types, per engine (served_model comes from the table key).
 _LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int, str), "threads": (int,), "parallel": (int,),
                                               "chat_template": (str,), "gpu_layers": (int, str), "flash_attn": (str,),
-                                              "kv_type": (str,)}
+                                              "kv_type": (str,), "temperature": (int, float),
+                                              "top_p": (int, float), "top_k": (int,), "min_p": (int, float)}
 _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
     "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
@@ -117,12 +124,13 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
             ctx = parse_ctx(entry.get("ctx", "auto"))
             gpu_layers = parse_gpu_layers(entry.get("gpu_layers", "all"))
             check_kv_type(entry.get("kv_type", "f16"), entry.get("flash_attn", "auto"))
+            sampling = parse_sampling(**{k: entry.get(k) for k in ("temperature", "top_p", "top_k", "min_p")})
         except ValueError as exc:
             raise ConfigError(f"{where}: {str(exc).replace('--', '').replace('-', '_')}") from None
         return LlamaSpec(served_model=model_id, model=model, ctx=ctx, threads=entry.get("threads"),
                          parallel=entry.get("parallel"), chat_template=entry.get("chat_template"),
                          gpu_layers=gpu_layers, flash_attn=entry.get("flash_attn", "auto"),
-                         kv_type=entry.get("kv_type", "f16"))
+                         kv_type=entry.get("kv_type", "f16"), sampling=sampling)
     urls = entry.pop("urls", None) or []
     if "url" in entry:
         urls = [entry.pop("url"), *urls]
@@ -164,6 +172,17 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                       chat_template=settings.chat_template, **placement)
             for m in getattr(settings, "extra_models", [])]
     return [first, *more]
+
+
+def parse_sampling(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   min_p: float | None = None) -> SamplingDefaults:
+    """``--temperature``, ``--top-p``, ``--top-k``, ``--min-p`` (or a config
+    file's keys), each within its range (NaN is in none)."""
+    for flag, value, high in (("--temperature", temperature, 2), ("--top-p", top_p, 1),
+                              ("--top-k", top_k, 1_000_000), ("--min-p", min_p, 1)):
+        if value is not None and not 0 <= value <= high:
+            raise ValueError(f"{flag} must be between 0 and {high}")
+    return SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
 
 def parse_ctx(value: int | str) -> int | None:
@@ -258,7 +277,13 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
                        chat_template=template, sealer=Sealer.from_data_dir(Path(settings.data_dir)),
                        placement=placement or plan_llama(spec, path, settings),
                        speculative=getattr(settings, "speculative", "auto"),
-                       sampling=getattr(settings, "sampling", None))
+                       sampling=spec_sampling(spec, settings))
+
+
+def spec_sampling(spec: LlamaSpec, settings: Any) -> SamplingDefaults:
+    """The operator's sampling for ``spec``'s model: its config entry's over
+    the flags' (the model's own settings go under both, at load)."""
+    return getattr(settings, "sampling", SamplingDefaults()).under(spec.sampling)
 
 
 def _is_loopback_url(url: str) -> bool:
