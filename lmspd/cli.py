@@ -186,9 +186,6 @@ def _apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         amx_setting()
     except ValueError as exc:
         parser.error(str(exc))
-    if args.engine == "upstream" and any(v is not None for v in (args.temperature, args.top_p, args.top_k, args.min_p)):
-        parser.error("--temperature, --top-p, --top-k and --min-p are for local models: a provider samples a "
-                     "request that sets none with its own defaults")
     settings.flash_attn = args.flash_attn
     settings.kv_type = args.kv_type
 
@@ -315,6 +312,9 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
                                            min_p=args.min_p)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.engine == "upstream" and any(v is not None for v in (args.temperature, args.top_p, args.top_k, args.min_p)):
+        parser.error("--temperature, --top-p, --top-k and --min-p are for local models: a provider samples a "
+                     "request that sets none with its own defaults")
     settings.strip_billing_header = not args.keep_billing_header
     settings.canonical_tool_order = not args.keep_tool_order
 

@@ -90,7 +90,8 @@ async def lmsp_models(request: Request) -> Response:
         caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
         # loaded, or (a model that loads on first use) unloaded / loading / unloading.
         status = getattr(m.engine, "status", "loaded")
-        # The model's own sampling settings, for what a request leaves unset.
+        # What a request that sets none is sampled with (the model's own
+        # settings, under the operator's).
         data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
                      "status": status, "sampling": info.sampling.as_json()})
     return json_reply({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})
