@@ -7,7 +7,7 @@ what lmspd supports). Nothing here knows about a wire format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
 Role = Literal["system", "developer", "user", "assistant"]
@@ -170,13 +170,12 @@ class SamplingDefaults:
     def under(self, over: SamplingDefaults) -> SamplingDefaults:
         """These settings with each one ``over`` sets taken from it instead
         (the operator's flags over the model's own)."""
-        return SamplingDefaults(**{name: getattr(self, name) if getattr(over, name) is None else getattr(over, name)
-                                   for name in ("temperature", "top_p", "top_k", "min_p")})
+        overrides: dict[str, Any] = over.as_json()
+        return replace(self, **overrides)
 
     def as_json(self) -> dict[str, float | int]:
-        """The settings the model carries (for the model listings)."""
-        names = ("temperature", "top_p", "top_k", "min_p")
-        return {name: value for name in names if (value := getattr(self, name)) is not None}
+        """The settings that are set (for the model listings)."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
 
     def describe(self) -> str:
         """For the start-up log: ``temperature 0.6, top_k 20`` (or "none")."""

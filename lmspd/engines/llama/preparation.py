@@ -132,7 +132,8 @@ class Preparation:
                  sealer: Sealer | None, repairs: Repairs | None = None,
                  sampling: SamplingDefaults | None = None) -> None:
         self.repairs = repairs or Repairs()
-        # The model's own sampling settings, for what a request leaves unset.
+        # What a request leaves unset is sampled with (the model's own
+        # settings under the operator's).
         self.sampling = sampling or SamplingDefaults()
         self.model_id = model_id
         self.vocab = vocab
