@@ -85,7 +85,7 @@ async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
             "unsupported_media_type",
             f"Content-Type must be application/json, not {media or 'missing'!r}.",
         )
-    encodings = content_encodings(request.headers.get("content-encoding", ""))
+    encodings = content_encodings(request.headers.get("content-encoding", ""), limits)
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -106,7 +106,7 @@ async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
     return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
 
 
-def content_encodings(header: str) -> list[str]:
+def content_encodings(header: str, limits: RequestLimits) -> list[str]:
     """The codings applied to the body, in the order they were applied."""
     codings = [c.strip().lower() for c in header.split(",") if c.strip()]
     for coding in codings:
@@ -114,7 +114,13 @@ def content_encodings(header: str) -> list[str]:
             raise ApiError("unsupported_media_type",
                            f"Content-Encoding {coding!r} is not supported; send gzip, zstd or identity.",
                            headers={"Accept-Encoding": "gzip, zstd"})
-    return [c for c in codings if c != "identity"]
+    applied = [c for c in codings if c != "identity"]
+    if len(applied) > limits.max_body_codings:
+        # Refused before a byte is read: each layer may inflate to the body limit.
+        raise ApiError("unsupported_media_type",
+                       f"Content-Encoding lists {len(applied)} codings; the limit is {limits.max_body_codings}.",
+                       headers={"Accept-Encoding": "gzip, zstd"})
+    return applied
 
 
 def decode_body(raw: bytes, encodings: list[str], limits: RequestLimits) -> dict[str, Any]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
 from lmspd.auth import Authenticator, Principal
+from lmspd.bodies import decode_off_loop
 from lmspd.config import Settings
 from lmspd.connections import ConnectionSlots
 from lmspd.core.errors import invalid
@@ -66,6 +67,17 @@ def lmsp_request(request: Request, scope: str) -> Principal:
 
 def json_reply(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+async def json_reply_off_loop(build: Callable[[], Any], status: int = 200,
+                             headers: dict[str, str] | None = None) -> Response:
+    """A JSON reply whose size follows stored or generated data (a page of
+    history, a stored or finished response, a compacted window: megabytes at
+    worst): ``build()`` and its serialization run in the JSON pool that
+    decodes large bodies, so that one such reply never stalls the other
+    streams. Not the store's pool, which refuses when busy: a finished
+    generation's answer must not be lost to a 503."""
+    return await decode_off_loop(lambda: json_reply(build(), status, headers))
 
 
 def sse_reply(chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None, *,

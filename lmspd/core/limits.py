@@ -28,6 +28,10 @@ class RequestLimits:
     # gzip members / zstd frames in one compressed body (or WebSocket
     # message): a sender needs one; each costs a decoder of its own.
     max_body_members: int = 64
+    # Content codings stacked on one body (``gzip, zstd``): a sender needs
+    # one, HTTP allows a list. Each layer may inflate to max_body_bytes, so
+    # the list is what bounds a body's decompression work.
+    max_body_codings: int = 2
     max_json_depth: int = 64
     max_input_items: int = 4096
     max_content_parts: int = 256

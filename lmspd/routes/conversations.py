@@ -22,7 +22,7 @@ from lmspd.core.limits import MAX_CONVERSATION_ITEMS_PER_CALL
 from lmspd.dialects.openai_responses import input_item_json
 from lmspd.dialects.responses_items import Strict, decode_items, validation_error
 from lmspd.history import StoredContext
-from lmspd.http import LmspdApp, app_state, json_reply, principal
+from lmspd.http import LmspdApp, app_state, json_reply, json_reply_off_loop, principal
 from lmspd.idempotency import Reply
 from lmspd.routes.stored import list_json, page_params
 from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
@@ -139,9 +139,9 @@ async def add_items(request: Request) -> Response:
         stored = await app.calls(app.store.append_conversation_items, owner, conversation_id, items)
         if stored is None:
             raise not_found(conversation_id)
-        return Reply(await app.calls(json_reply, {"object": "list", "data": stored, "has_more": False,
-                                 "first_id": stored[0]["id"] if stored else None,
-                                 "last_id": stored[-1]["id"] if stored else None}))
+        return Reply(await json_reply_off_loop(lambda: {
+            "object": "list", "data": stored, "has_more": False,
+            "first_id": stored[0]["id"] if stored else None, "last_id": stored[-1]["id"] if stored else None}))
 
     return await idempotency.once(app.store, app.calls, owner, request, raw, add)
 
@@ -158,7 +158,7 @@ async def list_items(request: Request) -> Response:
         raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
     if page is None:
         raise not_found(conversation_id)
-    return json_reply(list_json(page))
+    return await json_reply_off_loop(lambda: list_json(page))
 
 
 async def get_item(request: Request) -> Response:
@@ -170,7 +170,7 @@ async def get_item(request: Request) -> Response:
         if await app.calls(app.store.get_conversation, owner, conversation_id) is None:
             raise not_found(conversation_id)
         raise ApiError("not_found", f"Item {item_id!r} not found in conversation {conversation_id!r}.")
-    return json_reply(item)
+    return await json_reply_off_loop(lambda: item)
 
 
 async def delete_item(request: Request) -> Response:

@@ -36,6 +36,7 @@ from lmspd.http import (
     LmspdApp,
     app_state,
     json_reply,
+    json_reply_off_loop,
     lmsp_request,
     principal,
     run_to_end,
@@ -109,7 +110,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
         raise ApiError("store_unavailable", f"The response {state.id!r} was generated but could not be stored, "
                        "so it cannot be retrieved or continued from; retry once the server's storage recovers, "
                        "or send store: false.", headers={"Retry-After": "5"})
-    return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+    return Reply(await json_reply_off_loop(lambda: dialect.response_json(state), headers=dialect.headers))
 
 
 @dataclass
@@ -243,7 +244,7 @@ async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, st
         reply.headers.update(location)
         return Reply(reply, follow_task=task_id)
     if not as_task:
-        return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+        return Reply(await json_reply_off_loop(lambda: dialect.response_json(state), headers=dialect.headers))
     task = await app.calls(app.store.get_task, owner, task_id)
     assert task is not None
     return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
@@ -292,7 +293,7 @@ async def openai_compact(request: Request) -> Response:
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
     body = await compaction.compact(app, who.owner, OPENAI, raw, StoredContext(app.store, who.owner, app.sealer))
-    return json_reply(body)
+    return await json_reply_off_loop(lambda: body)
 
 
 async def openai_input_tokens(request: Request) -> Response:

@@ -20,6 +20,7 @@ from lmspd.http import (
     LmspdApp,
     app_state,
     json_reply,
+    json_reply_off_loop,
     lmsp_request,
     principal,
     query_bool,
@@ -59,7 +60,7 @@ async def openai_get_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     body = await _stored(app, owner, response_id)
     if not query_bool(request, "stream"):
-        return json_reply(body)
+        return await json_reply_off_loop(lambda: body)
     task = await _background_task(app, owner, response_id)
     starting_after = query_int(request, "starting_after", minimum=0)
     # sequence_number N is store seq N + 1; "after N" means store seq > N + 1.
@@ -86,7 +87,8 @@ async def openai_cancel_response(request: Request) -> Response:
     await _background_task(app, owner, response_id)
     await app.tasks.cancel_task(owner, response_id)
     # Already finished: returned as it is (cancelling twice is harmless).
-    return json_reply(await _stored(app, owner, response_id))
+    body = await _stored(app, owner, response_id)
+    return await json_reply_off_loop(lambda: body)
 
 
 async def openai_input_items(request: Request) -> Response:
@@ -101,7 +103,7 @@ async def openai_input_items(request: Request) -> Response:
         raise invalid(f"'after' names item {after!r}, which is not in this list.", "after") from None
     if page is None:
         raise not_found(response_id)
-    return json_reply(list_json(page))
+    return await json_reply_off_loop(lambda: list_json(page))
 
 
 async def lmsp_get_response(request: Request) -> Response:
@@ -109,8 +111,8 @@ async def lmsp_get_response(request: Request) -> Response:
     owner = lmsp_request(request, "responses:read").owner
     response_id = request.path_params["response_id"]
     body = await _stored(app, owner, response_id)
-    return json_reply(lmsp.response_json(openai_responses.state_from_json(body)),
-                      headers={"LMSP-Version": lmsp.VERSION})
+    return await json_reply_off_loop(lambda: lmsp.response_json(openai_responses.state_from_json(body)),
+                                         headers={"LMSP-Version": lmsp.VERSION})
 
 
 # -- lists -----------------------------------------------------------------------

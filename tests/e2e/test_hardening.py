@@ -102,6 +102,10 @@ def test_gzip_and_zstd_bodies_and_a_bomb(server):
     r = httpx.post(server.url + "/v1/responses", content=body, timeout=60,
                    headers={"content-type": "application/json", "content-encoding": "br"})
     assert r.status_code == 415
+    # Layers stacked past the limit (each could inflate to the body limit): refused from the header.
+    r = httpx.post(server.url + "/v1/responses", content=gzip.compress(gzip.compress(gzip.compress(body))),
+                   timeout=60, headers={"content-type": "application/json", "content-encoding": "gzip, gzip, gzip"})
+    assert r.status_code == 415 and "3 codings; the limit is 2" in r.json()["error"]["message"]
 
 
 def test_bodies_of_many_tiny_members_are_refused_at_once_and_health_answers(server):

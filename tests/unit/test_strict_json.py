@@ -154,7 +154,17 @@ def test_a_compressed_body_cut_short_says_so(coding, cut) -> None:
 def test_unknown_encodings_are_415() -> None:
     for header in ("br", "deflate, gzip", "compress"):
         with pytest.raises(ApiError) as info:
-            content_encodings(header)
+            content_encodings(header, LIMITS)
         assert info.value.status == 415
-    assert content_encodings("identity") == []
-    assert content_encodings("gzip, zstd") == ["gzip", "zstd"]
+    assert content_encodings("identity", LIMITS) == []
+    assert content_encodings("gzip, zstd", LIMITS) == ["gzip", "zstd"]
+
+
+def test_stacked_codings_past_the_limit_are_415_before_any_decoding() -> None:
+    """Each layer may inflate to the body limit: the header's list is what
+    bounds the work, so it is refused as read (identity layers cost nothing)."""
+    assert content_encodings("gzip, identity, zstd, identity", LIMITS) == ["gzip", "zstd"]
+    with pytest.raises(ApiError) as info:
+        content_encodings("gzip, " * 2000 + "gzip", LIMITS)
+    assert info.value.status == 415
+    assert "2001 codings; the limit is 2" in info.value.message

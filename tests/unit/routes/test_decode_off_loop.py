@@ -104,3 +104,49 @@ def test_a_large_compat_body_is_decoded_off_the_loop_and_a_small_one_on_it(tmp_p
             r = app.http.post(path, json={"model": MODEL, "messages": [{"role": "user", "content": text}], **extra})
             assert r.status_code == 200, r.text
     assert where == [True, False]
+
+
+def test_replies_whose_size_follows_stored_data_are_serialized_off_the_loop(tmp_path, monkeypatch):
+    """A page of a conversation's items, a stored response, its input items,
+    a finished response: megabytes at worst, and serializing them on the
+    event loop stalled every stream (a 34 MiB page of items: 114 ms)."""
+    import lmspd.http
+
+    replies: list[tuple[bool, int]] = []
+    dumps = lmspd.http.dumps
+
+    def spy(body):
+        out = dumps(body)
+        replies.append((on_loop(), len(out)))
+        return out
+
+    monkeypatch.setattr(lmspd.http, "dumps", spy)
+    big = "x" * 300_000
+
+    def reply(r, large: bool = True) -> tuple[bool, int]:
+        assert r.status_code == 200, r.text
+        on, size = replies[-1]
+        assert size == len(r.content) and (size > 300_000 or not large)
+        return on, size
+
+    with serving(tmp_path) as app:
+        conversation = app.http.post("/v1/conversations", json={}).json()["id"]
+        added = app.http.post(f"/v1/conversations/{conversation}/items",
+                              json={"items": [{"type": "message", "role": "user", "content": big}]})
+        assert reply(added)[0] is False
+        item = added.json()["data"][0]["id"]
+        assert reply(app.http.get(f"/v1/conversations/{conversation}/items"))[0] is False
+        assert reply(app.http.get(f"/v1/conversations/{conversation}/items/{item}"))[0] is False
+
+        # A finished response echoes its instructions; the stored one too.
+        created = app.http.post("/v1/responses", json={"model": MODEL, "input": big, "instructions": big})
+        assert reply(created)[0] is False
+        response = created.json()["id"]
+        assert reply(app.http.get(f"/v1/responses/{response}"))[0] is False
+        assert reply(app.http.get(f"/v1/responses/{response}/input_items"))[0] is False
+        # (LMSP's object does not echo the instructions: small here, yet its size follows the output.)
+        lmsp = app.http.get(f"/lmsp/v1/responses/{response}", headers={"LMSP-Version": "1.0"})
+        assert reply(lmsp, large=False)[0] is False
+        # A small reply of the kind that never grows stays on the loop (no thread hop).
+        assert app.http.get("/v1/models").status_code == 200
+        assert replies[-1][0] is True
