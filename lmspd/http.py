@@ -76,7 +76,9 @@ async def json_reply_off_loop(build: Callable[[], Any], status: int = 200,
     worst): ``build()`` and its serialization run in the JSON pool that
     decodes large bodies, so that one such reply never stalls the other
     streams. Not the store's pool, which refuses when busy: a finished
-    generation's answer must not be lost to a 503."""
+    generation's answer must not be lost to a 503. ``build`` runs later, in
+    that thread: it must read only what no longer changes (a finished
+    response, not a running one's live state)."""
     return await decode_off_loop(lambda: json_reply(build(), status, headers))
 
 

@@ -244,7 +244,8 @@ async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, st
         reply.headers.update(location)
         return Reply(reply, follow_task=task_id)
     if not as_task:
-        return Reply(await json_reply_off_loop(lambda: dialect.response_json(state), headers=dialect.headers))
+        # The queued response as it is now (it starts running meanwhile): small, no output yet.
+        return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
     task = await app.calls(app.store.get_task, owner, task_id)
     assert task is not None
     return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
