@@ -3,9 +3,18 @@
 #   ./dev.sh serve [lmspd serve flags...]   install, then serve the bundled model
 #   ./dev.sh test  [pytest args...]         install, then run the whole test suite
 #   ./dev.sh lint                           install, then ruff and mypy (config in pyproject.toml)
-# Safe to re-run: it installs only what changed.
+# Safe to re-run: it installs only what changed. It reads PYTHON (the
+# interpreter for the venv), LMSPD_GPU (cuda|metal|vulkan|cpu: the llama.cpp
+# build, scripts/llama_backend.sh) and CMAKE_ARGS (added to that build's).
 set -euo pipefail
 cd "$(dirname "$0")"
+
+usage() { echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2; exit 2; }
+# Anything else is a mistake: say so before installing anything.
+case "${1:-}" in
+  serve|test|lint) ;;
+  *) usage ;;
+esac
 
 VENV=.venv
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -162,5 +171,5 @@ case "$cmd" in
   serve) exec "$VENV/bin/lmspd" serve "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
   lint) "$VENV/bin/ruff" check lmspd tests bench && exec "$VENV/bin/mypy" ;;
-  *) echo "usage: ./dev.sh serve [flags] | ./dev.sh test [pytest args] | ./dev.sh lint" >&2; exit 2 ;;
+  *) usage ;;
 esac

@@ -11,19 +11,24 @@ from pathlib import Path
 from lmspd import __version__
 from lmspd.config import DEFAULT_CTX, Settings
 from lmspd.core.limits import DEFAULT_LIMITS
+from lmspd.engines.upstream.window import DEFAULT_CONTEXT_WINDOW
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lmspd.engines.llama.models import DEFAULT_MODEL_ID
+
     parser = argparse.ArgumentParser(prog="lmspd", description="A local model service (LMSP 1.0 and OpenAI Responses).")
     parser.add_argument("--version", action="version", version=f"lmspd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    serve.add_argument("--host", default=Settings.host,
+                       help="the address to listen on (default %(default)s; any address that is not loopback "
+                            "needs --api-key)")
+    serve.add_argument("--port", type=int, default=Settings.port, help="default %(default)s; 0 picks a free port")
     serve.add_argument("--model", action="append", default=[], dest="models",
                        help="repeatable (several models load on first use); a bundled model id, a path to a .gguf file, or a name `lmspd models` lists "
-                            "(Hugging Face cache, Ollama, LM Studio, --models-dir)")
+                            f"(Hugging Face cache, Ollama, LM Studio, --models-dir); default: {DEFAULT_MODEL_ID}")
     serve.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
                        help="also look for .gguf files below DIR")
     serve.add_argument("--models-max-mem", type=int, default=None, metavar="MB", dest="models_max_mem_mb",
@@ -35,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="context window per sequence in tokens (default auto: the model's trained length, or "
                             f"{DEFAULT_CTX} where it was trained shorter (room for Codex's ~9k-token first request), "
                             "fitted to the memory free at load; 0 = the trained length)")
-    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="CPU threads a local model decodes with (default: one per physical core this process "
+                            "may run on, performance cores only on a hybrid CPU, within its cgroup CPU quota; "
+                            "the start-up log says how many)")
     serve.add_argument("--parallel", type=int, default=None, metavar="N",
                        help="sequences of a local model decoded together, each with the full --ctx (default 4, "
                             "lowered where that does not fit memory)")
@@ -43,10 +51,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="layers of a local model offloaded to the GPU (default all: every layer that fits "
                             "device memory; 0 = CPU only)")
     serve.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"],
-                       help="flash attention (default auto: on with a GPU backend, off on the CPU)")
+                       help="flash attention (default auto: on where layers are offloaded to a GPU or --kv-type "
+                            "is quantized, else off)")
     serve.add_argument("--kv-type", default="f16", choices=["f16", "q8_0", "q4_0"],
                        help="K and V cache type (default f16); q8_0 and q4_0 need flash attention")
-    serve.add_argument("--data-dir", type=Path, default=None)
+    serve.add_argument("--rope-scaling", default=Settings.rope_scaling, choices=["auto", "none"],
+                       help="a window longer than the model was trained on (default auto: stretched with YaRN, "
+                            "unless the model scales on its own; none: unscaled, as llama.cpp runs it)")
+    serve.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                       help="stored responses and tasks, KV checkpoints, the reasoning key, saved provider keys "
+                            "(default: env LMSPD_DATA_DIR, else ~/.lmspd)")
     serve.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY[:SCOPES]",
                        help="accept this bearer token (repeatable); required when not bound to loopback. "
                             "KEY:responses:read,tasks:read limits it to those scopes (default: all)")
@@ -56,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="web origins (https://app.example, or *) whose pages may use the server besides "
                             "loopback ones and its own (default: env LMSPD_ORIGINS); their hosts are also "
                             "accepted as Host when bound to loopback")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=Settings.log_level, choices=["debug", "info", "warning", "error"],
+                       help="default %(default)s; llama.cpp's own lines go to the same log (its info and debug "
+                            "lines at debug)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests that may wait for a busy model before 503 (default 32)")
     serve.add_argument("--max-output-tokens-default", type=int, default=None, metavar="N",
@@ -168,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.store_lease_s <= 0:
             parser.error("--store-lease-s must be > 0")
         settings.store_lease_s = args.store_lease_s
-    _apply_engine(parser, args, settings)
+    _apply_engine(parser, args, settings, serve)
     _apply_cache(parser, args, settings)
     from lmspd.server import serve as run_server
 
@@ -182,12 +198,13 @@ def _apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     try:
         settings.ctx = parse_ctx(args.ctx)
         settings.gpu_layers = parse_gpu_layers(args.gpu_layers)
-        check_kv_type(args.kv_type, args.flash_attn)
+        check_kv_type(args.kv_type, args.flash_attn, args.rope_scaling)
         amx_setting()
     except ValueError as exc:
         parser.error(str(exc))
     settings.flash_attn = args.flash_attn
     settings.kv_type = args.kv_type
+    settings.rope_scaling = args.rope_scaling
 
 
 def _apply_keys(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
@@ -247,11 +264,17 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="provider dialect quirks (default generic: vLLM, SGLang, llama-server, Ollama)")
     group.add_argument("--upstream-idle-timeout", type=float, default=None, metavar="SECONDS",
                        help="fail a provider stream that sends nothing for this long (default 120)")
+    group.add_argument("--upstream-context-window", type=int, default=None, metavar="TOKENS",
+                       help="the provider's context window, as reported to clients (default: what the provider "
+                            "says at start: vLLM's and SGLang's max_model_len, llama.cpp server's n_ctx; else "
+                            f"{DEFAULT_CONTEXT_WINDOW})")
     group.add_argument("--upstream-routing", default="affinity", choices=["affinity", "least-loaded", "round-robin"],
                        help="how several --upstream-url endpoints share requests (default affinity: the endpoint "
                             "that has the conversation's prefix cached, bounded by load)")
     group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
-                       help="a TOML/JSON file mapping served model ids to engines (instead of the flags above)")
+                       help="a TOML/JSON file mapping served model ids to engines and their settings, instead "
+                            "of the flags above and --ctx, --threads, --parallel, --gpu-layers, --flash-attn, "
+                            "--kv-type, --chat-template (its keys: lmspd/engines/specs.py)")
 
 
 def _cache_flags(serve: argparse.ArgumentParser) -> None:
@@ -262,12 +285,14 @@ def _cache_flags(serve: argparse.ArgumentParser) -> None:
                        help="never reuse KV state between requests (for comparison)")
     group.add_argument("--kv-disk-dir", type=Path, default=None, metavar="DIR",
                        help="where KV checkpoints live (default: <data-dir>/kv)")
-    group.add_argument("--kv-disk-space-mb", type=int, default=4096, metavar="MB",
-                       help="byte budget of the checkpoint directory; least recently used go first")
-    group.add_argument("--kv-ram-mb", type=int, default=1024, metavar="MB",
-                       help="KV sessions kept in RAM so agents used in turn continue without the disk")
-    group.add_argument("--kv-checkpoint-every", type=int, default=2048, metavar="TOKENS",
-                       help="checkpoint a long prefill every this many tokens (0: never)")
+    group.add_argument("--kv-disk-space-mb", type=int, default=Settings.kv_disk_space_mb, metavar="MB",
+                       help="size budget of the checkpoint directory, least recently used go first (default "
+                            "%(default)s; 0 turns the disk tier off)")
+    group.add_argument("--kv-ram-mb", type=int, default=Settings.kv_ram_mb, metavar="MB",
+                       help="KV sessions kept in RAM so agents used in turn continue without the disk (default "
+                            "%(default)s)")
+    group.add_argument("--kv-checkpoint-every", type=int, default=Settings.kv_checkpoint_every, metavar="TOKENS",
+                       help="checkpoint a long prefill every this many tokens (default %(default)s; 0: never)")
     group.add_argument("--speculative", choices=["auto", "off"], default="auto",
                        help="speculative decoding from the grammar's forced tokens and the sequence's own text, "
                             "drafted only where it pays (default auto; off on a KV that cannot be trimmed)")
@@ -319,7 +344,8 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
     settings.canonical_tool_order = not args.keep_tool_order
 
 
-def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings) -> None:
+def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings,
+                  serve: argparse.ArgumentParser) -> None:
     settings.engine = args.engine
     settings.served_model = args.served_model
     settings.upstream_urls = list(args.upstream_urls)
@@ -330,15 +356,47 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
         if args.upstream_idle_timeout <= 0:
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
+    if args.upstream_context_window is not None:
+        if args.upstream_context_window < 1:
+            parser.error("--upstream-context-window must be >= 1")
+        settings.upstream_context_window = args.upstream_context_window
     if args.config_file is not None:
-        if (args.models or args.engine != "llama" or args.upstream_urls or args.upstream_model
-                or args.upstream_routing != "affinity"):
-            parser.error("--config names every model and engine; drop --model/--engine/--upstream-*")
+        given = [(flag, key) for flag, key, dest in _PER_MODEL_FLAGS
+                 if getattr(args, dest) != serve.get_default(dest)]
+        if given:
+            # Each model's entry in the file says these; a flag beside it would be ignored.
+            parser.error(f"--config names every model and its settings: drop {', '.join(f for f, _ in given)} "
+                         f"(in the file, each model's entry: {', '.join(k for _, k in given)})")
         settings.config_file = args.config_file.expanduser()
     elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):
         parser.error("--engine upstream needs --upstream-url and --upstream-model")
-    elif args.engine == "llama" and (args.upstream_urls or args.upstream_model):
-        parser.error("--upstream-url/--upstream-model need --engine upstream")
+    elif args.engine == "llama" and (args.upstream_urls or args.upstream_model
+                                     or args.upstream_context_window is not None):
+        parser.error("--upstream-url/--upstream-model/--upstream-context-window need --engine upstream")
+
+
+# The flags that set one model's engine, which a --config file's entries set
+# instead: (flag, the entry's key, argparse dest). The sampling flags are not
+# here: under --config they still apply, beneath each entry's own.
+_PER_MODEL_FLAGS = (
+    ("--model", "model", "models"),
+    ("--served-model", "the entry's name ([models.ID])", "served_model"),
+    ("--engine", "engine", "engine"),
+    ("--ctx", "ctx", "ctx"),
+    ("--threads", "threads", "threads"),
+    ("--parallel", "parallel", "parallel"),
+    ("--gpu-layers", "gpu_layers", "gpu_layers"),
+    ("--flash-attn", "flash_attn", "flash_attn"),
+    ("--kv-type", "kv_type", "kv_type"),
+    ("--rope-scaling", "rope_scaling", "rope_scaling"),
+    ("--chat-template", "chat_template", "chat_template"),
+    ("--upstream-url", "url or urls", "upstream_urls"),
+    ("--upstream-model", "upstream_model", "upstream_model"),
+    ("--upstream-profile", "profile", "upstream_profile"),
+    ("--upstream-idle-timeout", "idle_timeout_s", "upstream_idle_timeout"),
+    ("--upstream-routing", "routing", "upstream_routing"),
+    ("--upstream-context-window", "context_window", "upstream_context_window"),
+)
 
 
 def _config_parser(sub: argparse._SubParsersAction) -> None:

@@ -43,6 +43,8 @@ class Settings:
     gpu_layers: int | None = None
     flash_attn: str = "auto"
     kv_type: str = "f16"
+    # YaRN over a window past the trained length: "auto" or "none" (placement.rope_scaling).
+    rope_scaling: str = "auto"
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("LMSPD_DATA_DIR", "~/.lmspd")).expanduser())
     api_keys: list[str] = field(default_factory=list)
     # Web origins (besides loopback ones and the server's own) whose pages
@@ -58,6 +60,8 @@ class Settings:
     upstream_model: str | None = None
     upstream_profile: str = "generic"
     upstream_idle_timeout_s: float | None = None
+    # None: what the provider says at start (lmspd.engines.upstream.window).
+    upstream_context_window: int | None = None
     # How several --upstream-url endpoints share requests (upstream/routing.py).
     upstream_routing: str = "affinity"
     # A TOML/JSON file mapping served model ids to engines, instead of the above.

@@ -36,6 +36,8 @@ DIALECTS: dict[str, tuple[str, str]] = {
 
 
 def add_parser(sub: Any) -> None:
+    from lmspd.engines.llama.fit import AUTO_MIN_WINDOW
+
     render = sub.add_parser("render", help="print the prompt a model would be fed for a request body "
                                            "(reads the model's vocabulary only)")
     render.add_argument("body", nargs="?", default="-", help="a file with the JSON request body (default: stdin)")
@@ -48,10 +50,12 @@ def add_parser(sub: Any) -> None:
                         help="the body's protocol: " + ", ".join(f"{k} ({v[0]})" for k, v in DIALECTS.items()))
     render.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template to use instead of the GGUF's own (as for serve)")
-    render.add_argument("--ctx", type=int, default=0, metavar="N",
-                        help="the context window the prompt must fit, rounded up to a multiple of 256 as "
-                             "llama.cpp pads a server's (truncation: auto cuts it to fit; default: the model's "
-                             "trained length, where a server may have fitted a shorter one: GET /v1/models says)")
+    render.add_argument("--ctx", default="auto", metavar="N|auto",
+                        help="the context window the prompt must fit, as serve's --ctx, rounded up to a multiple "
+                             "of 256 as llama.cpp pads a server's (truncation: auto cuts it to fit; default auto: "
+                             f"the model's trained length, or {AUTO_MIN_WINDOW} where it was trained shorter, "
+                             "without serve's fitting to memory: a server may have fitted a shorter one, "
+                             "GET /v1/models says; 0 = the trained length)")
     render.add_argument("--keep-billing-header", action="store_true", help="as for serve")
     render.add_argument("--keep-tool-order", action="store_true", help="as for serve")
     render.add_argument("--json", action="store_true",
@@ -64,15 +68,17 @@ def run(args: argparse.Namespace) -> int:
     from lmspd.bodies import decode_body
     from lmspd.core.errors import ApiError
     from lmspd.engines.llama.discovery import Roots
-    from lmspd.engines.llama.fit import pad
     from lmspd.engines.llama.models import ModelNotFound, resolve_model
     from lmspd.engines.llama.preparation import Repairs
     from lmspd.engines.llama.render import PromptRenderer
     from lmspd.engines.llama.template import read_template_file
+    from lmspd.engines.specs import parse_ctx
 
     limits = DEFAULT_LIMITS.request
-    if args.ctx < 0:
-        return _refuse("--ctx must be 0 (the model's trained length) or more")
+    try:
+        ctx = parse_ctx(args.ctx)
+    except ValueError as exc:
+        return _refuse(str(exc))
     name = "stdin" if args.body == "-" else args.body
     try:
         if args.body == "-" and sys.stdin is None:
@@ -94,9 +100,8 @@ def run(args: argparse.Namespace) -> int:
             return _refuse(f"{exc.message} Stored history lives in a running server: "
                            "render takes a body that holds the whole conversation.")
         return _refuse(f"{route} would refuse it ({exc.code}): {exc.message}")
-    window = pad(args.ctx)  # a server started with --ctx N serves the padded window
     try:
-        renderer = PromptRenderer(model_id, path, chat_template=template, n_ctx=window, limits=limits,
+        renderer = PromptRenderer(model_id, path, chat_template=template, n_ctx=ctx, limits=limits,
                                   repairs=Repairs(strip_billing_header=not args.keep_billing_header,
                                                   canonical_tool_order=not args.keep_tool_order))
     except (ValueError, OSError) as exc:  # a file llama.cpp cannot load, a template that does not compile

@@ -1,24 +1,68 @@
 """Which engine serves which model id: from flags, or from a config file.
 
-A config file (TOML, or JSON by its ``.json`` suffix) maps served model ids
-to engines, so that one lmspd serves a local GGUF and upstream models side
-by side::
+A config file (``lmspd serve --config FILE``: TOML, or JSON by its ``.json``
+suffix) maps served model ids to engines, so that one lmspd serves a local
+GGUF and upstream models side by side::
 
-    [models.smollm2]
+    [models.smollm2]                     # the id clients use
     engine = "llama"
-    model = "smollm2-135m-instruct"     # a bundled id or a path to a .gguf
+    model = "smollm2-135m-instruct"
     ctx = 4096
-    temperature = 0.7                    # and top_p, top_k, min_p: for what a request leaves
-                                         # unset, over --temperature & co. and the GGUF's own
 
     [models.qwen]
     engine = "upstream"
     urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
     upstream_model = "Qwen/Qwen3-8B"
     api_key_env = "VLLM_API_KEY"         # optional; never the key itself
-    routing = "affinity"                 # or "least-loaded", "round-robin" (upstream/routing.py)
-    affinity_slack = 4                   # in-flight imbalance past which a preferred endpoint sheds
-    prefix_threshold = 0.5               # share of a prompt an endpoint's prefix index must match
+
+This docstring is the reference for the keys; a key not listed is refused.
+Each entry is one model; the table key is its served id.
+
+Every entry: ``engine``: ``"llama"`` (default) or ``"upstream"``.
+
+``engine = "llama"`` (the same settings as ``serve``'s flags of those names):
+
+    model           a bundled id, a path to a .gguf (relative to the file), or a
+                    name ``lmspd models`` lists; default the bundled SmolLM2
+    ctx             tokens per sequence, ``"auto"`` (default: fitted to memory,
+                    fit.py) or 0 (the trained length)
+    threads         decoding threads; default one per usable physical core (cpus.py)
+    parallel        sequences decoded together, 1-64; default 4, lowered to fit
+    gpu_layers      layers on the GPU, or ``"all"`` (default: all that fit)
+    flash_attn      ``"auto"`` (default), ``"on"``, ``"off"``
+    kv_type         ``"f16"`` (default), ``"q8_0"``, ``"q4_0"``
+    rope_scaling    ``"auto"`` (default: YaRN over a window past the trained
+                    length), ``"none"``
+    chat_template   a Jinja template file instead of the GGUF's own; default none
+    temperature, top_p, top_k, min_p
+                    what a request leaves unset is sampled with, over the flags
+                    ``--temperature`` & co. and the GGUF's own; default unset
+
+``engine = "upstream"``:
+
+    url, urls       the provider's base URL(s), ``http://host:port/v1``; required
+    upstream_model  the provider's name for the model; required
+    profile         ``"generic"`` (default), ``"openai"``, ``"llama-cpp-python"``
+    api_key_env     a variable holding the key (must be set); default none
+    key_name        a key saved with ``lmspd config set-key --name``; default none
+                    (credentials.py: the variable, then this key, then
+                    LMSPD_UPSTREAM_API_KEY, then the key saved as "default")
+    context_window  tokens, as reported to clients; default what the provider
+                    says at start, else 131072 (upstream/window.py)
+    idle_timeout_s  a stream silent this long fails; default 120
+    connect_timeout_s  default 10
+    max_concurrency requests in flight to the provider; default 256
+    health_interval_s  probe of each endpoint with several; default 10 (0: none)
+    routing         ``"affinity"`` (default), ``"least-loaded"``, ``"round-robin"``
+                    (upstream/routing.py)
+    affinity_slack  in-flight imbalance past which a preferred endpoint sheds; default 4
+    prefix_threshold  share of a prompt an endpoint's prefix index must match; default 0.5
+
+With ``--config``, the flags that set one model (``--model``, ``--served-model``,
+``--engine``, ``--ctx``, ``--threads``, ``--parallel``, ``--gpu-layers``,
+``--flash-attn``, ``--kv-type``, ``--chat-template``, ``--upstream-*``) are
+refused (cli.py); the others (the sampling flags, the KV cache's, the
+store's) apply to every model the file names.
 
 Keys are never in this file: ``api_key_env`` names a variable, ``key_name``
 a key saved with ``lmspd config set-key --name``.
@@ -61,6 +105,7 @@ class LlamaSpec:
     gpu_layers: int | None = None
     flash_attn: str = "auto"  # "auto" (on with a GPU), "on", "off"
     kv_type: str = "f16"  # K and V cache type: "f16", "q8_0", "q4_0"
+    rope_scaling: str = "auto"  # "auto" (YaRN past the trained length), "none"
     # What a request leaves unset is sampled with, over the model's own
     # settings (and over --temperature & co.).
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -71,7 +116,7 @@ EngineSpec = Union[LlamaSpec, UpstreamSpec]
 # Field name -> accepted types, per engine (served_model comes from the table key).
 _LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int, str), "threads": (int,), "parallel": (int,),
                                               "chat_template": (str,), "gpu_layers": (int, str), "flash_attn": (str,),
-                                              "kv_type": (str,), "temperature": (int, float),
+                                              "kv_type": (str,), "rope_scaling": (str,), "temperature": (int, float),
                                               "top_p": (int, float), "top_k": (int,), "min_p": (int, float)}
 _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
@@ -123,14 +168,16 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         try:
             ctx = parse_ctx(entry.get("ctx", "auto"))
             gpu_layers = parse_gpu_layers(entry.get("gpu_layers", "all"))
-            check_kv_type(entry.get("kv_type", "f16"), entry.get("flash_attn", "auto"))
+            check_kv_type(entry.get("kv_type", "f16"), entry.get("flash_attn", "auto"),
+                          entry.get("rope_scaling", "auto"))
             sampling = parse_sampling(**{k: entry.get(k) for k in ("temperature", "top_p", "top_k", "min_p")})
         except ValueError as exc:
             raise ConfigError(f"{where}: {str(exc).replace('--', '').replace('-', '_')}") from None
         return LlamaSpec(served_model=model_id, model=model, ctx=ctx, threads=entry.get("threads"),
                          parallel=entry.get("parallel"), chat_template=entry.get("chat_template"),
                          gpu_layers=gpu_layers, flash_attn=entry.get("flash_attn", "auto"),
-                         kv_type=entry.get("kv_type", "f16"), sampling=sampling)
+                         kv_type=entry.get("kv_type", "f16"), rope_scaling=entry.get("rope_scaling", "auto"),
+                         sampling=sampling)
     urls = entry.pop("urls", None) or []
     if "url" in entry:
         urls = [entry.pop("url"), *urls]
@@ -159,12 +206,14 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                 profile=settings.upstream_profile,
                 idle_timeout_s=settings.upstream_idle_timeout_s,
                 routing=settings.upstream_routing,
+                context_window=getattr(settings, "upstream_context_window", None),
             )]
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     placement: dict[str, Any] = {"gpu_layers": getattr(settings, "gpu_layers", None),
                                  "flash_attn": getattr(settings, "flash_attn", "auto"),
-                                 "kv_type": getattr(settings, "kv_type", "f16")}
+                                 "kv_type": getattr(settings, "kv_type", "f16"),
+                                 "rope_scaling": getattr(settings, "rope_scaling", "auto")}
     first = LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
                       threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template,
                       **placement)
@@ -218,7 +267,7 @@ def plan_llama(spec: LlamaSpec, path: Path, settings: Any, budget: int | None = 
     try:
         return plan(path, ctx=spec.ctx, parallel=spec.parallel, gpu_layers=spec.gpu_layers,
                     flash_attn=spec.flash_attn, kv_type=spec.kv_type, swa_full=getattr(settings, "swa_full", False),
-                    budget=budget)
+                    budget=budget, rope=spec.rope_scaling)
     except FitError as exc:
         raise ConfigError(f"model {spec.served_model or spec.model or path.name}: {exc}") from None
 
@@ -240,6 +289,7 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
 
                 logging.getLogger("lmspd.upstream").warning(
                     "model %s sends its provider key over plain http to a non-loopback host", spec.served_model)
+        spec = _upstream_window(spec, key, settings)
         try:
             return UpstreamEngine(spec, key=key, limits=settings.limits.upstream)
         except ValueError as exc:
@@ -278,6 +328,27 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
                        placement=placement or plan_llama(spec, path, settings),
                        speculative=getattr(settings, "speculative", "auto"),
                        sampling=spec_sampling(spec, settings))
+
+
+def _upstream_window(spec: UpstreamSpec, key: Any, settings: Any) -> UpstreamSpec:
+    """``spec`` with its context window: the one given, else what its provider
+    says, else ``DEFAULT_CONTEXT_WINDOW``; the log says which (window.py)."""
+    import dataclasses
+    import logging
+
+    from lmspd.engines.upstream.window import DEFAULT_CONTEXT_WINDOW, discover_window
+
+    if spec.context_window is not None:
+        given = ("context_window in " + str(settings.config_file) if getattr(settings, "config_file", None)
+                 else "--upstream-context-window")
+        window, source = spec.context_window, f"given: {given}"
+    elif (found := discover_window(spec.urls, spec.upstream_model, key)) is not None:
+        window, source = found.tokens, found.source
+    else:
+        window, source = DEFAULT_CONTEXT_WINDOW, ("the default: the provider did not say (give it with "
+                                                  "--upstream-context-window or a config entry's context_window)")
+    logging.getLogger("lmspd.upstream").info("model %s: context window %d (%s)", spec.served_model, window, source)
+    return dataclasses.replace(spec, context_window=window)
 
 
 def spec_sampling(spec: LlamaSpec, settings: Any) -> SamplingDefaults:

@@ -51,8 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="only show what would be written and run")
     launch.add_argument("--no-start", action="store_true",
                         help="fail when no server answers instead of starting one")
-    launch.add_argument("--data-dir", type=Path, default=None, help="lmspd's data directory (default ~/.lmspd)")
-    launch.add_argument("--bin", default=None, metavar="PATH", help="the client's executable (default: on PATH)")
+    launch.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                        help="lmspd's data directory: the client's files go in DIR/launch/CLIENT/, a started "
+                             "server's log in DIR/launch/server.log (default: env LMSPD_DATA_DIR, else ~/.lmspd)")
+    launch.add_argument("--bin", default=None, metavar="PATH",
+                        help="the client's executable (default: its own name, codex, claude, pi or opencode, "
+                             "on PATH)")
 
 
 def run(args: argparse.Namespace, client_args: list[str]) -> int:

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from support.sealed import assert_unreadable
-from support.server import ServerProcess
+from support.server import ServerProcess, thread_share
 from support.validate import check_openai_response, validate_openai_stream
 
 UPSTREAM = "smol-up"
@@ -94,6 +94,7 @@ def lmspd(llama_server, tmp_path_factory):
 engine = "llama"
 model = "{bundled_gguf()}"
 ctx = 1024
+{f"threads = {share}" if (share := thread_share()) else ""}
 
 [models.{UPSTREAM}]
 engine = "upstream"

@@ -51,7 +51,7 @@ class PostgresCluster:
         self.settings = {**_SETTINGS, **(settings or {})}
         self.bindir = find_bindir()
         if self.bindir is None or not (self.bindir / "initdb").exists():
-            raise RuntimeError("no PostgreSQL server binaries (initdb) found; run ./dev.sh to install them")
+            raise RuntimeError("no PostgreSQL server binaries (initdb) found; run ./dev.sh test to install them")
         self.root = Path(tempfile.mkdtemp(prefix="lmspd-pg-"))
         self.datadir = self.root / "data"
         self.sockdir = self.root / "sock"

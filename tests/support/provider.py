@@ -1,9 +1,10 @@
 """A scripted Chat Completions provider, for tests only.
 
 It serves ``POST /v1/chat/completions`` (and ``GET /v1/models`` for health
-checks) from a background thread, replaying exactly the bytes a test
-scripts: well-formed streams, hostile ones, error statuses, stalls. Every
-request is recorded (body and headers) so a test can check what lmspd sent.
+checks and the context window, ``GET /props`` as llama.cpp's server does)
+from a background thread, replaying exactly the bytes a test scripts:
+well-formed streams, hostile ones, error statuses, stalls. Every request is
+recorded (body and headers) so a test can check what lmspd sent.
 
     provider = ScriptedProvider().start()
     provider.push(Reply(parts=[text_chunk("Hi"), finish_chunk("stop"), DONE]))
@@ -154,6 +155,10 @@ class ScriptedProvider:
         self._queue: deque[Reply] = deque()
         self.responder: Callable[[Recorded], Reply] | None = None
         self.model_list_status = 200
+        # What GET /v1/models lists (a test may add vLLM's max_model_len or
+        # llama.cpp's meta) and, where set, what GET /props answers (llama.cpp).
+        self.model_entries: list[dict[str, Any]] = [{"id": "scripted", "object": "model"}]
+        self.props: dict[str, Any] | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -215,8 +220,13 @@ class ScriptedProvider:
 
     async def _models(self, request: Request) -> Response:
         self.requests.append(Recorded(request.url.path, dict(request.headers), None))
-        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model"}]},
-                            status_code=self.model_list_status)
+        return JSONResponse({"object": "list", "data": self.model_entries}, status_code=self.model_list_status)
+
+    async def _props(self, request: Request) -> Response:
+        self.requests.append(Recorded(request.url.path, dict(request.headers), None))
+        if self.props is None:
+            return JSONResponse({"error": {"message": "not found"}}, status_code=404)
+        return JSONResponse(self.props)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -224,6 +234,7 @@ class ScriptedProvider:
         app = Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/props", self._props, methods=["GET"]),
         ])
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -51,14 +51,22 @@ def _log_launch(args: list[str]) -> None:
         f.write(f"{time.time():.3f}\t{test}\t{' '.join(args)}\n")
 
 
-def _threads(args: list[str]) -> list[str]:
+def thread_share() -> int | None:
     """Under pytest-xdist the workers' servers share the cores: each gets its
     share, since llama.cpp's threads spin at every barrier and a server
-    with a thread per core beside another such server starves both."""
+    with a thread per core beside another such server starves both. None:
+    one worker, lmspd's own default."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers <= 1 or "--threads" in args:
+    return None if workers <= 1 else max(1, (os.cpu_count() or 2) // workers)
+
+
+def _threads(args: list[str]) -> list[str]:
+    # A --config file sets each model's threads (lmspd refuses --threads beside
+    # it): a test whose file has a local model gives it ``thread_share()``.
+    share = thread_share()
+    if share is None or "--threads" in args or "--config" in args:
         return []
-    return ["--threads", str(max(1, (os.cpu_count() or 2) // workers))]
+    return ["--threads", str(share)]
 
 
 class ServerProcess:

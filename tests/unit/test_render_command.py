@@ -16,6 +16,7 @@ import pytest
 from lmspd.cli import main
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects import anthropic_messages, chat_completions, lmsp, openai_responses
+from lmspd.engines.llama.fit import AUTO_MIN_WINDOW
 from support.llama_engine import bundled_engine
 
 PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -98,7 +99,8 @@ def test_plain_output_is_the_prompt_itself_and_a_summary_apart(capsys: pytest.Ca
     code, out, err = render(capsys, tmp_path, {"model": "m", "instructions": "Be brief.", "input": "Hi."})
     assert code == 0
     assert out == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
-    assert "smollm2-135m-instruct:" in err and "tokens of a 8192-token window" in err
+    # The window of a server's --ctx auto (before its fitting to memory): SmolLM2 was trained on 8192.
+    assert "smollm2-135m-instruct:" in err and f"tokens of a {AUTO_MIN_WINDOW}-token window" in err
 
 
 def test_a_body_from_stdin(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,7 +135,7 @@ def test_a_prompt_over_the_window_is_the_routes_refusal(capsys: pytest.CaptureFi
     (b'{"model": "m", "input": "x", "conversation": "conv_1"}', (),
      "Conversation 'conv_1' not found. Stored history lives in a running server"),
     (b'{"model": "m", "input": "x"}', ("--model", "no-such-model"), "unknown model 'no-such-model'"),
-    (b'{"model": "m", "input": "x"}', ("--ctx", "-1"), "--ctx must be 0"),
+    (b'{"model": "m", "input": "x"}', ("--ctx", "-1"), "--ctx must be between 0"),
     (b'{"model": "m", "input": "x"}', ("--chat-template", "/no/such/template"),
      "cannot read chat template /no/such/template: No such file"),
 ])
@@ -154,6 +156,24 @@ def test_a_body_over_the_routes_limit_is_refused_unread(capsys: pytest.CaptureFi
 def test_a_window_is_padded_as_llama_cpp_pads_a_servers(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--ctx", "1000", "--json")
     assert code == 0 and json.loads(out)["window"] == 1024
+
+
+@pytest.mark.parametrize(("ctx", "window"), [((), AUTO_MIN_WINDOW), (("--ctx", "auto"), AUTO_MIN_WINDOW),
+                                           (("--ctx", "0"), 8192)])
+def test_the_default_window_is_a_servers_ctx_auto(ctx: tuple[str, ...], window: int,
+                                                  capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # --ctx auto: the trained length (8192 for SmolLM2), or AUTO_MIN_WINDOW where that is longer; 0: the trained.
+    code, out, _ = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, *ctx, "--json")
+    assert code == 0 and json.loads(out)["window"] == window
+
+
+def test_the_default_window_rule_is_the_servers() -> None:
+    """One rule for both (fit.asked_window): what render sizes by is what fit starts from."""
+    from lmspd.engines.llama.fit import asked_window
+
+    assert asked_window(None, 8192) == AUTO_MIN_WINDOW and asked_window(None, 131072) == 131072
+    assert asked_window(None, 0) == AUTO_MIN_WINDOW and asked_window(0, 0) == AUTO_MIN_WINDOW
+    assert asked_window(0, 40000) == 40192 and asked_window(1000, 8192) == 1024
 
 
 def test_the_cache_repairs_are_serves_and_its_flags_turn_them_off(capsys: pytest.CaptureFixture[str],

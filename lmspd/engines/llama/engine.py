@@ -102,16 +102,17 @@ class LlamaEngine:
         kv_type: str = "f16",
         speculative: str = "auto",
         sampling: SamplingDefaults | None = None,
+        rope_scaling: str = "auto",
     ) -> None:
         """``placement`` is where and how the model runs (``placement.plan``,
-        fitted to memory); without it ``n_ctx`` (0: the trained length) and
-        ``parallel`` are taken as given."""
+        fitted to memory); without it ``n_ctx`` (0: the trained length),
+        ``parallel`` and ``rope_scaling`` are taken as given."""
         self.limits = limits
         self.sealer = sealer
         self.cache_settings = cache or CacheSettings()
         if placement is None:
             placement = plan(path, ctx=n_ctx, parallel=max(1, parallel), flash_attn=flash_attn, kv_type=kv_type,
-                           swa_full=self.cache_settings.swa_full, check=False)
+                             swa_full=self.cache_settings.swa_full, check=False, rope=rope_scaling)
         self.parallel = placement.parallel
         if n_threads:
             threads, threads_reason = n_threads, "--threads"
@@ -153,6 +154,10 @@ class LlamaEngine:
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.type_k = params.type_v = _GGML_TYPES[placement.kv_type]
         params.swa_full = self.cache_settings.swa_full
+        if placement.rope is not None:
+            params.rope_scaling_type = llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN
+            params.rope_freq_scale = placement.rope.freq_scale
+            params.yarn_orig_ctx = placement.rope.trained
         with suppress_stdout_stderr(disable=False):
             self.ctx = internals.LlamaContext(model=model, params=params, verbose=False)
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
@@ -218,7 +223,10 @@ class LlamaEngine:
             # Per-sequence window: a checkpoint restores into any sequence,
             # whatever --parallel the server that wrote it ran with.
             # The KV's kind too: a window-only SWA state is not a full one.
-            fingerprint = f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
+            # A state is only valid under the positions' encoding it was computed with.
+            rope = f":yarn{self.placement.rope.trained}" if self.placement.rope else ""
+            fingerprint = (f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
+                           f"{rope}")
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         kv = self.kv
         ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim,

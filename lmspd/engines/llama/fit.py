@@ -54,6 +54,17 @@ def pad(n: int, to: int = CELL_PAD) -> int:
     return -(-n // to) * to
 
 
+def asked_window(ctx: int | None, trained: int | None) -> int:
+    """The window ``--ctx`` asks for before it is fitted to memory, padded
+    as llama.cpp pads it: ``auto`` (None) the trained length, or
+    ``AUTO_MIN_WINDOW`` where that is longer; 0 the trained length; N itself.
+    ``trained`` None or 0: the GGUF does not say. (``lmspd render`` sizes a
+    prompt by this too.)"""
+    if ctx is None:
+        return pad(max(trained or 0, AUTO_MIN_WINDOW))
+    return pad(ctx or trained or AUTO_MIN_WINDOW)
+
+
 def row_bytes(kv_type: str, values: int) -> int:
     per_block, block = KV_TYPES[kv_type]
     return -(-values // block) * per_block
@@ -207,7 +218,7 @@ def fit(shape: ModelShape, weights: int, memory: Memory, ask: Request) -> Fit:
                        "use a smaller quantization of the model, or fewer --gpu-layers (the rest stays in RAM)")
 
     if ask.ctx is not None:
-        window = pad(ask.ctx or shape.trained or AUTO_MIN_WINDOW)
+        window = asked_window(ask.ctx, shape.trained)
         what = f"--ctx {ask.ctx}" if ask.ctx else f"--ctx 0 (the trained length, {window})"
         if total(window, parallel) <= memory.usable:
             return done(window, parallel, f"{what}, --parallel {parallel}: fits")
@@ -221,7 +232,7 @@ def fit(shape: ModelShape, weights: int, memory: Memory, ask: Request) -> Fit:
                                 "a smaller --ctx (or --ctx auto), a lower --parallel, or --kv-type q8_0"))
 
     trained = shape.trained or AUTO_MIN_WINDOW
-    target = pad(max(trained, AUTO_MIN_WINDOW))
+    target = asked_window(None, shape.trained)
     runs_past = f" (past the trained {trained})" if trained < AUTO_MIN_WINDOW else ""
     if total(target, parallel) <= memory.usable:
         return done(target, parallel, f"window {target}{runs_past}: the model's full window fits {parallel} "

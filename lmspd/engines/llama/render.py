@@ -21,19 +21,17 @@ from lmspd.core.conversation import Conversation
 from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 
 from . import native_log
+from .fit import asked_window
 from .model_text import ModelText
 from .preparation import LlamaPrepared, Preparation, Repairs
 
-# For a GGUF that does not say its trained length.
-DEFAULT_WINDOW = 4096
-
 
 class PromptRenderer:
-    def __init__(self, model_id: str, path: Path, *, chat_template: str | None = None, n_ctx: int = 0,
+    def __init__(self, model_id: str, path: Path, *, chat_template: str | None = None, n_ctx: int | None = None,
                  repairs: Repairs | None = None, limits: RequestLimits = DEFAULT_LIMITS.request) -> None:
-        """``n_ctx``: the context window a prompt must fit, as the
-        engine's (0: the model's trained length; a server may have fitted a
-        shorter one)."""
+        """``n_ctx``: the context window a prompt must fit, as a server's
+        ``--ctx`` (None: ``auto``, without the fitting to memory: a server may
+        have fitted a shorter one; 0: the model's trained length), padded."""
         llama_cpp.llama_backend_init()
         native_log.install()
         params = llama_cpp.llama_model_default_params()
@@ -42,8 +40,8 @@ class PromptRenderer:
         self.text = ModelText.of(self._model, chat_template)
         # (A vocabulary-only model has no hyperparameters: n_ctx_train is 0.)
         meta = self._model.metadata()
-        trained = int(meta.get(f"{meta.get('general.architecture')}.context_length") or DEFAULT_WINDOW)
-        self.n_ctx = n_ctx or trained
+        trained = int(meta.get(f"{meta.get('general.architecture')}.context_length") or 0)
+        self.n_ctx = asked_window(n_ctx, trained)
         vocab = self.text.vocab
 
         # The cache is off: it never asks for these.

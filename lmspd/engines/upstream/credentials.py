@@ -1,8 +1,10 @@
 """The provider key: where it comes from, where it is kept, and how it is
 kept out of everything else.
 
-Order: an environment variable (``LMSPD_UPSTREAM_API_KEY``, or the one a
-model's config names), then a key saved with ``lmspd config set-key`` in
+Order, the most specific first: the environment variable a model's config
+names (``api_key_env``), the key a model's config names (``key_name``)
+where it is saved, ``LMSPD_UPSTREAM_API_KEY``, then the key saved as
+``default``. A key saved with ``lmspd config set-key`` lives in
 ``<data dir>/keys/<name>`` — a file created ``0600`` and refused if anyone
 else can read it. The value lives in a ``Secret`` whose ``repr``/``str``
 never show it, so a stray log line or traceback prints ``Secret('****')``.
@@ -112,13 +114,18 @@ def resolve_key(data_dir: Path, *, env: str | None = None, name: str | None = No
 
     ``env``: a variable a model's config names; when it is given it must be
     set (a named but empty variable is a mistake worth stopping for).
+    ``name``: a saved key a model's config names; it wins over
+    ``LMSPD_UPSTREAM_API_KEY`` (which serves every model without one), and
+    where it is not saved that variable still applies.
     """
     if env is not None:
         value = os.environ.get(env)
         if not value:
             raise CredentialError(f"The environment variable {env} is not set.")
         return Secret(_check_key(value))
+    if name is not None and (named := _read_key_file(key_path(data_dir, name))) is not None:
+        return named
     value = os.environ.get(DEFAULT_ENV)
     if value:
         return Secret(_check_key(value))
-    return _read_key_file(key_path(data_dir, name or DEFAULT_NAME))
+    return None if name is not None else _read_key_file(key_path(data_dir, DEFAULT_NAME))

@@ -50,6 +50,7 @@ from .errors import UpstreamConnectionLost, UpstreamError, UpstreamHTTPError, Up
 from .pool import Endpoint, EndpointPool
 from .request import PROFILES, ProviderRequest, build_chat_request
 from .routing import Decision, Router, RouteRequest, RoutingSettings, conversation_anchor, response_anchor
+from .window import DEFAULT_CONTEXT_WINDOW
 
 __all__ = ["UpstreamEngine", "UpstreamPrepared", "UpstreamSpec", "to_api_error"]
 
@@ -66,14 +67,16 @@ class UpstreamSpec:
     upstream_model: str
     urls: list[str]
     profile: str = "generic"
-    # Key source: this environment variable, else LMSPD_UPSTREAM_API_KEY,
-    # else the key saved under ``key_name`` (``lmspd config set-key``).
+    # Key source: this environment variable, else the key saved under
+    # ``key_name`` (``lmspd config set-key --name``), else LMSPD_UPSTREAM_API_KEY,
+    # else the key saved as "default" (credentials.resolve_key).
     api_key_env: str | None = None
     key_name: str | None = None
     idle_timeout_s: float | None = None  # None: limits.upstream.idle_timeout_s
     connect_timeout_s: float = 10.0
     max_concurrency: int = 256
-    context_window: int = 131072
+    # None: what the provider says at start, else DEFAULT_CONTEXT_WINDOW (window.py).
+    context_window: int | None = None
     health_interval_s: float = 10.0
     # Which endpoint takes a request (routing.py): "affinity" (continuation,
     # session, prefix, then load), "least-loaded" or "round-robin".
@@ -92,7 +95,7 @@ class UpstreamSpec:
             raise ValueError(f"unknown upstream profile {self.profile!r}; one of: {', '.join(PROFILES)}")
         if not self.urls:
             raise ValueError(f"model {self.served_model!r}: an upstream model needs at least one URL")
-        if self.max_concurrency < 1 or self.context_window < 1:
+        if self.max_concurrency < 1 or (self.context_window is not None and self.context_window < 1):
             raise ValueError(f"model {self.served_model!r}: max_concurrency and context_window must be >= 1")
 
 
@@ -156,7 +159,7 @@ class UpstreamEngine:
         )
         self.info = ModelInfo(
             id=spec.served_model,
-            context_window=spec.context_window,
+            context_window=spec.context_window if spec.context_window is not None else DEFAULT_CONTEXT_WINDOW,
             capabilities={"streaming": True, "tools": True, "structured_output": True, "reasoning": True},
             source=f"{spec.upstream_model} at " + ", ".join(e.label for e in self.pool.endpoints),
             max_concurrency=spec.max_concurrency,

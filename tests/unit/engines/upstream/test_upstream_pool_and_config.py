@@ -87,6 +87,20 @@ def test_saved_key_is_owner_only_and_resolves(tmp_path, monkeypatch):
     assert clear_key(tmp_path) and not clear_key(tmp_path)
 
 
+def test_a_config_entrys_named_key_wins_over_the_environment(tmp_path, monkeypatch):
+    # key_name is the more specific choice: LMSPD_UPSTREAM_API_KEY is for
+    # every model that names none.
+    monkeypatch.setenv(DEFAULT_ENV, "sk-from-env")
+    save_key(tmp_path, "sk-named", name="vllm")
+    save_key(tmp_path, "sk-default")
+    assert resolve_key(tmp_path, name="vllm") == Secret("sk-named")
+    assert resolve_key(tmp_path) == Secret("sk-from-env")
+    # A name with no saved key: the environment's, never the default file's.
+    assert resolve_key(tmp_path, name="sglang") == Secret("sk-from-env")
+    monkeypatch.delenv(DEFAULT_ENV)
+    assert resolve_key(tmp_path, name="sglang") is None
+
+
 def test_a_key_file_others_can_read_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv(DEFAULT_ENV, raising=False)
     path = save_key(tmp_path, "sk-leaky")
