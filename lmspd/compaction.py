@@ -104,10 +104,17 @@ def compaction_message(app: "LmspdApp", summary: str, owner: str) -> Message:
 @dataclass
 class Lead:
     """A turn that compacts: the compaction item it emits first, the
-    reduced conversation, and (for a trigger) the run that ends the turn."""
+    reduced conversation, (for a trigger) the run that ends the turn, and
+    what writing the summary cost. The turn's usage is everything the model
+    did for it: that summary (what ``/v1/responses/compact`` reports), then
+    the run's own, the answer or a trigger's warm-up prefill, which a
+    ``generate: false`` turn reports too (``StreamSession.spent``). Without
+    it the summary, the turn's main cost, went unreported: a trigger's
+    usage was all zeros."""
 
     item: Message
     conversation: Conversation
+    summary_usage: Usage
     run: Any = None
 
 
@@ -122,20 +129,21 @@ async def before_turn(app: "LmspdApp", run: RunContext, req: Any, dialect: Any) 
             return None
         if await app.service.count_tokens(conversation) <= threshold:
             return None
-    summary, _ = await summarize(app, run, conversation)
+    summary, usage = await summarize(app, run, conversation)
     made = compaction_message(app, summary, run.owner)
     reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
                                   previous_response_id=None)
     log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
              "trigger" if req.compaction_trigger else f"threshold={threshold}")
     if not req.compaction_trigger:
-        return Lead(made, reduced)
+        return Lead(made, reduced, usage)
     # The turn ends after the compaction item; the reduced window is
     # prefilled meanwhile, so that the client's next turn continues it.
     if supports_prefill(app, conversation.model):
         warm = dataclasses.replace(reduced, max_output_tokens=None)
-        return Lead(made, reduced, await _begun(app.service.begin(warm, dataclasses.replace(run, prefill_only=True))))
-    return Lead(made, reduced, FinishedRun())
+        return Lead(made, reduced, usage,
+                    await _begun(app.service.begin(warm, dataclasses.replace(run, prefill_only=True))))
+    return Lead(made, reduced, usage, FinishedRun())
 
 
 class FinishedRun:
@@ -206,18 +214,16 @@ async def compact(app: "LmspdApp", owner: str, dialect: Any, raw: dict[str, Any]
                 pass
         except ApiError as exc:  # the summary stands; only the warm-up is lost
             log.info("compaction warm-up skipped: %s", exc.message)
-    from lmspd.dialects.openai_responses import input_item_json
+    from lmspd.dialects.openai_responses import input_item_json, usage_object
 
     return {
         "id": made.id,
         "object": "response.compaction",
         "created_at": _now(),
         "output": [input_item_json(i) for i in output],
-        # What writing the summary cost (the warm-up prefill is not billed).
-        "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                  "total_tokens": usage.total_tokens,
-                  "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                  "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}},
+        # What writing the summary cost (the warm-up prefill is not billed),
+        # in the shape of a Response's usage (the SDK's CompactedResponse).
+        "usage": usage_object(usage),
     }
 
 

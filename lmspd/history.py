@@ -36,7 +36,7 @@ log = logging.getLogger("lmspd.history")
 # Stored items were bounded when they arrived; reading them back must not
 # trip a request bound that has since been lowered.
 _STORED = RequestLimits(max_input_items=2**31, max_content_parts=2**31, max_text_chars=2**62,
-                        max_expanded_chars=2**62)
+                        max_expanded_chars=2**62, max_expanded_items=2**31)
 
 # Statuses whose output a conversation keeps (a failed or cancelled turn
 # leaves the conversation as it was, as OpenAI does).

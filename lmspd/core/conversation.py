@@ -32,11 +32,26 @@ class Message:
     breakpoints: tuple[int, ...] = ()
 
 
+# A model knows no namespaces: a ``namespace`` tool's members are offered
+# to it, and called by it, as ``namespace__name``.
+NAMESPACE_SEPARATOR = "__"
+
+
+def qualify(name: str, namespace: str | None) -> str:
+    """The name a model sees for ``name`` in ``namespace``. Only a tool's
+    declared name and what renders or parses the model's own text use it:
+    every call item carries the plain name and the namespace apart, as the
+    protocols that have namespaces write them."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
 @dataclass(slots=True)
 class ToolCall:
     """A call the model made (``function_call`` / ``custom_tool_call``)."""
 
     call_id: str
+    # The tool's own name: within ``namespace`` when that is set (the model
+    # wrote ``qualify(name, namespace)``).
     name: str
     # JSON arguments for functions, raw input for custom tools.
     payload: str
@@ -85,7 +100,7 @@ class FunctionTool:
     parameters: dict[str, Any] | None = None
     strict: bool = False
     # Set when the function came from a ``namespace`` tool; ``name`` is then
-    # the namespaced name offered to the model.
+    # the name offered to the model, ``qualify(member_name(tool), namespace)``.
     namespace: str | None = None
 
 
@@ -95,9 +110,19 @@ class CustomTool:
     description: str | None = None
     # None = free text; otherwise {"syntax": "lark"|"regex", "definition": str}.
     grammar: dict[str, str] | None = None
+    # As FunctionTool's: Codex declares apply_patch inside a namespace.
+    namespace: str | None = None
 
 
 Tool = Union[FunctionTool, CustomTool]
+
+
+def member_name(tool: Tool) -> str:
+    """The name a call of ``tool`` carries: its own, without the namespace
+    that the name offered to the model begins with."""
+    if tool.namespace is None:
+        return tool.name
+    return tool.name[len(qualify("", tool.namespace)):]
 
 
 @dataclass(slots=True)
@@ -272,7 +297,7 @@ def item_chars(item: Item) -> int:
     if isinstance(item, Message):
         return len(item.text)
     if isinstance(item, ToolCall):
-        return len(item.name) + len(item.payload)
+        return len(item.name) + len(item.namespace or "") + len(item.payload)
     if isinstance(item, ToolOutput):
         return len(item.output)
     return (sum(map(len, item.summary)) + len(item.text or "") + len(item.encrypted_content or "")

@@ -16,6 +16,9 @@ MAX_IDEMPOTENCY_KEY_CHARS = 255
 # A client's session header (Claude Code, Codex, opencode...): a longer one is
 # ignored rather than refused (lmspd.dialects.session).
 MAX_SESSION_KEY_CHARS = 256
+# A WebSocket response.create's ``stream_id`` (its lane): echoed on every
+# event of the turn, so a long one would be copied into each.
+MAX_STREAM_ID_CHARS = 256
 # Threads that decode large request bodies and WebSocket messages
 # (decompression, JSON): a pool of their own (lmspd.bodies), so that slow
 # bodies queue behind each other, not in front of other off-loop work.
@@ -45,6 +48,15 @@ class RequestLimits:
     # characters: ~4M tokens, far past any context window, while a handful
     # of references to one large stored item cannot build gigabytes.
     max_expanded_chars: int = 16 * 1024 * 1024
+    # The same expansion in items. Not max_input_items, which bounds what
+    # one request sends: a long agent session continued by
+    # previous_response_id or a conversation rightly holds more than one
+    # request may send. Items without text (an empty message, a call with
+    # no arguments) cost nothing against max_expanded_chars, yet each is an
+    # object here and a few tokens of chat-template markup in the engine:
+    # 64Ki items are past any context window in markup alone, while thirty
+    # turns of 4096 empty messages cannot hand the engine 120k items.
+    max_expanded_items: int = 65536
     max_tools: int = 512
     max_tool_schema_bytes: int = 256 * 1024
     # A custom tool's Lark or regex grammar (Codex's apply_patch is ~1 KB);

@@ -35,7 +35,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
-from .common import check_answered, decode_stop
+from .common import check_answered, check_item_count, decode_stop, neutral_effort
 from .extensions import decode_extensions
 from .responses_items import Lenient, Strict, decode_tool_choice, decode_tools, media_placeholder, validation_error
 
@@ -205,8 +205,7 @@ def _effort(body: CreateMessage) -> str | None:
         return "none"
     effort = body.output_config.effort if body.output_config else None
     if effort is not None:
-        # The neutral scale tops out at xhigh.
-        return "xhigh" if effort == "max" else effort
+        return neutral_effort(effort)
     if thinking is not None and thinking.budget_tokens is not None:
         return next(level for floor, level in _BUDGET_EFFORTS if thinking.budget_tokens >= floor)
     return None
@@ -319,11 +318,16 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
         if isinstance(msg.content, str):
             items.append(Message(role=msg.role, text=_check(msg.content, f"{where}.content", limits)))
             paths.append(where)
-            continue
-        if len(msg.content) > limits.max_content_parts:
-            raise invalid(f"'{where}.content' has {len(msg.content)} blocks; the limit is "
-                          f"{limits.max_content_parts}.", f"{where}.content")
-        _decode_blocks(msg.role, msg.content, f"{where}.content", limits, items, paths)
+        else:
+            if len(msg.content) > limits.max_content_parts:
+                raise invalid(f"'{where}.content' has {len(msg.content)} blocks; the limit is "
+                              f"{limits.max_content_parts}.", f"{where}.content")
+            _decode_blocks(msg.role, msg.content, f"{where}.content", limits, items, paths)
+        if len(items) > limits.max_input_items:
+            # max_content_parts bounds one message's blocks, so the items
+            # built past the bound are few; the error names the first.
+            check_item_count(len(items), paths[limits.max_input_items], limits,
+                             parts="tool_use, tool_result and thinking blocks")
     return items, paths
 
 
@@ -376,7 +380,8 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
     if kind == "tool_use":
         use = ToolUseIn.model_validate(block)
         # Compact, key order kept: the prompt renderer re-serializes it anyway.
-        return ToolCall(call_id=use.id, name=use.name, payload=json.dumps(use.input, ensure_ascii=False))
+        return ToolCall(call_id=use.id, name=use.name,
+                        payload=_check(json.dumps(use.input, ensure_ascii=False), f"{where}.input", limits))
     if kind == "tool_result":
         result = ToolResultIn.model_validate(block)
         texts, marked = _result_blocks(result.content, f"{where}.content")
@@ -393,7 +398,8 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
         return ToolOutput(call_id=result.tool_use_id, output=text, breakpoints=breakpoints)
     if kind == "thinking":
         thought = ThinkingBlockIn.model_validate(block)
-        return Reasoning(text=thought.thinking, encrypted_content=thought.signature or None)
+        return Reasoning(text=_check(thought.thinking, f"{where}.thinking", limits),
+                         encrypted_content=thought.signature or None)
     redacted = RedactedThinkingIn.model_validate(block)
     return Reasoning(encrypted_content=redacted.data)
 

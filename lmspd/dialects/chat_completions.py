@@ -33,7 +33,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
-from .common import check_answered, decode_stop, seed32
+from .common import MODERATION_REFUSAL, check_answered, check_item_count, decode_stop, neutral_effort, seed32
 from .extensions import decode_extensions
 from .responses_items import (
     Lenient,
@@ -54,6 +54,13 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None
 
 
+class PromptCacheOptions(Strict):
+    # Hints to OpenAI's prompt cache; lmspd's KV cache reuses the longest
+    # prefix it holds by its own rules (as openai_responses.PromptCacheOptions).
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
 class ChatCompletionRequest(Strict):
     model: str = Field(min_length=1, max_length=256)
     messages: list[Any] = Field(min_length=1)
@@ -70,7 +77,7 @@ class ChatCompletionRequest(Strict):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -83,6 +90,7 @@ class ChatCompletionRequest(Strict):
     safety_identifier: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -93,6 +101,7 @@ class ChatCompletionRequest(Strict):
     functions: Any = None
     function_call: Any = None
     web_search_options: Any = None
+    moderation: Any = None
 
 
 class FunctionDefIn(Lenient):
@@ -201,7 +210,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits) -> ChatCompletion
                                      stop=decode_stop(body.stop, limits, "stop")),
         # max_tokens is the deprecated spelling; the newer field wins.
         max_output_tokens=body.max_completion_tokens or body.max_tokens,
-        reasoning_effort=body.reasoning_effort,
+        reasoning_effort=neutral_effort(body.reasoning_effort),
         prompt_cache_key=body.prompt_cache_key,
         cache_reuse=extensions.cache_reuse,
         speculative=extensions.speculative,
@@ -222,6 +231,8 @@ def _refuse_unhonourable(body: ChatCompletionRequest) -> None:
             raise unsupported(name, f"'{name}' is not supported yet; omit it or send 0.")
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise unsupported("modalities", "lmspd serves text-only models; 'modalities' may only contain 'text'.")
+    if body.moderation is not None:
+        raise unsupported("moderation", MODERATION_REFUSAL)
     for name in ("audio", "prediction", "functions", "function_call", "web_search_options"):
         if getattr(body, name) is not None:
             hint = " Use 'tools' and 'tool_choice' instead." if name.startswith("function") else ""
@@ -240,6 +251,7 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
     def add(item: Item, path: str) -> None:
         items.append(item)
         paths.append(path)
+        check_item_count(len(items), path, limits, parts="reasoning and tool_calls entries")
 
     for i, entry in enumerate(raw):
         where = f"messages[{i}]"
@@ -257,17 +269,19 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
         if isinstance(msg, ToolMessageIn):
             add(ToolOutput(call_id=msg.tool_call_id, output=_text(msg.content, f"{where}.content", limits)), where)
         elif isinstance(msg, AssistantMessageIn):
-            thinking = msg.reasoning_content if msg.reasoning_content is not None else msg.reasoning
+            field = "reasoning_content" if msg.reasoning_content is not None else "reasoning"
+            thinking = getattr(msg, field)
             if thinking:
-                add(Reasoning(text=thinking), where)
+                add(Reasoning(text=_checked(thinking, f"{where}.{field}", limits)), where)
             text = _text(msg.content, f"{where}.content", limits)
             # An assistant turn that only calls tools has no message item,
             # exactly as the engine's own output for that turn has none.
             if text or not msg.tool_calls:
                 add(Message(role="assistant", text=text), where)
             for j, call in enumerate(msg.tool_calls or []):
-                add(ToolCall(call_id=call.id, name=call.function.name, payload=call.function.arguments),
-                    f"{where}.tool_calls[{j}]")
+                at = f"{where}.tool_calls[{j}]"
+                add(ToolCall(call_id=call.id, name=call.function.name,
+                             payload=_checked(call.function.arguments, f"{at}.function.arguments", limits)), at)
         else:
             assert isinstance(msg, (SystemMessageIn, UserMessageIn))
             add(Message(role=msg.role, text=_text(msg.content, f"{where}.content", limits)), where)
@@ -275,7 +289,10 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
 
 
 def _text(content: Any, path: str, limits: RequestLimits) -> str:
-    text = content_text(content, path, limits)
+    return _checked(content_text(content, path, limits), path, limits)
+
+
+def _checked(text: str, path: str, limits: RequestLimits) -> str:
     if len(text) > limits.max_text_chars:
         raise invalid(f"'{path}' is {len(text)} characters; the limit is {limits.max_text_chars}.", path)
     return text

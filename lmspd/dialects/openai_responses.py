@@ -29,6 +29,7 @@ from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
 
+from .common import MODERATION_REFUSAL, neutral_effort
 from .extensions import Extensions, decode_extensions, response_extensions
 from .responses_items import (
     COMPACTION_TRIGGER,
@@ -62,7 +63,7 @@ class TextConfig(Lenient):
 
 
 class ReasoningConfig(Lenient):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -77,6 +78,43 @@ class CompactionSetting(Strict):
 
     type: Literal["compaction"]
     compact_threshold: int | None = Field(default=None, ge=1)
+
+
+class PromptCacheOptions(Strict):
+    """Hints to OpenAI's prompt cache. lmspd's KV cache finds and keeps a
+    request's longest reusable prefix by its own rules (``lmspd.cache``),
+    with no breakpoints to choose and no lifetime to promise: ``mode``,
+    ``ttl`` and ``comparison_response_id`` (diagnostics, "when the feature
+    is enabled") change nothing, and nothing is echoed as applied.
+    ``prewarm`` would skip the generation: refused (``_refuse_unhonourable``)."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: bool | None = None
+    comparison_response_id: str | None = Field(default=None, max_length=256)
+
+
+class ImageOptions(Strict):
+    """Image context compression: lmspd's models read no images (an image in
+    a tool's output reaches them as words, ``media_placeholder``), so no
+    policy applies."""
+
+    context_compression: Literal["auto", "enabled", "disabled"] | None = None
+
+
+class BackgroundOptions(Strict):
+    """A background response runs as soon as the model is free: within any
+    completion window. ``continuation_id`` orders related background
+    requests on OpenAI's side; lmspd's queue is first come, first served."""
+
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: str | None = Field(default=None, max_length=512)
+
+
+class AccessPrograms(Strict):
+    # "standard" is how every request is served; a Daybreak program (access
+    # OpenAI grants per organization) is refused (``_refuse_unhonourable``).
+    cyber: Literal["standard", "daybreak_blue", "daybreak_red"] | None = None
 
 
 class CreateResponse(Strict):
@@ -108,11 +146,18 @@ class CreateResponse(Strict):
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=512)
     safety_identifier: str | None = Field(default=None, max_length=512)
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # Every tier is served the one way lmspd serves (the reply says
+    # "default": the tier "actually used", as OpenAI reports it).
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     extensions: dict[str, Any] | None = None
     context_management: list[CompactionSetting] | None = Field(default=None, max_length=4)
+    prompt_cache_options: PromptCacheOptions | None = None
+    image: ImageOptions | None = None
+    background_options: BackgroundOptions | None = None
+    access_programs: AccessPrograms | None = None
     # Accepted by OpenAI but not something lmspd can honour.
     prompt: Any = None
+    moderation: Any = None
 
 
 class OpenAIRequest:
@@ -212,7 +257,7 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
         sampling=extensions.sampling(temperature=body.temperature, top_p=body.top_p),
         max_output_tokens=body.max_output_tokens,
         truncate=body.truncation == "auto",
-        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+        reasoning_effort=neutral_effort(body.reasoning.effort if body.reasoning else None),
         include_encrypted_reasoning="reasoning.encrypted_content" in (body.include or []),
         prompt_cache_key=body.prompt_cache_key,
         previous_response_id=body.previous_response_id,
@@ -236,6 +281,21 @@ def _take_compaction_trigger(raw: str | list[Any]) -> tuple[str | list[Any], boo
 def _refuse_unhonourable(body: CreateResponse) -> None:
     if body.prompt is not None:
         raise unsupported("prompt", "Reusable prompts ('prompt') are an OpenAI-hosted feature; send 'input' instead.")
+    if body.moderation is not None:
+        raise unsupported("moderation", MODERATION_REFUSAL)
+    if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
+        raise unsupported("prompt_cache_options.prewarm",
+                          "'prompt_cache_options.prewarm' is not supported over HTTP; over the WebSocket, "
+                          "'generate: false' fills the cache without generating.")
+    if body.access_programs is not None and body.access_programs.cyber not in (None, "standard"):
+        raise unsupported("access_programs.cyber",
+                          f"Access program {body.access_programs.cyber!r} is access OpenAI grants to its own models; "
+                          "lmspd serves every request as 'standard'.")
+    window = body.background_options.completion_window if body.background_options is not None else None
+    if window in ("2h", "8h") and (not body.background or body.stream):
+        # OpenAI's own rule for the discounted windows.
+        raise invalid(f"'background_options.completion_window: {window}' needs 'background: true' and no "
+                      "streaming.", "background_options.completion_window")
     if body.top_logprobs:
         raise unsupported("top_logprobs", "Log probabilities are not supported yet; omit 'top_logprobs'.")
     for i, name in enumerate(body.include or []):
@@ -387,9 +447,11 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 def usage_json(state: ResponseState) -> dict[str, Any] | None:
-    u = state.usage
-    if u is None:
-        return None
+    return None if state.usage is None else usage_object(state.usage)
+
+
+def usage_object(u: Usage) -> dict[str, Any]:
+    """A Response's ``usage`` (also a ``response.compaction``'s)."""
     return {
         "input_tokens": u.input_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},

@@ -26,30 +26,43 @@ from lmspd.core.conversation import (
     ToolChoice,
     ToolOutput,
     item_chars,
+    qualify,
 )
 from lmspd.core.errors import ApiError, invalid, tag
 from lmspd.core.limits import RequestLimits
 
 
 class Expansion:
-    """The characters a request's input comes to once what it names is
-    expanded: ``previous_response_id``'s chain, a ``conversation``'s items,
-    each ``item_reference`` and ``compaction`` item, and the input itself
-    (``RequestLimits.max_expanded_chars``). Counted as the items arrive, so
-    that an expansion past the bound stops there: a few references to one
-    large stored item would otherwise build gigabytes of strings."""
+    """What a request's input comes to once what it names is expanded:
+    ``previous_response_id``'s chain, a ``conversation``'s items, each
+    ``item_reference`` and ``compaction`` item, and the input itself, in
+    characters (``RequestLimits.max_expanded_chars``) and in items
+    (``max_expanded_items``). Counted as the items arrive, so that an
+    expansion past either bound stops there: a few references to one large
+    stored item would otherwise build gigabytes of strings, and a
+    conversation of empty messages, which costs no characters, hundreds of
+    thousands of items."""
 
     def __init__(self, limits: RequestLimits) -> None:
         self.limit = limits.max_expanded_chars
+        self.item_limit = limits.max_expanded_items
         self.chars = 0
+        self.items = 0
 
     def add(self, item: Item, where: str) -> Item:
         self.chars += item_chars(item)
+        self.items += 1
         if self.chars > self.limit:
             raise invalid(
                 f"The input is more than {self.limit} characters once the stored history it names is expanded "
                 f"(previous_response_id, conversation, item_reference and compaction items, the input itself), "
                 f"exceeded at '{where}'; the limit is {self.limit} characters (max_expanded_chars). "
+                "Send less history, or compact it (/v1/responses/compact).", where)
+        if self.items > self.item_limit:
+            raise invalid(
+                f"The input is more than {self.item_limit} items once the stored history it names is expanded "
+                f"(previous_response_id, conversation, item_reference and compaction items, the input itself), "
+                f"exceeded at '{where}'; the limit is {self.item_limit} items (max_expanded_items). "
                 "Send less history, or compact it (/v1/responses/compact).", where)
         return item
 
@@ -212,7 +225,7 @@ class FunctionCallIn(Lenient):
     name: str = Field(min_length=1, max_length=256)
     arguments: str
     id: str | None = None
-    namespace: str | None = None
+    namespace: str | None = Field(default=None, max_length=256)
 
 
 class CustomToolCallIn(Lenient):
@@ -221,7 +234,7 @@ class CustomToolCallIn(Lenient):
     name: str = Field(min_length=1, max_length=256)
     input: str
     id: str | None = None
-    namespace: str | None = None
+    namespace: str | None = Field(default=None, max_length=256)
 
 
 class ToolOutputIn(Lenient):
@@ -443,11 +456,13 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
         return Message(role=parsed.role, text=text, id=parsed.id, phase=parsed.phase,
                        breakpoints=content_breakpoints(parsed.content, f"{where}.content", limits))
     if isinstance(parsed, FunctionCallIn):
-        return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
-                        payload=parsed.arguments, kind="function", namespace=parsed.namespace, id=parsed.id)
+        _check_text(parsed.arguments, f"{where}.arguments", limits)
+        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.arguments, kind="function",
+                        namespace=parsed.namespace or None, id=parsed.id)
     if isinstance(parsed, CustomToolCallIn):
-        return ToolCall(call_id=parsed.call_id, name=_namespaced(parsed.name, parsed.namespace),
-                        payload=parsed.input, kind="custom", namespace=parsed.namespace, id=parsed.id)
+        _check_text(parsed.input, f"{where}.input", limits)
+        return ToolCall(call_id=parsed.call_id, name=parsed.name, payload=parsed.input, kind="custom",
+                        namespace=parsed.namespace or None, id=parsed.id)
     if isinstance(parsed, ToolOutputIn):
         output = parsed.output if isinstance(parsed.output, str) else content_text(parsed.output, f"{where}.output", limits,
                                                                                          tool_output=True)
@@ -456,18 +471,15 @@ def _to_item(parsed: Lenient, where: str, limits: RequestLimits) -> Item:
                           kind="custom" if parsed.type == "custom_tool_call_output" else "function",
                           breakpoints=content_breakpoints(parsed.output, f"{where}.output", limits))
     assert isinstance(parsed, ReasoningIn)
-    return Reasoning(
-        summary=[p.text for p in parsed.summary or []],
-        text="".join(p.text for p in parsed.content) if parsed.content else None,
-        encrypted_content=parsed.encrypted_content,
-        id=parsed.id,
-    )
-
-
-def _namespaced(name: str, namespace: str | None) -> str:
-    """Calls of a namespace tool's functions are offered and replayed under
-    ``namespace__name`` (see ``decode_tools``)."""
-    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+    summary = [p.text for p in parsed.summary or []]
+    for k, part in enumerate(summary):
+        _check_text(part, f"{where}.summary[{k}].text", limits)
+    reasoning = "".join(p.text for p in parsed.content) if parsed.content else None
+    if reasoning is not None:
+        _check_text(reasoning, f"{where}.content", limits)
+    if parsed.encrypted_content is not None:
+        _check_text(parsed.encrypted_content, f"{where}.encrypted_content", limits)
+    return Reasoning(summary=summary, text=reasoning, encrypted_content=parsed.encrypted_content, id=parsed.id)
 
 
 def _check_text(text: str, path: str, limits: RequestLimits) -> None:
@@ -514,9 +526,6 @@ class NamespaceToolIn(Lenient):
     tools: list[dict[str, Any]] = Field(default_factory=list)
 
 
-NAMESPACE_SEPARATOR = "__"
-
-
 def decode_tools(raw: list[Any] | None, limits: RequestLimits, *,
                  more: Sequence[tuple[str, Any]] = ()) -> list[FunctionTool | CustomTool]:
     """``tools`` (and ``more``: ``(where, tool)`` pairs from elsewhere in the
@@ -526,16 +535,43 @@ def decode_tools(raw: list[Any] | None, limits: RequestLimits, *,
     entries = [(f"tools[{i}]", entry) for i, entry in enumerate(raw or [])] + list(more)
     if not entries:
         return []
-    if len(entries) > limits.max_tools:
-        raise invalid(f"'tools' has {len(entries)} entries; the limit is {limits.max_tools}.", "tools")
+    _count_tools(entries, limits)
     tools: list[FunctionTool | CustomTool] = []
     for where, entry in entries:
         tools.extend(_decode_tool(where, entry, limits))
-    names = [t.name for t in tools]
-    dupes = {n for n in names if names.count(n) > 1}
+    seen: set[str] = set()
+    dupes: set[str] = set()
+    for tool in tools:
+        (dupes if tool.name in seen else seen).add(tool.name)
     if dupes:
         raise invalid(f"Tool names must be unique; repeated: {', '.join(sorted(dupes))}.", "tools")
     return tools
+
+
+def _count_tools(entries: Sequence[tuple[str, Any]], limits: RequestLimits) -> None:
+    """Every tool the model is offered counts against ``max_tools``: each
+    member of a namespace as one, wherever it is declared. Counted before
+    anything is decoded, so that an oversized namespace costs no work."""
+    namespaces = [_namespace_members(entry) for _, entry in entries]
+    sizes = [1 if members is None else len(members) for members in namespaces]
+    total = sum(sizes)
+    if total <= limits.max_tools:
+        return
+    before = 0
+    for (where, _), members, size in zip(entries, namespaces, sizes, strict=True):
+        if before + size > limits.max_tools:
+            at = where if members is None else f"{where}.tools[{limits.max_tools - before}]"
+            raise invalid(f"The request declares {total} tools; the limit is {limits.max_tools} (max_tools), "
+                          f"passed at '{at}'. Each tool counts, a namespace's tools and those of additional_tools "
+                          "items too.", at)
+        before += size
+
+
+def _namespace_members(entry: Any) -> list[Any] | None:
+    if isinstance(entry, dict) and entry.get("type") == "namespace" and isinstance(entry.get("tools"), list):
+        members: list[Any] = entry["tools"]
+        return members
+    return None
 
 
 def _decode_tool(where: str, entry: Any, limits: RequestLimits) -> list[FunctionTool | CustomTool]:
@@ -556,14 +592,16 @@ def _decode_tool(where: str, entry: Any, limits: RequestLimits) -> list[Function
                     shown = sub.get("type") if isinstance(sub, dict) else type(sub).__name__
                     raise invalid(f"'{sub_where}' ({_tool_label(sub)}) is of type {str(shown)[:64]!r}: lmspd renders "
                                   "only function and custom tools inside a namespace.", sub_where)
-                inner = (
-                    _function_tool(FunctionToolIn.model_validate(sub), sub_where, limits)
-                    if sub["type"] == "function"
-                    else _custom_tool(CustomToolIn.model_validate(sub))
-                )
-                if isinstance(inner, FunctionTool):
-                    inner.namespace = ns.name
-                inner.name = f"{ns.name}{NAMESPACE_SEPARATOR}{inner.name}"
+                try:
+                    inner = (
+                        _function_tool(FunctionToolIn.model_validate(sub), sub_where, limits)
+                        if sub["type"] == "function"
+                        else _custom_tool(CustomToolIn.model_validate(sub))
+                    )
+                except ValidationError as exc:
+                    raise validation_error(exc, sub_where) from None
+                inner.namespace = ns.name
+                inner.name = qualify(inner.name, ns.name)
                 out.append(inner)
             return out
         if kind in HOSTED_TOOL_TYPES:

@@ -180,7 +180,8 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     except ApiError as exc:
         # The core names neutral fields; the client hears its own.
         raise dialect.names(req, conversation.items).name(exc) from None
-    session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else ())
+    session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else (),
+                            spent=lead.summary_usage if lead is not None else None)
     previous = req.previous_response_id
     input_items = req.input_items
     tool_items = list(getattr(req, "tool_items", []))

@@ -23,7 +23,8 @@ response whose id the next turn continues; on an engine that cannot
 prefill without generating, the upstream one, nothing is sent). An
 upstream provider's refusal is an ``error`` frame with the status the HTTP
 reply would have, as over HTTP. Codex's ``response.processed``
-acknowledgements are accepted silently. After
+acknowledgements are accepted silently. A create's ``stream_id`` (its
+lane) is echoed on every event of its turn, errors included. After
 ``websocket_max_age_s`` (60 minutes) the connection ends with
 ``websocket_connection_limit_reached``.
 
@@ -53,6 +54,7 @@ from lmspd.bodies import INLINE_BYTES, decode_off_loop, parse_json_object
 from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.limits import MAX_STREAM_ID_CHARS
 from lmspd.core.run import RunContext
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.responses_items import Expansion
@@ -242,8 +244,12 @@ class Connection:
                                       "type"))
             return
         if self._turn is not None and not self._turn.done():
+            lane = None
+            with contextlib.suppress(ApiError):
+                lane = _stream_id(frame)
             await self._error(ApiError("concurrent_request", "A response is already in progress on this "
-                                       "connection; wait for its terminal event before the next response.create."))
+                                       "connection; wait for its terminal event before the next response.create."),
+                              lane)
             return
         self._turn = asyncio.create_task(self._run_turn(frame))
 
@@ -255,11 +261,13 @@ class Connection:
             log.info("websocket turn ended early: %s", type(exc).__name__)
 
     async def _turn_body(self, frame: dict[str, Any]) -> None:
-        body = {k: v for k, v in frame.items() if k not in ("type", "generate", *_AGREEING, *_DROPPED)}
+        body = {k: v for k, v in frame.items() if k not in ("type", "generate", "stream_id", *_AGREEING, *_DROPPED)}
         context = ConnectionContext(StoredContext(self.app.store, self.owner, self.app.sealer), self.latest,
                                     self._evicted)
         previous = body.get("previous_response_id")
+        lane: str | None = None
         try:
+            lane = _stream_id(frame)
             for name, agreeing in _AGREEING.items():
                 value = frame.get(name)
                 if value is not None and value is not agreeing:  # null: unset, as over HTTP
@@ -276,12 +284,12 @@ class Connection:
             turn = await begin_turn(self.app, run_context, OPENAI, body, context=context)
         except ApiError as exc:
             self._evict(previous)
-            await self._error(exc)
+            await self._error(exc, lane)
             return
         except Exception:
             log.exception("response.create failed")
             self._evict(previous)
-            await self._error(ApiError("server_error", "Internal server error."))
+            await self._error(ApiError("server_error", "Internal server error."), lane)
             return
         if turn.run.opens_first:
             # As over HTTP: an engine that must reach its provider first does
@@ -292,11 +300,11 @@ class Connection:
                 await turn.run.open()
             except ApiError as exc:
                 self._evict(previous)
-                await self._error(turn.dialect.names(turn.req, turn.window).name(exc))
+                await self._error(turn.dialect.names(turn.req, turn.window).name(exc), lane)
                 return
         state = turn.session.state
         async for _seq, _name, data in turn_events(turn):
-            await self._send(event_frame(data))
+            await self._send(event_frame(data, lane))
         if state.status in ("completed", "incomplete"):
             # Stored only if the write succeeded: a later turn must not
             # name a predecessor the store does not have.
@@ -318,8 +326,8 @@ class Connection:
         while len(self._evicted) > _MAX_EVICTED:
             del self._evicted[next(iter(self._evicted))]
 
-    async def _error(self, exc: ApiError) -> None:
-        await self._send(error_frame(exc))
+    async def _error(self, exc: ApiError, stream_id: str | None = None) -> None:
+        await self._send(error_frame(exc, stream_id))
 
     async def _send(self, text: str) -> None:
         if not self._gone:
@@ -336,6 +344,20 @@ class Connection:
                 self._gone = True
             finally:
                 self._frames.task_done()
+
+
+def _stream_id(frame: dict[str, Any]) -> str | None:
+    """The lane a ``response.create`` names, which every event of its turn
+    echoes. Lanes are names only: a connection runs one turn at a time
+    whatever its lane (a second one is ``concurrent_request``), which keeps
+    the FIFO order the SDK promises within a lane. Not a create body field
+    (HTTP has no lanes), so taken out before the body is decoded."""
+    value = frame.get("stream_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_STREAM_ID_CHARS:
+        raise invalid(f"'stream_id' must be a string of 1 to {MAX_STREAM_ID_CHARS} characters.", "stream_id")
+    return value
 
 
 def _within(items: list[Item], budget: int, *, truncate: bool) -> list[Item] | None:

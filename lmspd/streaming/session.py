@@ -14,7 +14,7 @@ event name, data object)``, which SSE frames as ``event:``/``data:`` lines
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from lmspd.core.conversation import Message, Reasoning, ToolCall
@@ -78,12 +78,17 @@ WireEvent = tuple[int, str, dict[str, Any]]
 class StreamSession:
     """Feeds engine events in, gets numbered wire events out."""
 
-    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple[Any, ...] = ()) -> None:
+    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple[Any, ...] = (),
+                 spent: Usage | None = None) -> None:
         self.state = state
         self._encoder = encoder
         # Complete items the response starts with, emitted (added, done)
         # right after it is in progress: a compaction item.
         self._lead = list(lead)
+        # What the model already did for this response before its run (a
+        # compaction's summary, ``lmspd.compaction``): the response's usage
+        # is that and the run's together.
+        self.spent = spent
         self._seq = encoder.first_sequence_number
         self._open_index: int | None = None  # index of the item receiving deltas
         self._calls: dict[int, int] = {}  # engine tool index -> output index
@@ -196,7 +201,7 @@ class StreamSession:
         self._close_open(out, status="incomplete")
         self.state.status = "failed"
         self.state.error = {"code": code, "message": message}
-        self.state.usage = usage or self.state.usage or Usage()
+        self.state.usage = self._with_spent(usage or self.state.usage or Usage())
         self._terminate(out, steps.ResponseFailed())
         return out
 
@@ -206,7 +211,7 @@ class StreamSession:
         out: list[WireEvent] = []
         self._close_open(out, status="incomplete")
         self.state.status = "cancelled"
-        self.state.usage = usage or self.state.usage or Usage()
+        self.state.usage = self._with_spent(usage or self.state.usage or Usage())
         self._terminate(out, steps.ResponseCancelled())
         return out
 
@@ -218,7 +223,7 @@ class StreamSession:
         out: list[WireEvent] = []
         incomplete = event.reason in ("length", "content_filter", "repetition")
         self._close_open(out, status="incomplete" if incomplete else "completed")
-        self.state.usage = event.usage
+        self.state.usage = self._with_spent(event.usage)
         if incomplete:
             self.state.status = "incomplete"
             # LMSP's own reasons; a dialect with a closed set maps them.
@@ -230,6 +235,17 @@ class StreamSession:
             self.state.completed_at = int(time.time())
             self._terminate(out, steps.ResponseCompleted())
         return out
+
+    def _with_spent(self, usage: Usage) -> Usage:
+        spent = self.spent
+        if spent is None:
+            return usage
+        # The run's own reports (cache source, diagnostics) stay its own.
+        return replace(usage, input_tokens=usage.input_tokens + spent.input_tokens,
+                       output_tokens=usage.output_tokens + spent.output_tokens,
+                       cached_tokens=usage.cached_tokens + spent.cached_tokens,
+                       cache_write_tokens=usage.cache_write_tokens + spent.cache_write_tokens,
+                       reasoning_tokens=usage.reasoning_tokens + spent.reasoning_tokens)
 
     def _terminate(self, out: list[WireEvent], step: steps.TerminalStep) -> None:
         # A tool call cut off mid-arguments cannot be executed: close it as

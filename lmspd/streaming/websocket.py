@@ -14,9 +14,11 @@ from lmspd.core.errors import ApiError
 from lmspd.streaming.sse import dumps
 
 
-def event_frame(data: dict[str, Any]) -> str:
-    return dumps(data)
+def event_frame(data: dict[str, Any], stream_id: str | None = None) -> str:
+    """``stream_id``: the lane the turn's ``response.create`` named, which
+    each of its events echoes (the SDK's ``Response*WsEvent`` types)."""
+    return dumps(data if stream_id is None else {**data, "stream_id": stream_id})
 
 
-def error_frame(exc: ApiError) -> str:
-    return dumps(exc.websocket_event())
+def error_frame(exc: ApiError, stream_id: str | None = None) -> str:
+    return event_frame(exc.websocket_event(), stream_id)

@@ -11,7 +11,6 @@ trimmed.
 from __future__ import annotations
 
 import codecs
-import dataclasses
 from typing import Callable
 
 from lmspd.cache.manager import CachePlan
@@ -309,7 +308,6 @@ class Generation:
             if isinstance(event, TextDelta):
                 self._text_parts.append(event.text)
             elif isinstance(event, ToolCallStarted):
-                event = self._public_call(event)
                 call = ToolCall(call_id=event.call_id, name=event.name, payload="", kind=event.kind,
                                 namespace=event.namespace)
                 self.calls[event.index] = call
@@ -320,13 +318,6 @@ class Generation:
                 self.calls[event.index].payload = event.payload
                 del self._call_parts[event.index]
             self.emit(event)
-
-    def _public_call(self, event: ToolCallStarted) -> ToolCallStarted:
-        """A namespaced function is offered as ``ns__name``; its call carries
-        the namespace and the plain name back."""
-        if event.namespace and event.name.startswith(event.namespace + "__"):
-            return dataclasses.replace(event, name=event.name[len(event.namespace) + 2:])
-        return event
 
     def _finish_tokens(self) -> None:
         self.usage.output_tokens = len(self.sampled) + self.forced
@@ -346,11 +337,7 @@ class Generation:
             outputs.append(Message(role="assistant", text=text))
         for index, parts in self._call_parts.items():  # cut off before its end
             self.calls[index].payload = "".join(parts)
-        for index in sorted(self.calls):
-            call = self.calls[index]
-            if call.namespace:
-                call = dataclasses.replace(call, name=f"{call.namespace}__{call.name}")
-            outputs.append(call)
+        outputs += [self.calls[index] for index in sorted(self.calls)]
         conversation = self.prepared.conversation
         visible = self.runtime.transcript.visible(conversation, outputs, eog_text)
         kv_text = self.plan.base_text + self.raw.decode("utf-8", errors="replace") + (eog_text or "")

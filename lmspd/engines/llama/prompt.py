@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from lmspd.core.conversation import Conversation, Message, Reasoning, ToolCall, ToolOutput
+from lmspd.core.conversation import Conversation, Item, Message, Reasoning, ToolCall, ToolOutput, qualify
 from lmspd.core.errors import ApiError
 
 from .client_text import neutral_items
@@ -27,7 +27,7 @@ def template_messages(
     # tool_choice "none" still lists the tools, so that the prompt (and the
     # cache) stay the same across turns.
     offered = list(conversation.tools)
-    items = list(conversation.items)
+    items = [_as_written(item) for item in conversation.items]
     instructions = conversation.instructions
     if client is not None:
         offered, items = neutral_items(offered, client), neutral_items(items, client)
@@ -112,6 +112,15 @@ def template_messages(
     flush_outputs()
     tools = tool_format.template_tools(offered) if native_tools and offered else None
     return messages, tools
+
+
+def _as_written(item: Item) -> Item:
+    """A call as the model wrote it: a namespace's member under its
+    qualified name, which is what the model was offered (the parser reads
+    it back to the plain name and the namespace)."""
+    if isinstance(item, ToolCall) and item.namespace:
+        return dataclasses.replace(item, name=qualify(item.name, item.namespace), namespace=None)
+    return item
 
 
 def _canonical(call: ToolCall) -> ToolCall:

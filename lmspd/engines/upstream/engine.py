@@ -308,10 +308,8 @@ class UpstreamEngine:
         if self._key is not None and self._key.reveal() in call_id:
             # A provider holds our key and could echo it as a call id.
             call_id = f"call_{event.index}"
-        if event.kind == "custom":
-            return ToolCallStarted(event.index, call_id, event.name, "custom")
         public = request.tools[event.name]
-        return ToolCallStarted(event.index, call_id, public.name, "function", public.namespace)
+        return ToolCallStarted(event.index, call_id, public.name, public.kind, public.namespace)
 
     @staticmethod
     def _stop_code(cancel: CancelToken) -> str:

@@ -13,7 +13,10 @@ replayed the same way, so the provider sees one consistent convention.
 
 Names: a Responses tool name may contain ``.`` and ``:``, which strict
 providers refuse (``^[A-Za-z0-9_-]{1,64}$``). Such names get a stable
-provider alias and are mapped back on release.
+provider alias and are mapped back on release. Chat Completions has no
+namespaces: a namespace's member is offered, and replayed, under its
+qualified name (``core.conversation.qualify``), and its calls come back
+with the plain name and the namespace apart.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from lmspd.core.conversation import (
     Reasoning,
     ToolCall,
     ToolOutput,
+    member_name,
+    qualify,
 )
 from lmspd.core.errors import invalid
 from lmspd.core.events import ToolKind
@@ -40,9 +45,6 @@ __all__ = ["ProviderRequest", "ProviderProfile", "PROFILES", "PublicTool", "buil
 
 _PROVIDER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-# Must match lmspd.dialects.responses_items.NAMESPACE_SEPARATOR (kept local:
-# an engine does not import a dialect).
-_NAMESPACE_SEPARATOR = "__"
 # A custom tool's description tells the model how to call the wrapper; the
 # grammar, when there is one, is what the raw input must follow. Bounded so
 # that a huge grammar cannot crowd out the prompt.
@@ -83,6 +85,7 @@ PROFILES: dict[str, ProviderProfile] = {
 class PublicTool:
     """What the client declared behind one provider function name."""
 
+    # Within ``namespace``, as the client's calls carry it.
     name: str
     kind: ToolKind
     namespace: str | None = None
@@ -93,7 +96,9 @@ class ProviderRequest:
     body: dict[str, Any]
     # Provider function names the bridge may release (functions only).
     allowed_function_names: frozenset[str] = frozenset()
-    # Provider function name -> the custom tool's public name.
+    # Provider function names that wrap a custom tool, each to the name the
+    # bridge releases its calls under: that provider name too, which
+    # ``tools`` maps to the client's tool as it does a function's.
     custom_wrappers: dict[str, str] = field(default_factory=dict)
     # Provider function name -> public identity, for every declared tool.
     tools: dict[str, PublicTool] = field(default_factory=dict)
@@ -106,14 +111,6 @@ def provider_name(name: str) -> str:
         return name
     digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
     return f"{_UNSAFE.sub('_', name)[:53]}_{digest}"
-
-
-def _public_call_name(call: ToolCall) -> str:
-    # A replayed call may carry its namespace apart ("spawn_agent" +
-    # "multi_agent_v1") or already joined, as lmspd emits it.
-    if call.namespace and not call.name.startswith(call.namespace + _NAMESPACE_SEPARATOR):
-        return f"{call.namespace}{_NAMESPACE_SEPARATOR}{call.name}"
-    return call.name
 
 
 def build_chat_request(
@@ -172,16 +169,13 @@ def _tools(conversation: Conversation, request: ProviderRequest, profile: Provid
                 f"Tools {seen[name]!r} and {tool.name!r} map to the same provider function name {name!r}.", "tools"
             )
         seen[name] = tool.name
-        if isinstance(tool, CustomTool):
-            request.tools[name] = PublicTool(tool.name, "custom")
-            function = _custom_wrapper(tool, name)
-        else:
-            request.tools[name] = PublicTool(tool.name, "function", tool.namespace)
-            function = _function(tool, name)
+        request.tools[name] = PublicTool(member_name(tool), "custom" if isinstance(tool, CustomTool) else "function",
+                                         tool.namespace)
+        function = _custom_wrapper(tool, name) if isinstance(tool, CustomTool) else _function(tool, name)
         offered = allowed is None or tool.name in allowed
         if offered and choice.mode != "none":
             if isinstance(tool, CustomTool):
-                request.custom_wrappers[name] = tool.name
+                request.custom_wrappers[name] = name
             else:
                 request.allowed_function_names |= {name}
         # Without native allowed_tools the provider sees only what it may
@@ -285,7 +279,7 @@ def _messages(conversation: Conversation, profile: ProviderProfile) -> list[dict
         elif isinstance(item, ToolCall):
             if turn is None:
                 turn = {"role": "assistant", "content": None}
-            name = provider_name(_public_call_name(item))
+            name = provider_name(qualify(item.name, item.namespace))
             arguments = item.payload
             if item.kind == "custom":
                 arguments = json.dumps({"input": item.payload}, ensure_ascii=False)

@@ -7,14 +7,18 @@ never a tool quietly left out."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from lmspd.core.conversation import CustomTool, FunctionTool
+from lmspd.core.conversation import Conversation, CustomTool, FunctionTool, ToolCall, ToolOutput
+from lmspd.core.events import Finished, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, Usage
+from lmspd.core.limits import DEFAULT_LIMITS, Limits
 from lmspd.history import StoredContext
-from support.inprocess import MODEL, serving
+from support.inprocess import MODEL, ScriptedEngine, serving
+from support.sse import parse_frames
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "codex" / "responses_lite_additional_tools.json"
 
@@ -59,6 +63,8 @@ def test_forced_choice_can_name_a_tool_the_item_declares(tmp_path):
     ({"type": "namespace", "name": "mcp__fs", "tools": [{"type": "local_shell", "name": "sh"}]},
      "input[0].tools[3].tools[0]", "'sh'"),
     ({"type": "function", "name": "bad name"}, "input[0].tools[3].name", None),
+    ({"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "bad name"}]},
+     "input[0].tools[3].tools[0].name", None),
 ])
 def test_a_tool_lmspd_cannot_render_is_a_400_naming_it(tmp_path, tool, param, named):
     body = lite_request()
@@ -201,3 +207,167 @@ def test_the_store_gives_the_declared_tools_without_the_history_read_first(tmp_p
         assert context.declared_tools("resp_gone", None) == []
     assert [tool for _, tool in declared] == declaring["input"][0]["tools"]
     assert declared[0][0] == "previous_response_id[0].tools[0]"
+
+
+# -- calls of a namespace's members ----------------------------------------------------
+
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
+
+
+def calls_then_answer(conversation: Conversation) -> list:
+    """As the engines emit a model's calls of Codex's namespaced tools (the
+    model wrote ``functions__apply_patch``): the member's own name and the
+    namespace apart; once the outputs are in, an answer."""
+    if any(isinstance(item, ToolOutput) for item in conversation.items):
+        return [TextDelta("Done."), Finished("stop", Usage(3, 1))]
+    return [ToolCallStarted(0, "call_p", "apply_patch", "custom", "functions"), ToolCallDelta(0, PATCH),
+            ToolCallDone(0, PATCH),
+            ToolCallStarted(1, "call_x", "exec_command", "function", "functions"), ToolCallDone(1, '{"cmd": "ls"}'),
+            Finished("tool_calls", Usage(3, 2))]
+
+
+def named(items: list[dict]) -> list[tuple]:
+    return [(i["type"], i["name"], i.get("namespace")) for i in items if i["type"].endswith("call")]
+
+
+def engine_calls(app) -> list[tuple]:
+    return [(i.kind, i.name, i.namespace) for i in app.engine.conversations[-1].items if isinstance(i, ToolCall)]
+
+
+WIRE = [("custom_tool_call", "apply_patch", "functions"), ("function_call", "exec_command", "functions")]
+NEUTRAL = [("custom", "apply_patch", "functions"), ("function", "exec_command", "functions")]
+OUTPUTS = [{"type": "custom_tool_call_output", "call_id": "call_p", "output": "Success."},
+           {"type": "function_call_output", "call_id": "call_x", "output": "a.txt"}]
+
+
+def test_namespaced_calls_keep_their_namespace_streamed_stored_and_continued(tmp_path):
+    """A custom tool's call from a namespace carries its namespace as a
+    function's does (the SDK's ResponseCustomToolCall has the field), in
+    every place the call is written and read back."""
+    with serving(tmp_path, engine=ScriptedEngine(script=calls_then_answer)) as app:
+        r = app.http.post("/v1/responses", json={**lite_request(store=True), "stream": True})
+        assert r.status_code == 200, r.text
+        events = [f.json() for f in parse_frames(r.text.split("\n")) if f.data != "[DONE]"]
+        added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        (completed,) = [e["response"] for e in events if e["type"] == "response.completed"]
+        stored = app.http.get(f"/v1/responses/{completed['id']}").json()
+        r = app.http.post("/v1/responses", json={"model": MODEL, "previous_response_id": completed["id"],
+                                                  "input": OUTPUTS})
+        assert r.status_code == 200, r.text
+        continued = engine_calls(app)
+        # Stateless, as Codex replays: the output items sent back verbatim.
+        replay = lite_request(store=True)
+        replay["input"] += completed["output"] + OUTPUTS
+        r = app.http.post("/v1/responses", json=replay)
+        assert r.status_code == 200, r.text
+        replayed = engine_calls(app)
+        listed = app.http.get(f"/v1/responses/{r.json()['id']}/input_items?order=asc").json()["data"]
+    assert named(added) == named(done) == named(completed["output"]) == named(stored["output"]) == WIRE
+    assert continued == replayed == NEUTRAL
+    assert named(listed) == WIRE
+
+
+def ws_turn(ws, body: dict) -> dict:
+    ws.send_text(json.dumps({"type": "response.create", **body}))
+    while (event := json.loads(ws.receive_text()))["type"] != "response.completed":
+        assert event["type"] != "error", event
+    return event["response"]
+
+
+def test_a_namespaced_call_in_the_input_is_stored_under_its_own_name(tmp_path):
+    """One neutral call whichever way it arrives: sent in the input, read
+    back from the store by previous_response_id, or kept by a WebSocket
+    connection, the engine gets the member's name and the namespace apart
+    (it qualifies them where it renders the call), and input_items lists
+    the call as it was sent."""
+    tools = [{"type": "namespace", "name": "ns", "description": "d",
+              "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]}]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "namespace": "ns", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "res"}
+    seen = []
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json={"model": MODEL, "tools": tools,
+                                                  "input": [{"role": "user", "content": "hi"}, call, output]})
+        assert r.status_code == 200, r.text
+        seen.append(engine_calls(app))
+        listed = app.http.get(f"/v1/responses/{r.json()['id']}/input_items?order=asc").json()["data"]
+        r = app.http.post("/v1/responses", json={"model": MODEL, "tools": tools, "input": "more",
+                                                  "previous_response_id": r.json()["id"]})
+        assert r.status_code == 200, r.text
+        seen.append(engine_calls(app))
+        with app.http.websocket_connect("ws://localhost/v1/responses") as ws:
+            first = ws_turn(ws, {"model": MODEL, "tools": tools, "store": False,
+                                 "input": [{"role": "user", "content": "hi"}, call, output]})
+            seen.append(engine_calls(app))
+            ws_turn(ws, {"model": MODEL, "tools": tools, "store": False, "input": "more",
+                         "previous_response_id": first["id"]})
+            seen.append(engine_calls(app))
+    assert named(listed) == [("function_call", "f", "ns")]
+    assert seen == [[("function", "f", "ns")]] * 4
+
+
+# -- how many tools -------------------------------------------------------------------
+
+# The fixture declares six tools: four in its "functions" namespace, one
+# in "mcp__docs" and the hosted web_search.
+DECLARED = 6
+
+
+def limited(max_tools: int) -> Limits:
+    return dataclasses.replace(DEFAULT_LIMITS, request=dataclasses.replace(DEFAULT_LIMITS.request,
+                                                                             max_tools=max_tools))
+
+
+@pytest.mark.parametrize(("max_tools", "param"), [
+    # tools[0], then the item's five in its two namespaces: web_search is the seventh.
+    (DECLARED, "input[0].tools[2]"),
+    # tools[0] and the first three of the item's "functions": its fourth.
+    (4, "input[0].tools[0].tools[3]"),
+])
+def test_every_tool_counts_against_max_tools_wherever_it_is_declared(tmp_path, max_tools, param):
+    """A namespace's tools count one by one, and the top-level tools and an
+    additional_tools item's share the one limit: the refusal names the
+    first tool past it."""
+    lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
+    with serving(tmp_path, limits=limited(max_tools)) as app:
+        over = app.http.post("/v1/responses", json=lite_request(tools=[lookup]))
+        assert app.engine.generations == 0
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert error["param"] == param, error
+    assert f"declares {DECLARED + 1} tools; the limit is {max_tools} (max_tools)" in error["message"], error
+
+
+def test_the_tools_declared_up_to_max_tools_are_accepted(tmp_path):
+    with serving(tmp_path, limits=limited(DECLARED)) as app:
+        r = app.http.post("/v1/responses", json=lite_request())
+        assert r.status_code == 200, r.text
+        # The hosted web_search is counted, not offered.
+        assert len(app.engine.conversations[-1].tools) == DECLARED - 1
+
+
+def test_a_namespace_cannot_hold_more_tools_than_max_tools(tmp_path):
+    def members(n: int) -> list[dict]:
+        return [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": f"f{i}"}
+                                                               for i in range(n)]}]
+
+    with serving(tmp_path, limits=limited(8)) as app:
+        fits = app.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": members(8)})
+        over = app.http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": members(20_000)})
+        assert app.engine.generations == 1
+    assert fits.status_code == 200, fits.text
+    assert len(app.engine.conversations[-1].tools) == 8
+    assert over.status_code == 400 and over.json()["error"]["param"] == "tools[0].tools[8]", over.text
+    assert "20000 tools" in over.json()["error"]["message"], over.text
+
+
+def test_a_name_repeated_across_namespaces_and_tools_is_named(tmp_path):
+    body = {"model": MODEL, "input": "hi", "tools": [
+        {"type": "function", "name": "ns__f"}, {"type": "function", "name": "g"},
+        {"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "f"}, {"type": "function", "name": "h"}]},
+        {"type": "function", "name": "g"}]}
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "Tool names must be unique; repeated: g, ns__f."

@@ -89,3 +89,58 @@ def test_a_websocket_connections_latest_response_counts(tmp_path):
         context.history("resp_1", None, Expansion(LIMITS.request))
     assert caught.value.param == "previous_response_id" and "max_expanded_chars" in caught.value.message
     assert len(context.history("resp_1", None, Expansion(DEFAULT_LIMITS.request))) == 2
+
+
+ITEM_BOUND = 8
+ITEM_LIMITS = replace(DEFAULT_LIMITS, request=replace(DEFAULT_LIMITS.request, max_expanded_items=ITEM_BOUND))
+EMPTY = {"type": "message", "role": "user", "content": ""}
+
+
+def refused_items(r, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"] if "error" in r.json() else {"param": r.json().get("param"),
+                                                            "message": r.json()["detail"]}
+    assert err["param"] == param, err
+    assert "max_expanded_items" in err["message"] and str(ITEM_BOUND) in err["message"], err
+
+
+@pytest.fixture
+def item_app(tmp_path):
+    with serving(tmp_path, limits=ITEM_LIMITS) as app:
+        yield app
+
+
+def test_a_conversation_past_the_item_bound_is_refused_though_it_holds_no_text(item_app):
+    # Empty messages cost no characters: only the item bound sees them.
+    http = item_app.http
+    full = http.post("/v1/conversations", json={"items": [EMPTY] * ITEM_BOUND}).json()
+    generations = item_app.generations()
+    for path in ("/v1/responses", "/v1/responses/input_tokens"):
+        refused_items(http.post(path, json=body("", conversation=full["id"])), "conversation")
+    assert item_app.generations() == generations
+    # One item fewer and the input fits exactly.
+    fits = http.post("/v1/conversations", json={"items": [EMPTY] * (ITEM_BOUND - 1)}).json()
+    assert http.post("/v1/responses", json=body("", conversation=fits["id"])).status_code == 200
+    assert len(item_app.engine.conversations[-1].items) == ITEM_BOUND
+
+
+def test_a_previous_response_chain_past_the_item_bound_is_refused(item_app):
+    http = item_app.http
+    first = http.post("/v1/responses", json=body([EMPTY] * 4)).json()
+    held = 4 + len(first["output"])
+    room = ITEM_BOUND - held
+    assert room > 0, first["output"]
+    refused_items(http.post("/v1/responses", json=body([EMPTY] * (room + 1), previous_response_id=first["id"])),
+                  "previous_response_id")
+    refused_items(http.post("/lmsp/v1/responses", json=body([EMPTY] * (room + 1), previous_response_id=first["id"]),
+                            headers=LMSP), "previous_response_id")
+    assert http.post("/v1/responses", json=body([EMPTY] * room, previous_response_id=first["id"])).status_code == 200
+
+
+def test_item_references_count_against_the_item_bound(item_app):
+    http = item_app.http
+    stored = http.post("/v1/responses", json=body("")).json()
+    item_id = http.get(f"/v1/responses/{stored['id']}/input_items").json()["data"][0]["id"]
+    refs = [{"type": "item_reference", "id": item_id}] * ITEM_BOUND
+    assert http.post("/v1/responses", json=body(refs)).status_code == 200
+    refused_items(http.post("/v1/responses", json=body(refs + [EMPTY])), f"input[{ITEM_BOUND}]")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lmspd.core.conversation import CustomTool, FunctionTool, Tool, ToolCall, ToolOutput
+from lmspd.core.conversation import CustomTool, Tool, ToolCall, ToolOutput, member_name
 from lmspd.core.events import EngineEvent, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, ToolKind
 
 from .json_scan import WS, CustomInput, FunctionArgs, Sink, ToolCallError
@@ -69,9 +69,12 @@ def dumps(value: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Declared:
+    # As the model writes it (a namespace's member qualified).
     name: str
     kind: ToolKind
     namespace: str | None
+    # As the call carries it, beside its namespace.
+    member: str
 
 
 class ToolCallParser:
@@ -84,8 +87,7 @@ class ToolCallParser:
         self._tools: dict[str, Declared] = {}
         for tool in tools:
             kind: ToolKind = "custom" if isinstance(tool, CustomTool) else "function"
-            namespace = tool.namespace if isinstance(tool, FunctionTool) else None
-            self._tools[tool.name] = Declared(tool.name, kind, namespace)
+            self._tools[tool.name] = Declared(tool.name, kind, tool.namespace, member_name(tool))
         self._new_call_id = new_call_id
         self._buf = ""
         self._events: list[EngineEvent] = []
@@ -137,7 +139,7 @@ class ToolCallParser:
     def _start(self, tool: Declared) -> None:
         self._open = tool
         self._events.append(
-            ToolCallStarted(self._index, self._new_call_id(), tool.name, tool.kind, tool.namespace)
+            ToolCallStarted(self._index, self._new_call_id(), tool.member, tool.kind, tool.namespace)
         )
 
     def _delta(self, text: str) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lmspd.core.conversation import Conversation, FunctionTool, Message
+from lmspd.core.conversation import Conversation, CustomTool, FunctionTool, Message
 from lmspd.core.errors import ApiError
 from lmspd.core.events import Failed, Finished, TextDelta, ToolCallStarted
 from lmspd.core.limits import DEFAULT_LIMITS
@@ -297,6 +297,27 @@ def test_a_provider_echoing_the_key_as_call_id_is_rewritten(provider):
     (started,) = [e for e in events if isinstance(e, ToolCallStarted)]
     assert key not in started.call_id
     assert provider.requests[-1].headers["authorization"] == f"Bearer {key}"
+
+
+def test_calls_of_namespace_members_carry_the_plain_name_and_the_namespace(provider):
+    """The provider calls what it was offered, the qualified name; the call
+    the client gets is the member's own name and its namespace, for a
+    function and for a custom tool alike (as the llama engine's)."""
+    tools = [FunctionTool(name="functions__exec_command", namespace="functions"),
+             CustomTool(name="functions__apply_patch", namespace="functions")]
+    provider.push(Reply(parts=tool_stream("functions__exec_command", {"cmd": "ls"})))
+    provider.push(Reply(parts=tool_stream("functions__apply_patch", {"input": "*** Begin Patch"})))
+
+    async def go():
+        eng = engine(provider.url)
+        try:
+            return [await collect(eng, conversation(tools=tools)) for _ in range(2)]
+        finally:
+            await eng.aclose()
+
+    started = [[(e.name, e.kind, e.namespace) for e in events if isinstance(e, ToolCallStarted)]
+               for events in run(go())]
+    assert started == [[("exec_command", "function", "functions")], [("apply_patch", "custom", "functions")]]
 
 
 def test_stats_and_info_never_hold_the_key(provider):

@@ -19,7 +19,7 @@ from lmspd.core.conversation import (
     ToolOutput,
 )
 from lmspd.core.errors import ApiError
-from lmspd.engines.upstream.request import PROFILES, build_chat_request, provider_name
+from lmspd.engines.upstream.request import PROFILES, PublicTool, build_chat_request, provider_name
 
 LOOKUP = FunctionTool(name="lookup", description="Look up.", parameters={"type": "object", "properties": {}})
 PATCH = CustomTool(name="apply_patch", description="Apply a patch.",
@@ -151,17 +151,30 @@ def test_names_a_strict_provider_refuses_get_stable_aliases():
     assert provider_name("x" * 80) != "x" * 80 and len(provider_name("x" * 80)) <= 64
 
 
-def test_namespaced_tools_map_back_and_replay_either_way():
+def test_namespaced_tools_are_offered_qualified_and_map_back_plain():
+    """Chat Completions has no namespaces: the provider sees one qualified
+    name, for the tool and for each replayed call, and a call it makes maps
+    back to the member's own name and its namespace, custom tools too."""
     spawn = FunctionTool(name="multi_agent_v1__spawn_agent", namespace="multi_agent_v1")
+    patch = CustomTool(name="functions__apply_patch", namespace="functions")
+    # A member whose own name begins as its namespace does is still qualified.
+    nested = FunctionTool(name="ns__ns__f", namespace="ns")
     items = [Message(role="user", text="go"),
              ToolCall(call_id="c1", name="spawn_agent", namespace="multi_agent_v1", payload="{}"),
              ToolOutput(call_id="c1", output="ok"),
-             ToolCall(call_id="c2", name="multi_agent_v1__spawn_agent", namespace="multi_agent_v1", payload="{}")]
-    req = build(items=items, tools=[spawn])
-    public = req.tools["multi_agent_v1__spawn_agent"]
-    assert public.name == "multi_agent_v1__spawn_agent" and public.namespace == "multi_agent_v1"
+             ToolCall(call_id="c2", name="apply_patch", namespace="functions", payload="*** Begin Patch",
+                      kind="custom"),
+             ToolOutput(call_id="c2", output="ok"),
+             ToolCall(call_id="c3", name="ns__f", namespace="ns", payload="{}")]
+    req = build(items=items, tools=[spawn, patch, nested])
+    assert [t["function"]["name"] for t in req.body["tools"]] == [
+        "multi_agent_v1__spawn_agent", "functions__apply_patch", "ns__ns__f"]
+    assert req.tools["multi_agent_v1__spawn_agent"] == PublicTool("spawn_agent", "function", "multi_agent_v1")
+    assert req.tools["functions__apply_patch"] == PublicTool("apply_patch", "custom", "functions")
+    assert req.tools["ns__ns__f"] == PublicTool("ns__f", "function", "ns")
+    assert req.custom_wrappers == {"functions__apply_patch": "functions__apply_patch"}
     names = [m["tool_calls"][0]["function"]["name"] for m in req.body["messages"] if m.get("tool_calls")]
-    assert names == ["multi_agent_v1__spawn_agent"] * 2
+    assert names == ["multi_agent_v1__spawn_agent", "functions__apply_patch", "ns__ns__f"]
 
 
 def test_alias_collision_is_a_400():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall, ToolOutput
+from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall, ToolOutput, member_name
 from lmspd.core.events import TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.tool_formats import (
     FallbackFormat,
@@ -26,10 +26,13 @@ TOOLS = [
     FunctionTool("lookup", "Look something up"),
     FunctionTool("ns__search", "Namespaced", namespace="ns"),
     CustomTool("apply_patch", "Edit files"),
+    CustomTool("ns__exec", "Namespaced freeform", namespace="ns"),
 ]
 FUNCTIONS = [t.name for t in TOOLS if isinstance(t, FunctionTool)]
 CUSTOMS = [t.name for t in TOOLS if isinstance(t, CustomTool)]
-NAMESPACES = {t.name: getattr(t, "namespace", None) for t in TOOLS}
+# The model writes a tool's declared name; its call carries the member's
+# own name and the namespace apart.
+CALLED = {t.name: (member_name(t), t.namespace) for t in TOOLS}
 
 FORMATS: dict[str, ToolFormat] = {
     "fallback": FallbackFormat(),
@@ -187,7 +190,7 @@ def summarize(events: list) -> tuple[str, list[tuple]]:
 
 def expected_calls(case: Case) -> list[tuple]:
     return [
-        (c.name, c.kind, NAMESPACES[c.name], c.payload, f"call_{i}") for i, c in enumerate(case.calls)
+        (CALLED[c.name][0], c.kind, CALLED[c.name][1], c.payload, f"call_{i}") for i, c in enumerate(case.calls)
     ]
 
 
@@ -318,9 +321,14 @@ def test_fallback_function_in_raw_form_is_accepted() -> None:
     assert summarize(_feed_all(FallbackFormat(), text))[1][0][3] == '{"q": 1}'
 
 
-def test_namespaced_calls_carry_the_namespace() -> None:
-    text = FallbackFormat().render_calls([ToolCall("x", "ns__search", '{"q": "a"}')])
-    assert summarize(_feed_all(FallbackFormat(), text))[1][0][:3] == ("ns__search", "function", "ns")
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_namespaced_calls_carry_the_namespace(fmt_name: str) -> None:
+    fmt = FORMATS[fmt_name]
+    text = fmt.render_calls([ToolCall("x", "ns__search", '{"q": "a"}'), ToolCall("y", "ns__exec", "ls", kind="custom")])
+    if fmt_name == "llama3":
+        text = "<|python_tag|>" + text
+    calls_seen = summarize(_feed_all(fmt, text))[1]
+    assert [c[:3] for c in calls_seen] == [("search", "function", "ns"), ("exec", "custom", "ns")]
 
 
 def test_llama3_json_text_that_is_not_a_call_stays_text() -> None:
