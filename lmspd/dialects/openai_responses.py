@@ -86,7 +86,8 @@ class PromptCacheOptions(Strict):
     with no breakpoints to choose and no lifetime to promise: ``mode``,
     ``ttl`` and ``comparison_response_id`` (diagnostics, "when the feature
     is enabled") change nothing, and nothing is echoed as applied.
-    ``prewarm`` would skip the generation: refused (``_refuse_unhonourable``)."""
+    ``prewarm`` prepares the cache without generating (``OpenAIRequest.prewarm``:
+    a ``generate: false`` turn, over HTTP too)."""
 
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m", "12h"] | None = None
@@ -202,6 +203,15 @@ class OpenAIRequest:
         return bool(self.body.background)
 
     @property
+    def prewarm(self) -> bool:
+        """``prompt_cache_options.prewarm``: prepare the cache without
+        generating ("overrides generate to false"): the turn prefills its
+        input and keeps it, an empty completed response whose id the next
+        turn continues, as a WebSocket ``generate: false`` does."""
+        options = self.body.prompt_cache_options
+        return options is not None and options.prewarm is True
+
+    @property
     def previous_response_id(self) -> str | None:
         return self.body.previous_response_id
 
@@ -283,10 +293,6 @@ def _refuse_unhonourable(body: CreateResponse) -> None:
         raise unsupported("prompt", "Reusable prompts ('prompt') are an OpenAI-hosted feature; send 'input' instead.")
     if body.moderation is not None:
         raise unsupported("moderation", MODERATION_REFUSAL)
-    if body.prompt_cache_options is not None and body.prompt_cache_options.prewarm:
-        raise unsupported("prompt_cache_options.prewarm",
-                          "'prompt_cache_options.prewarm' is not supported over HTTP; over the WebSocket, "
-                          "'generate: false' fills the cache without generating.")
     if body.access_programs is not None and body.access_programs.cyber not in (None, "standard"):
         raise unsupported("access_programs.cyber",
                           f"Access program {body.access_programs.cyber!r} is access OpenAI grants to its own models; "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -149,6 +149,8 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     connection (``store: false``): this one then stores that history with
     its own input, so that it stands on its own in the store."""
     req = await _decode(app, dialect, raw, context, small)
+    if getattr(req, "prewarm", False) and not run_context.prefill_only:
+        run_context = replace(run_context, prefill_only=True)
     continued = getattr(context, "continued", None)
     background = queued or req.background
     if req.background and not req.store:

@@ -161,6 +161,28 @@ def test_a_warm_up_of_the_first_developer_message_is_the_prefix_of_the_turn(serv
     assert turn["usage"]["input_tokens_details"]["cached_tokens"] >= turn["usage"]["input_tokens"] - 5
 
 
+def test_an_http_prewarm_prefills_and_the_next_turn_continues_it(server):
+    """``prompt_cache_options.prewarm`` over HTTP: the turn prefills its
+    input without generating (as ``generate: false`` on the WebSocket), and
+    the next turn continuing it by ``previous_response_id`` prefills only
+    what is new."""
+    base = "You are a careful assistant for a team of gardeners. Answer briefly. " * 10
+    before = stats(server)["generations"]
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json=body(
+        input=[{"role": "developer", "content": base}], prompt_cache_options={"prewarm": True}))
+    assert r.status_code == 200, r.text
+    warm = r.json()
+    assert warm["status"] == "completed" and warm["output"] == [] and warm["usage"]["output_tokens"] == 0
+    assert warm["usage"]["input_tokens"] > 100
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json=body(
+        input="When should I water tomatoes?", previous_response_id=warm["id"]))
+    assert r.status_code == 200, r.text
+    s = stats(server)
+    assert s["generations"] > before
+    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] >= warm["usage"]["input_tokens"] - 1, r.json()
+    assert s["last_prefilled_tokens"] < 30, s
+
+
 def test_bad_frames_get_error_frames_and_the_connection_stays_usable(server):
     with open_ws(server.url) as ws:
         ws.send("this is not json")

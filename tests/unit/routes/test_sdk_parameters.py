@@ -121,10 +121,28 @@ def test_what_lmspd_cannot_honour_is_refused_by_name(app):
     moderation = {"model": "omni-moderation-latest", "policy": {"input": {"mode": "block"}}}
     assert "moderation" in refused(respond(app, moderation=moderation), "moderation")
     assert "moderation" in refused(chat(app, moderation=moderation), "moderation")
-    refused(respond(app, prompt_cache_options={"prewarm": True}), "prompt_cache_options.prewarm")
     refused(respond(app, access_programs={"cyber": "daybreak_red"}), "access_programs.cyber")
     assert app.generations() == generations
-    assert respond(app, prompt_cache_options={"prewarm": False}).status_code == 200
+
+
+def test_prewarm_is_a_turn_that_does_not_generate(app):
+    """``prompt_cache_options.prewarm`` "overrides generate to false": an
+    empty completed response, over HTTP as over the WebSocket. (This engine
+    cannot prefill without generating, so nothing at all reaches it; the
+    llama engine's prefill: tests/e2e/test_websocket.py.)"""
+    prepared = app.engine.prepared
+    r = respond(app, prompt_cache_options={"prewarm": True, "ttl": "30m"})
+    assert r.status_code == 200, r.text
+    warm = Response.model_validate(r.json())
+    assert warm.status == "completed" and warm.output == [] and app.engine.prepared == prepared
+    r = respond(app, prompt_cache_options={"prewarm": False})
+    assert r.status_code == 200 and r.json()["output"] and app.engine.prepared == prepared + 1
+    with app.http.websocket_connect("ws://localhost/v1/responses") as ws:
+        ws.send_text(json.dumps({"type": "response.create", "model": MODEL, "input": "hi",
+                                 "prompt_cache_options": {"prewarm": True}}))
+        while (event := json.loads(ws.receive_text()))["type"] != "response.completed":
+            assert event["type"] not in ("error", "response.output_item.added"), event
+    assert event["response"]["output"] == [] and app.engine.prepared == prepared + 1
 
 
 def create(ws, **body) -> list[dict]:
