@@ -3,6 +3,8 @@
 Shapes are those of the LMSP 1.0 draft §6 (seed 004): events carry integer
 ids from 1, ``event:`` names, and small data objects keyed by
 ``response_id``; a function call arrives whole in ``output_item.done``.
+A call keeps its ``namespace``, and a custom tool's call its own item type
+(``item_json``), so that it is read back as the call the model made.
 """
 
 from __future__ import annotations
@@ -138,8 +140,23 @@ def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
         content = [{"type": "output_text", "text": item.text}] if item.text or item.status != "in_progress" else []
         return {"id": item.id, "type": "message", "role": "assistant", "content": content}
     if isinstance(item, ToolCall):
-        return {"id": item.id, "type": "function_call", "call_id": item.call_id, "name": item.name,
-                "arguments": item.payload}
+        # Written as it is read back (seed 004 §6.5: the client replays the
+        # call "as it was received"), in the Responses shapes LMSP's items
+        # follow: a custom tool's call (LMSP declares functions only, but a
+        # response made over /v1 is read and continued here too) stays a
+        # ``custom_tool_call`` with its raw ``input``, and a namespace
+        # member's call keeps its ``namespace``: the bare name is another
+        # tool to the model, and a replay that no longer matches what it
+        # generated. A call outside any namespace is the seed's shape exactly.
+        if item.kind == "custom":
+            call = {"id": item.id, "type": "custom_tool_call", "call_id": item.call_id, "name": item.name,
+                    "input": item.payload}
+        else:
+            call = {"id": item.id, "type": "function_call", "call_id": item.call_id, "name": item.name,
+                    "arguments": item.payload}
+        if item.namespace:
+            call["namespace"] = item.namespace
+        return call
     # As the Responses dialect writes it: ``summary`` holds summaries only
     # (a /v1 request may have asked for them), the model's own reasoning is
     # ``reasoning_text`` content, never passed off as a summary.
