@@ -26,6 +26,7 @@ from .responses_items import (
     Expansion,
     StoredContext,
     Strict,
+    compaction_json,
     decode_items,
     decode_json_format,
     decode_tool_choice,
@@ -136,6 +137,10 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
 
 
 def item_json(item: Message | ToolCall | Reasoning) -> dict[str, Any]:
+    if isinstance(item, Message) and item.compaction is not None:
+        # A response made over /v1 that compacted, read over /lmsp/v1: its
+        # item as the client sends it back, not the summary as a message.
+        return compaction_json(item)
     if isinstance(item, Message):
         content = [{"type": "output_text", "text": item.text}] if item.text or item.status != "in_progress" else []
         return {"id": item.id, "type": "message", "role": "assistant", "content": content}

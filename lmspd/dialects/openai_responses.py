@@ -40,6 +40,7 @@ from .responses_items import (
     additional_tools,
     additional_tools_items,
     check_metadata,
+    compaction_json,
     decode_items,
     decode_json_format,
     decode_tool_choice,
@@ -426,10 +427,6 @@ def item_json(item: Message | ToolCall | Reasoning, *, summarize: bool = False) 
 def error_event(exc: ApiError, seq: int) -> dict[str, Any]:
     """The stream's ``error`` event (the SDK's ``ResponseErrorEvent``)."""
     return {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param, "sequence_number": seq}
-
-
-def compaction_json(item: Message) -> dict[str, Any]:
-    return {"id": item.id, "type": "compaction", "encrypted_content": item.compaction}
 
 
 def input_item_json(item: Item) -> dict[str, Any]:

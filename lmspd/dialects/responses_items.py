@@ -770,3 +770,9 @@ def check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> No
     for key, value in metadata.items():
         if len(key) > limits.max_metadata_key_chars or len(value) > limits.max_metadata_value_chars:
             raise invalid(f"'metadata.{key[:64]}' is too long.", "metadata")
+
+
+def compaction_json(item: Message) -> dict[str, Any]:
+    """A compaction item as both Responses dialects write it: the sealed
+    summary, never its text (what it expands to is the server's alone)."""
+    return {"id": item.id, "type": "compaction", "encrypted_content": item.compaction}

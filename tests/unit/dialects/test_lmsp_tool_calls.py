@@ -152,3 +152,30 @@ def test_a_task_log_cut_off_rebuilds_the_calls_it_made():
         ("custom", "apply_patch", "functions", PATCH, "call_p"),
         ("function", "exec_command", "functions", '{"cmd": "ls"}', "call_x")]
     assert open_index is None
+
+
+def test_a_compaction_item_made_over_v1_reads_as_one_over_lmsp(tmp_path):
+    """A /v1 turn that compacted (its output: the compaction item), read and
+    continued over /lmsp/v1: the item is the sealed compaction, as the
+    client sends it back, never the summary written out as an assistant
+    message (which a replay would render as a turn the model never took)."""
+    with serving(tmp_path) as app:
+        r = app.http.post("/v1/responses", json={"model": MODEL, "input": [*ASK, {"type": "compaction_trigger"}]})
+        assert r.status_code == 200, r.text
+        (made,) = r.json()["output"]
+        made_id = r.json()["id"]
+        assert made["type"] == "compaction"
+        lmsp_read = app.http.get(f"/lmsp/v1/responses/{r.json()['id']}", headers={"LMSP-Version": "1.0"})
+        assert lmsp_read.status_code == 200, lmsp_read.text
+        (item,) = lmsp_read.json()["output"]
+        assert item == {"id": made["id"], "type": "compaction", "encrypted_content": made["encrypted_content"]}
+        # Sent back over LMSP, it is the item LMSP refuses by name (only /v1 expands one), not a message.
+        r = app.http.post("/lmsp/v1/responses", headers={"LMSP-Version": "1.0"}, json={
+            "model": MODEL, "input": [item, {"type": "message", "role": "user", "content": "Go on."}]})
+        assert r.status_code == 400 and r.json()["param"] == "input[0]" and "compaction" in r.json()["detail"]
+        # Continued by its id, the summary reaches the model as the compaction it is.
+        r = app.http.post("/lmsp/v1/responses", headers={"LMSP-Version": "1.0"}, json={
+            "model": MODEL, "previous_response_id": made_id, "input": "Go on."})
+        assert r.status_code == 200, r.text
+        assert any(getattr(i, "compaction", None) == made["encrypted_content"]
+                   for i in app.engine.conversations[-1].items)
