@@ -242,7 +242,7 @@ class DiskCheckpoints:
                     raise ValueError("bad magic")
                 (hlen,) = struct.unpack("<I", fh.read(4))
                 header_bytes = fh.read(hlen)
-                header = json.loads(header_bytes)
+                header = _checked_header(json.loads(header_bytes))
                 if header.get("fingerprint") != self.fingerprint:
                     raise ValueError("checkpoint is for another model or build")
                 if header_only:
@@ -265,6 +265,27 @@ class DiskCheckpoints:
             log.warning("removing unusable KV checkpoint %s: %s", path.name, exc)
             path.unlink(missing_ok=True)
             return None
+
+
+def _checked_header(header: Any) -> dict[str, Any]:
+    """``header`` if it has the fields the index reads, of their types. Read
+    before the checksum (the index is built from headers alone), so a
+    damaged or foreign file that parses as JSON must be refused here, not
+    crash the scan or a later lookup."""
+    if not isinstance(header, dict):
+        raise ValueError("header is not an object")
+    tokens = header.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ValueError("header has no token list")
+    if not isinstance(header.get("kv_text"), str):
+        raise ValueError("header has no kv_text")
+    for key in ("visible", "response_id", "owner", "fingerprint"):
+        if header.get(key) is not None and not isinstance(header[key], str):
+            raise ValueError(f"header's {key} is not a string")
+    floor = header.get("floor", 0)
+    if type(floor) is not int or floor < 0:
+        raise ValueError("header's floor is not a count")
+    return header
 
 
 def _mtime(path: Path) -> float:

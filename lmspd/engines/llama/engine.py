@@ -223,10 +223,14 @@ class LlamaEngine:
             # Per-sequence window: a checkpoint restores into any sequence,
             # whatever --parallel the server that wrote it ran with.
             # The KV's kind too: a window-only SWA state is not a full one.
-            # A state is only valid under the positions' encoding it was computed with.
-            rope = f":yarn{self.placement.rope.trained}" if self.placement.rope else ""
+            # A state is only valid under the positions' encoding it was
+            # computed with, and restores only into the same cell types and
+            # V layout (flash attention keeps V untransposed): a mismatch was
+            # a read, a refused restore and a cold prefill for every match.
+            placement = self.placement
+            rope = f":yarn{placement.rope.trained}" if placement.rope else ""
             fingerprint = (f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
-                           f"{rope}")
+                           f":{placement.kv_type}:fa{int(placement.flash_attn)}{rope}")
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         kv = self.kv
         ops = KvOps(capture=kv.capture, restore=kv.restore, copy=kv.copy, trim=kv.trim,

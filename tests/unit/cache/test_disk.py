@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
 
-from lmspd.cache.disk import DiskCheckpoints
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmspd.cache.disk import MAGIC, DiskCheckpoints
 from lmspd.cache.state import SessionState
 
 
@@ -50,6 +56,38 @@ def test_other_model_or_garbage_is_ignored_and_removed(tmp_path):
     disk = DiskCheckpoints(tmp_path, 10 << 20, "model-b")
     assert len(disk) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = st.fixed_dictionaries({}, optional={
+    "tokens": st.one_of(JSON, st.lists(st.integers(0, 9), max_size=6)), "kv_text": JSON, "visible": JSON,
+    "response_id": JSON, "owner": st.one_of(JSON, st.just("local")), "floor": JSON})
+
+
+def write_checkpoint(path, header: dict | object) -> None:
+    """A file with the right magic and a checksum over whatever header it holds."""
+    head = json.dumps(header).encode()
+    payload = b"kvbytes"
+    path.write_bytes(MAGIC + struct.pack("<I", len(head)) + head + payload + hashlib.sha256(head + payload).digest())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.one_of(JSON, FIELDS.map(lambda h: {**h, "fingerprint": "fp"})))
+def test_a_checkpoint_whose_header_is_any_json_is_indexed_only_when_whole(tmp_path_factory, header):
+    """Headers are read before the checksum (the index is built from them
+    alone): a list, a missing token list or ``"tokens": null`` crashed the
+    scan, or was indexed and crashed the planner's lookup later."""
+    directory = tmp_path_factory.mktemp("kv")
+    write_checkpoint(directory / "x.kv", header)
+    disk = DiskCheckpoints(directory, 10 << 20, "fp")
+    kept = len(disk) == 1
+    assert kept == (directory / "x.kv").exists()
+    if kept:
+        assert isinstance(header, dict) and isinstance(header["tokens"], list) and isinstance(header["kv_text"], str)
+    disk.longest_common([1, 2, 3], "local")
+    disk.best_match("abc", "local", response_id="r")
 
 
 def test_budget_evicts_least_recently_used(tmp_path):
