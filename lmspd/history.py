@@ -12,6 +12,8 @@ response bodies are OpenAI Response objects that either dialect can render
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,7 @@ from lmspd.dialects.responses_items import (
     additional_tools_items,
     decode_items,
 )
-from lmspd.store.base import JSON, ChainError, Store, ensure_item_ids
+from lmspd.store.base import JSON, ChainError, ItemPage, Store, ensure_item_ids
 from lmspd.streaming.session import ResponseState
 
 log = logging.getLogger("lmspd.history")
@@ -44,12 +46,13 @@ _CONVERSATION_STATUSES = frozenset({"completed", "incomplete"})
 
 
 def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "local",
-                 expansion: Expansion | None = None, where: str = "stored items") -> list[Item]:
+                 expansion: Expansion | None = None, where: str = "stored items", start: int = 0) -> list[Item]:
     """Stored item JSON back as neutral items; compaction items expand with
     ``sealer`` (without one, as the summary-less item they were stored as
     cannot be read: the caller lists, never renders). ``expansion``: a
     request's bound, which stops the reading once it is passed (``where``
-    names what the request expanded)."""
+    names what the request expanded). ``start``: the index of ``items[0]``
+    in the stored list they are a page of (what an error names)."""
 
     def open_compaction(blob: str, item_id: str | None, where: str) -> Item:
         if sealer is None:
@@ -62,10 +65,27 @@ def stored_items(items: list[JSON], sealer: Sealer | None = None, owner: str = "
         return decode_items(items, _STORED, path=where, open_compaction=open_compaction, expansion=expansion,
                             additional_tools=True)
     except ApiError as exc:
+        if start:
+            _renumber(exc, where, start)
         if where != "stored items" and exc.param is not None and exc.param.startswith(where):
             # The message says which stored item; the param is the field the client sent.
             exc.param = where
         raise
+
+
+def _renumber(exc: ApiError, where: str, start: int) -> None:
+    """``exc``, raised about a page of a stored list, naming its items by
+    their places in the whole list (``where[3]`` of a page that starts at 40
+    is ``where[43]``)."""
+    item = re.compile(re.escape(where) + r"\[(\d+)\]")
+
+    def shift(found: re.Match[str]) -> str:
+        return f"{where}[{int(found.group(1)) + start}]"
+
+    exc.message = item.sub(shift, exc.message)
+    exc.args = (exc.message,)
+    if exc.param is not None:
+        exc.param = item.sub(shift, exc.param)
 
 
 def _latest_declaration(items: list[JSON]) -> list[JSON]:
@@ -81,6 +101,32 @@ def _latest_declaration(items: list[JSON]) -> list[JSON]:
     return items[start:end + 1]
 
 
+class _Declarations:
+    """``_latest_declaration`` of each stored input list read in pages
+    (``ItemPage``), without keeping the lists: the latest run of
+    consecutive ``additional_tools`` items of each."""
+
+    def __init__(self) -> None:
+        # By link: (the run's items, the place after its last).
+        self._runs: dict[int, tuple[list[JSON], int]] = {}
+
+    def see(self, page: ItemPage) -> None:
+        if page.kind != "input":
+            return
+        for i, item in additional_tools_items(page.items):
+            place = page.start + i
+            run, after = self._runs.get(page.link, ([], -1))
+            if place != after:
+                run = []
+            run.append(item)
+            self._runs[page.link] = (run, place + 1)
+
+    def newest_first(self, links: int) -> list[list[JSON]]:
+        """Each list's latest declaration (the whole of each list that
+        ``declared_tools`` needs), newest list first."""
+        return [self._runs[link][0] if link in self._runs else [] for link in reversed(range(links))]
+
+
 @dataclass
 class StoredContext:
     """``responses_items.StoredContext`` over the store, for one owner."""
@@ -89,9 +135,10 @@ class StoredContext:
     owner: str
     # The server key, to expand compaction items (``lmspd.core.compaction``).
     sealer: Sealer | None = None
-    # The stored input lists ``history`` read, newest first, by what named
-    # them: ``declared_tools`` then reads the same history without asking
-    # the store again.
+    # Of each stored input list ``history`` read, newest first, what
+    # ``declared_tools`` needs of it (its latest ``additional_tools``
+    # items), by what named them: ``declared_tools`` then reads the same
+    # history without asking the store again.
     _inputs: dict[tuple[str | None, str | None], list[list[JSON]]] = field(default_factory=dict, init=False,
                                                                            repr=False)
 
@@ -113,34 +160,68 @@ class StoredContext:
         return []
 
     def _read_inputs(self, previous_response_id: str | None, conversation_id: str | None) -> list[list[JSON]]:
-        # What ``history`` would have read; a history it cannot read is its
+        # What ``history`` would have kept; a history it cannot read is its
         # error to report, not this one's.
+        declarations = _Declarations()
         if previous_response_id is not None:
             try:
-                links = self.store.response_chain(self.owner, previous_response_id)
+                with self.store.response_chain_pages(self.owner, previous_response_id) as chain:
+                    if chain is None:
+                        return []
+                    for page in chain.pages:
+                        declarations.see(page)
+                    return declarations.newest_first(chain.links)
             except ChainError:
                 return []
-            return [link.input_items for link in reversed(links or [])]
         if conversation_id is not None:
-            return [self.store.conversation_items(self.owner, conversation_id) or []]
+            with self.store.conversation_item_pages(self.owner, conversation_id) as pages:
+                if pages is None:
+                    return []
+                for page in pages:
+                    declarations.see(page)
+            return declarations.newest_first(1)
         return []
 
     def history(self, previous_response_id: str | None, conversation_id: str | None,
                 expansion: Expansion) -> list[Item]:
+        # The stored history is read in pages and decoded as it comes, so
+        # that a history past the expansion bound is refused having read
+        # about the bound, whatever is stored; what ``declared_tools`` reads
+        # again is kept aside meanwhile.
         if previous_response_id is not None:
             return self._chain(previous_response_id, expansion)
         if conversation_id is not None:
-            items = self.store.conversation_items(self.owner, conversation_id)
-            if items is None:
-                raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
-                               param="conversation")
-            self._inputs[(None, conversation_id)] = [items]
-            return stored_items(items, self.sealer, self.owner, expansion, "conversation")
+            with self.store.conversation_item_pages(self.owner, conversation_id) as pages:
+                if pages is None:
+                    raise ApiError("conversation_not_found", f"Conversation {conversation_id!r} not found.",
+                                   param="conversation")
+                declarations = _Declarations()
+                items = self._expand(pages, declarations, expansion, "conversation")
+            self._inputs[(None, conversation_id)] = declarations.newest_first(1)
+            return items
         return []
+
+    def _expand(self, pages: Iterable[ItemPage], declarations: _Declarations, expansion: Expansion,
+                where: str) -> list[Item]:
+        items: list[Item] = []
+        for page in pages:
+            declarations.see(page)
+            items += stored_items(page.items, self.sealer, self.owner, expansion, where, page.start)
+        return items
 
     def _chain(self, response_id: str, expansion: Expansion) -> list[Item]:
         try:
-            links = self.store.response_chain(self.owner, response_id)
+            with self.store.response_chain_pages(self.owner, response_id) as chain:
+                if chain is None:
+                    raise ApiError("previous_response_not_found", f"Previous response {response_id!r} not found.",
+                                   param="previous_response_id")
+                if chain.status in ("queued", "in_progress"):
+                    raise invalid(f"Previous response {response_id!r} is still {chain.status}; "
+                                  "wait for it to finish.", "previous_response_id")
+                declarations = _Declarations()
+                # The model sees prev.input + prev.output + input, oldest link
+                # first: the order of the pages.
+                items = self._expand(chain.pages, declarations, expansion, "previous_response_id")
         except ChainError as exc:
             raise ApiError(
                 "previous_response_not_found",
@@ -148,19 +229,7 @@ class StoredContext:
                 f"in its chain is {'missing (deleted or expired)' if exc.problem == 'missing' else exc.problem}.",
                 param="previous_response_id",
             ) from None
-        if links is None:
-            raise ApiError("previous_response_not_found", f"Previous response {response_id!r} not found.",
-                           param="previous_response_id")
-        previous = self.store.get_response(self.owner, response_id)
-        if previous is not None and previous.get("status") in ("queued", "in_progress"):
-            raise invalid(f"Previous response {response_id!r} is still {previous['status']}; "
-                          "wait for it to finish.", "previous_response_id")
-        self._inputs[(response_id, None)] = [link.input_items for link in reversed(links)]
-        # The model sees prev.input + prev.output + input, oldest link first.
-        items: list[Item] = []
-        for link in links:
-            for stored in (link.input_items, link.output_items):
-                items += stored_items(stored, self.sealer, self.owner, expansion, "previous_response_id")
+        self._inputs[(response_id, None)] = declarations.newest_first(chain.links)
         return items
 
     def resolve_reference(self, item_id: str, where: str) -> Item:

@@ -18,10 +18,12 @@ import enum
 import logging
 import secrets
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    Iterator,
     Literal,
     Mapping,
     NamedTuple,
@@ -177,6 +179,33 @@ class ChainLink(NamedTuple):
 
     input_items: list[JSON]
     output_items: list[JSON]
+
+
+# About how much stored item JSON one page of ``conversation_item_pages`` /
+# ``response_chain_pages`` holds (a larger item is a page of its own).
+HISTORY_PAGE_BYTES = 1024 * 1024
+
+
+class ItemPage(NamedTuple):
+    """Consecutive stored items of one list: a conversation's items, or one
+    chain link's input or output items."""
+
+    # The list's response in the chain, root 0 (a conversation: 0).
+    link: int
+    # A conversation's items are "input".
+    kind: Literal["input", "output"]
+    # The index of ``items[0]`` in its list.
+    start: int
+    items: list[JSON]
+
+
+class ChainPages(NamedTuple):
+    """What ``response_chain_pages`` reads: the chain's length and the
+    status of the response it ends at, then its items as pages."""
+
+    links: int
+    status: str | None
+    pages: Iterator[ItemPage]
 
 
 @dataclass(frozen=True)
@@ -381,6 +410,17 @@ class Store(Protocol):
         ``response_id`` itself is not found; ``ChainError`` if an ancestor is."""
         ...
 
+    def response_chain_pages(self, owner: str, response_id: str, *,
+                             page_bytes: int = HISTORY_PAGE_BYTES) -> AbstractContextManager[ChainPages | None]:
+        """``response_chain``'s items as it would give them (root first, each
+        response's input then output), in pages of about ``page_bytes`` of
+        stored JSON, read from one snapshot as far as the caller iterates:
+        what a request expands stops at its bound, whatever is stored.
+        Entering it checks the chain (``None``, ``ChainError`` as
+        ``response_chain``); the pages are read only inside the block,
+        which calls nothing else on the store."""
+        ...
+
     def find_item(self, owner: str, item_id: str) -> JSON | None:
         """A stored input/output/conversation item by id (``item_reference``);
         the most recent one if several share the id."""
@@ -428,7 +468,17 @@ class Store(Protocol):
     ) -> Page | None: ...
 
     def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
-        """All items, oldest first, for building a request's context."""
+        """All items, oldest first."""
+        ...
+
+    def conversation_item_pages(
+        self, owner: str, conversation_id: str, *, page_bytes: int = HISTORY_PAGE_BYTES
+    ) -> AbstractContextManager[Iterator[ItemPage] | None]:
+        """``conversation_items`` for building a request's context: oldest
+        first, in pages of about ``page_bytes`` of stored JSON, read from
+        one snapshot (an append is in it whole or not at all) as far as the
+        caller iterates. ``None`` if not found; the pages are read only
+        inside the block, which calls nothing else on the store."""
         ...
 
     def get_conversation_item(

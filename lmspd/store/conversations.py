@@ -6,11 +6,21 @@ disjoint ranges; SQLite's writer lock serializes anyway)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from lmspd.store.base import JSON, ConversationRecord, Duplicate, Order, Page, ensure_item_ids
-from lmspd.store.paging import check_page_args, page
+from lmspd.store.base import (
+    HISTORY_PAGE_BYTES,
+    JSON,
+    ConversationRecord,
+    Duplicate,
+    ItemPage,
+    Order,
+    Page,
+    ensure_item_ids,
+)
+from lmspd.store.paging import check_page_args, item_pages, page
 from lmspd.store.sql import Sql, SqlBackend, dumps, size
 
 __all__ = ["ConversationQueries", "conversation_record"]
@@ -100,6 +110,18 @@ class ConversationQueries(SqlBackend):
             rows = sql.rows("SELECT body FROM conversation_items WHERE conversation_id = ? ORDER BY position",
                             (conversation_id,))
         return [json.loads(r["body"]) for r in rows]
+
+    @contextmanager
+    def conversation_item_pages(self, owner: str, conversation_id: str, *,
+                                page_bytes: int = HISTORY_PAGE_BYTES) -> Iterator[Iterator[ItemPage] | None]:
+        with self.sql_snapshot() as sql:
+            if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
+                yield None
+                return
+            # Each item's size as it was written (``bytes``), not its body's:
+            # the sizes are read without the bodies.
+            yield item_pages(sql, "conversation_items WHERE conversation_id = ?", (conversation_id,),
+                             size="bytes", page_bytes=page_bytes)
 
     def get_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> JSON | None:
         with self.sql_single() as sql:

@@ -1,15 +1,20 @@
 """One page of an item list (a response's input items, a conversation's
-items), the same in both backends."""
+items), the same in both backends; and a whole list read in pages of a
+bounded size (``item_pages``: a request's stored history)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
-from lmspd.store.base import InvalidCursor, Page
+from lmspd.store.base import InvalidCursor, ItemPage, Page
 from lmspd.store.sql import Sql
 
-__all__ = ["check_page_args", "page"]
+__all__ = ["check_page_args", "item_pages", "page"]
+
+# Item sizes read per statement by ``item_pages`` (a few numbers each).
+_SIZES_PER_READ = 1024
 
 
 def check_page_args(limit: int, order: str) -> None:
@@ -43,3 +48,37 @@ def page(sql: Sql, source: str, args: tuple[Any, ...], *, after: str | None, lim
         (*params, limit + 1),
     )
     return Page([json.loads(r["body"]) for r in rows[:limit]], len(rows) > limit)
+
+
+def item_pages(sql: Sql, source: str, args: tuple[Any, ...], *, size: str, page_bytes: int, link: int = 0,
+               kind: Literal["input", "output"] = "input") -> Iterator[ItemPage]:
+    """The items of ``source`` (as ``page``'s) by position, in pages of at
+    most ``page_bytes`` of stored JSON or one item: the items' sizes
+    (``size``, the SQL of a row's byte size) first, then the bodies of as
+    many as fit. What is read follows the caller, never the whole list; it
+    reads a consistent list inside one snapshot (``SqlBackend.sql_snapshot``)."""
+    after = -1
+    start = 0
+    while True:
+        sizes = sql.rows(f"SELECT position, {size} AS n FROM {source} AND position > ? ORDER BY position LIMIT ?",
+                         (*args, after, _SIZES_PER_READ))
+        first = total = 0
+        for k, row in enumerate(sizes):
+            if k > first and total + row["n"] > page_bytes:
+                items = _bodies(sql, source, args, sizes[first]["position"], sizes[k - 1]["position"])
+                yield ItemPage(link, kind, start, items)
+                start += len(items)
+                first, total = k, 0
+            total += row["n"]
+        if sizes:
+            items = _bodies(sql, source, args, sizes[first]["position"], sizes[-1]["position"])
+            yield ItemPage(link, kind, start, items)
+            start += len(items)
+        if len(sizes) < _SIZES_PER_READ:
+            return
+        after = sizes[-1]["position"]
+
+
+def _bodies(sql: Sql, source: str, args: tuple[Any, ...], first: int, last: int) -> list[Any]:
+    rows = sql.rows(f"SELECT body FROM {source} AND position BETWEEN ? AND ? ORDER BY position", (*args, first, last))
+    return [json.loads(r["body"]) for r in rows]

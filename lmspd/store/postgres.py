@@ -341,6 +341,13 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
             yield Sql(conn, "format")
 
     @contextlib.contextmanager
+    def sql_snapshot(self) -> Iterator[Sql]:
+        with self._tx() as conn:
+            # Before any statement of the transaction: its snapshot is then the first statement's.
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield Sql(conn, "format")
+
+    @contextlib.contextmanager
     def sql_single(self) -> Iterator[Sql]:
         with self._single() as conn:
             yield Sql(conn, "format")

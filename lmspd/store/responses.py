@@ -5,13 +5,28 @@ whose lease ran out)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from lmspd.store.base import JSON, ChainError, ChainLink, Duplicate, Order, Page, ensure_item_ids
-from lmspd.store.paging import check_page_args, page
-from lmspd.store.sql import Sql, SqlBackend, dumps, in_list, size
+from lmspd.store.base import (
+    HISTORY_PAGE_BYTES,
+    JSON,
+    ChainError,
+    ChainLink,
+    ChainPages,
+    Duplicate,
+    ItemPage,
+    Order,
+    Page,
+    ensure_item_ids,
+)
+from lmspd.store.paging import check_page_args, item_pages, page
+from lmspd.store.sql import Row, Sql, SqlBackend, dumps, in_list, size
 
 __all__ = ["ResponseQueries"]
+
+# The most responses whose items one statement of ``response_chain_pages`` reads.
+_LINKS_PER_READ = 512
 
 
 class ResponseQueries(SqlBackend):
@@ -85,45 +100,10 @@ class ResponseQueries(SqlBackend):
                         after=after, limit=limit, order=order)
 
     def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
-        depth_bound = self.max_chain_depth
         with self.sql_read() as sql:
-            # The depth bound also stops a (theoretical) cycle; it shows up as
-            # a repeated id below.
-            rows = sql.rows(
-                """WITH RECURSIVE chain(id, prev, depth) AS (
-                       SELECT id, previous_response_id, 1 FROM responses
-                        WHERE id = ? AND owner = ?
-                       UNION ALL
-                       SELECT r.id, r.previous_response_id, chain.depth + 1
-                         FROM responses r JOIN chain ON r.id = chain.prev
-                        WHERE r.owner = ? AND chain.depth < ?
-                   )
-                   SELECT id, prev, depth FROM chain ORDER BY depth""",
-                (response_id, owner, owner, depth_bound),
-            )
-            if not rows:
+            rows = self._chain(sql, owner, response_id)
+            if rows is None:
                 return None
-            seen: set[str] = set()
-            for row in rows:
-                if row["id"] in seen:
-                    raise ChainError(
-                        row["id"], "cycle",
-                        f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
-                    )
-                seen.add(row["id"])
-            last = rows[-1]
-            if last["prev"] is not None:
-                if last["depth"] >= depth_bound:
-                    raise ChainError(
-                        last["id"], "too_deep",
-                        f"previous_response_id chain of {response_id!r} is longer than "
-                        f"{depth_bound} responses",
-                    )
-                raise ChainError(
-                    last["prev"], "missing",
-                    f"previous response {last['prev']!r} in the chain of {response_id!r} "
-                    "was not found (deleted or expired)",
-                )
             ids = [row["id"] for row in rows]
             by_id: dict[str, tuple[list[JSON], list[JSON]]] = {i: ([], []) for i in ids}
             # One query for the whole chain's items, not one per link (the
@@ -136,6 +116,82 @@ class ResponseQueries(SqlBackend):
                 inputs, outputs = by_id[item["response_id"]]
                 (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
         return [ChainLink(*by_id[i]) for i in reversed(ids)]
+
+    @contextmanager
+    def response_chain_pages(self, owner: str, response_id: str, *,
+                             page_bytes: int = HISTORY_PAGE_BYTES) -> Iterator[ChainPages | None]:
+        with self.sql_snapshot() as sql:
+            rows = self._chain(sql, owner, response_id)
+            if rows is None:
+                yield None
+                return
+            yield ChainPages(len(rows), rows[0]["status"],
+                             self._chain_pages(sql, list(reversed(rows)), page_bytes))
+
+    def _chain_pages(self, sql: Sql, links: list[Row], page_bytes: int) -> Iterator[ItemPage]:
+        """The items of ``links`` (root first) in pages. Links whose stored
+        bytes (their body, input and output: more than their items) fit in
+        a page together are read by one statement; a larger one is paged
+        on its own, item by item."""
+        group: list[int] = []
+        total = 0
+        for index, link in enumerate(links):
+            if group and (total + link["bytes"] > page_bytes or len(group) == _LINKS_PER_READ):
+                yield from _links_items(sql, links, group)
+                group, total = [], 0
+            if link["bytes"] <= page_bytes:
+                group.append(index)
+                total += link["bytes"]
+                continue
+            for kind in ("input", "output"):
+                yield from item_pages(sql, "response_items WHERE response_id = ? AND kind = ?", (link["id"], kind),
+                                      size=self.octets("body"), page_bytes=page_bytes, link=index, kind=kind)
+        if group:
+            yield from _links_items(sql, links, group)
+
+    def _chain(self, sql: Sql, owner: str, response_id: str) -> list[Row] | None:
+        """The chain ending at ``response_id``, newest first: each
+        response's ``id``, ``status`` and stored ``bytes``; ``None`` or
+        ``ChainError`` as ``response_chain``."""
+        depth_bound = self.max_chain_depth
+        # The depth bound also stops a (theoretical) cycle; it shows up as
+        # a repeated id below.
+        rows = sql.rows(
+            """WITH RECURSIVE chain(id, prev, depth, status, bytes) AS (
+                   SELECT id, previous_response_id, 1, status, bytes FROM responses
+                    WHERE id = ? AND owner = ?
+                   UNION ALL
+                   SELECT r.id, r.previous_response_id, chain.depth + 1, r.status, r.bytes
+                     FROM responses r JOIN chain ON r.id = chain.prev
+                    WHERE r.owner = ? AND chain.depth < ?
+               )
+               SELECT id, prev, depth, status, bytes FROM chain ORDER BY depth""",
+            (response_id, owner, owner, depth_bound),
+        )
+        if not rows:
+            return None
+        seen: set[str] = set()
+        for row in rows:
+            if row["id"] in seen:
+                raise ChainError(
+                    row["id"], "cycle",
+                    f"previous_response_id chain of {response_id!r} loops at {row['id']!r}",
+                )
+            seen.add(row["id"])
+        last = rows[-1]
+        if last["prev"] is not None:
+            if last["depth"] >= depth_bound:
+                raise ChainError(
+                    last["id"], "too_deep",
+                    f"previous_response_id chain of {response_id!r} is longer than "
+                    f"{depth_bound} responses",
+                )
+            raise ChainError(
+                last["prev"], "missing",
+                f"previous response {last['prev']!r} in the chain of {response_id!r} "
+                "was not found (deleted or expired)",
+            )
+        return rows
 
     def find_item(self, owner: str, item_id: str) -> JSON | None:
         """The newest stored item with this id, from a response or a conversation."""
@@ -153,6 +209,22 @@ class ResponseQueries(SqlBackend):
                 (item_id, owner, item_id, owner),
             )
         return None if row is None else dict(json.loads(row["body"]))
+
+
+def _links_items(sql: Sql, links: list[Row], group: list[int]) -> Iterator[ItemPage]:
+    """The items of the chain's ``links`` at ``group`` (small ones), read by one statement."""
+    ids = [links[index]["id"] for index in group]
+    by_id: dict[str, tuple[list[JSON], list[JSON]]] = {i: ([], []) for i in ids}
+    for item in sql.rows(f"SELECT response_id, kind, body FROM response_items WHERE response_id IN {in_list(ids)} "
+                         "ORDER BY response_id, kind, position", ids):
+        inputs, outputs = by_id[item["response_id"]]
+        (inputs if item["kind"] == "input" else outputs).append(json.loads(item["body"]))
+    for index, rid in zip(group, ids, strict=True):
+        inputs, outputs = by_id[rid]
+        if inputs:
+            yield ItemPage(index, "input", 0, inputs)
+        if outputs:
+            yield ItemPage(index, "output", 0, outputs)
 
 
 def _insert_output_items(sql: Sql, response_id: str, response: JSON) -> int:

@@ -130,6 +130,12 @@ class SqlBackend:
         """For a read of one statement (PostgreSQL: autocommit, no BEGIN/COMMIT)."""
         return self.sql_read()
 
+    def sql_snapshot(self) -> AbstractContextManager[Sql]:
+        """A read of several statements that all see one snapshot (SQLite's
+        read transaction is one; PostgreSQL's default, read committed, gives
+        each statement its own)."""
+        return self.sql_read()
+
     def octets(self, column: str) -> str:
         raise NotImplementedError
 

@@ -5,6 +5,8 @@ has (SQLite's file and pragmas)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import signal
 import sqlite3
 import subprocess
@@ -512,6 +514,114 @@ def test_conversation_owner_isolation(store: Store) -> None:
     assert store.delete_conversation("mallory", "conv_1") is False
     assert store.conversation_items("alice", "conv_1") == [user_msg("secret", "msg_s")]
     assert store.get_conversation("alice", "conv_1").metadata == {}
+
+
+# --- a request's history, read in pages (lmspd.history) ----------------------------------
+
+
+def _sized(n: int, tag: str) -> dict:
+    return {"type": "message", "role": "user", "content": tag + "x" * n}
+
+
+def _check_pages(pages: list, page_bytes: int) -> None:
+    """Each page holds at most ``page_bytes`` of stored JSON, or one item."""
+    for p in pages:
+        assert p.items, p
+        assert len(p.items) == 1 or sum(len(json.dumps(i, separators=(",", ":")).encode()) for i in p.items) \
+            <= page_bytes, [len(json.dumps(i)) for i in p.items]
+
+
+def test_conversation_item_pages_are_the_items_in_bounded_pages(store: Store) -> None:
+    sizes = [10, 3000, 500, 500, 500, 9000, 0, 200, 200, 200, 200, 4000, 1]
+    store.create_conversation("alice", "conv_1", items=[_sized(n, f"m{i}") for i, n in enumerate(sizes)])
+    store.delete_conversation_item("alice", "conv_1", store.conversation_items("alice", "conv_1")[2]["id"])
+    whole = store.conversation_items("alice", "conv_1")
+    for page_bytes in (1, 1000, 2500, 10**9):
+        with store.conversation_item_pages("alice", "conv_1", page_bytes=page_bytes) as pages:
+            read = list(pages)
+        assert [i for p in read for i in p.items] == whole
+        # ``start``: each page's place in the list; a conversation is one list.
+        assert [p.start for p in read] == list(itertools.accumulate([0] + [len(p.items) for p in read[:-1]]))
+        assert {(p.link, p.kind) for p in read} == {(0, "input")}
+        _check_pages(read, page_bytes)
+    assert len(read) == 1
+    with store.conversation_item_pages("mallory", "conv_1") as pages:
+        assert pages is None
+    with store.conversation_item_pages("alice", "conv_missing") as pages:
+        assert pages is None
+    store.create_conversation("alice", "conv_empty")
+    with store.conversation_item_pages("alice", "conv_empty") as pages:
+        assert list(pages) == []
+
+
+def test_conversation_item_pages_read_one_snapshot(store: Store) -> None:
+    """Items appended or deleted while the pages are read change none of
+    them, not even the pages still to come: what a request expands is the
+    conversation as it was when the reading began."""
+    store.create_conversation("alice", "conv_1", items=[_sized(100, f"m{i}") for i in range(6)])
+    before = store.conversation_items("alice", "conv_1")
+
+    def meanwhile() -> None:
+        store.append_conversation_items("alice", "conv_1", [_sized(10, "late"), _sized(10, "later")])
+        store.delete_conversation_item("alice", "conv_1", before[4]["id"])
+
+    with store.conversation_item_pages("alice", "conv_1", page_bytes=1) as pages:
+        first = next(pages)
+        done = threading.Thread(target=meanwhile)
+        done.start()
+        done.join(30)
+        rest = list(pages)
+    assert [i for p in [first, *rest] for i in p.items] == before
+    assert len(store.conversation_items("alice", "conv_1")) == len(before) + 1
+
+
+def test_response_chain_pages_are_the_chain_in_bounded_pages(store: Store) -> None:
+    prev = None
+    for i, (n_in, n_out) in enumerate([(10, 10), (5000, 10), (10, 7000), (300, 300), (0, 0), (2000, 2000)]):
+        rid = f"resp_{i}"
+        response = response_obj(rid, text="o" * n_out)
+        response["output"].append({"id": f"msg_out2_{rid}", "type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": "p" * n_out}]})
+        store.put_response("alice", rid, response, [_sized(n_in, "a"), _sized(n_in, "b"), _sized(1, "c")],
+                           previous_response_id=prev)
+        prev = rid
+    store.put_response("alice", "resp_bare", {"id": "resp_bare", "status": "queued"}, [],
+                       previous_response_id=prev)
+    chain = store.response_chain("alice", "resp_bare")
+    for page_bytes in (1, 1000, 3000, 10**9):
+        with store.response_chain_pages("alice", "resp_bare", page_bytes=page_bytes) as read:
+            assert read.links == len(chain) and read.status == "queued"
+            pages = list(read.pages)
+        _check_pages(pages, page_bytes)
+        rebuilt = [([], []) for _ in chain]
+        for p in pages:
+            items = rebuilt[p.link][0 if p.kind == "input" else 1]
+            assert p.start == len(items)
+            items += p.items
+        assert [tuple(link) for link in chain] == rebuilt
+        # Root first, each response's input then output.
+        assert [(p.link, p.kind) for p in pages] == sorted((p.link, p.kind) for p in pages)
+    with store.response_chain_pages("alice", "resp_missing") as read:
+        assert read is None
+    with store.response_chain_pages("mallory", "resp_bare") as read:
+        assert read is None
+    store.delete_response("alice", "resp_2")
+    with pytest.raises(ChainError) as err, store.response_chain_pages("alice", "resp_bare"):
+        pass
+    assert err.value.problem == "missing" and err.value.response_id == "resp_2"
+
+
+def test_response_chain_pages_read_one_snapshot(store: Store) -> None:
+    ids = _chain(store, "alice", 4)
+    chain = store.response_chain("alice", ids[-1])
+    with store.response_chain_pages("alice", ids[-1], page_bytes=1) as read:
+        first = next(read.pages)
+        # Another instance's retention, between two pages.
+        gone = threading.Thread(target=store.delete_response, args=("alice", ids[2]))
+        gone.start()
+        gone.join(30)
+        rest = list(read.pages)
+    assert [i for p in [first, *rest] for i in p.items] == [i for link in chain for part in link for i in part]
 
 
 # --- tasks and event logs ---------------------------------------------------------------
