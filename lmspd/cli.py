@@ -264,6 +264,10 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="provider dialect quirks (default generic: vLLM, SGLang, llama-server, Ollama)")
     group.add_argument("--upstream-idle-timeout", type=float, default=None, metavar="SECONDS",
                        help="fail a provider stream that sends nothing for this long (default 120)")
+    group.add_argument("--upstream-progress-timeout", type=float, default=None, metavar="SECONDS",
+                       help="fail a provider stream that sends no output (text, reasoning, tool calls, usage, a "
+                            "finish) for this long, keep-alives or not (default "
+                            f"{DEFAULT_LIMITS.upstream.progress_timeout_s:g})")
     group.add_argument("--upstream-context-window", type=int, default=None, metavar="TOKENS",
                        help="the provider's context window, as reported to clients (default: what the provider "
                             "says at start: vLLM's and SGLang's max_model_len, llama.cpp server's n_ctx; else "
@@ -356,6 +360,10 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
         if args.upstream_idle_timeout <= 0:
             parser.error("--upstream-idle-timeout must be > 0")
         settings.upstream_idle_timeout_s = args.upstream_idle_timeout
+    if args.upstream_progress_timeout is not None:
+        if not args.upstream_progress_timeout > 0:
+            parser.error("--upstream-progress-timeout must be > 0")
+        settings.upstream_progress_timeout_s = args.upstream_progress_timeout
     if args.upstream_context_window is not None:
         if args.upstream_context_window < 1:
             parser.error("--upstream-context-window must be >= 1")
@@ -394,6 +402,7 @@ _PER_MODEL_FLAGS = (
     ("--upstream-model", "upstream_model", "upstream_model"),
     ("--upstream-profile", "profile", "upstream_profile"),
     ("--upstream-idle-timeout", "idle_timeout_s", "upstream_idle_timeout"),
+    ("--upstream-progress-timeout", "progress_timeout_s", "upstream_progress_timeout"),
     ("--upstream-routing", "routing", "upstream_routing"),
     ("--upstream-context-window", "context_window", "upstream_context_window"),
 )

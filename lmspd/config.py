@@ -60,6 +60,7 @@ class Settings:
     upstream_model: str | None = None
     upstream_profile: str = "generic"
     upstream_idle_timeout_s: float | None = None
+    upstream_progress_timeout_s: float | None = None
     # None: what the provider says at start (lmspd.engines.upstream.window).
     upstream_context_window: int | None = None
     # How several --upstream-url endpoints share requests (upstream/routing.py).

@@ -12,9 +12,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
@@ -175,6 +176,13 @@ class Run:
         # queue (nothing would ever poll the token while we wait there).
         self.started = False
         self._opened = False
+        # ``open`` reached the model: ``_settle`` gives back what it reached
+        # unless a generation read to its end took it.
+        self._reached = False
+        self._settled = False
+        # Meanwhile, should this run be dropped without its events ever
+        # being read, the collector has it given back, with the queue slot.
+        self._unsettled: weakref.finalize | None = None
 
     @property
     def opens_first(self) -> bool:
@@ -195,8 +203,30 @@ class Run:
             await self.ticket.wait()
             await self.engine.open(self.prepared, self.cancel)
         except BaseException:
-            self.ticket.release()
+            self.ticket.release()  # an engine's open that fails leaves nothing open
             raise
+        self._reached = True
+        self._unsettled = weakref.finalize(self, _dropped, asyncio.get_running_loop(), self.engine, self.prepared,
+                                           self.ticket)
+        self._unsettled.atexit = False
+
+    async def _settle(self, generated: bool = False) -> None:
+        """The run is over for its consumer: what ``open`` reached and no
+        generation took (the events dropped before it started, at
+        ``response.created`` or in the queue, or never read) is given back,
+        then the queue slot. ``generated``: a generation read to its end
+        took it. Once: later calls find nothing to do."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._unsettled is not None:
+            self._unsettled.detach()
+            self._unsettled = None
+        try:
+            if self._reached and not generated:
+                await self.engine.discard(self.prepared)
+        finally:
+            self.ticket.release()
 
     async def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
         """The session's heartbeat every ``sse_keepalive_s`` until ``work``
@@ -243,13 +273,17 @@ class Run:
         generation = self.engine.generate(self.prepared, self.cancel, response_id=session.state.id)
         return self._service.metrics.observe(self.engine, lambda: session.state.id, generation, start)
 
-    async def events(
-        self, session: StreamSession, on_start: Callable[[], None] | None = None
-    ) -> AsyncIterator[WireEvent]:
+    def events(self, session: StreamSession, on_start: Callable[[], None] | None = None) -> "RunEvents":
         """The whole lifecycle; always ends with the session's terminal event
         unless the consumer itself goes away (then generation stops).
         ``on_start`` runs when the queue lets this run reach the model (a
-        background task records that it is no longer queued)."""
+        background task records that it is no longer queued). Closing them
+        (``aclose``), read or not, ends the run."""
+        return RunEvents(self, self._events(session, on_start))
+
+    async def _events(
+        self, session: StreamSession, on_start: Callable[[], None] | None
+    ) -> AsyncGenerator[WireEvent, None]:
         service = self._service
         service._active.add(self.cancel)
         generation: AsyncIterator[EngineEvent] | None = None
@@ -319,7 +353,50 @@ class Run:
                 # gone before the first event): nobody will read the rest.
                 self.cancel.cancel()
             service._active.discard(self.cancel)
-            self.ticket.release()
+            await self._settle(generated=drained)
         if not session.terminated:
             for wire in session.fail("server_error", "The generation ended without a result."):
                 yield wire
+
+
+class RunEvents:
+    """``Run.events``: the run's wire events, and ``aclose``, which ends the
+    run and gives back what it holds even where its events were never read
+    (an async generator that never started runs no ``finally``)."""
+
+    __slots__ = ("_run", "_events")
+
+    def __init__(self, run: Run, events: AsyncGenerator[WireEvent, None]) -> None:
+        self._run = run
+        self._events = events
+
+    def __aiter__(self) -> "RunEvents":
+        return self
+
+    def __anext__(self) -> Awaitable[WireEvent]:
+        return self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        await self._run._settle()
+
+
+def _dropped(loop: asyncio.AbstractEventLoop, engine: Engine, prepared: Prepared, ticket: QueueTicket) -> None:
+    """A run collected after ``open`` without its events ever being read (a
+    client gone between the provider's answer and the first byte): nothing
+    else gives back the request it opened and its queue slot. Called by the
+    garbage collector, on whichever thread: the work goes to the loop."""
+
+    def settle() -> None:
+        ticket.release()
+        task = loop.create_task(engine.discard(prepared))
+        _settling.add(task)
+        task.add_done_callback(_settling.discard)
+
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(settle)
+
+
+# The give-backs of dropped runs still under way (a task nothing else holds may be collected).
+_settling: set[asyncio.Task[None]] = set()

@@ -109,7 +109,20 @@ class UpstreamStreamLimits:
     max_tool_name_chars: int = 256
     max_tool_call_id_chars: int = 256
     max_tool_argument_bytes: int = 4 * 1024 * 1024
+    # A stream that sends nothing for this long fails (upstream_timeout).
     idle_timeout_s: float = 120.0
+    # A stream that sends no output for this long fails (upstream_timeout)
+    # however many bytes it sends: keep-alive comments (": still
+    # prefilling") and empty deltas keep the idle timer above alive but say
+    # nothing, and without this bound such a stream holds its concurrency
+    # slot and connection forever while its client hears heartbeats. Output
+    # is text, reasoning, a tool call's bytes, usage or a finish
+    # (upstream/bridge.py's ``progress``). Ten minutes: the wait it bounds
+    # is at worst a prefill (before the first output) or a queue at the
+    # provider, and a long prompt on a big model behind a busy server
+    # takes minutes, not tens of them (a provider silent meanwhile meets
+    # the idle timeout long before).
+    progress_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)

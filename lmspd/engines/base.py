@@ -102,7 +102,16 @@ class Engine(Protocol):
 
     async def open(self, prepared: Prepared, cancel: CancelToken) -> None:
         """Reach the model (``opens_first``); a no-op for engines in this
-        process. Called at most once, with the queue slot held."""
+        process. Called at most once, with the queue slot held; one that
+        raises leaves nothing open."""
+
+    async def discard(self, prepared: Prepared) -> None:
+        """Give back what ``open`` reached when no generation will take it
+        (the run's events were dropped, or never read, before ``generate``
+        started): the provider request is closed and its endpoint's count
+        returned. Safe to call again, and after ``generate`` started (which
+        then owns it): nothing is left to give back. A no-op for engines in
+        this process."""
 
     def generate(self, prepared: Prepared, cancel: CancelToken,
                  response_id: str | None = None) -> AsyncIterator[EngineEvent]:

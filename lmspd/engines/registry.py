@@ -131,6 +131,10 @@ class LazyEngine:
         if self._engine is not None:
             await self._engine.open(prepared, cancel)
 
+    async def discard(self, prepared: Any) -> None:
+        if self._engine is not None:
+            await self._engine.discard(prepared)
+
     @property
     def supports_prefill(self) -> bool:
         return bool(getattr(self._engine, "supports_prefill", False))

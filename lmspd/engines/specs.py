@@ -50,6 +50,8 @@ Every entry: ``engine``: ``"llama"`` (default) or ``"upstream"``.
     context_window  tokens, as reported to clients; default what the provider
                     says at start, else 131072 (upstream/window.py)
     idle_timeout_s  a stream silent this long fails; default 120
+    progress_timeout_s  a stream without output (text, reasoning, tool calls,
+                    usage, a finish) this long fails, keep-alives or not; default 600
     connect_timeout_s  default 10
     max_concurrency requests in flight to the provider; default 256
     health_interval_s  probe of each endpoint with several; default 10 (0: none)
@@ -120,8 +122,9 @@ _LLAMA_FIELDS: dict[str, tuple[type, ...]] = {"model": (str,), "ctx": (int, str)
                                               "top_p": (int, float), "top_k": (int,), "min_p": (int, float)}
 _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
     "url": (str,), "urls": (list,), "upstream_model": (str,), "profile": (str,), "api_key_env": (str,),
-    "key_name": (str,), "idle_timeout_s": (int, float), "connect_timeout_s": (int, float),
-    "max_concurrency": (int,), "context_window": (int,), "health_interval_s": (int, float),
+    "key_name": (str,), "idle_timeout_s": (int, float), "progress_timeout_s": (int, float),
+    "connect_timeout_s": (int, float), "max_concurrency": (int,), "context_window": (int,),
+    "health_interval_s": (int, float),
     "affinity_slack": (int,), "routing": (str,), "prefix_threshold": (int, float),
 }
 
@@ -205,6 +208,7 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                 urls=list(settings.upstream_urls),
                 profile=settings.upstream_profile,
                 idle_timeout_s=settings.upstream_idle_timeout_s,
+                progress_timeout_s=getattr(settings, "upstream_progress_timeout_s", None),
                 routing=settings.upstream_routing,
                 context_window=getattr(settings, "upstream_context_window", None),
             )]

@@ -12,10 +12,11 @@ stream owned by this connection, or a background task that outlives it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -215,16 +216,19 @@ async def _begun(begun: Any) -> Run:
     return await begun if inspect.isawaitable(begun) else begun
 
 
-async def turn_events(turn: Turn) -> AsyncIterator[WireEvent]:
+async def turn_events(turn: Turn) -> AsyncGenerator[WireEvent, None]:
     """The turn's wire events, the same on every transport; the response is
     stored before its terminal event leaves (a GET right after finds it);
-    if that fails the terminal event says ``store: false``."""
-    async for wire in turn.run.events(turn.session):
-        if wire[1] in TERMINAL_EVENT_NAMES and not await _ended(turn, turn.session.state):
-            # The output is already whole: the end says it is not stored.
-            turn.stored = False
-            _mark_unstored(wire[2])
-        yield wire
+    if that fails the terminal event says ``store: false``. Closing it
+    closes the run's events at once (the run gives back what it holds,
+    read or not)."""
+    async with contextlib.aclosing(turn.run.events(turn.session)) as events:
+        async for wire in events:
+            if wire[1] in TERMINAL_EVENT_NAMES and not await _ended(turn, turn.session.state):
+                # The output is already whole: the end says it is not stored.
+                turn.stored = False
+                _mark_unstored(wire[2])
+            yield wire
 
 
 async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,

@@ -303,8 +303,12 @@ class Connection:
                 await self._error(turn.dialect.names(turn.req, turn.window).name(exc), lane)
                 return
         state = turn.session.state
-        async for _seq, _name, data in turn_events(turn):
-            await self._send(event_frame(data, lane))
+        # Closed here, not whenever the collector gets to it: a turn cancelled
+        # while the outbox is full (the connection's age limit, the client
+        # gone) gives back its provider request and queue slot at once.
+        async with contextlib.aclosing(turn_events(turn)) as events:
+            async for _seq, _name, data in events:
+                await self._send(event_frame(data, lane))
         if state.status in ("completed", "incomplete"):
             # Stored only if the write succeeded: a later turn must not
             # name a predecessor the store does not have.

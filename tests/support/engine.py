@@ -81,6 +81,9 @@ class ScriptedEngine:
     async def open(self, prepared: ScriptedPrepared, cancel: CancelToken) -> None:
         return None
 
+    async def discard(self, prepared: ScriptedPrepared) -> None:
+        return None
+
     def announce(self, conversation: Conversation) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 

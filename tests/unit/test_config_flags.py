@@ -26,6 +26,7 @@ PER_MODEL = [
     (["--served-model", "x"], "[models.ID]"),
     (["--upstream-profile", "openai"], "profile"),
     (["--upstream-idle-timeout", "5"], "idle_timeout_s"),
+    (["--upstream-progress-timeout", "300"], "progress_timeout_s"),
     (["--upstream-context-window", "4096"], "context_window"),
     (["--model", "y"], "model"),
     (["--upstream-routing", "round-robin"], "routing"),
@@ -58,3 +59,15 @@ def test_flags_for_every_model_still_apply_under_config(monkeypatch: pytest.Monk
     assert settings.config_file == tmp_path / "models.toml"
     assert settings.sampling == SamplingDefaults(temperature=0.3)
     assert (settings.kv_ram_mb, settings.swa_full, settings.speculative) == (64, True, "off")
+
+
+def test_the_upstream_progress_timeout_flag_reaches_the_settings(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(lmspd.server, "serve", lambda settings: seen.append(settings) or 0)
+    upstream = ["serve", "--engine", "upstream", "--upstream-url", "http://h/v1", "--upstream-model", "m"]
+    assert main([*upstream, "--upstream-progress-timeout", "90"]) == 0
+    assert seen[0].upstream_progress_timeout_s == 90
+    with pytest.raises(SystemExit) as exited:
+        main([*upstream, "--upstream-progress-timeout", "0"])
+    assert exited.value.code == 2 and "--upstream-progress-timeout must be > 0" in capsys.readouterr().err

@@ -271,6 +271,9 @@ class LlamaEngine:
     async def open(self, prepared: LlamaPrepared, cancel: CancelToken) -> None:
         return None
 
+    async def discard(self, prepared: LlamaPrepared) -> None:
+        return None  # ``open`` reached nothing
+
     # -- generating ----------------------------------------------------------
 
     def generate(self, prepared: LlamaPrepared, cancel: CancelToken,

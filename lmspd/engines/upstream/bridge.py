@@ -159,6 +159,7 @@ class BridgeDecoder:
         self._retained_bytes = 0
         self._usage: Usage | None = None
         self._done = False
+        self._progress = 0
         self.error: UpstreamError | None = None
         # Private correlation metadata; never copied into public ids.
         self.provider_response_id: str | None = None
@@ -169,6 +170,16 @@ class BridgeDecoder:
     def done(self) -> bool:
         """True once a terminal event was returned; nothing more will be."""
         return self._done
+
+    @property
+    def progress(self) -> int:
+        """Grows with each piece of output the provider sent: text,
+        reasoning, a tool call's id, name or argument bytes, a choice's
+        finish reason, usage that changed. Comments, empty deltas, a role, a
+        repeated id, name or finish reason do not count: bytes that can keep
+        a stream alive forever without it getting anywhere (the engine
+        bounds the time between two increments)."""
+        return self._progress
 
     def feed(self, data: bytes) -> list[EngineEvent]:
         return list(self.iter_feed(data))
@@ -241,7 +252,10 @@ class BridgeDecoder:
             self._choice(choice, out)
         if chunk.usage is not None:
             # Providers that report usage more than once report running totals.
-            self._usage = _usage(chunk.usage)
+            usage = _usage(chunk.usage)
+            if usage != self._usage:
+                self._progress += 1
+            self._usage = usage
 
     def _choice(self, choice: ChunkChoice, out: list[EngineEvent]) -> None:
         limits = self._limits
@@ -263,6 +277,8 @@ class BridgeDecoder:
         if delta.refusal:
             # No neutral refusal event yet; a refusal is visible text.
             out.append(TextDelta(delta.refusal))
+        if reasoning or delta.content or delta.refusal:
+            self._progress += 1
         for fragment in delta.tool_calls:
             self._fragment(state, fragment)
         if choice.finish_reason is not None:
@@ -300,12 +316,14 @@ class BridgeDecoder:
                 raise UpstreamLimitExceeded("max_tool_call_id_chars", limits.max_tool_call_id_chars)
             self._retain(_utf8_len(fragment.id))
             call.provider_id = provider_id
+            self._progress += 1
         if name_piece:
             name = call.name + name_piece
             if len(name) > limits.max_tool_name_chars:
                 raise UpstreamLimitExceeded("max_tool_name_chars", limits.max_tool_name_chars)
             self._retain(_utf8_len(name_piece))
             call.name = name
+            self._progress += 1
         if fragment.arguments is not None:
             call.arguments_started = True
         if fragment.arguments:
@@ -315,6 +333,7 @@ class BridgeDecoder:
             self._retain(size)
             call.arguments.append(fragment.arguments)
             call.argument_bytes += size
+            self._progress += 1
 
     def _retain(self, size: int) -> None:
         # Charged before the state changes, so a refused fragment is not kept.
@@ -327,6 +346,7 @@ class BridgeDecoder:
             raise MalformedChunk("The upstream provider sent an unknown finish_reason.")
         if state.finish_reason is None:
             state.finish_reason = reason
+            self._progress += 1
         elif state.finish_reason != reason:
             raise ContradictoryFinish()
 

@@ -12,6 +12,7 @@ exceptions into typed transport errors:
                                              UpstreamConnectionLost
     connect or header wait too slow          UpstreamTimeout
     no byte for ``idle_s`` mid-stream        UpstreamTimeout (the idle watchdog)
+    no output for ``progress_s``             UpstreamTimeout (the progress bound)
     connection dropped mid-stream            UpstreamConnectionLost
     non-2xx, wrong content type              UpstreamHTTPError
 
@@ -19,7 +20,10 @@ The idle watchdog bounds the wait for each read (headers included), which
 is exactly "nothing arrived for idle_s": aiohttp's socket read timeout,
 and lmspd's own clock around every body read besides. A provider's ``:``
 keep-alive comments count as life; they are how some providers say "still
-prefilling".
+prefilling". They are not output, though: the engine tells the stream when
+output came (``progressed``), and a read still waiting ``progress_s`` after
+the last output (or after the headers) fails however many bytes came
+meanwhile (core/limits.py's ``progress_timeout_s``).
 
 aiohttp rather than httpx because this is the hot path of every upstream
 token: its C parser hands over a whole burst of chunked events in one read,
@@ -44,6 +48,7 @@ import aiohttp
 import anyio
 
 from lmspd import __version__
+from lmspd.core.limits import UpstreamStreamLimits
 
 from .credentials import Secret
 from .errors import (
@@ -77,7 +82,9 @@ _KEEPALIVE_S = 4.0
 class Timeouts:
     connect_s: float = 10.0
     # Stream idle: the longest wait for the next byte (headers included).
-    idle_s: float = 120.0
+    idle_s: float = UpstreamStreamLimits.idle_timeout_s
+    # The longest time without output, bytes or not (``ProviderStream.progressed``).
+    progress_s: float = UpstreamStreamLimits.progress_timeout_s
     health_s: float = 5.0
 
 
@@ -86,20 +93,34 @@ class ProviderStream:
     ``StopAsyncIteration``, then ``aclose()`` (or ``drain()`` after a clean
     end, to keep the connection)."""
 
-    def __init__(self, response: aiohttp.ClientResponse, endpoint: Endpoint, idle_s: float) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, endpoint: Endpoint, idle_s: float,
+                 progress_s: float = UpstreamStreamLimits.progress_timeout_s) -> None:
         self.response = response
         self.endpoint = endpoint
         self._idle_s = idle_s
+        self._progress_s = progress_s
+        self._loop = asyncio.get_running_loop()
+        # When a read still waiting fails for want of output.
+        self._progress_by = self._loop.time() + progress_s
         self._closed = False
 
+    def progressed(self) -> None:
+        """The provider sent output: the time without it starts again."""
+        self._progress_by = self._loop.time() + self._progress_s
+
     async def next_chunk(self) -> bytes:
+        idle_by = self._loop.time() + self._idle_s
+        progress_by = self._progress_by
         try:
             # Our own clock as well as aiohttp's socket timeout: on some
             # framing errors aiohttp drops its read timer and never wakes
-            # the reader.
-            async with asyncio.timeout(self._idle_s):
+            # the reader. Bytes already here are returned even past the
+            # deadline (the timer fires only while the read waits).
+            async with asyncio.timeout_at(min(idle_by, progress_by)):
                 data = await self.response.content.readany()
         except TimeoutError:
+            if progress_by < idle_by:
+                raise UpstreamTimeout(f"The upstream provider sent no output for {self._progress_s:g} s.") from None
             raise UpstreamTimeout(f"The upstream provider sent nothing for {self._idle_s:g} s.") from None
         except Exception:
             # A truncated or malformed chunked body, a reset: aiohttp says so
@@ -255,7 +276,7 @@ class ProviderClient:
             endpoint.outstanding -= 1
             raise
         self.pool.mark_up(endpoint)
-        stream = ProviderStream(response, endpoint, self.timeouts.idle_s)
+        stream = ProviderStream(response, endpoint, self.timeouts.idle_s, self.timeouts.progress_s)
         try:
             await self._check(response)
         except BaseException:

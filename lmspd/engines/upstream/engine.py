@@ -17,9 +17,12 @@ the model's queue slot.
 
 Stopping: a client that goes away cancels the task that drives
 ``generate``; the ``finally`` closes the provider body, so the provider sees
-the disconnect and stops. A ``CancelToken`` (shutdown) interrupts a pending
-read at once instead of waiting for the provider's next byte. The stream-idle
-watchdog is the client's read timeout (see client.py).
+the disconnect and stops. A request ``open`` sent that no ``generate`` took
+(its run's events dropped before the generation started) is closed by
+``discard``, which ``Run`` calls. A ``CancelToken`` (shutdown) interrupts a
+pending read at once instead of waiting for the provider's next byte. The
+stream-idle watchdog and the bound on time without output are the client's
+(see client.py).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class UpstreamSpec:
     api_key_env: str | None = None
     key_name: str | None = None
     idle_timeout_s: float | None = None  # None: limits.upstream.idle_timeout_s
+    progress_timeout_s: float | None = None  # None: limits.upstream.progress_timeout_s
     connect_timeout_s: float = 10.0
     max_concurrency: int = 256
     # None: what the provider says at start, else DEFAULT_CONTEXT_WINDOW (window.py).
@@ -97,6 +101,8 @@ class UpstreamSpec:
             raise ValueError(f"model {self.served_model!r}: an upstream model needs at least one URL")
         if self.max_concurrency < 1 or (self.context_window is not None and self.context_window < 1):
             raise ValueError(f"model {self.served_model!r}: max_concurrency and context_window must be >= 1")
+        if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
+            raise ValueError(f"model {self.served_model!r}: progress_timeout_s must be > 0")
 
 
 @dataclass
@@ -148,12 +154,14 @@ class UpstreamEngine:
         self._profile = PROFILES[spec.profile]
         self._key = key
         idle = spec.idle_timeout_s if spec.idle_timeout_s is not None else self._limits.idle_timeout_s
+        progress = (spec.progress_timeout_s if spec.progress_timeout_s is not None
+                    else self._limits.progress_timeout_s)
         self.pool = EndpointPool(spec.urls)
         self.router = Router(self.pool, spec.routing_settings, model=spec.served_model)
         self.client = ProviderClient(
             self.pool,
             key=key,
-            timeouts=Timeouts(connect_s=spec.connect_timeout_s, idle_s=idle),
+            timeouts=Timeouts(connect_s=spec.connect_timeout_s, idle_s=idle, progress_s=progress),
             max_connections=spec.max_concurrency,
             health_interval_s=spec.health_interval_s,
         )
@@ -210,6 +218,26 @@ class UpstreamEngine:
             log.warning("upstream %s refused before streaming: %s%s", self.info.id, exc.code,
                         f" ({self._scrub(detail)})" if detail else "")
             raise to_api_error(exc) from None
+        except BaseException:
+            # Anything else, once the provider had the request (a
+            # cancellation inside client.open closes its own): not left streaming.
+            await self.discard(prepared)
+            raise
+
+    async def discard(self, prepared: UpstreamPrepared) -> None:
+        # Taken out first, as generate takes it: a call after generate
+        # started, or a second one, finds nothing (the request is closed and
+        # counted once).
+        stream, prepared.stream = prepared.stream, None
+        if stream is None:
+            return
+        self._count("cancelled")
+        # Shielded, as generate's own close: under a cancelled anyio scope
+        # the close would be cancelled too, leaving the provider streaming.
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        log.info("upstream %s via %s: discarded before generating, %.1f ms after opening", self.info.id,
+                 stream.endpoint.label, (time.perf_counter() - prepared.opened_at) * 1000)
 
     async def generate(self, prepared: UpstreamPrepared, cancel: CancelToken,
                        response_id: str | None = None) -> AsyncIterator[EngineEvent]:
@@ -221,7 +249,7 @@ class UpstreamEngine:
             prepared.response_id = response_id
         if prepared.response_id is not None:
             # A request that continues this response goes where its prefix is.
-            self.router.remember(prepared.response_id, stream.endpoint)
+            self.router.remember(prepared.response_id, stream.endpoint, prepared.run.owner)
         request = prepared.request
         bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits)
         self._generations += 1
@@ -270,6 +298,7 @@ class UpstreamEngine:
                     events = bridge.iter_feed(raw)
                 finally:
                     reader = None
+                progress = bridge.progress
                 for event in events:
                     if isinstance(event, ToolCallStarted):
                         event = self._public_call(event, request)
@@ -286,6 +315,10 @@ class UpstreamEngine:
                         await asyncio.sleep(0)
                 if bridge.done:
                     return
+                if bridge.progress != progress:
+                    # Output came: the time without it starts again (bytes
+                    # that are not output leave it running, client.py).
+                    stream.progressed()
         finally:
             remove()
             if clean:
@@ -359,8 +392,11 @@ def _route_request(prepared: UpstreamPrepared) -> RouteRequest:
         continues.append(response_anchor(conversation.previous_response_id))
     if conversation.conversation_id:
         continues.append(conversation_anchor(conversation.conversation_id))
+    # Every pin and prefix the request matches or leaves is its owner's
+    # (routing.py, "Owners"): another key's prompts and sessions never steer it.
     return RouteRequest(prompt=prepared.route_prompt, seed=prepared.route_seed, continues=tuple(continues),
-                        session=conversation.prompt_cache_key or prepared.run.session_key)
+                        session=conversation.prompt_cache_key or prepared.run.session_key,
+                        owner=prepared.run.owner)
 
 
 def _encode_body(body: dict[str, Any]) -> tuple[bytes, int, bytes]:

@@ -44,6 +44,23 @@ the above (kept for comparison: ``bench/routing.py``).
 
 State is per lmspd process and bounded: ``max_pins`` entries per map (least
 recently used go first), ``prefix_blocks`` blocks per endpoint's index.
+
+Owners: every pin and every indexed block belongs to the credential whose
+request left it (``RouteRequest.owner``, the run's owner): a session pin
+and a continuation anchor are keyed by (owner, key), and a prompt's block
+chain is seeded by its owner as well as its tools, so another owner's
+identical prompt hashes to other blocks and never matches. Without that, a
+key could learn another key's prompts by where its own requests go (a
+guessed system prompt routed ``prefix`` to the endpoint that holds it, one
+word off routed elsewhere; ``prompt_cache_key="team-42"`` following another
+key's session), and then read the provider's ``cached_tokens`` (relayed in
+usage) as an oracle. The provider's own prefix cache is shared across keys
+by its nature -- lmspd cannot keep a provider from caching -- but lmspd must
+not steer one owner's requests by another owner's history. What all owners
+do share is load: requests in flight and how many sessions an endpoint
+holds (tie-breaks among equally loaded endpoints), which says nothing of
+any prompt. The owners share the same bounded maps and indexes (one LRU
+for all; no structure per owner), so the bounds above are unchanged.
 """
 
 from __future__ import annotations
@@ -51,8 +68,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from lmspd.core.run import LOCAL
 
 from .pool import Endpoint, EndpointPool
 
@@ -108,6 +128,9 @@ class RouteRequest:
     # Ids whose endpoint this request continues: ``resp:…``, ``conv:…``.
     continues: tuple[str, ...] = ()
     session: str | None = None
+    # The credential's owner the request runs for: the pins it matches and
+    # leaves, and its prompt's blocks, are this owner's alone.
+    owner: str = LOCAL.owner
     # The prompt's block chain, hashed once for choosing and learning.
     chain: list[int] | None = field(default=None, repr=False, compare=False)
 
@@ -129,24 +152,27 @@ class Decision:
         return line
 
 
-class PinMap:
+K = TypeVar("K", bound=Hashable)
+
+
+class PinMap(Generic[K]):
     """A bounded LRU map key -> endpoint index, counting keys per endpoint."""
 
     def __init__(self, limit: int, endpoints: int) -> None:
         self._limit = limit
-        self._map: OrderedDict[str, int] = OrderedDict()
+        self._map: OrderedDict[K, int] = OrderedDict()
         self.counts = [0] * endpoints
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: K) -> int | None:
         index = self._map.get(key)
         if index is not None:
             self._map.move_to_end(key)
         return index
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._map
 
-    def set(self, key: str, index: int) -> None:
+    def set(self, key: K, index: int) -> None:
         old = self._map.get(key)
         if old is not None:
             self.counts[old] -= 1
@@ -236,8 +262,9 @@ class Router:
         self.settings = settings
         self._model = model
         n = len(pool.endpoints)
-        self._continuations = PinMap(settings.max_pins, n)
-        self._sessions = PinMap(settings.max_pins, n)
+        # Keyed by (owner, anchor) and (owner, session key): see "Owners" above.
+        self._continuations: PinMap[tuple[str, str]] = PinMap(settings.max_pins, n)
+        self._sessions: PinMap[tuple[str, str]] = PinMap(settings.max_pins, n)
         self._indexes = [PrefixIndex(settings.prefix_blocks) for _ in range(n)]
         self._turn = itertools.count()
         self._counters = _Counters()
@@ -269,9 +296,10 @@ class Router:
             return Decision("least-loaded", tied[next(self._turn) % len(tied)])
 
         moved_from: Endpoint | None = None
-        pinned: list[tuple[str, int | None]] = [("affinity", self._continuations.get(k)) for k in request.continues]
+        owner = request.owner
+        pinned: list[tuple[str, int | None]] = [("affinity", self._continuation(owner, k)) for k in request.continues]
         if request.session is not None:
-            pinned.append(("session", self._sessions.get(request.session)))
+            pinned.append(("session", self._sessions.get((owner, request.session))))
         for route, index in pinned:
             if index is None:
                 continue
@@ -285,6 +313,9 @@ class Router:
         decision = self._by_prefix(request, live) or Decision("least-loaded", self._least_loaded(live))
         decision.moved_from = moved_from
         return self._bounded(decision, live) if decision.route == "prefix" else decision
+
+    def _continuation(self, owner: str, anchor: str) -> int | None:
+        return self._continuations.get((owner, anchor))
 
     def _by_prefix(self, request: RouteRequest, live: list[Endpoint]) -> Decision | None:
         s = self.settings
@@ -333,23 +364,30 @@ class Router:
             return
         index = decision.endpoint.index
         keep = decision.shed_from is not None
+        owner = request.owner
+        pins = self._continuations
         for key in request.continues:
-            if not (keep and key in self._continuations):
-                self._continuations.set(key, index)
-        if request.session is not None and not (keep and request.session in self._sessions):
-            self._sessions.set(request.session, index)
+            if not (keep and (owner, key) in pins):
+                pins.set((owner, key), index)
+        if request.session is not None:
+            session = (owner, request.session)
+            if not (keep and session in self._sessions):
+                self._sessions.set(session, index)
         self._index(decision.endpoint).insert(self._chain(request))
 
     def _chain(self, request: RouteRequest) -> list[int]:
         if request.chain is None:
             s = self.settings
-            request.chain = block_chain(request.prompt, s.prefix_block_bytes, s.prefix_max_bytes, request.seed)
+            # Seeded by the owner as well as the tools: one owner's blocks
+            # never match another's prompt (see "Owners" above).
+            seed = hash((request.owner, request.seed))
+            request.chain = block_chain(request.prompt, s.prefix_block_bytes, s.prefix_max_bytes, seed)
         return request.chain
 
-    def remember(self, response_id: str, endpoint: Endpoint) -> None:
-        """The response ``response_id`` was generated at ``endpoint``."""
+    def remember(self, response_id: str, endpoint: Endpoint, owner: str) -> None:
+        """The response ``response_id`` of ``owner`` was generated at ``endpoint``."""
         if self.settings.policy == "affinity":
-            self._continuations.set(response_anchor(response_id), endpoint.index)
+            self._continuations.set((owner, response_anchor(response_id)), endpoint.index)
 
     # -- reporting ------------------------------------------------------------------------
 

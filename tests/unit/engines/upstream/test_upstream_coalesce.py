@@ -129,6 +129,9 @@ class OpeningEngine:
         if self.refuse:
             raise self.refuse
 
+    async def discard(self, prepared) -> None:
+        self.log.append("discard")
+
     async def generate(self, prepared, cancel, response_id=None):
         self.log.append("generate")
         yield TextDelta("hi")

@@ -409,6 +409,39 @@ def test_continuations_and_sessions_stay_on_their_endpoint(provider, provider2):
     assert routing["pinned_sessions"] == 1
 
 
+def test_routing_state_is_per_owner(provider, provider2):
+    # The run's owner reaches the router: one API key's prompts and session
+    # keys never steer another key's requests (routing.py, "Owners").
+    for p in (provider, provider2):
+        p.responder = lambda request: Reply(parts=text_stream("ok"))
+    secret = "A's confidential system prompt: the merger with ACME closes on 2026-03-01. " * 20
+
+    async def turn(eng, owner, text, system=None, **kw):
+        items = ([Message(role="system", text=system)] if system else []) + [Message(role="user", text=text)]
+        events = await collect(eng, Conversation(model="up", items=items, **kw), run=RunContext(owner=owner))
+        assert isinstance(events[-1], Finished)
+
+    async def go():
+        eng = engine(provider.url, provider2.url, health_interval_s=0)
+        try:
+            await turn(eng, "key-A", "hello", system=secret)
+            await turn(eng, "key-B", "guess", system=secret)  # not route=prefix: key-A's prompt
+            await turn(eng, "key-A", "hello again", system=secret)  # route=prefix: its own
+            await turn(eng, "key-A", "one", prompt_cache_key="team-42")
+            await turn(eng, "key-B", "two", prompt_cache_key="team-42")  # not route=session: key-A's key
+            await turn(eng, "key-A", "three", prompt_cache_key="team-42")  # route=session: its own
+            return eng.stats()["routing"]
+        finally:
+            await eng.aclose()
+
+    try:
+        routing = run(go())
+    finally:
+        provider.responder = provider2.responder = None
+    assert routing["routes"]["prefix"] == 1 and routing["routes"]["session"] == 1
+    assert routing["routes"]["least-loaded"] == 4 and routing["pinned_sessions"] == 2
+
+
 def test_a_refused_connection_moves_the_session_once(provider, caplog):
     import logging
 
@@ -419,7 +452,7 @@ def test_a_refused_connection_moves_the_session_once(provider, caplog):
         try:
             dead, live = eng.pool.endpoints
             # Pin the session to the dead endpoint, as if it had served it.
-            eng.router._sessions.set("s", dead.index)
+            eng.router._sessions.set(("local", "s"), dead.index)
             with caplog.at_level(logging.INFO, logger="lmspd.upstream.routing"):
                 for text in ("one", "two", "three"):
                     events = await collect(eng, conversation(text), run=RunContext(session_key="s"))
@@ -458,7 +491,7 @@ def test_a_stream_dropped_midway_marks_its_endpoint_down_and_moves_the_session(p
         eng = engine(f"http://127.0.0.1:{port}/v1", provider.url, health_interval_s=0)
         try:
             dying_endpoint = eng.pool.endpoints[0]
-            eng.router._sessions.set("s", dying_endpoint.index)
+            eng.router._sessions.set(("local", "s"), dying_endpoint.index)
             first = await collect(eng, conversation("one"), run=RunContext(session_key="s"))
             second = await collect(eng, conversation("two"), run=RunContext(session_key="s"))
             return first, second, dying_endpoint.healthy, eng.stats()["routing"]

@@ -19,6 +19,7 @@ from lmspd.engines.upstream.routing import (
     RouteRequest,
     RoutingSettings,
     block_chain,
+    conversation_anchor,
     response_anchor,
 )
 
@@ -76,7 +77,7 @@ def test_new_sessions_spread_then_each_stays_on_its_endpoint():
 def test_previous_response_id_goes_where_that_response_was_made():
     r = router()
     first = send(r, RouteRequest(prompt=b"x" * 50))
-    r.remember("resp_1", first.endpoint)
+    r.remember("resp_1", first.endpoint, "local")
     # Another request makes a different endpoint the least loaded choice.
     first.endpoint.outstanding = 2
     d = send(r, RouteRequest(prompt=b"y" * 50, continues=(response_anchor("resp_1"),)))
@@ -90,7 +91,7 @@ def test_continuation_wins_over_the_session_pin():
     r = router()
     a = send(r, RouteRequest(prompt=b"a" * 50, session="k"))
     others = [e for e in r.pool.endpoints if e is not a.endpoint]
-    r.remember("resp_9", others[0])
+    r.remember("resp_9", others[0], "local")
     d = r.choose(RouteRequest(prompt=b"b" * 50, continues=(response_anchor("resp_9"),), session="k"))
     assert (d.route, d.endpoint) == ("affinity", others[0])
 
@@ -120,6 +121,65 @@ def test_a_short_shared_prefix_is_not_enough():
     assert d.route == "least-loaded" and d.matched == 0
     # A prompt shorter than one block is never matched.
     assert r.choose(RouteRequest(prompt=b"tiny")).route == "least-loaded"
+
+
+# -- owners ---------------------------------------------------------------------------------
+# One credential's routing state never steers another's request: its route
+# would otherwise say whether another key sent a prompt or uses a session key.
+
+SECRET = "A's confidential system prompt: the merger with ACME closes on 2026-03-01. " * 20
+
+
+def with_system(system: str, user: str) -> bytes:
+    return (f'{{"model":"m","messages":[{{"role":"system","content":"{system}"}},'
+            f'{{"role":"user","content":"{user}"}}').encode()
+
+
+def test_another_owners_prompt_does_not_steer_a_request():
+    def probes(first: bytes) -> tuple[list[tuple[str, int, int]], Router]:
+        r = router(n=2)
+        send(r, RouteRequest(prompt=first, owner="key-A"))
+        guesses = (with_system(SECRET, "guess"), with_system(SECRET.replace("ACME", "EMCA"), "guess"))
+        return [(d.route, d.endpoint.index, d.matched)
+                for d in (r.choose(RouteRequest(prompt=g, owner="key-B")) for g in guesses)], r
+
+    # key-B's routes are the same whether key-A sent the secret or an
+    # unrelated prompt of the same size: they say nothing of key-A's prompt.
+    after_secret, r = probes(with_system(SECRET, "hello"))
+    after_other, _ = probes(with_system("x" * len(SECRET), "hello"))
+    assert after_secret == after_other
+    assert all(route == "least-loaded" and matched == 0 for route, _, matched in after_secret)
+    # key-A's own next turn still follows its prefix.
+    home = r.stats()["prefix_blocks"].index(max(r.stats()["prefix_blocks"]))
+    d = r.choose(RouteRequest(prompt=with_system(SECRET, "hello again"), owner="key-A"))
+    assert (d.route, d.endpoint.index) == ("prefix", home) and d.matched > len(SECRET)
+
+
+def test_a_session_key_is_pinned_per_owner():
+    r = router(n=2)
+    a_home = send(r, RouteRequest(prompt=b"a" * 200, session="team-42", owner="key-A")).endpoint
+    assert send(r, RouteRequest(prompt=b"a" * 300, session="team-42", owner="key-A")).route == "session"
+    # key-B naming key-A's session key starts a session of its own.
+    b = send(r, RouteRequest(prompt=b"b" * 200, session="team-42", owner="key-B"))
+    assert b.route == "least-loaded" and b.endpoint is not a_home
+    d = send(r, RouteRequest(prompt=b"b" * 300, session="team-42", owner="key-B"))
+    assert (d.route, d.endpoint) == ("session", b.endpoint)
+    d = send(r, RouteRequest(prompt=b"a" * 400, session="team-42", owner="key-A"))
+    assert (d.route, d.endpoint) == ("session", a_home)
+    assert r.stats()["pinned_sessions"] == 2
+
+
+def test_continuation_anchors_are_per_owner():
+    r = router()
+    conv = conversation_anchor("conv_1")
+    home = send(r, RouteRequest(prompt=b"c" * 50, continues=(conv,), owner="key-A")).endpoint
+    r.remember("resp_a", home, "key-A")
+    home.outstanding = 2  # makes another endpoint the least loaded choice
+    for anchor in (conv, response_anchor("resp_a")):
+        d = r.choose(RouteRequest(prompt=b"d" * 50, continues=(anchor,), owner="key-B"))
+        assert d.route == "least-loaded" and d.endpoint is not home
+        d = r.choose(RouteRequest(prompt=b"d" * 50, continues=(anchor,), owner="key-A"))
+        assert (d.route, d.endpoint) == ("affinity", home)
 
 
 # -- the load bound ---------------------------------------------------------------------
