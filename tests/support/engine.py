@@ -21,8 +21,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from lmspd.core.conversation import Conversation
-from lmspd.core.events import EngineEvent, Failed, Finished, TextDelta, Usage
+from lmspd.core.conversation import Conversation, ToolOutput
+from lmspd.core.events import (
+    EngineEvent,
+    Failed,
+    Finished,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallDone,
+    ToolCallStarted,
+    Usage,
+)
 from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, ModelInfo
 
@@ -134,3 +143,20 @@ class ScriptedEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+# Codex's Responses Lite tools: apply_patch (custom) and exec_command, both in the "functions" namespace.
+CODEX_PATCH = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
+
+
+def codex_namespaced_calls(conversation: Conversation) -> list[EngineEvent]:
+    """A ``ScriptedEngine`` script: the engines' events for a model's calls of
+    Codex's namespaced tools (it wrote ``functions__apply_patch``): the
+    member's own name and the namespace apart; once the outputs are in, an
+    answer."""
+    if any(isinstance(item, ToolOutput) for item in conversation.items):
+        return [TextDelta("Done."), Finished("stop", Usage(3, 1))]
+    return [ToolCallStarted(0, "call_p", "apply_patch", "custom", "functions"), ToolCallDelta(0, CODEX_PATCH),
+            ToolCallDone(0, CODEX_PATCH),
+            ToolCallStarted(1, "call_x", "exec_command", "function", "functions"), ToolCallDone(1, '{"cmd": "ls"}'),
+            Finished("tool_calls", Usage(3, 2))]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lmspd.core.conversation import Conversation, CustomTool, FunctionTool, ToolCall, ToolOutput
-from lmspd.core.events import Finished, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, Usage
+from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall
 from lmspd.core.limits import DEFAULT_LIMITS, Limits
 from lmspd.history import StoredContext
+from support.engine import codex_namespaced_calls
 from support.inprocess import MODEL, ScriptedEngine, serving
 from support.sse import parse_frames
 
@@ -211,19 +211,6 @@ def test_the_store_gives_the_declared_tools_without_the_history_read_first(tmp_p
 
 # -- calls of a namespace's members ----------------------------------------------------
 
-PATCH = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
-
-
-def calls_then_answer(conversation: Conversation) -> list:
-    """As the engines emit a model's calls of Codex's namespaced tools (the
-    model wrote ``functions__apply_patch``): the member's own name and the
-    namespace apart; once the outputs are in, an answer."""
-    if any(isinstance(item, ToolOutput) for item in conversation.items):
-        return [TextDelta("Done."), Finished("stop", Usage(3, 1))]
-    return [ToolCallStarted(0, "call_p", "apply_patch", "custom", "functions"), ToolCallDelta(0, PATCH),
-            ToolCallDone(0, PATCH),
-            ToolCallStarted(1, "call_x", "exec_command", "function", "functions"), ToolCallDone(1, '{"cmd": "ls"}'),
-            Finished("tool_calls", Usage(3, 2))]
 
 
 def named(items: list[dict]) -> list[tuple]:
@@ -244,7 +231,7 @@ def test_namespaced_calls_keep_their_namespace_streamed_stored_and_continued(tmp
     """A custom tool's call from a namespace carries its namespace as a
     function's does (the SDK's ResponseCustomToolCall has the field), in
     every place the call is written and read back."""
-    with serving(tmp_path, engine=ScriptedEngine(script=calls_then_answer)) as app:
+    with serving(tmp_path, engine=ScriptedEngine(script=codex_namespaced_calls)) as app:
         r = app.http.post("/v1/responses", json={**lite_request(store=True), "stream": True})
         assert r.status_code == 200, r.text
         events = [f.json() for f in parse_frames(r.text.split("\n")) if f.data != "[DONE]"]

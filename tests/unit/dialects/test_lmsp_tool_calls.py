@@ -11,10 +11,11 @@ output, the stream, a stored response, a task's result and its event log."""
 from __future__ import annotations
 
 from lmspd.core.conversation import Conversation, ToolCall, ToolOutput
-from lmspd.core.events import Finished, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, Usage
+from lmspd.core.events import Finished, TextDelta, ToolCallDone, ToolCallStarted, Usage
 from lmspd.dialects import lmsp
 from lmspd.dialects.registry import LMSP
 from lmspd.streaming.session import ResponseState, StreamSession
+from support.engine import CODEX_PATCH, codex_namespaced_calls
 from support.follow import follow, wait_for
 from support.inprocess import MODEL, ScriptedEngine, serving
 from support.sse import parse_frames
@@ -98,7 +99,6 @@ def test_namespaced_calls_keep_their_namespace_in_every_lmsp_shape(tmp_path):
     assert continued == replayed == NEUTRAL
 
 
-PATCH = "*** Begin Patch\n*** Add File: a.txt\n+a\n*** End Patch\n"
 CODEX_TOOLS = [{"type": "namespace", "name": "functions", "description": "Codex's tools.", "tools": [
     {"type": "custom", "name": "apply_patch", "description": "Edit files.",
      "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'}},
@@ -108,20 +108,13 @@ CODEX_OUTPUTS = [{"type": "custom_tool_call_output", "call_id": "call_p", "outpu
                  {"type": "function_call_output", "call_id": "call_x", "output": "a.txt"}]
 
 
-def codex_calls(conversation: Conversation) -> list:
-    if any(isinstance(item, ToolOutput) for item in conversation.items):
-        return [TextDelta("Done."), Finished("stop", Usage(3, 1))]
-    return [ToolCallStarted(0, "call_p", "apply_patch", "custom", "functions"), ToolCallDelta(0, PATCH),
-            ToolCallDone(0, PATCH),
-            ToolCallStarted(1, "call_x", "exec_command", "function", "functions"), ToolCallDone(1, '{"cmd": "ls"}'),
-            Finished("tool_calls", Usage(3, 2))]
 
 
 def test_a_custom_call_made_over_v1_reads_and_replays_as_one_over_lmsp(tmp_path):
     """LMSP 1.0 declares function tools only, but a response stored over
     /v1 (Codex's freeform apply_patch) is read, and continued, over LMSP
     too: its custom call stays a custom call, with its raw input."""
-    with serving(tmp_path, engine=ScriptedEngine(script=codex_calls)) as app:
+    with serving(tmp_path, engine=ScriptedEngine(script=codex_namespaced_calls)) as app:
         r = app.http.post("/v1/responses", json={"model": MODEL, "input": ASK, "tools": CODEX_TOOLS, "store": True})
         assert r.status_code == 200, r.text
         response_id = r.json()["id"]
@@ -131,7 +124,7 @@ def test_a_custom_call_made_over_v1_reads_and_replays_as_one_over_lmsp(tmp_path)
         replayed = engine_calls(app)
     assert named(output) == [("custom_tool_call", "apply_patch", "functions"),
                              ("function_call", "exec_command", "functions")]
-    assert output[0]["input"] == PATCH and "arguments" not in output[0]
+    assert output[0]["input"] == CODEX_PATCH and "arguments" not in output[0]
     assert replayed == [("custom", "apply_patch", "functions"), ("function", "exec_command", "functions")]
 
 
@@ -141,7 +134,7 @@ def test_a_task_log_cut_off_rebuilds_the_calls_it_made():
     state = ResponseState(id="resp_1", model="m", created_at=1)
     session = StreamSession(state, LMSP.encoder())
     wires = session.start()
-    for event in codex_calls(Conversation(model="m", items=[])):
+    for event in codex_namespaced_calls(Conversation(model="m", items=[])):
         wires += session.handle(event)
     rebuilt, open_index = lmsp.state_from_log([(name, data) for _, name, data in wires], model="m", created_at=1)
 
@@ -149,7 +142,7 @@ def test_a_task_log_cut_off_rebuilds_the_calls_it_made():
         return [(i.kind, i.name, i.namespace, i.payload, i.call_id) for i in items if isinstance(i, ToolCall)]
 
     assert calls(rebuilt.output) == calls(session.state.output) == [
-        ("custom", "apply_patch", "functions", PATCH, "call_p"),
+        ("custom", "apply_patch", "functions", CODEX_PATCH, "call_p"),
         ("function", "exec_command", "functions", '{"cmd": "ls"}', "call_x")]
     assert open_index is None
 
