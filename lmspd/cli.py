@@ -277,8 +277,8 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                             "that has the conversation's prefix cached, bounded by load)")
     group.add_argument("--config", type=Path, default=None, dest="config_file", metavar="FILE",
                        help="a TOML/JSON file mapping served model ids to engines and their settings, instead "
-                            "of the flags above and --ctx, --threads, --parallel, --gpu-layers, --flash-attn, "
-                            "--kv-type, --chat-template (its keys: lmspd/engines/specs.py)")
+                            f"of {', '.join(flag for flag, _, _ in _PER_MODEL_FLAGS)} (its keys: "
+                            "lmspd/engines/specs.py)")
 
 
 def _cache_flags(serve: argparse.ArgumentParser) -> None:

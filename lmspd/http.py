@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
@@ -14,17 +16,16 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
 from lmspd.auth import Authenticator, Principal
-from lmspd.bodies import decode_off_loop
 from lmspd.config import Settings
 from lmspd.connections import ConnectionSlots
 from lmspd.core.errors import invalid
-from lmspd.core.limits import RequestLimits
+from lmspd.core.limits import REPLY_ENCODE_WORKERS, RequestLimits
 from lmspd.core.sealing import Sealer
 from lmspd.dialects import lmsp
 from lmspd.service import Service
 from lmspd.store.base import Store
 from lmspd.store.calls import StoreCalls
-from lmspd.streaming.sse import SSE_HEADERS, SSE_KEEPALIVE, dumps
+from lmspd.streaming.sse import SSE_HEADERS, SSE_KEEPALIVE, dumps, dumps_in_pieces
 from lmspd.tasks.manager import TaskManager
 
 
@@ -73,13 +74,23 @@ async def json_reply_off_loop(build: Callable[[], Any], status: int = 200,
                              headers: dict[str, str] | None = None) -> Response:
     """A JSON reply whose size follows stored or generated data (a page of
     history, a stored or finished response, a compacted window: megabytes at
-    worst): ``build()`` and its serialization run in the JSON pool that
-    decodes large bodies, so that one such reply never stalls the other
-    streams. Not the store's pool, which refuses when busy: a finished
-    generation's answer must not be lost to a 503. ``build`` runs later, in
-    that thread: it must read only what no longer changes (a finished
-    response, not a running one's live state)."""
-    return await decode_off_loop(lambda: json_reply(build(), status, headers))
+    worst): ``build()`` and its serialization run in a pool of their own
+    (``REPLY_ENCODE_WORKERS``), encoded member by member
+    (``dumps_in_pieces``: a thread in one long call of the encoder stalls
+    the loop as surely as the loop itself), so that one such reply never
+    stalls the other streams. Not the store's pool, which refuses when busy:
+    a finished generation's answer must not be lost to a 503. ``build`` runs
+    later, in that thread: it must read only what no longer changes (a
+    finished response, not a running one's live state)."""
+    def encode() -> Response:
+        return Response(dumps_in_pieces(build()), status_code=status, headers=headers, media_type="application/json")
+
+    return await asyncio.get_running_loop().run_in_executor(_reply_pool(), encode)
+
+
+@functools.cache
+def _reply_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(REPLY_ENCODE_WORKERS, thread_name_prefix="lmspd-reply")
 
 
 def sse_reply(chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None, *,

@@ -180,9 +180,13 @@ class Run:
         # unless a generation read to its end took it.
         self._reached = False
         self._settled = False
-        # Meanwhile, should this run be dropped without its events ever
-        # being read, the collector has it given back, with the queue slot.
-        self._unsettled: weakref.finalize | None = None
+        # Should this run be dropped without its events ever being read (a
+        # client gone before its stream's first byte: an async generator that
+        # never started runs no ``finally``), the collector gives back its
+        # queue slot and whatever ``open`` reached; ``_settle`` turns it off.
+        self._unsettled: weakref.finalize | None = weakref.finalize(
+            self, _dropped, asyncio.get_running_loop(), engine, prepared, ticket)
+        self._unsettled.atexit = False
 
     @property
     def opens_first(self) -> bool:
@@ -206,9 +210,6 @@ class Run:
             self.ticket.release()  # an engine's open that fails leaves nothing open
             raise
         self._reached = True
-        self._unsettled = weakref.finalize(self, _dropped, asyncio.get_running_loop(), self.engine, self.prepared,
-                                           self.ticket)
-        self._unsettled.atexit = False
 
     async def _settle(self, generated: bool = False) -> None:
         """The run is over for its consumer: what ``open`` reached and no
@@ -382,10 +383,11 @@ class RunEvents:
 
 
 def _dropped(loop: asyncio.AbstractEventLoop, engine: Engine, prepared: Prepared, ticket: QueueTicket) -> None:
-    """A run collected after ``open`` without its events ever being read (a
-    client gone between the provider's answer and the first byte): nothing
-    else gives back the request it opened and its queue slot. Called by the
-    garbage collector, on whichever thread: the work goes to the loop."""
+    """A run collected without its events ever being read (a client gone
+    before the first byte, after ``open`` or without it): nothing else gives
+    back its queue slot and what ``open`` reached (``discard`` finds nothing
+    where nothing was opened). Called by the garbage collector, on whichever
+    thread: the work goes to the loop."""
 
     def settle() -> None:
         ticket.release()

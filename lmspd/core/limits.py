@@ -23,6 +23,10 @@ MAX_STREAM_ID_CHARS = 256
 # (decompression, JSON): a pool of their own (lmspd.bodies), so that slow
 # bodies queue behind each other, not in front of other off-loop work.
 BODY_DECODE_WORKERS = 2
+# Threads that encode JSON replies whose size follows stored or generated
+# data (lmspd.http.json_reply_off_loop): not the body pool, where they would
+# wait behind 8 MiB body decodes.
+REPLY_ENCODE_WORKERS = 2
 
 
 @dataclass(frozen=True)

@@ -62,9 +62,10 @@ Every entry: ``engine``: ``"llama"`` (default) or ``"upstream"``.
 
 With ``--config``, the flags that set one model (``--model``, ``--served-model``,
 ``--engine``, ``--ctx``, ``--threads``, ``--parallel``, ``--gpu-layers``,
-``--flash-attn``, ``--kv-type``, ``--chat-template``, ``--upstream-*``) are
-refused (cli.py); the others (the sampling flags, the KV cache's, the
-store's) apply to every model the file names.
+``--flash-attn``, ``--kv-type``, ``--rope-scaling``, ``--chat-template``,
+``--upstream-*``: cli.py's ``_PER_MODEL_FLAGS``) are refused; the others
+(the sampling flags, the KV cache's, the store's) apply to every model the
+file names.
 
 Keys are never in this file: ``api_key_env`` names a variable, ``key_name``
 a key saved with ``lmspd config set-key --name``.

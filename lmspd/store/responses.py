@@ -143,6 +143,9 @@ class ResponseQueries(SqlBackend):
                 group.append(index)
                 total += link["bytes"]
                 continue
+            # A link larger than a page, item by item. Response items keep no
+            # size column: measuring one (SQLite's LENGTH of the blob) walks
+            # the body once more, time but no Python memory.
             for kind in ("input", "output"):
                 yield from item_pages(sql, "response_items WHERE response_id = ? AND kind = ?", (link["id"], kind),
                                       size=self.octets("body"), page_bytes=page_bytes, link=index, kind=kind)

@@ -106,7 +106,7 @@ class SqlBackend:
     backend implements."""
 
     insertion_order: str
-    # The longest previous_response_id chain read back (ResponseQueries.response_chain).
+    # The longest previous_response_id chain read back (ResponseQueries._chain).
     max_chain_depth: int
     # Written on the rows this instance is running (its lease: store.base).
     instance_id: str

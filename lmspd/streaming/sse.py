@@ -27,3 +27,33 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connecti
 
 def dumps(data: Any) -> str:
     return _dumps(data)
+
+
+def dumps_in_pieces(data: Any, depth: int = 3) -> bytes:
+    """``dumps(data).encode()``, built from pieces of about ``_PIECE_CHARS``
+    (a list's members a run at a time, sized by the run before; a large
+    member on its own, down to ``depth`` levels), so that the interpreter
+    lock is let go between them. One call of the C encoder holds it
+    throughout: off the event loop but in one call, a 39 MB page of stored
+    items still stalled the loop ~300 ms."""
+    if depth > 0 and isinstance(data, list):
+        pieces: list[bytes] = []
+        at, run = 0, 1
+        while at < len(data):
+            if run == 1:
+                piece = dumps_in_pieces(data[at], depth - 1)
+            else:
+                piece = _dumps(data[at:at + run])[1:-1].encode()
+            pieces.append(piece)
+            at += run
+            run = max(1, min(_MAX_RUN, _PIECE_CHARS * run // max(1, len(piece))))
+        return b"[" + b",".join(pieces) + b"]"
+    if depth > 0 and isinstance(data, dict) and all(type(k) is str for k in data):
+        return b"{" + b",".join(_dumps(k).encode() + b":" + dumps_in_pieces(v, depth - 1)
+                                for k, v in data.items()) + b"}"
+    return _dumps(data).encode()
+
+
+# What one call of the encoder writes at most, where members allow: ~0.5 ms.
+_PIECE_CHARS = 256 * 1024
+_MAX_RUN = 4096

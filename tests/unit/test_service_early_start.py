@@ -110,3 +110,32 @@ def test_an_engine_refusing_at_the_call_still_gets_a_stream_that_starts_with_res
 
     names = asyncio.run(go())
     assert names[0] == "response.created" and names[-1] == "response.failed", names
+
+
+def test_a_run_dropped_before_its_events_start_gives_back_its_queue_slot() -> None:
+    """A client gone before its stream's first byte (Starlette never starts
+    the body's generator when the disconnect is already there): the run's
+    events never start, so no ``finally`` of theirs runs. The queue slot
+    came back only if someone iterated them; now the collector gives it back
+    (a model with one slot stayed full for good)."""
+    import gc
+
+    async def go() -> tuple[int, int, str]:
+        service = Service(DEFAULT_LIMITS)
+        service.add_engine(ScriptedEngine(max_concurrency=1))
+        queue = service.models[MODEL].queue
+        run = await service.begin(conversation())
+        events = run.events(session("resp_dropped"))  # made, never iterated
+        held = queue.running
+        del events, run
+        gc.collect()
+        for _ in range(3):  # the give-back runs on the loop
+            await asyncio.sleep(0)
+        after = queue.running
+        # The slot serves the next request at once.
+        nxt = await service.begin(conversation())
+        async with asyncio.timeout(5):
+            last = [wire async for wire in nxt.events(session("resp_next"))][-1][1]
+        return held, after, last
+
+    assert asyncio.run(go()) == (1, 0, "response.completed")

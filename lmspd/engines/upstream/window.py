@@ -15,16 +15,21 @@ The window lmspd reports (``context_window`` on ``/v1/models``, what
    llama-cpp-python's server, or one not up yet).
 
 The start-up log says which (``Window.source``). The requests are
-plain and bounded: a few seconds per endpoint, no redirect followed (the key
-goes in the header), no proxy from the environment, bodies up to 1 MiB.
+plain and bounded: the endpoints are asked side by side, all within one
+deadline (``_TIMEOUT_S``: a body that trickles in is cut off, not waited
+for), no redirect followed (the key goes in the header), no proxy from the
+environment, bodies up to 1 MiB. Whatever an endpoint answers (a refusal,
+another protocol on the port, a body cut short) only means it did not say:
+start-up goes on, as it does for a provider that is not up yet.
 """
 
 from __future__ import annotations
 
 import json
-import urllib.error
+import time
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -56,17 +61,26 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
-def _get_json(url: str, key: Secret | None, timeout_s: float) -> Any:
+def _get_json(url: str, key: Secret | None, deadline: float) -> Any:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
     headers = {"Accept": "application/json", "Accept-Encoding": "identity"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key.reveal()}"
     request = urllib.request.Request(url, headers=headers, method="GET")
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
+        with _OPENER.open(request, timeout=left) as response:
             if not 200 <= response.status < 300:
                 return None
-            return json.loads(response.read(_MAX_BODY + 1)[:_MAX_BODY])
-    except (OSError, ValueError, urllib.error.URLError):
+            body = bytearray()
+            while len(body) <= _MAX_BODY and time.monotonic() < deadline:
+                piece = response.read1(64 * 1024)
+                if not piece:
+                    return json.loads(body)
+                body += piece
+            return None  # too long, or still coming at the deadline
+    except Exception:  # noqa: BLE001 - http.client's BadStatusLine is no OSError: any answer that is not one is "did not say"
         return None
 
 
@@ -95,9 +109,9 @@ def _server_root(base_url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-def _endpoint_window(base_url: str, model: str, key: Secret | None, timeout_s: float) -> Window | None:
+def _endpoint_window(base_url: str, model: str, key: Secret | None, deadline: float) -> Window | None:
     listed = redact_url(base_url) + "/models"
-    entry = _entry(_get_json(base_url + "/models", key, timeout_s), model)
+    entry = _entry(_get_json(base_url + "/models", key, deadline), model)
     if entry is None:
         return None
     if (tokens := _positive(entry.get("max_model_len"))) is not None:
@@ -106,7 +120,7 @@ def _endpoint_window(base_url: str, model: str, key: Secret | None, timeout_s: f
     if not isinstance(meta, dict) and entry.get("owned_by") != "llamacpp":
         return None
     # llama.cpp's server: the window each slot has, else the trained length.
-    props = _get_json(_server_root(base_url) + "/props", key, timeout_s)
+    props = _get_json(_server_root(base_url) + "/props", key, deadline)
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
     if isinstance(settings, dict) and (tokens := _positive(settings.get("n_ctx"))) is not None:
         return Window(tokens, f"n_ctx from {redact_url(_server_root(base_url))}/props")
@@ -118,6 +132,10 @@ def _endpoint_window(base_url: str, model: str, key: Secret | None, timeout_s: f
 def discover_window(urls: Sequence[str], model: str, key: Secret | None = None,
                     timeout_s: float = _TIMEOUT_S) -> Window | None:
     """The smallest window the endpoints at ``urls`` report for ``model``,
-    or None where none says."""
-    found = [w for url in urls if (w := _endpoint_window(normalize_base_url(url), model, key, timeout_s))]
+    or None where none says, within ``timeout_s`` for all of them (a socket
+    that stalls may hold one probe a socket timeout past it)."""
+    deadline = time.monotonic() + timeout_s
+    with ThreadPoolExecutor(max_workers=min(8, len(urls) or 1), thread_name_prefix="lmspd-window") as pool:
+        answers = pool.map(lambda url: _endpoint_window(normalize_base_url(url), model, key, deadline), urls)
+        found = [w for w in answers if w is not None]
     return min(found, key=lambda w: w.tokens, default=None)

@@ -113,14 +113,16 @@ def test_replies_whose_size_follows_stored_data_are_serialized_off_the_loop(tmp_
     import lmspd.http
 
     replies: list[tuple[bool, int]] = []
-    dumps = lmspd.http.dumps
 
-    def spy(body):
-        out = dumps(body)
-        replies.append((on_loop(), len(out)))
-        return out
+    def spying(encode):
+        def spy(body):
+            out = encode(body)
+            replies.append((on_loop(), len(out.encode() if isinstance(out, str) else out)))
+            return out
+        return spy
 
-    monkeypatch.setattr(lmspd.http, "dumps", spy)
+    monkeypatch.setattr(lmspd.http, "dumps", spying(lmspd.http.dumps))
+    monkeypatch.setattr(lmspd.http, "dumps_in_pieces", spying(lmspd.http.dumps_in_pieces))
     big = "x" * 300_000
 
     def reply(r, large: bool = True) -> tuple[bool, int]:

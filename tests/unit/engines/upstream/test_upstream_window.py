@@ -5,8 +5,12 @@ or ``meta.n_ctx_train``), else the default; the start-up log says which."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +23,7 @@ from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.engines.specs import build_engine, load_config_file, specs_from_settings
 from lmspd.engines.upstream.credentials import DEFAULT_ENV
 from lmspd.engines.upstream.engine import UpstreamEngine, UpstreamSpec
-from lmspd.engines.upstream.window import DEFAULT_CONTEXT_WINDOW
+from lmspd.engines.upstream.window import DEFAULT_CONTEXT_WINDOW, discover_window
 from support.provider import ScriptedProvider
 
 
@@ -131,3 +135,48 @@ def test_the_flag_s_mistakes_are_usage_errors(flags, capsys):
         main(["serve", *(flags if "llama" in flags else upstream + flags)])
     assert exited.value.code == 2
     assert "--upstream-context-window" in capsys.readouterr().err
+
+
+def _serve_raw(answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread, socket.socket]:
+    """A listening socket whose every connection gets ``answer``."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def run() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                with contextlib.suppress(OSError):
+                    answer(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}/v1", thread, server
+
+
+def test_an_endpoint_that_answers_another_protocol_or_trickles_says_nothing_in_time() -> None:
+    """Discovery is best effort: another protocol on the port (http.client's
+    BadStatusLine, no OSError) stopped the server's start; a body trickling
+    in held it for as long as it trickled. Both are "did not say", within
+    the one deadline, and the endpoints are asked side by side."""
+    ssh, _, ssh_server = _serve_raw(lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n"))
+
+    def trickle(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+        for _ in range(100):
+            conn.sendall(b" ")
+            time.sleep(0.1)
+
+    slow, _, slow_server = _serve_raw(trickle)
+    try:
+        started = time.monotonic()
+        assert discover_window([ssh, slow, slow], "m", timeout_s=1.0) is None
+        assert time.monotonic() - started < 2.5  # one deadline for all, not one per endpoint or per read
+    finally:
+        ssh_server.close()
+        slow_server.close()
