@@ -101,8 +101,13 @@ class UpstreamSpec:
             raise ValueError(f"model {self.served_model!r}: an upstream model needs at least one URL")
         if self.max_concurrency < 1 or (self.context_window is not None and self.context_window < 1):
             raise ValueError(f"model {self.served_model!r}: max_concurrency and context_window must be >= 1")
-        if self.progress_timeout_s is not None and not self.progress_timeout_s > 0:
-            raise ValueError(f"model {self.served_model!r}: progress_timeout_s must be > 0")
+        for name in ("idle_timeout_s", "progress_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            # (``not value > 0`` refuses NaN too.)
+            if value is not None and not value > 0:
+                raise ValueError(f"model {self.served_model!r}: {name} must be > 0")
+        if not self.health_interval_s >= 0:
+            raise ValueError(f"model {self.served_model!r}: health_interval_s must be >= 0 (0: no probes)")
 
 
 @dataclass

@@ -180,6 +180,13 @@ def test_json_config_and_single_url(tmp_path):
     ('[models.r]\nengine = "upstream"\nurl = "http://h/v1"\nupstream_model = "m"\nprofile = "x"\n',
      "unknown upstream profile"),
     ('[models.r]\nengine = "llama"\nctx = "big"\n', "wrong type"),
+    # Bounded in the file as the flags are.
+    ('[models.r]\nengine = "upstream"\nurl = "http://h/v1"\nupstream_model = "m"\nidle_timeout_s = 0\n',
+     "idle_timeout_s must be > 0"),
+    ('[models.r]\nengine = "upstream"\nurl = "http://h/v1"\nupstream_model = "m"\nconnect_timeout_s = -1\n',
+     "connect_timeout_s must be > 0"),
+    ('[models.r]\nengine = "upstream"\nurl = "http://h/v1"\nupstream_model = "m"\nhealth_interval_s = -5\n',
+     "health_interval_s must be >= 0"),
     ('[other]\n', "one table 'models'"),
     ('not toml [', "not valid TOML"),
 ])
