@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+# Line ends to Python's str.splitlines (so to httpx's iter_lines and readers
+# built on it) though not to SSE, and which JSON leaves raw inside strings:
+# a model that writes one would cut its own event in two for such a reader.
+# Written as \u escapes they decode to the same text for every reader.
+_LINE_ENDS_TO_SOME = re.compile("[\u0085\u2028\u2029]")
+_ESCAPED = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
 def sse_event(name: str | None, data: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -15,7 +23,10 @@ def sse_event(name: str | None, data: dict[str, Any], event_id: int | None = Non
     head = f"id: {event_id}\n" if event_id is not None else ""
     if name is not None:
         head += f"event: {name}\n"
-    return f"{head}data: {_dumps(data)}\n\n".encode()
+    text = _dumps(data)
+    if _LINE_ENDS_TO_SOME.search(text):
+        text = text.translate(_ESCAPED)
+    return f"{head}data: {text}\n\n".encode()
 
 
 SSE_DONE = b"data: [DONE]\n\n"

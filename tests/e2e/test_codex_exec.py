@@ -14,7 +14,6 @@ in case the model calls a tool.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support.codex import assert_turn_ended
+from support.codex import assert_turn_ended, json_lines
 from support.npm import dev_client
 from support.server import MODEL, ServerProcess
 
@@ -68,7 +67,7 @@ stream_idle_timeout_ms = {TURN_TIMEOUT_S * 1000}
     done = subprocess.run(
         [str(CODEX), "exec", "--skip-git-repo-check", "--json", "--ephemeral", "Say hello in one short sentence."],
         cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    events = json_lines(done.stdout)
     assert_turn_ended(done, events)
     return events
 

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+from support.codex import json_lines
 from support.npm import dev_client
 from support.server import MODEL
 
@@ -39,7 +40,7 @@ def test_launch_claude_then_one_print_turn(default_server, tmp_path):
          "--output-format", "stream-json", "--verbose", "--tools", "Read", "--allowedTools", "Read", "--max-turns", "3"],
         cwd=work, env={**os.environ, "HOME": str(home)}, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=TURN_TIMEOUT_S + 60)
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    events = json_lines(done.stdout)
     result = [e for e in events if e.get("type") == "result"]
     assert result, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
     final = result[-1]

@@ -8,7 +8,6 @@ byte-identical afterwards."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ import sys
 
 import httpx
 
-from support.codex import assert_turn_ended
+from support.codex import assert_turn_ended, json_lines
 from support.npm import dev_client
 from support.server import MODEL
 
@@ -46,7 +45,7 @@ def test_launch_codex_then_one_exec_turn(default_server, tmp_path):
          "Say hello in one short sentence."],
         cwd=work, env={**os.environ, "HOME": str(home), "LMSPD_API_KEY": "unused-on-loopback"},
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TURN_TIMEOUT_S + 60)
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    events = json_lines(done.stdout)
     assert_turn_ended(done, events)
     # Codex reports the fallback as an error item ("Model metadata for `…`
     # not found. Defaulting to fallback metadata; …") and a stderr warning.
@@ -57,8 +56,8 @@ def test_launch_codex_then_one_exec_turn(default_server, tmp_path):
     # The window Codex used for the turn: its session log's task_started.
     rollouts = list((home / ".codex" / "sessions").rglob("rollout-*.jsonl"))
     assert rollouts, list(home.rglob("*"))
-    windows = [json.loads(line)["payload"].get("model_context_window") for line in rollouts[0].read_text().splitlines()
-               if '"task_started"' in line]
+    windows = [e["payload"].get("model_context_window") for e in json_lines(rollouts[0].read_text())
+               if e.get("payload", {}).get("type") == "task_started"]
     assert windows == [served["context_window"]], windows
 
     new = default_server.log()[len(before):]

@@ -1,7 +1,9 @@
-"""How a ``codex exec --json`` turn against the bundled model may end."""
+"""How a ``codex exec --json`` turn against the bundled model may end, and
+how a client's JSON-lines output is read."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from typing import Any
 
@@ -9,6 +11,15 @@ from typing import Any
 # ceiling or its repetition guard (OpenAI Responses names both
 # max_output_tokens).
 CAPPED = "Incomplete response returned, reason: max_output_tokens"
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a client's JSON-lines output (``codex exec
+    --json``, Claude Code's ``stream-json``, Codex's session logs). Lines end
+    at ``\\n`` only: ``str.splitlines`` also splits at U+0085, U+2028 and
+    U+2029, which JSON writers leave unescaped inside strings, so a model
+    that writes one of them would cut its own event in two."""
+    return [json.loads(line) for line in text.split("\n") if line.startswith("{")]
 
 
 def assert_turn_ended(done: subprocess.CompletedProcess[str], events: list[dict[str, Any]]) -> None:
