@@ -29,13 +29,6 @@ from support.provider import (
 
 
 @pytest.fixture(scope="module")
-def provider():
-    p = ScriptedProvider().start()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
 def provider2():
     p = ScriptedProvider().start()
     yield p

@@ -25,17 +25,10 @@ from lmspd.routes.websocket import Connection
 from lmspd.service import Service
 from lmspd.streaming.session import ResponseState, StreamSession
 from support.inprocess import make_app
-from support.provider import Reply, ScriptedProvider, text_chunk
+from support.provider import Reply, text_chunk
 
 # The provider keeps streaming for far longer than any test takes.
 TICKS = [text_chunk("tick")] * 400
-
-
-@pytest.fixture(scope="module")
-def provider():
-    p = ScriptedProvider().start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture(autouse=True)

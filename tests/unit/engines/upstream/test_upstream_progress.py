@@ -24,13 +24,6 @@ from support.provider import DONE, Reply, ScriptedProvider, chunk, finish_chunk,
 KEEPALIVES = [b": still prefilling\n\n", chunk({})]
 
 
-@pytest.fixture(scope="module")
-def provider():
-    p = ScriptedProvider().start()
-    yield p
-    p.stop()
-
-
 @pytest.fixture(autouse=True)
 def _clean(provider):
     provider.clear()

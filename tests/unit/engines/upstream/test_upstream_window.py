@@ -29,6 +29,8 @@ from support.provider import ScriptedProvider
 
 @pytest.fixture
 def provider():
+    """A fresh one per test, not conftest's per module: these tests set what
+    it says about its models (``model_entries``, ``props``)."""
     p = ScriptedProvider().start()
     yield p
     p.stop()
