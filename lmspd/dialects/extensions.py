@@ -85,10 +85,10 @@ def response_extensions(state: ResponseState) -> dict[str, Any] | None:
     prompt reused and, when it reused less than the cache remembers, why
     (lmspd.cache.diagnostics); ``lmspd.decode``, speculative decoding's
     drafted and accepted tokens by source."""
+    out: dict[str, Any] = dict(state.recorded_extensions or {})
     usage = state.usage
     if usage is None:
-        return None
-    out: dict[str, Any] = {}
+        return out or None
     if usage.cache_report is not None:
         out["lmspd.cache"] = usage.cache_report.as_json()
     if usage.decode_report is not None:

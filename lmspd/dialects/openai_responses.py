@@ -464,10 +464,17 @@ def usage_object(u: Usage) -> dict[str, Any]:
     }
 
 
+_OPENAI_REASONS = ("max_output_tokens", "content_filter")
+# Where a /v1 response keeps the reason OpenAI's enum cannot say, so that it
+# reaches a client that looks and survives storage (LMSP's GET says it).
+INCOMPLETE_EXTENSION = "lmspd.incomplete"
+
+
 def _incomplete_details(state: ResponseState) -> dict[str, str] | None:
     """OpenAI's reasons are ``max_output_tokens | content_filter`` (strict
     clients validate the enum): the repetition guard is a server-side output
-    cap, reported as ``max_output_tokens``."""
+    cap, reported as ``max_output_tokens`` (and as itself in
+    ``extensions["lmspd.incomplete"]``)."""
     reason = state.incomplete_reason
     if not reason:
         return None
@@ -491,8 +498,11 @@ def response_json(state: ResponseState) -> dict[str, Any]:
     }
     body.update(DEFAULT_ECHO)
     body.update(state.echo)
-    extensions = response_extensions(state)
-    if extensions is not None:
+    extensions = response_extensions(state) or {}
+    extensions.pop(INCOMPLETE_EXTENSION, None)
+    if state.incomplete_reason and state.incomplete_reason not in _OPENAI_REASONS:
+        extensions[INCOMPLETE_EXTENSION] = {"reason": state.incomplete_reason}
+    if extensions:
         body["extensions"] = extensions
     return body
 
@@ -505,7 +515,7 @@ def response_json(state: ResponseState) -> dict[str, Any]:
 # render again.
 
 _RESPONSE_KEYS = {"id", "object", "created_at", "status", "completed_at", "error", "incomplete_details",
-                  "model", "output", "usage", "frequency_penalty", "presence_penalty"}
+                  "model", "output", "usage", "frequency_penalty", "presence_penalty", "extensions"}
 
 
 def output_item(data: dict[str, Any]) -> Message | ToolCall | Reasoning:
@@ -529,6 +539,8 @@ def state_from_json(body: dict[str, Any]) -> ResponseState:
             cache_write_tokens=(u.get("input_tokens_details") or {}).get("cache_write_tokens", 0),
             reasoning_tokens=(u.get("output_tokens_details") or {}).get("reasoning_tokens", 0),
         )
+    extensions = dict(body.get("extensions") or {})
+    precise = extensions.pop(INCOMPLETE_EXTENSION, None) or {}
     return ResponseState(
         id=body["id"],
         model=body.get("model", ""),
@@ -537,9 +549,10 @@ def state_from_json(body: dict[str, Any]) -> ResponseState:
         output=[output_item(i) for i in body.get("output") or []],
         usage=usage,
         error=body.get("error"),
-        incomplete_reason=(body.get("incomplete_details") or {}).get("reason"),
+        incomplete_reason=precise.get("reason") or (body.get("incomplete_details") or {}).get("reason"),
         completed_at=body.get("completed_at"),
         echo={k: v for k, v in body.items() if k not in _RESPONSE_KEYS},
+        recorded_extensions=extensions or None,
     )
 
 

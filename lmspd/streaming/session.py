@@ -55,6 +55,9 @@ class ResponseState:
     completed_at: int | None = None
     # The request fields a dialect echoes back on the Response object.
     echo: dict[str, Any] = field(default_factory=dict)
+    # A stored response's lmspd ``extensions`` as they were written: read
+    # back, the reports they were made from are gone.
+    recorded_extensions: dict[str, Any] | None = None
 
     @property
     def output_text(self) -> str:

@@ -6,6 +6,8 @@ tests/e2e/test_stored_responses.py.)"""
 
 from __future__ import annotations
 
+from lmspd.core.events import Finished, TextDelta, Usage
+from lmspd.engines.llama.speculation import DecodeStats
 from support.engine import MODEL
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_lmsp_stream
@@ -214,3 +216,38 @@ def test_a_conversation_takes_a_compaction_item(app, http):
     seen = texts(app.engine.conversations[-1])
     assert ("assistant", "OLD ANSWER") not in seen and seen[0] == ("user", "Tell me about Oslo.")
     assert seen[1][1].endswith("They asked about Oslo.") and seen[-1] == ("user", "And Bergen?")
+
+
+def test_a_stored_response_reads_back_with_its_precise_reason_and_extensions(http, engine):
+    """What OpenAI's shape cannot say survives storage: the repetition
+    guard's reason (/v1 says ``max_output_tokens``, its enum, and the reason
+    itself in ``extensions["lmspd.incomplete"]``) and the lmspd extensions,
+    which LMSP's GET rebuilds from the stored /v1 body."""
+    stats = DecodeStats()
+    stats.add("ngram", 4, 3)
+    engine.script = lambda conversation: [TextDelta("again again"),
+                                          Finished("repetition", Usage(input_tokens=3, output_tokens=2,
+                                                                       decode_report=stats))]
+    created = http.post("/v1/responses", json=body()).json()
+    assert created["status"] == "incomplete"
+    assert created["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert created["extensions"]["lmspd.incomplete"] == {"reason": "repetition"}
+    assert created["extensions"]["lmspd.decode"] == stats.as_json()
+    check_openai_response(created)
+    assert http.get(f"/v1/responses/{created['id']}").json() == created
+
+    lm = http.get(f"/lmsp/v1/responses/{created['id']}").json()
+    assert lm["incomplete_details"] == {"reason": "repetition"}
+    assert lm["extensions"] == {"lmspd.decode": stats.as_json()}
+
+    posted = http.post("/lmsp/v1/responses", json=body(store=True)).json()
+    assert posted["incomplete_details"] == {"reason": "repetition"}
+    assert http.get(f"/lmsp/v1/responses/{posted['id']}").json() == posted
+
+
+def test_a_response_cut_by_its_cap_carries_no_incomplete_extension(http):
+    created = http.post("/v1/responses", json=body(max_output_tokens=2)).json()
+    assert created["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert "lmspd.incomplete" not in (created.get("extensions") or {})
+    lm = http.get(f"/lmsp/v1/responses/{created['id']}").json()
+    assert lm["incomplete_details"] == {"reason": "max_output_tokens"}
