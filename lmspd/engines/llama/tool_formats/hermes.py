@@ -34,6 +34,10 @@ class TaggedParser(ToolCallParser):
         self._raw_started = False
         self._raw_body: list[str] = []
         self._raw_sink: Sink | None = None
+        # A function's raw-form arguments: trailing whitespace held back
+        # (it may end the body), and whether any non-space was pushed yet.
+        self._raw_ws = ""
+        self._raw_fed = False
 
     def _run(self, final: bool) -> None:
         while True:
@@ -91,6 +95,7 @@ class TaggedParser(ToolCallParser):
                 self._raw_sink = None if tool.kind == "custom" else FunctionArgs(tool.name)
                 self._raw_started = False
                 self._raw_body = []
+                self._raw_ws, self._raw_fed = "", False
                 self._state = "raw"
                 return True
             if ">" in buf or len(buf) > 256 or final:
@@ -126,17 +131,27 @@ class TaggedParser(ToolCallParser):
         if self._raw_sink is None:
             self._done("".join(self._raw_body))
         else:
-            payload = "".join(self._raw_body).strip()
-            self._raw_sink.push(payload)
-            self._delta(payload)
             self._done(self._raw_sink.end())
         self._state = "after"
         return True
 
     def _raw_emit(self, text: str) -> None:
-        self._raw_body.append(text)
-        if self._raw_sink is None:
+        if self._raw_sink is None:  # a custom tool: the raw text is the input
+            self._raw_body.append(text)
             self._delta(text)
+            return
+        # A function's arguments (a JSON object, or a JSON string holding
+        # one), stripped of the whitespace around them. They stream through
+        # the sink, and its output is the delta: for a JSON string that is
+        # the decoded text, as the payload ``end()`` gives.
+        text = self._raw_ws + text
+        body = text.rstrip()
+        self._raw_ws = text[len(body) :]
+        if not self._raw_fed:
+            body = body.lstrip()
+        if body:
+            self._raw_fed = True
+            self._delta(self._raw_sink.push(body))
 
 
 class TaggedFormat(ToolFormat):

@@ -13,13 +13,16 @@ from lmspd.core.conversation import CustomTool, FunctionTool, ToolCall, ToolOutp
 from lmspd.core.events import TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted
 from lmspd.engines.llama.tool_formats import (
     FallbackFormat,
+    HarmonyFormat,
     HermesFormat,
     Llama3Format,
     MistralFormat,
+    Qwen3CoderFormat,
     ToolCallError,
     ToolFormat,
     detect_tool_format,
 )
+from lmspd.engines.llama.tool_formats.base import dumps
 
 TOOLS = [
     FunctionTool("get_weather", "Weather for a city", {"type": "object", "properties": {"city": {"type": "string"}}}),
@@ -397,3 +400,129 @@ def test_template_helpers() -> None:
     listed = fmt.template_tools(TOOLS)
     assert listed[-1]["function"]["parameters"]["properties"]["input"]["type"] == "string"
 
+
+
+# --- argument deltas add up to the final arguments -------------------------
+#
+# A streaming client sees a call's arguments only as its deltas; a
+# non-streaming one sees the ``ToolCallDone`` payload. They must agree for
+# every syntax, every way the model may spell the arguments (a JSON object,
+# a JSON string holding one, left out, the raw ``<tool_call name=...>``
+# form) and every split of the text into tokens.
+
+DELTA_FORMATS: dict[str, ToolFormat] = {
+    **FORMATS,
+    "harmony": HarmonyFormat(native=True),
+    "qwen3_coder": Qwen3CoderFormat(native=True),
+}
+_TAGGED = ("fallback", "hermes")
+
+
+@st.composite
+def spelled_calls(draw, fmt_name: str) -> tuple[str, list[str | None]]:
+    """Model text holding 1-3 calls, and each call's expected payload."""
+    expected: list[str | None] = []
+    if fmt_name == "qwen3_coder":
+        # One block per parameter: names are plain words, values raw text
+        # (retyped by the schema, so only the empty call's payload is known).
+        group: list[ToolCall] = []
+        for _ in range(draw(st.integers(1, 3))):
+            if draw(st.booleans()):
+                group.append(ToolCall("", draw(st.sampled_from(CUSTOMS)), draw(raw_inputs), kind="custom"))
+                expected.append(group[-1].payload)
+            else:
+                params = draw(st.dictionaries(st.sampled_from(["city", "days", "q"]), _values, max_size=3))
+                group.append(ToolCall("", draw(st.sampled_from(FUNCTIONS)), dumps(params)))
+                expected.append(None if params else "{}")
+        return DELTA_FORMATS[fmt_name].render_calls(group), expected
+    pieces: list[str] = []
+    for _ in range(draw(st.integers(1, 3))):
+        custom = draw(st.booleans())
+        name = draw(st.sampled_from(CUSTOMS if custom else FUNCTIONS))
+        payload = draw(raw_inputs) if custom else draw(arguments())
+        spellings = ["plain", "string"]
+        if fmt_name not in ("mistral_v11", "harmony"):
+            spellings.append("missing")
+        if fmt_name in _TAGGED and not (custom and "</tool_call>" in payload):
+            spellings.append("raw")
+        spelling = draw(st.sampled_from(spellings))
+        if spelling == "missing":
+            payload = "" if custom else "{}"
+            args = None
+        elif custom:
+            args = payload if spelling == "raw" else dumps({"input": payload}) if draw(st.booleans()) else dumps(payload)
+        else:
+            args = dumps(payload) if spelling == "string" or (spelling == "raw" and draw(st.booleans())) else payload
+        expected.append(payload)
+        if spelling == "raw":
+            pad = draw(st.sampled_from(["", " ", "\n", " \n\t"])) if not custom else ""
+            pieces.append(f'<tool_call name="{name}">\n{pad}{args}{pad}\n</tool_call>')
+            continue
+        if fmt_name == "mistral_v11":
+            pieces.append(f"[TOOL_CALLS]{name}[ARGS]{args}")
+            continue
+        if fmt_name == "harmony":
+            before, after = DELTA_FORMATS[fmt_name].call_parts(name, raw=False)
+            pieces.append(before + str(args) + after)
+            continue
+        members = [f'"name": {dumps(name)}']
+        if args is not None:
+            key = "parameters" if fmt_name == "llama3" else "arguments"
+            members.insert(draw(st.integers(0, 1)), f"{dumps(key)}: {args}")
+        obj = "{" + ", ".join(members) + "}"
+        pieces.append(f"<tool_call>\n{obj}\n</tool_call>" if fmt_name in _TAGGED else obj)
+    if fmt_name == "llama3":
+        return "<|python_tag|>" + "\n".join(pieces), expected
+    if fmt_name == "mistral":
+        return "[TOOL_CALLS][" + ", ".join(pieces) + "]", expected
+    sep = {"mistral_v11": "", "harmony": "<|start|>assistant"}.get(fmt_name, "\n")
+    return sep.join(pieces), expected
+
+
+def deltas_and_payloads(events: list) -> list[tuple[str, str]]:
+    """Per call, in order: its argument deltas joined, and its final payload."""
+    deltas: dict[int, list[str]] = {}
+    out = []
+    for ev in events:
+        if isinstance(ev, ToolCallStarted):
+            deltas[ev.index] = []
+        elif isinstance(ev, ToolCallDelta):
+            deltas[ev.index].append(ev.delta)
+        elif isinstance(ev, ToolCallDone):
+            out.append(("".join(deltas.pop(ev.index)), ev.payload))
+    assert not deltas, "a call was started and never done"
+    return out
+
+
+@pytest.mark.parametrize("fmt_name", list(DELTA_FORMATS))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_argument_deltas_add_up_to_the_final_arguments(fmt_name: str, data) -> None:
+    text, expected = data.draw(spelled_calls(fmt_name))
+    fmt = DELTA_FORMATS[fmt_name]
+    for chunks in ([text], data.draw(chunkings(text)), list(text)):
+        seen = deltas_and_payloads(run(fmt, chunks))
+        assert len(seen) == len(expected)
+        for (joined, payload), want in zip(seen, expected, strict=True):
+            assert joined == payload
+            if want is not None:
+                assert payload == want
+
+
+@pytest.mark.parametrize("fmt_name", _TAGGED)
+@pytest.mark.parametrize(
+    "body",
+    [
+        '"{\\"a\\": 1}"',  # the arguments as a JSON string holding the object
+        ' \n"{\\"a\\": 1}"\t',
+        '{"a": 1}',
+        '\n{"a": 1}  ',
+    ],
+)
+def test_raw_form_arguments_stream_what_the_payload_says(fmt_name: str, body: str) -> None:
+    """``<tool_call name="lookup">`` with a function's arguments: the deltas
+    were the raw text (the JSON string, quotes and escapes) while the
+    payload was the decoded object, so a streaming client got a string."""
+    text = f'<tool_call name="lookup">\n{body}\n</tool_call>'
+    for chunks in ([text], list(text)):
+        assert deltas_and_payloads(run(FORMATS[fmt_name], chunks)) == [('{"a": 1}', '{"a": 1}')]
