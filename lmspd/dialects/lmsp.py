@@ -108,6 +108,14 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
                          resolve_reference=context.resolve_reference if context is not None else None,
                          expansion=expansion)
     history = stored_history(context, body.previous_response_id, None, expansion)
+    for i, entry in enumerate(body.tools or ()):
+        # Before decoding, which drops the hosted tools /v1 cannot run (Codex
+        # sends web_search every turn): here that would be a 200 and a model
+        # that never calls the tool. LMSP 1.0 has function tools; lmspd also
+        # takes a namespace of them, as /v1 writes its calls (item_json).
+        if isinstance(entry, dict) and entry.get("type") not in ("function", "namespace"):
+            raise invalid(f"LMSP 1.0 tools must be of type 'function', not {str(entry.get('type'))[:64]!r}: "
+                          "the service runs no tools itself.", f"tools[{i}].type")
     tools = decode_tools(body.tools, limits)
     for i, tool in enumerate(tools):
         if isinstance(tool, CustomTool):

@@ -172,3 +172,22 @@ def test_a_compaction_item_made_over_v1_reads_as_one_over_lmsp(tmp_path):
         assert r.status_code == 200, r.text
         assert any(getattr(i, "compaction", None) == made["encrypted_content"]
                    for i in app.engine.conversations[-1].items)
+
+
+def test_a_tool_lmsp_cannot_offer_is_refused_not_dropped(tmp_path):
+    """/v1 drops hosted tools (Codex sends web_search every turn); LMSP 1.0
+    declares function tools only, so a hosted or custom tool is a 400
+    naming it, never a 200 whose model was not shown the tool. A namespace
+    of function tools is taken, as LMSP writes their calls."""
+    weather = TOOLS[1]
+    with serving(tmp_path) as app:
+        for tools, where in (([weather, {"type": "web_search"}], "tools[1].type"),
+                             ([{"type": "mcp", "server_label": "x", "server_url": "https://x"}], "tools[0].type"),
+                             ([{"type": "custom", "name": "apply_patch"}], "tools[0].type"),
+                             (CODEX_TOOLS, "tools[0].type")):
+            r = app.http.post("/lmsp/v1/responses", json=body(tools=tools))
+            assert r.status_code == 400, (tools, r.text)
+            assert r.json()["param"] == where and "must be of type 'function'" in r.json()["detail"], r.text
+        r = app.http.post("/lmsp/v1/responses", json=body(tools=TOOLS))
+        assert r.status_code == 200, r.text
+        assert [t.name for t in app.engine.conversations[-1].tools] == ["functions__exec_command", "get_weather"]
