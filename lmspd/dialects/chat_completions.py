@@ -364,7 +364,7 @@ def usage_json(state: ResponseState) -> dict[str, Any] | None:
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,
         "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.cache_write_tokens},
         "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 

@@ -163,12 +163,13 @@ def run(events, *, include_usage=False):
 
 
 def test_text_stream_with_usage():
-    usage = Usage(input_tokens=10, output_tokens=2, cached_tokens=4)
+    usage = Usage(input_tokens=10, output_tokens=2, cached_tokens=4, cache_write_tokens=6)
     state, chunks = run([TextDelta("Hel"), TextDelta("lo"), Finished("stop", usage)], include_usage=True)
     summary = validate_chat_stream(chunks, include_usage=True)
     assert summary["content"] == "Hello" and summary["finish_reason"] == "stop"
+    # openai 3.57's PromptTokensDetails has cache_write_tokens, as Responses' usage does.
     assert summary["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
-                                "prompt_tokens_details": {"cached_tokens": 4},
+                                "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 6},
                                 "completion_tokens_details": {"reasoning_tokens": 0}}
     assert [c["choices"][0]["delta"] for c in chunks[:3]] == [
         {"role": "assistant", "content": "", "refusal": None}, {"content": "Hel"}, {"content": "lo"}]
