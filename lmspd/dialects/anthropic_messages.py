@@ -267,7 +267,12 @@ def _check(text: str, path: str, limits: RequestLimits) -> str:
 
 
 class MessageIn(Lenient):
-    role: Literal["user", "assistant"]
+    # SDK 2.10's MessageParam includes a ``system`` message (text only) that
+    # may sit anywhere in the list: Claude Code's first request, sent with the
+    # ``mid-conversation-tool-changes`` beta, has one after the user's turn.
+    # It becomes a neutral system message at its position, as a mid-list
+    # system message does on /v1/chat/completions.
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[Any]]
 
 
@@ -299,6 +304,8 @@ class RedactedThinkingIn(Lenient):
 MEDIA_BLOCK_TYPES = {"image", "document", "search_result", "container_upload"}
 _USER_BLOCKS = {"text", "tool_result"}
 _ASSISTANT_BLOCKS = {"text", "tool_use", "thinking", "redacted_thinking"}
+_SYSTEM_BLOCKS = {"text"}
+_ALLOWED_BLOCKS = {"user": _USER_BLOCKS, "assistant": _ASSISTANT_BLOCKS, "system": _SYSTEM_BLOCKS}
 
 
 def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], list[str]]:
@@ -333,7 +340,7 @@ def decode_messages(raw: list[Any], limits: RequestLimits) -> tuple[list[Item], 
 
 def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimits,
                    items: list[Item], paths: list[str]) -> None:
-    allowed = _USER_BLOCKS if role == "user" else _ASSISTANT_BLOCKS
+    allowed = _ALLOWED_BLOCKS[role]
     texts: list[str] = []
     marked: list[bool] = []
     text_at = ""
@@ -352,12 +359,13 @@ def _decode_blocks(role: str, blocks: list[Any], path: str, limits: RequestLimit
         if not isinstance(block, dict):
             raise invalid(f"Invalid content block at '{where}': expected an object.", where)
         kind = tag(block.get("type"), f"{where}.type")
-        if kind in MEDIA_BLOCK_TYPES:
+        if kind in MEDIA_BLOCK_TYPES and role != "system":
             raise ApiError("unsupported_capability",
                            f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
                            "models.", param=f"{where}.type")
         if kind not in allowed:
-            raise invalid(f"Content block type {kind!r} is not allowed in a {role} message ('{where}.type').",
+            only = " (text blocks only)" if role == "system" else ""
+            raise invalid(f"Content block type {kind!r} is not allowed in a {role} message{only} ('{where}.type').",
                           f"{where}.type")
         if kind == "text":
             if not isinstance(block.get("text"), str):
@@ -384,7 +392,7 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
                         payload=_check(json.dumps(use.input, ensure_ascii=False), f"{where}.input", limits))
     if kind == "tool_result":
         result = ToolResultIn.model_validate(block)
-        texts, marked = _result_blocks(result.content, f"{where}.content")
+        texts, marked = _result_blocks(result.content, f"{where}.content", limits)
         text = _check(_join(texts), f"{where}.content", limits)
         breakpoints = _breakpoints(list(zip(texts, marked, strict=True)), f"{where}.content", limits)
         if block.get("cache_control") is not None and len(text) not in breakpoints:
@@ -404,29 +412,130 @@ def _block_item(kind: str, block: dict[str, Any], where: str, limits: RequestLim
     return Reasoning(encrypted_content=redacted.data)
 
 
-def _result_blocks(content: str | list[Any] | None, path: str) -> tuple[list[str], list[bool]]:
-    """A tool_result's text blocks (joined by ``_join``), and which of them
-    carry ``cache_control``."""
+def _result_blocks(content: str | list[Any] | None, path: str, limits: RequestLimits) -> tuple[list[str], list[bool]]:
+    """A tool_result's content blocks as texts (joined by ``_join``), and
+    which of them carry ``cache_control``. Blocks other than text (SDK
+    2.10's ``tool_result`` content: image, search_result, document,
+    tool_reference, browser_state) become text a text-only model can read;
+    the joined text is then bounded like any other (``_check``)."""
     if content is None or isinstance(content, str):
         return [content or ""], [False]
+    _check_parts(content, path, limits)
     texts: list[str] = []
     marked: list[bool] = []
     for k, block in enumerate(content):
         where = f"{path}[{k}]"
-        kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
-        if kind == "image":
-            texts.append(media_placeholder(kind))
-            marked.append(block.get("cache_control") is not None)
-            continue
-        if kind in MEDIA_BLOCK_TYPES:
-            raise ApiError("unsupported_capability",
-                           f"Content block type {kind!r} at '{where}' is not supported: lmspd serves text-only "
-                           "models.", param=f"{where}.type")
-        if kind != "text" or not isinstance(block.get("text"), str):
-            raise invalid(f"Invalid tool_result content at '{where}': expected text blocks.", where)
-        texts.append(block["text"])
+        if not isinstance(block, dict):
+            raise invalid(f"Invalid tool_result content at '{where}': expected an object.", where)
+        kind = tag(block.get("type"), f"{where}.type")
+        render = _RESULT_BLOCKS.get(kind or "")
+        if render is None:
+            raise invalid(f"Invalid tool_result content at '{where}': expected a block of type "
+                          f"{', '.join(repr(name) for name in _RESULT_BLOCKS)}.", f"{where}.type")
+        texts.append(render(block, where, limits))
         marked.append(block.get("cache_control") is not None)
     return texts, marked
+
+
+def _check_parts(blocks: list[Any], path: str, limits: RequestLimits) -> None:
+    if len(blocks) > limits.max_content_parts:
+        raise invalid(f"'{path}' has {len(blocks)} blocks; the limit is {limits.max_content_parts}.", path)
+
+
+def _string(block: dict[str, Any], field: str, where: str, *, optional: bool = False) -> str:
+    value = block.get(field)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise invalid(f"Missing or invalid '{where}.{field}': expected a string.", f"{where}.{field}")
+    return value
+
+
+def _text_blocks(blocks: Any, path: str, limits: RequestLimits, *, images: bool = False) -> str:
+    """A nested list of text blocks (a search result's content, a
+    document's ``content`` source; ``images``: image blocks allowed, as a
+    placeholder), joined."""
+    if not isinstance(blocks, list):
+        raise invalid(f"Invalid type for '{path}': expected an array of text blocks.", path)
+    _check_parts(blocks, path, limits)
+    texts = []
+    for k, block in enumerate(blocks):
+        where = f"{path}[{k}]"
+        kind = tag(block.get("type"), f"{where}.type") if isinstance(block, dict) else None
+        if images and kind == "image":
+            texts.append(media_placeholder("image"))
+        elif kind == "text":
+            texts.append(_string(block, "text", where))
+        else:
+            raise invalid(f"Invalid block at '{where}': expected {{\"type\": \"text\", \"text\": ...}}.", where)
+    return _join(texts)
+
+
+def _text_result(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    return _string(block, "text", where)
+
+
+def _image_result(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    return media_placeholder("image")
+
+
+def _tool_reference(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    # Anthropic expands a reference into the deferred tool's definition;
+    # lmspd offers every declared tool (``defer_loading`` included) in full
+    # from the first turn, so the model only needs to read which one.
+    name = _string(block, "tool_name", where)
+    if not name or len(name) > 256:
+        raise invalid(f"Invalid '{where}.tool_name': expected a tool name of 1 to 256 characters.",
+                      f"{where}.tool_name")
+    return f"Tool available: {name}"
+
+
+def _search_result(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    head = [_string(block, "title", where), f"Source: {_string(block, 'source', where)}"]
+    return "\n".join([*head, _text_blocks(block.get("content"), f"{where}.content", limits)])
+
+
+def _document(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    source = block.get("source")
+    at = f"{where}.source"
+    if not isinstance(source, dict):
+        raise invalid(f"Missing or invalid '{at}': expected an object.", at)
+    kind = tag(source.get("type"), f"{at}.type")
+    if kind == "text":
+        body = _string(source, "data", at)
+    elif kind == "content":
+        content = source.get("content")
+        body = content if isinstance(content, str) else _text_blocks(content, f"{at}.content", limits, images=True)
+    elif kind in ("base64", "url", "file"):
+        # A PDF (or a file by id): nothing a text-only model can read.
+        body = media_placeholder("document")
+    else:
+        raise invalid(f"Invalid '{at}.type': expected 'text', 'content', 'base64', 'url' or 'file'.", f"{at}.type")
+    head = [_string(block, "title", where, optional=True), _string(block, "context", where, optional=True)]
+    return "\n".join([*(line for line in head if line), body])
+
+
+def _browser_state(block: dict[str, Any], where: str, limits: RequestLimits) -> str:
+    tabs = block.get("tabs")
+    if not isinstance(tabs, list):
+        raise invalid(f"Missing or invalid '{where}.tabs': expected an array.", f"{where}.tabs")
+    _check_parts(tabs, f"{where}.tabs", limits)
+    changes = block.get("state_changes")
+    if changes is not None and not isinstance(changes, list):
+        raise invalid(f"Invalid '{where}.state_changes': expected an array.", f"{where}.state_changes")
+    _check_parts(changes or [], f"{where}.state_changes", limits)
+    state = {"tabs": tabs, **({"state_changes": changes} if changes else {})}
+    return "Browser state: " + json.dumps(state, ensure_ascii=False)
+
+
+_RESULT_BLOCKS = {
+    "text": _text_result,
+    "image": _image_result,
+    "search_result": _search_result,
+    "document": _document,
+    "tool_reference": _tool_reference,
+    "browser_state": _browser_state,
+}
 
 
 def _tools_breakpoint(raw: list[Any] | None, limits: RequestLimits) -> bool:
