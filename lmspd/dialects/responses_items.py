@@ -108,12 +108,17 @@ def stored_history(
     return context.history(previous_response_id, conversation_id, expansion)
 
 
+# Both take values of their JSON type only (``strict``): ``"stream": "yes"``
+# or ``"max_output_tokens": true`` is a 400 naming the field, as OpenAI answers
+# it, not a stream or a one-token reply (pydantic's lax mode coerces them).
+# An integer is still a number. They differ in what an unknown key is:
+# ``Lenient`` ignores it (items a client replays carry output-only fields).
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- content parts -------------------------------------------------------------

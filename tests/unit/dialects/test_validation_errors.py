@@ -90,3 +90,37 @@ def test_a_member_whose_type_the_value_has_reports_its_constraint():
 
     err = error_of(Body, {"x": "too long"})
     assert err.param == "x" and "at most 3 characters" in err.message
+
+
+LMSP = {"model": "m", "input": "hi"}
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("model,body,field", [
+    (model, {**base, field: value}, field)
+    for model, base, fields in (
+        (LmspCreateResponse, LMSP, ("stream", "store", "max_output_tokens", "temperature")),
+        (CreateResponse, LMSP, ("stream", "store", "background", "max_output_tokens", "temperature")),
+        (ChatCompletionRequest, CHAT, ("stream", "max_tokens", "temperature")),
+        (CreateMessage, MESSAGES, ("stream", "max_tokens", "temperature")),
+    )
+    for field in fields
+    for value in ({"stream": "yes", "store": "true", "background": 1, "max_output_tokens": True,
+                   "max_tokens": "8", "temperature": "0.5"}[field],)
+])
+def test_a_value_of_another_json_type_is_refused_not_coerced(model, body, field):
+    """``"stream": "yes"`` was a stream and ``"max_output_tokens": true`` a
+    one-token reply: pydantic's lax mode coerces them. A 400 naming the
+    field, as OpenAI answers."""
+    err = error_of(model, body)
+    assert (err.code, err.param) == ("invalid_request", field), err.message
+
+
+@pytest.mark.parametrize("model,body", [
+    (LmspCreateResponse, {**LMSP, "temperature": 1, "top_p": 1}),
+    (CreateResponse, {**LMSP, "temperature": 0, "top_p": 1}),
+    (ChatCompletionRequest, {**CHAT, "temperature": 1, "presence_penalty": 0}),
+    (CreateMessage, {**MESSAGES, "temperature": 1}),
+])
+def test_an_integer_is_still_a_number(model, body):
+    assert model.model_validate(body).temperature == body["temperature"]
