@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 ToolKind = Literal["function", "custom"]
 # ``content_filter``: the provider stopped the output with its own filter.
-FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "repetition", "cancelled"]
+FinishReason = Literal["stop", "length", "context_window", "tool_calls", "content_filter", "repetition", "cancelled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,8 @@ class Usage:
 @dataclass(frozen=True, slots=True)
 class Finished:
     """Generation ended normally (``stop``/``tool_calls``), by the token cap
-    (``length``), by a provider's content filter (``content_filter``), by
+    (``length``), by the end of the context window where the request set no
+    lower cap (``context_window``), by a provider's content filter (``content_filter``), by
     the engine's repetition guard (``repetition``: the output looped) or
     because it was cancelled."""
 

@@ -594,10 +594,13 @@ def _flat_tool_choice(choice: ToolChoiceIn | None) -> Any:
 # -- encoding --------------------------------------------------------------------
 
 
+_STOP_REASONS = {"content_filter": "refusal", "context_window": "model_context_window_exceeded"}
+
+
 def stop_reason(state: ResponseState) -> str | None:
     if state.status == "incomplete":
         # A provider's content filter is what Anthropic calls a refusal.
-        return "refusal" if state.incomplete_reason == "content_filter" else "max_tokens"
+        return _STOP_REASONS.get(state.incomplete_reason or "", "max_tokens")
     if state.status == "completed":
         if any(isinstance(i, ToolCall) for i in state.output):
             return "tool_use"

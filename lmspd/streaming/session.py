@@ -224,7 +224,7 @@ class StreamSession:
         if event.reason == "cancelled":
             return self.cancel(event.usage)
         out: list[WireEvent] = []
-        incomplete = event.reason in ("length", "content_filter", "repetition")
+        incomplete = event.reason in _INCOMPLETE_REASONS
         self._close_open(out, status="incomplete" if incomplete else "completed")
         self.state.usage = self._with_spent(event.usage)
         if incomplete:
@@ -328,7 +328,8 @@ def _unwritable(event: EngineEvent) -> bool:
 
 
 # Why a response is incomplete, by the engine's finish reason. "repetition"
-# is LMSP's (its reason set is open); OpenAI Responses, whose set is closed
-# (max_output_tokens | content_filter), reports it as max_output_tokens.
+# and "context_window" are LMSP's (its reason set is open); OpenAI Responses,
+# whose set is closed (max_output_tokens | content_filter), reports them as
+# max_output_tokens, Anthropic the window as model_context_window_exceeded.
 _INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter",
-                       "repetition": "repetition"}
+                       "repetition": "repetition", "context_window": "context_window"}

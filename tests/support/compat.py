@@ -125,7 +125,9 @@ def validate_anthropic_stream(events: list[tuple[str, dict[str, Any]]]) -> Anthr
 def check_anthropic_message(body: dict[str, Any]) -> AnthropicMessage:
     message = AnthropicMessage.model_validate(body)
     assert body["type"] == "message" and body["role"] == "assistant"
-    assert body["stop_reason"] in ("end_turn", "max_tokens", "tool_use", "stop_sequence")
+    # Every StopReason of the SDK but pause_turn (server tools, which lmspd does not run).
+    assert body["stop_reason"] in ("end_turn", "max_tokens", "tool_use", "stop_sequence", "refusal",
+                                   "model_context_window_exceeded")
     u = body["usage"]
     assert u["input_tokens"] >= 0 and u["cache_read_input_tokens"] >= 0 and u["output_tokens"] >= 0
     return message

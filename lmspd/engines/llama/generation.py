@@ -85,13 +85,17 @@ class Generation:
             self.budget = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stops = StopMatcher(prepared.stop)
-        self.reason = "length"
         limits = runtime.limits
         # No max_output_tokens means "up to the context" (prepare's room),
         # capped by the server's default ceiling.
         self.max_new = prepared.max_new_tokens
         if conv.max_output_tokens is None and limits.max_output_tokens_default > 0:
             self.max_new = min(self.max_new, limits.max_output_tokens_default)
+        # What ends a generation that runs to ``max_new``: the request's
+        # (or the server's) cap, or the window, which Anthropic's clients
+        # tell apart (model_context_window_exceeded: compact, not continue).
+        window = prepared.window_bound and self.max_new == prepared.max_new_tokens
+        self.reason = "context_window" if window else "length"
         guard = RepetitionGuard(limits.repetition_window, limits.repetition_max_period)
         self.guard: RepetitionGuard | None = guard if guard.enabled else None
         self.sampled: list[int] = []
@@ -215,7 +219,7 @@ class Generation:
         if self.splitter is not None:
             self._route(self.splitter.feed("", final=True))
             self._close_reasoning()
-        if self.parser is not None and self.reason not in ("length", "repetition"):
+        if self.parser is not None and self.reason not in ("length", "context_window", "repetition"):
             self._events(self.parser.finish())
         self._finish_tokens()
         reason = self.reason

@@ -78,6 +78,9 @@ class LlamaPrepared:
     matcher: llguidance.LLMatcher | None = field(default=None, repr=False, compare=False)
     # Token positions of client-declared cache breakpoints (non-trimmable KV only).
     breakpoints: tuple[int, ...] = ()
+    # ``max_new_tokens`` is the room the window leaves, not a lower cap the
+    # request set: generating all of it ends as ``context_window``.
+    window_bound: bool = False
 
     @property
     def input_tokens(self) -> int:
@@ -171,7 +174,7 @@ class Preparation:
         else:
             text = self.render(conversation)
             tokens = self._tokenize(conversation, text, run.owner)
-        requested = conversation.max_output_tokens
+        requested = asked = conversation.max_output_tokens
         if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
             conversation, text, tokens = self._truncate(conversation, text, tokens, n_ctx - (requested or 1),
                                                         add_generation_prompt=not run.prefill_only)
@@ -199,6 +202,7 @@ class Preparation:
             requires_state=requires_state,
             reuse_cache=conversation.cache_reuse,
             needs_reasoning_state=self._needs_reasoning_state(conversation),
+            window_bound=asked is None or asked > room,
         )
         if not self.cache.trimmable:
             # A trimmable KV is cut back to any breakpoint; this one keeps an
