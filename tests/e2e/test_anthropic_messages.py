@@ -205,7 +205,7 @@ def gens(server):
 ERRORS = [
     ("missing max_tokens", {"max_tokens": None}, 400, "invalid_request_error"),
     ("unknown parameter", {"frobnicate": 1}, 400, "invalid_request_error"),
-    ("system role in messages", {"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error"),
+    ("unknown role in messages", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request_error"),
     ("orphan tool_result", {"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}]}]}, 400, "invalid_request_error"),
     ("image block", {"messages": [{"role": "user", "content": [

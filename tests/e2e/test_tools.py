@@ -478,6 +478,11 @@ def test_forcing_a_hosted_tool_is_unsupported(server, http):
             err = assert_openai_error(r, 400, "unsupported_capability", "tool_choice")
             assert "web_search" in err["message"]
         else:
+            # LMSP declares function tools only: the hosted tool itself is refused.
+            problem = assert_problem(r, 400, "invalid_request")
+            assert problem["param"] == "tools[0].type" and "web_search" in problem["detail"]
+            r = http.post(path, json={"model": MODEL, "input": "Search the web.", "tools": [WEATHER],
+                                      "tool_choice": {"type": "web_search"}})
             assert "web_search" in assert_problem(r, 400, "unsupported_capability")["detail"]
     assert server.generations() == before
 
