@@ -320,14 +320,24 @@ class ResponseRecord:
         return self.keep or (self.conversation_id is not None and state.status in _CONVERSATION_STATUSES)
 
     def ended(self, state: ResponseState) -> None:
-        if self.keep:
-            self._save(state)
-        if self.conversation_id is not None and state.status in _CONVERSATION_STATUSES:
-            output = [openai_responses.item_json(i) for i in state.output]
-            appended = self.store.append_conversation_items(
-                self.owner, self.conversation_id, self._input_json() + output)
-            if appended is None:
-                log.warning("conversation %s vanished before response %s ended", self.conversation_id, state.id)
+        """The final state. A turn of a conversation is one transaction
+        (``Store.end_turn``): the response and the conversation's new items
+        are stored together or not at all, so a failed write is retried
+        whole, and a client told that nothing was stored is told the truth."""
+        if self.conversation_id is None or state.status not in _CONVERSATION_STATUSES:
+            if self.keep:
+                self._save(state)
+            return
+        body = openai_responses.response_json(state) if self.keep else None
+        items = self._input_json() + [openai_responses.item_json(i) for i in state.output]
+        found = self.store.end_turn(self.owner, state.id, body, self._input_json(), new=not self._put,
+                                    previous_response_id=self.previous_response_id,
+                                    conversation_id=self.conversation_id, created_at=state.created_at,
+                                    conversation_items=items)
+        if body is not None:
+            self._put = True
+        if not found:
+            log.warning("conversation %s vanished before response %s ended", self.conversation_id, state.id)
 
     def _save(self, state: ResponseState) -> None:
         body: dict[str, Any] = openai_responses.response_json(state)

@@ -47,7 +47,7 @@ from lmspd.http import (
 from lmspd.idempotency import Reply
 from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
-from lmspd.store.calls import StoreCalls
+from lmspd.store.calls import FINAL_WRITE_DELAYS_S, StoreCalls, retried
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.tasks.manager import StoreUnavailable, task_request
 
@@ -273,11 +273,17 @@ async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
 
 
 async def _ended(turn: Turn, state: ResponseState) -> bool:
-    """Store the final state; False if that failed (a full or broken disk)."""
+    """Store the final state; False if that failed (a full or broken disk).
+
+    The generation is done: its write is never refused for a full store
+    queue (it waits its turn, ``StoreCalls.unrefused``), and a transient
+    store error (busy, locked, a pool timeout) is tried again a few times
+    (``FINAL_WRITE_DELAYS_S``) before the client hears it was not stored."""
     if not turn.record.writes_at_end(state):
         return True  # nothing to write: no queue behind a busy store
     try:
-        await turn.calls(turn.record.ended, state)
+        await retried(lambda: turn.calls.unrefused(turn.record.ended, state), FINAL_WRITE_DELAYS_S,
+                      f"storing response {state.id}")
     except Exception:
         log.exception("could not store response %s", state.id)
         return False

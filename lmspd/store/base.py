@@ -278,6 +278,12 @@ class ClosedLog(NamedTuple):
 # the task's whole log so far) -> the events that close it. Unlike a
 # ``TerminalEventBuilder`` it sees the log, so it can close items the log left
 # open (every ``output_item.added`` then has its ``done``).
+# One task is not failed: one whose response row was stored with a final
+# status (the response's end landed, the task's own terminal write did
+# not). The closer then gets the task as it ends: that final ``status``,
+# the row's ``error``, and as ``result`` the stored response (OpenAI
+# Response JSON, as ``lmspd.history`` stores it); its events end the log
+# the way the finished response did, and the task keeps that status.
 LogCloser = Callable[[TaskRecord, int, list[TaskEvent]], ClosedLog]
 
 
@@ -391,6 +397,28 @@ class Store(Protocol):
         ...
 
     def delete_response(self, owner: str, response_id: str) -> bool: ...
+
+    def end_turn(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON | None,
+        input_items: Sequence[JSON],
+        *,
+        new: bool,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+        conversation_items: Sequence[JSON] | None = None,
+    ) -> bool:
+        """What a finished turn leaves, in one transaction: the response
+        (``put_response`` when ``new``, else ``update_response``; none when
+        ``response`` is ``None``) and, when ``conversation_items`` is given,
+        those items appended to ``conversation_id``. Both are stored or
+        neither is, so a failure never leaves a stored response whose
+        conversation lacks it. ``False`` if the conversation was not found
+        (the response is stored all the same)."""
+        ...
 
     def list_input_items(
         self,

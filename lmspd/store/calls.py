@@ -13,6 +13,14 @@ Order: a handler awaits each call before it goes on, so what one request
 writes happens in the order it wrote it (a response is stored before its
 id is answered; an idempotency key is claimed before the work it guards).
 A task's events keep their own ordered writer (``lmspd.tasks.manager``).
+
+What is never refused: the write that keeps work already done (the final
+state of a finished generation, ``StoreCalls.unrefused``). Admission exists
+so that new work waits for the store rather than piling up; a result that
+exists only in memory is not new work, and refusing its write loses it.
+Those writes are bounded anyway, by the generations running at once. A
+store error that may pass (``transient``: SQLite busy or I/O, PostgreSQL's
+pool or connection) is retried with backoff (``retried``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
+import sqlite3
+import sys
 import threading
+from collections.abc import Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, ParamSpec, TypeVar
 
@@ -30,7 +42,55 @@ from lmspd.core.limits import STORE_CALL_THREADS, STORE_CALLS_WAITING
 P = ParamSpec("P")
 T = TypeVar("T")
 
-__all__ = ["StoreCalls"]
+__all__ = ["FINAL_WRITE_DELAYS_S", "StoreCalls", "backoff", "retried", "transient"]
+
+log = logging.getLogger("lmspd.store")
+
+# Waits between the tries of a finished foreground generation's final write
+# (a client waits for its reply meanwhile): under a second in all, beside
+# the waits inside the store (SQLite's busy timeout, the pool's).
+FINAL_WRITE_DELAYS_S = (0.05, 0.2, 0.5)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a store call that raised ``exc`` may succeed if tried again:
+    SQLite's "database is locked" and I/O errors (``OperationalError``; a
+    full disk that is freed), PostgreSQL's lost connections, pool timeouts,
+    serialization failures and deadlocks (``psycopg.OperationalError``, of
+    which ``psycopg_pool.PoolTimeout`` is one). Not: a closed store, a bug
+    (``Duplicate``, ``SequenceError``), a task someone else ended."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")  # loaded only by the PostgreSQL store
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+
+
+def backoff(first_s: float = 0.05, most_s: float = 2.0) -> Iterator[float]:
+    """Endless waits, doubling from ``first_s`` up to ``most_s``."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(delay * 2, most_s)
+
+
+async def retried(attempt: Callable[[], Awaitable[T]], delays: Iterable[float], what: str,
+                  *, wait: Callable[[float], Awaitable[bool]] | None = None) -> T:
+    """``await attempt()``, tried again after each of ``delays`` while it
+    raises a ``transient`` error; the last error is raised. ``wait(delay)``
+    (default: sleep) returns False to stop trying early (a server shutting
+    down)."""
+    for delay in delays:
+        try:
+            return await attempt()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            log.warning("%s failed (%s: %s); trying again in %.2f s", what, type(exc).__name__, exc, delay)
+        if wait is None:
+            await asyncio.sleep(delay)
+        elif not await wait(delay):
+            break
+    return await attempt()
 
 
 class StoreCalls:
@@ -49,16 +109,25 @@ class StoreCalls:
         return self._outstanding
 
     async def __call__(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(True, functools.partial(fn, *args, **kwargs))
+
+    async def unrefused(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """As ``self(fn, ...)``, but never refused for a full queue: for the
+        write that keeps a finished generation (it waits its turn instead;
+        such writes are as many as the generations running at once)."""
+        return await self._run(False, functools.partial(fn, *args, **kwargs))
+
+    async def _run(self, admit: bool, call: Callable[[], T]) -> T:
         with self._lock:
-            if self._outstanding >= self._threads + self._max_waiting:
+            if admit and self._outstanding >= self._threads + self._max_waiting:
                 raise ApiError("server_overloaded",
                                f"The store has {self._outstanding} calls in progress or waiting (at most "
                                f"{self._threads + self._max_waiting}); retry shortly.",
                                headers={"Retry-After": "1"})
             self._outstanding += 1
         try:
-            call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+            in_context = functools.partial(contextvars.copy_context().run, call)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, in_context)
         finally:
             with self._lock:
                 self._outstanding -= 1

@@ -23,7 +23,7 @@ from lmspd.store.base import (
 from lmspd.store.paging import check_page_args, item_pages, page
 from lmspd.store.sql import Sql, SqlBackend, dumps, size
 
-__all__ = ["ConversationQueries", "conversation_record"]
+__all__ = ["ConversationQueries", "append_items", "conversation_record"]
 
 
 def conversation_record(row: Mapping[str, Any]) -> ConversationRecord:
@@ -47,7 +47,7 @@ class ConversationQueries(SqlBackend):
                            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
                            (conversation_id, owner, created, now, meta, size(meta))):
                 raise Duplicate(f"conversation {conversation_id!r} already exists")
-            _append_items(sql, conversation_id, items, now)
+            append_items(sql, conversation_id, items, now)
             row = sql.first("SELECT * FROM conversations WHERE id = ?", (conversation_id,))
         assert row is not None  # the row just written
         return conversation_record(row)
@@ -70,7 +70,7 @@ class ConversationQueries(SqlBackend):
         with self.sql_write() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
                 return None
-            return _append_items(sql, conversation_id, items, self._clock())
+            return append_items(sql, conversation_id, items, self._clock())
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
         with self.sql_write() as sql:
@@ -135,7 +135,7 @@ class ConversationQueries(SqlBackend):
         return None if row is None else dict(json.loads(row["body"]))
 
 
-def _append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: float) -> list[JSON]:
+def append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: float) -> list[JSON]:
     stored = ensure_item_ids(items)
     bodies = [dumps(item) for item in stored]
     # Reserve the positions in one statement: concurrent appends to one

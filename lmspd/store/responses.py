@@ -20,6 +20,7 @@ from lmspd.store.base import (
     Page,
     ensure_item_ids,
 )
+from lmspd.store.conversations import append_items
 from lmspd.store.paging import check_page_args, item_pages, page
 from lmspd.store.sql import Row, Sql, SqlBackend, dumps, in_list, size
 
@@ -41,45 +42,86 @@ class ResponseQueries(SqlBackend):
         conversation_id: str | None = None,
         created_at: float | None = None,
     ) -> list[JSON]:
+        with self.sql_write() as sql:
+            return self._put_in(sql, owner, response_id, response, input_items,
+                                previous_response_id=previous_response_id, conversation_id=conversation_id,
+                                created_at=created_at)
+
+    def _put_in(self, sql: Sql, owner: str, response_id: str, response: JSON, input_items: Sequence[JSON], *,
+                previous_response_id: str | None, conversation_id: str | None,
+                created_at: float | None) -> list[JSON]:
         items = ensure_item_ids(input_items)
         body = dumps(response)
         item_rows = [(response_id, pos, item["id"], dumps(item)) for pos, item in enumerate(items)]
         input_bytes = sum(size(row[3]) for row in item_rows)
         now = self._clock()
         created = self._now(created_at)
-        with self.sql_write() as sql:
-            inserted = sql.run(
-                "INSERT INTO responses (id, owner, status, previous_response_id, conversation_id, created_at, "
-                "updated_at, body, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?) "
-                "ON CONFLICT (id) DO NOTHING",
-                (response_id, owner, response.get("status"), previous_response_id, conversation_id, created, now,
-                 body, self.instance_id),
-            )
-            if not inserted:
-                raise Duplicate(f"response {response_id!r} already exists")
-            sql.many("INSERT INTO response_items (response_id, kind, position, item_id, body) "
-                     "VALUES (?, 'input', ?, ?, ?)", item_rows)
-            output_bytes = _insert_output_items(sql, response_id, response)
-            sql.run("UPDATE responses SET bytes = ? WHERE id = ?",
-                    (size(body) + input_bytes + output_bytes, response_id))
+        inserted = sql.run(
+            "INSERT INTO responses (id, owner, status, previous_response_id, conversation_id, created_at, "
+            "updated_at, body, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?) "
+            "ON CONFLICT (id) DO NOTHING",
+            (response_id, owner, response.get("status"), previous_response_id, conversation_id, created, now,
+             body, self.instance_id),
+        )
+        if not inserted:
+            raise Duplicate(f"response {response_id!r} already exists")
+        sql.many("INSERT INTO response_items (response_id, kind, position, item_id, body) "
+                 "VALUES (?, 'input', ?, ?, ?)", item_rows)
+        output_bytes = _insert_output_items(sql, response_id, response)
+        sql.run("UPDATE responses SET bytes = ? WHERE id = ?",
+                (size(body) + input_bytes + output_bytes, response_id))
         return items
 
     def update_response(self, owner: str, response_id: str, response: JSON) -> bool:
-        body = dumps(response)
         with self.sql_write() as sql:
-            if sql.first("SELECT 1 FROM responses WHERE id = ? AND owner = ?" + self.for_update,
-                         (response_id, owner)) is None:
-                return False
-            input_bytes = sql.first(
-                f"SELECT COALESCE(SUM({self.octets('body')}), 0) AS n FROM response_items "
-                "WHERE response_id = ? AND kind = 'input'", (response_id,))
-            assert input_bytes is not None  # an aggregate: always one row
-            sql.run("DELETE FROM response_items WHERE response_id = ? AND kind = 'output'", (response_id,))
-            output_bytes = _insert_output_items(sql, response_id, response)
-            sql.run("UPDATE responses SET body = ?, status = ?, updated_at = ?, bytes = ? WHERE id = ?",
-                    (body, response.get("status"), self._clock(),
-                     size(body) + int(input_bytes["n"]) + output_bytes, response_id))
+            return self._update_in(sql, owner, response_id, response)
+
+    def _update_in(self, sql: Sql, owner: str, response_id: str, response: JSON) -> bool:
+        body = dumps(response)
+        if sql.first("SELECT 1 FROM responses WHERE id = ? AND owner = ?" + self.for_update,
+                     (response_id, owner)) is None:
+            return False
+        input_bytes = sql.first(
+            f"SELECT COALESCE(SUM({self.octets('body')}), 0) AS n FROM response_items "
+            "WHERE response_id = ? AND kind = 'input'", (response_id,))
+        assert input_bytes is not None  # an aggregate: always one row
+        sql.run("DELETE FROM response_items WHERE response_id = ? AND kind = 'output'", (response_id,))
+        output_bytes = _insert_output_items(sql, response_id, response)
+        sql.run("UPDATE responses SET body = ?, status = ?, updated_at = ?, bytes = ? WHERE id = ?",
+                (body, response.get("status"), self._clock(),
+                 size(body) + int(input_bytes["n"]) + output_bytes, response_id))
         return True
+
+    def end_turn(
+        self,
+        owner: str,
+        response_id: str,
+        response: JSON | None,
+        input_items: Sequence[JSON],
+        *,
+        new: bool,
+        previous_response_id: str | None = None,
+        conversation_id: str | None = None,
+        created_at: float | None = None,
+        conversation_items: Sequence[JSON] | None = None,
+    ) -> bool:
+        with self.sql_write() as sql:
+            if response is not None:
+                if new:
+                    self._put_in(sql, owner, response_id, response, input_items,
+                                 previous_response_id=previous_response_id, conversation_id=conversation_id,
+                                 created_at=created_at)
+                else:
+                    self._update_in(sql, owner, response_id, response)
+            if conversation_items is None or conversation_id is None:
+                return True
+            # Locked: a conversation deleted meanwhile is gone before this
+            # append, or after it, never half-way.
+            if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
+                         (conversation_id, owner)) is None:
+                return False  # deleted meanwhile: the response is stored all the same
+            append_items(sql, conversation_id, conversation_items, self._clock())
+            return True
 
     def get_response(self, owner: str, response_id: str) -> JSON | None:
         with self.sql_single() as sql:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from lmspd.core.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES
@@ -22,7 +23,7 @@ from lmspd.store.base import (
     TaskRecord,
     TerminalEventBuilder,
 )
-from lmspd.store.sql import ACTIVE_SQL, Sql, SqlBackend, dumps, loads_opt, size
+from lmspd.store.sql import ACTIVE_SQL, TERMINAL_SQL, Sql, SqlBackend, dumps, loads_opt, size
 
 __all__ = ["TaskQueries", "task_record"]
 
@@ -90,12 +91,20 @@ class TaskQueries(SqlBackend):
     def _fail_interrupted(self, sql: Sql, task_id: str, error: str, build: TerminalEventBuilder,
                           close_log: LogCloser | None) -> TaskRecord:
         """Fail one task a crash left running and close its log (the caller
-        chose and holds the task's row; the backends choose differently)."""
+        chose and holds the task's row; the backends choose differently).
+        With ``close_log``, a task whose response row is already final
+        ends as that response did, never as failed (``LogCloser``)."""
         now = self._clock()
+        final = self._final_response(sql, task_id) if close_log is not None else None
+        status = "failed"
+        error_text: str | None = error
+        if final is not None:
+            status = str(final["status"])
+            error_text = None if final.get("error") is None else dumps(final["error"])
         row = sql.returning(
-            f"UPDATE tasks SET status = 'failed', error = ?, updated_at = ?, finished_at = ?, "
+            f"UPDATE tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?, "
             f"bytes = {self.octets('request')} + COALESCE({self.octets('result')}, 0) + ? WHERE id = ? RETURNING *",
-            (error, now, now, size(error), task_id))
+            (status, error_text, now, now, size(error_text), task_id))
         assert row is not None  # the caller holds the row
         task = task_record(row)
         seq = task.last_seq + 1
@@ -108,7 +117,7 @@ class TaskQueries(SqlBackend):
             log = [TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
                    for r in sql.rows("SELECT seq, event, data FROM task_events WHERE task_id = ? ORDER BY seq",
                                      (task_id,))]
-            closed = close_log(task, seq, log)
+            closed = close_log(task if final is None else replace(task, result=final), seq, log)
             if not closed.events:
                 raise ValueError(f"close_log returned no events for task {task_id!r}")
             insert_events(sql, task_id, task.last_seq,
@@ -121,6 +130,16 @@ class TaskQueries(SqlBackend):
         row = sql.first("SELECT * FROM tasks WHERE id = ?", (task_id,))
         assert row is not None  # the row just written
         return task_record(row)
+
+    def _final_response(self, sql: Sql, task_id: str) -> JSON | None:
+        """The task's stored response if its status is final (its end was
+        stored before the task's own terminal write was cut off)."""
+        row = sql.first(f"SELECT r.body FROM tasks t JOIN responses r ON r.id = t.response_id AND r.owner = t.owner "
+                        f"WHERE t.id = ? AND r.status IN {TERMINAL_SQL}", (task_id,))
+        if row is None:
+            return None
+        body = json.loads(row["body"])
+        return body if isinstance(body, dict) and body.get("status") in TERMINAL_STATUSES else None
 
     def create_task(self, owner: str, task_id: str, request: JSON, *, status: str = "queued",
                     response_id: str | None = None, created_at: float | None = None) -> TaskRecord:

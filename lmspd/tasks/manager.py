@@ -8,7 +8,11 @@ and in order. No reader, and no reader leaving, changes what the run does.
 
 Writes leave the event loop: a task's events wait in a bounded queue (a run
 that outpaces the store waits for it) and one writer per task stores what
-has piled up in one transaction, on a small thread pool of its own.
+has piled up in one transaction, on a small thread pool of its own. A
+write that fails with a transient store error (busy, locked, a pool
+timeout) is tried again; the writes that end a task (its response's end,
+its final status) until they land or the server shuts down: a finished
+run's result exists nowhere else.
 
 Across instances (a shared store): a task running elsewhere is followed
 through the store's notices (``Store.listen``) and read from the store by
@@ -32,6 +36,7 @@ from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import Run
 from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
+from lmspd.store.calls import backoff, retried
 from lmspd.streaming.session import ResponseState, StreamSession
 
 log = logging.getLogger("lmspd.tasks")
@@ -49,6 +54,16 @@ STORE_THREADS = 4
 # A reader of a task running elsewhere re-reads the log this often even
 # without a notice: a lost notice costs latency, never the end of a stream.
 REMOTE_POLL_S = 1.0
+
+# A write of a task's events that fails with a transient store error
+# (``lmspd.store.calls.transient``) is tried again after these waits, the
+# run waiting meanwhile; then the task stops.
+EVENT_WRITE_DELAYS_S: tuple[float, ...] = (0.05, 0.25)
+# The writes that end a task (its response's end, its final status and
+# terminal event) are tried until they land or the server shuts down,
+# waiting this long at first, twice as long each time, up to the most.
+FINAL_WRITE_FIRST_S = 0.05
+FINAL_WRITE_MOST_S = 2.0
 
 # Marks, in a task's write queue, that the model took the task.
 _STARTED = object()
@@ -131,6 +146,9 @@ class TaskManager:
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._unlisten: Callable[[], None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Set at shutdown, once the grace for tasks ran out: writes that
+        # keep failing stop being tried again.
+        self._giving_up = asyncio.Event()
 
     def live(self, task_id: str, owner: str) -> LiveTask | None:
         task = self._live.get(task_id)
@@ -282,47 +300,73 @@ class TaskManager:
                 batch.append(item)
             if live.write_error is None:
                 try:
-                    await self._off_loop(self._store_batch, live, batch)
+                    await self._store_batch(live, batch)
                 except Exception as exc:
                     live.write_error = exc
                     log.error("task %s: the store refused its events (%s); stopping it", live.id, exc)
                     live.run.cancel.cancel()
-                else:
-                    events = [e for e in batch if isinstance(e, TaskEvent)]
-                    live.recorded += len(events)
-                    for event in events:
-                        live.publish(event)
             if ended:
                 return
 
-    def _store_batch(self, live: LiveTask, batch: list[Any]) -> None:
-        """On a store thread: one batch, in order. A terminal event is always
-        last (the session ends with it) and is stored with the final status."""
-        run: list[tuple[int, str, JSON]] = []
+    async def _store_batch(self, live: LiveTask, batch: list[Any]) -> None:
+        """One batch, in order, each run of events in one transaction
+        (published once stored). A terminal event is always last (the
+        session ends with it): the response's end, then the event with the
+        task's final status. Those two writes keep a result that exists
+        nowhere else: tried until they land or the server shuts down."""
+        run: list[TaskEvent] = []
         for item in batch:
             if item is _STARTED:
-                if run:
-                    self.store.append_events(live.id, run)
-                    run = []
-                self.store.set_task_status(live.owner, live.id, "in_progress")
+                await self._append(live, run)
+                run = []
+                await self._write(live, "its start", False, self.store.set_task_status, live.owner, live.id,
+                                  "in_progress")
             elif item.event in TERMINAL_EVENT_NAMES:
-                if run:
-                    self.store.append_events(live.id, run)
-                    run = []
+                await self._append(live, run)
+                run = []
                 state = live.state  # final: nothing changes it after the terminal event
-                try:
+                if live.record.writes_at_end(state):
                     # Before the terminal event: a reader that sees it and then
                     # reads the response or the conversation finds them final.
-                    live.record.ended(state)
-                except Exception:
-                    log.exception("task %s: could not store its response", live.id)
-                self.store.set_task_status(live.owner, live.id, state.status,
-                                           result=live.dialect.response_json(state), error=state.error,
-                                           final_event=(item.seq, item.event, item.data))
+                    await self._write(live, "its response", True, live.record.ended, state)
+                await self._write(live, "its final status", True, functools.partial(
+                    self.store.set_task_status, live.owner, live.id, state.status,
+                    result=live.dialect.response_json(state), error=state.error,
+                    final_event=(item.seq, item.event, item.data)))
+                self._published(live, [item])
             else:
-                run.append((item.seq, item.event, item.data))
-        if run:
-            self.store.append_events(live.id, run)
+                run.append(item)
+        await self._append(live, run)
+
+    async def _append(self, live: LiveTask, events: list[TaskEvent]) -> None:
+        if events:
+            await self._write(live, "its events", False, self.store.append_events, live.id,
+                              [(e.seq, e.event, e.data) for e in events])
+            self._published(live, events)
+
+    @staticmethod
+    def _published(live: LiveTask, events: list[TaskEvent]) -> None:
+        live.recorded += len(events)
+        for event in events:
+            live.publish(event)
+
+    async def _write(self, live: LiveTask, what: str, final: bool, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on a store thread, tried again while the store's
+        error is transient: a write of the run's events a few times
+        (``EVENT_WRITE_DELAYS_S``: the run waits meanwhile), a ``final``
+        one until it lands or the server gives up on its tasks (``drain``)."""
+        delays = backoff(FINAL_WRITE_FIRST_S, FINAL_WRITE_MOST_S) if final else EVENT_WRITE_DELAYS_S
+        await retried(lambda: self._off_loop(fn, *args), delays, f"task {live.id}: storing {what}",
+                      wait=self._retry_wait)
+
+    async def _retry_wait(self, delay: float) -> bool:
+        """Wait ``delay`` before trying a store write again; False once the
+        server gave up on its tasks' writes (then one last try)."""
+        if self._giving_up.is_set():
+            return False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._giving_up.wait(), delay)
+        return not self._giving_up.is_set()
 
     def _create(self, task_id: str, owner: str, request: JSON, session: StreamSession,
                 record: ResponseRecord) -> None:
@@ -373,6 +417,9 @@ class TaskManager:
         ends = [t.supervisor for t in self._live.values() if t.supervisor is not None]
         if ends:
             await asyncio.wait(ends, timeout=timeout_s)
+        # Writes still retrying (a store down all along) try once more and
+        # stop: recovery, at the next start, closes what they left.
+        self._giving_up.set()
         left = [t for t in self._live.values() if t.supervisor is not None and not t.supervisor.done()]
         for live in left:
             if live.runner is not None:
@@ -381,6 +428,7 @@ class TaskManager:
             await asyncio.wait([t.supervisor for t in left if t.supervisor is not None], timeout=2.0)
 
     def close(self) -> None:
+        self._giving_up.set()
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None

@@ -3,7 +3,9 @@
 At start, before the first request: tasks and background responses that a
 crash (or ``kill -9``) left running end as ``failed``, each log closed the
 way its own stream session would have closed it (open items done as
-incomplete, then one ``response.failed``), and idempotency keys whose
+incomplete, then one ``response.failed``); but a task whose response's end
+was stored ends as that response did (a result once stored is never failed
+afterwards). Idempotency keys whose
 attempt died are released. While serving, the store is pruned on a timer,
 and this instance renews its lease; on a shared store (PostgreSQL) it also
 does the above for instances whose lease ran out (they died), so their tasks
@@ -18,8 +20,10 @@ import logging
 import threading
 from typing import Callable
 
-from lmspd.dialects.registry import DIALECTS
-from lmspd.store.base import ClosedLog, Store, TaskEvent, TaskRecord, default_terminal_event
+from lmspd.dialects import openai_responses
+from lmspd.dialects.registry import DIALECTS, Dialect
+from lmspd.store.base import ClosedLog, Store, TaskEvent, TaskRecord, default_terminal_event, is_terminal
+from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState, StreamSession
 
 log = logging.getLogger("lmspd.recovery")
@@ -32,6 +36,10 @@ def close_interrupted(task: TaskRecord, seq: int, events: list[TaskEvent]) -> Cl
     session fail it, so the closing events are exactly what a live failure
     would have sent."""
     dialect = DIALECTS.get(str(task.request.get("dialect")))
+    if task.status != "failed" and task.result is not None and dialect is not None:
+        finished = _finished_from_response(task, seq, dialect)
+        if finished is not None:
+            return finished
     error = task.error or {"code": "server_restarted", "message": RESTART_MESSAGE}
     if dialect is None:
         name, data = default_terminal_event(task, seq)
@@ -52,20 +60,55 @@ def close_interrupted(task: TaskRecord, seq: int, events: list[TaskEvent]) -> Cl
     return ClosedLog([(name, data) for _, name, data in wires], dialect.response_json(state))
 
 
+_TERMINAL_STEPS: dict[str, steps.TerminalStep] = {
+    "completed": steps.ResponseCompleted(), "incomplete": steps.ResponseIncomplete(),
+    "failed": steps.ResponseFailed(), "cancelled": steps.ResponseCancelled(),
+}
+
+
+def _finished_from_response(task: TaskRecord, seq: int, dialect: Dialect) -> ClosedLog | None:
+    """The end of a task whose response was stored final (``task.result``)
+    while its own terminal write was cut off: the terminal event that
+    response's session sent, in the task's dialect. Its log holds every
+    event before that one (the writer stores a terminal write only after
+    all that came before it), so nothing else is left open."""
+    assert task.result is not None
+    try:
+        state = openai_responses.state_from_json(task.result)
+        step = _TERMINAL_STEPS[state.status]
+        encoded = dialect.encoder().encode(step, state, dialect.wire_seq(seq))
+    except Exception:
+        log.exception("task %s: its stored response cannot be read back; closing it as failed", task.id)
+        return None
+    if encoded is None:
+        return None
+    return ClosedLog([encoded], dialect.response_json(state))
+
+
 def reap(store: Store) -> int:
-    """Fail what interrupted instances left running; returns how many rows changed."""
-    failed = store.fail_interrupted_tasks(RESTART_MESSAGE, close_log=close_interrupted)
+    """Fail what interrupted instances left running; returns how many rows changed.
+
+    A response whose end was stored is never failed afterwards: its task
+    ends as the response did (``close_interrupted``), and its row is left
+    as it is."""
+    closed = store.fail_interrupted_tasks(RESTART_MESSAGE, close_log=close_interrupted)
+    failed = [task for task in closed if task.status == "failed"]
     for task in failed:
         # A background response is the task's result: store the closed one,
-        # output and all, rather than a bare status flip.
+        # output and all, rather than a bare status flip; never over a row
+        # that is final already.
         if task.request.get("dialect") == "openai" and task.response_id and task.result is not None:
+            stored = store.get_response(task.owner, task.response_id)
+            if stored is not None and is_terminal(stored.get("status")):
+                continue
             store.update_response(task.owner, task.response_id, task.result)
     responses = store.fail_interrupted_responses({"code": "server_restarted", "message": RESTART_MESSAGE})
     keys = store.abandon_interrupted_idempotency()
-    if failed or responses or keys:
-        log.warning("recovered from an unclean stop: %d task(s) and %d response(s) marked failed, "
-                    "%d idempotency key(s) released", len(failed), len(responses), keys)
-    return len(failed) + len(responses) + keys
+    if closed or responses or keys:
+        log.warning("recovered from an unclean stop: %d task(s) and %d response(s) marked failed, %d task(s) "
+                    "ended as their stored responses had, %d idempotency key(s) released", len(failed),
+                    len(responses), len(closed) - len(failed), keys)
+    return len(closed) + len(responses) + keys
 
 
 def recover(store: Store) -> None:
