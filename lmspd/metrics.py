@@ -52,7 +52,7 @@ _FIRST_OUTPUT = (TextDelta, ReasoningDelta, ToolCallStarted)
 STORE_WRITES = frozenset({
     "put_response", "update_response", "delete_response", "create_conversation", "update_conversation",
     "delete_conversation", "append_conversation_items", "delete_conversation_item", "create_task",
-    "set_task_status", "append_event", "append_events", "idempotency_begin", "idempotency_finish",
+    "set_task_status", "append_event", "append_events", "end_turn", "idempotency_begin", "idempotency_finish",
     "idempotency_abandon",
 })
 

@@ -93,3 +93,17 @@ def test_unknown_methods_leave_metrics_the_same_size(tmp_path):
     assert len(text.encode()) <= size + 64, "distinct unknown methods grew /metrics"
     methods = {dict(k[1]).get("method") for k in samples(text) if k[0] == "lmspd_http_requests_total"}
     assert methods <= {"GET", "other"}, methods
+
+
+def test_a_conversation_turns_one_write_is_timed(tmp_path):
+    """A turn of a conversation ends in one transaction (``end_turn``):
+    timed like every other store write."""
+    engine = ScriptedEngine(Usage(input_tokens=5, output_tokens=2), "cold")
+    with make_client(tmp_path, engine) as client:
+        conversation = client.post("/v1/conversations", json={}).json()["id"]
+        before = samples(client.get("/metrics").text)
+        r = client.post("/v1/responses", json={"model": "m", "input": "hi", "conversation": conversation})
+        assert r.status_code == 200, r.text
+        after = samples(client.get("/metrics").text)
+    key = ("lmspd_store_write_seconds_count", (("operation", "end_turn"),))
+    assert after.get(key, 0) - before.get(key, 0) == 1
