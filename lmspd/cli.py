@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.parallel is not None and not 1 <= args.parallel <= 64:
         parser.error("--parallel must be between 1 and 64")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1 (leave it out for one per usable physical core)")
     _apply_placement(parser, args, settings)
     if args.data_dir is not None:
         settings.data_dir = args.data_dir.expanduser()
@@ -351,6 +353,13 @@ def _apply_cache(parser: argparse.ArgumentParser, args: argparse.Namespace, sett
 def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, settings: Settings,
                   serve: argparse.ArgumentParser) -> None:
     settings.engine = args.engine
+    if args.served_model is not None:
+        from lmspd.engines.specs import ConfigError, check_served_id
+
+        try:
+            check_served_id(args.served_model, "--served-model")
+        except ConfigError as exc:
+            parser.error(str(exc))
     settings.served_model = args.served_model
     settings.upstream_urls = list(args.upstream_urls)
     settings.upstream_model = args.upstream_model

@@ -93,20 +93,38 @@ def open_store(settings: Settings) -> Store:
 def build_service(settings: Settings) -> Service:
     # The models and their engines: --config FILE, or the one the flags name.
     from lmspd.engines.registry import ModelRegistry, lazy_llama_engine
-    from lmspd.engines.specs import LlamaSpec, build_engine, specs_from_settings
+    from lmspd.engines.specs import (
+        ConfigError,
+        LlamaSpec,
+        build_engine,
+        check_served_id,
+        spec_sources,
+        specs_from_settings,
+    )
 
     service = Service(settings.limits)
     specs = specs_from_settings(settings)
+    # Where each model was given (a flag, a config entry): two under one id are refused.
+    sources = spec_sources(settings, specs)
+    given: dict[str, tuple[str, str]] = {}
     # Several local models, or a memory or idle limit: each loads on first use.
     lazy = (sum(isinstance(s, LlamaSpec) for s in specs) > 1 or settings.models_max_mem_mb is not None
             or settings.models_idle_s is not None)
     registry = ModelRegistry(None if settings.models_max_mem_mb is None else settings.models_max_mem_mb << 20,
                              settings.models_idle_s) if lazy else None
-    for spec in specs:
+    for spec, source in zip(specs, sources, strict=True):
         if registry is not None and isinstance(spec, LlamaSpec):
             engine = lazy_llama_engine(spec, settings, registry)
         else:
             engine = build_engine(spec, settings)
+        served = check_served_id(engine.info.id, f"{source}: its id (give another with --served-model or --config)")
+        if served in given:
+            first, first_file = given[served]
+            same = " (the same model twice)" if first_file == engine.info.source else ""
+            raise ConfigError(f"two models would be served as {served!r}: {first} and {source}{same}; give each "
+                              "its own id (--served-model renames the first --model; a --config file names every "
+                              "model) or drop one")
+        given[served] = (source, engine.info.source)
         log.info("serving %s from %s", engine.info.id, engine.info.source)
         service.add_engine(engine)
     if registry is not None:

@@ -16,7 +16,19 @@ GGUF and upstream models side by side::
     api_key_env = "VLLM_API_KEY"         # optional; never the key itself
 
 This docstring is the reference for the keys; a key not listed is refused.
-Each entry is one model; the table key is its served id.
+Each entry is one model; the table key is its served id. An id is given once:
+TOML refuses a repeated table, and so does lmspd a JSON object's repeated key.
+
+A served id (a table key, ``--served-model``, or the name ``--model`` gives)
+is 1-128 characters: letters, digits and ``. _ - : @ +``, in parts split by
+``/`` none of which is empty or starts with ``.`` (``llama3.2:latest``,
+``Qwen/Qwen3-8B``; not ``""``, ``/tmp``, ``../x``). Two models served under one
+id are refused at start, naming both. A local model's KV checkpoints live in
+``<kv-disk-dir>/<id>``, each ``/`` of the id written ``%2F`` (``kv_folder``).
+
+Paths in an entry (``model`` when it ends in ``.gguf``, any case, and
+``chat_template``) are relative to the config file's folder; ``~`` is the
+home folder.
 
 Every entry: ``engine``: ``"llama"`` (default) or ``"upstream"``.
 
@@ -26,22 +38,24 @@ Every entry: ``engine``: ``"llama"`` (default) or ``"upstream"``.
                     name ``lmspd models`` lists; default the bundled SmolLM2
     ctx             tokens per sequence, ``"auto"`` (default: fitted to memory,
                     fit.py) or 0 (the trained length)
-    threads         decoding threads; default one per usable physical core (cpus.py)
+    threads         decoding threads, >= 1; default one per usable physical core
+                    (cpus.py)
     parallel        sequences decoded together, 1-64; default 4, lowered to fit
     gpu_layers      layers on the GPU, or ``"all"`` (default: all that fit)
     flash_attn      ``"auto"`` (default), ``"on"``, ``"off"``
     kv_type         ``"f16"`` (default), ``"q8_0"``, ``"q4_0"``
     rope_scaling    ``"auto"`` (default: YaRN over a window past the trained
                     length), ``"none"``
-    chat_template   a Jinja template file instead of the GGUF's own; default none
+    chat_template   a Jinja template file instead of the GGUF's own (relative to
+                    the file); default none
     temperature, top_p, top_k, min_p
                     what a request leaves unset is sampled with, over the flags
                     ``--temperature`` & co. and the GGUF's own; default unset
 
 ``engine = "upstream"``:
 
-    url, urls       the provider's base URL(s), ``http://host:port/v1``; required
-    upstream_model  the provider's name for the model; required
+    url, urls       the provider's base URL(s), ``http(s)://host:port/v1``; required
+    upstream_model  the provider's name for the model (not empty); required
     profile         ``"generic"`` (default), ``"openai"``, ``"llama-cpp-python"``
     api_key_env     a variable holding the key (must be set); default none
     key_name        a key saved with ``lmspd config set-key --name``; default none
@@ -74,6 +88,7 @@ a key saved with ``lmspd config set-key --name``.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +98,8 @@ from lmspd.core.conversation import SamplingDefaults
 from lmspd.engines.llama.placement import check_kv_type
 from lmspd.engines.upstream.engine import UpstreamSpec
 
-__all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "load_config_file", "specs_from_settings"]
+__all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "check_served_id", "kv_folder",
+           "load_config_file", "spec_sources", "specs_from_settings"]
 
 
 class ConfigError(ValueError):
@@ -130,13 +146,57 @@ _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+# A served id: what clients send as "model", and (through kv_folder) the name
+# of a local model's KV checkpoint folder. Parts split by "/" (Qwen/Qwen3-8B,
+# hf.co/org/repo:Q4_K_M), none empty or starting with "." (no "..", no
+# absolute path, no hidden folder); no whitespace or control characters.
+MAX_SERVED_ID = 128
+_ID_PART = r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@+-]*"
+_SERVED_ID = re.compile(rf"{_ID_PART}(?:/{_ID_PART})*")
+SERVED_ID_RULE = (f"1-{MAX_SERVED_ID} letters, digits and . _ - : @ +, in parts split by '/' none of which is "
+                  "empty or starts with '.' (e.g. llama3.2:latest, Qwen/Qwen3-8B)")
+
+
+def check_served_id(served: object, where: str) -> str:
+    """``served`` if it is a valid served model id, else a ConfigError that
+    says ``where`` it came from and what an id may be."""
+    if not isinstance(served, str) or len(served) > MAX_SERVED_ID or _SERVED_ID.fullmatch(served) is None:
+        raise ConfigError(f"{where}: {served!r} is not a valid served model id: {SERVED_ID_RULE}")
+    return served
+
+
+def kv_folder(served: str) -> str:
+    """The KV checkpoint folder's name for a served id (one folder under the
+    KV directory: each "/" written "%2F", which no id contains)."""
+    return check_served_id(served, "the KV checkpoint folder").replace("/", "%2F")
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads's object_pairs_hook: a repeated key is refused, not the last one kept."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_config_file(path: Path) -> list[EngineSpec]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        raw = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+        # TOML refuses a repeated key (or table) itself.
+        raw = (json.loads(text, object_pairs_hook=_no_duplicates) if path.suffix.lower() == ".json"
+               else tomllib.loads(text))
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: the key {exc.args[0]!r} is given twice in one object (two models.{exc.args[0]} "
+                          "entries, or one setting given twice): give each model its own id, each setting once") from None
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         kind = "JSON" if path.suffix.lower() == ".json" else "TOML"
         raise ConfigError(f"{path} is not valid {kind}: {exc}") from None
@@ -145,27 +205,55 @@ def load_config_file(path: Path) -> list[EngineSpec]:
     return [_spec(model_id, entry, path) for model_id, entry in raw["models"].items()]
 
 
+def _relative_to(path: Path, value: str) -> str:
+    """A path written in the config file at ``path``: relative to its folder."""
+    given = Path(value).expanduser()
+    return str(given if given.is_absolute() else (path.parent / given).resolve())
+
+
+def _check_threads(threads: Any, where: str) -> None:
+    if threads is not None and threads < 1:
+        raise ConfigError(f"{where} must be >= 1 (leave it out for one per usable physical core), not {threads}")
+
+
+def _check_urls(urls: list[str], where: str) -> None:
+    from lmspd.engines.upstream.pool import normalize_base_url
+
+    for url in urls:
+        try:
+            normalize_base_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
 def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
     where = f"{path}: models.{model_id}"
+    check_served_id(model_id, f"{path}: the entry [models.{json.dumps(model_id)}]")
     if not isinstance(entry, dict):
         raise ConfigError(f"{where} must be a table")
     entry = dict(entry)
     engine = entry.pop("engine", "llama")
-    allowed = {"llama": _LLAMA_FIELDS, "upstream": _UPSTREAM_FIELDS}.get(engine)
+    allowed = {"llama": _LLAMA_FIELDS, "upstream": _UPSTREAM_FIELDS}.get(engine) if isinstance(engine, str) else None
     if allowed is None:
-        raise ConfigError(f"{where}: engine must be 'llama' or 'upstream', not {engine!r}")
+        raise ConfigError(f"{where}.engine must be 'llama' or 'upstream', not {engine!r}")
     for key, value in entry.items():
         if key not in allowed:
             hint = " (keys never go in this file: use api_key_env or key_name)" if "key" in key else ""
             raise ConfigError(f"{where}: unknown setting {key!r}{hint}")
         if isinstance(value, bool) or not isinstance(value, allowed[key]):
             raise ConfigError(f"{where}.{key} has the wrong type")
+        if key in ("upstream_model", "api_key_env", "key_name") and isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{where}.{key} must not be empty")
     if engine == "llama":
         if not 1 <= entry.get("parallel", 4) <= 64:
             raise ConfigError(f"{where}.parallel must be between 1 and 64")
+        _check_threads(entry.get("threads"), f"{where}.threads")
         model = entry.get("model")
-        if model is not None and model.endswith(".gguf") and not Path(model).is_absolute():
-            model = str((path.parent / model).resolve())
+        if model is not None and model.lower().endswith(".gguf"):
+            model = _relative_to(path, model)
+        chat_template = entry.get("chat_template")
+        if chat_template is not None:
+            chat_template = _relative_to(path, chat_template)
         for key, word in (("ctx", "auto"), ("gpu_layers", "all")):
             if isinstance(entry.get(key), str) and entry[key] != word:
                 raise ConfigError(f"{where}.{key} has the wrong type (a number, or {word!r})")
@@ -178,7 +266,7 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         except ValueError as exc:
             raise ConfigError(f"{where}: {str(exc).replace('--', '').replace('-', '_')}") from None
         return LlamaSpec(served_model=model_id, model=model, ctx=ctx, threads=entry.get("threads"),
-                         parallel=entry.get("parallel"), chat_template=entry.get("chat_template"),
+                         parallel=entry.get("parallel"), chat_template=chat_template,
                          gpu_layers=gpu_layers, flash_attn=entry.get("flash_attn", "auto"),
                          kv_type=entry.get("kv_type", "f16"), rope_scaling=entry.get("rope_scaling", "auto"),
                          sampling=sampling)
@@ -189,6 +277,7 @@ def _spec(model_id: str, entry: Any, path: Path) -> EngineSpec:
         raise ConfigError(f"{where}: give the provider's base URL as url = \"http://host:port/v1\" (or urls = [...])")
     if "upstream_model" not in entry:
         raise ConfigError(f"{where}: upstream_model (the provider's name for the model) is required")
+    _check_urls(urls, where)
     try:
         return UpstreamSpec(served_model=model_id, urls=list(urls), **entry)
     except (TypeError, ValueError) as exc:
@@ -199,9 +288,15 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
     """The models to serve: the config file's, or the one the flags name."""
     if settings.config_file is not None:
         return load_config_file(Path(settings.config_file))
+    if settings.served_model is not None:
+        check_served_id(settings.served_model, "--served-model")
     if settings.engine == "upstream":
         if not settings.upstream_urls or not settings.upstream_model:
             raise ConfigError("--engine upstream needs --upstream-url and --upstream-model")
+        if settings.served_model is None:
+            check_served_id(settings.upstream_model, "--upstream-model, the served id without --served-model "
+                                                     "(give one with --served-model)")
+        _check_urls(list(settings.upstream_urls), "--upstream-url")
         try:
             return [UpstreamSpec(
                 served_model=settings.served_model or settings.upstream_model,
@@ -219,6 +314,7 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                                  "flash_attn": getattr(settings, "flash_attn", "auto"),
                                  "kv_type": getattr(settings, "kv_type", "f16"),
                                  "rope_scaling": getattr(settings, "rope_scaling", "auto")}
+    _check_threads(settings.threads, "--threads")
     first = LlamaSpec(served_model=settings.served_model, model=settings.model, ctx=settings.ctx,
                       threads=settings.threads, parallel=settings.parallel, chat_template=settings.chat_template,
                       **placement)
@@ -226,6 +322,22 @@ def specs_from_settings(settings: Any) -> list[EngineSpec]:
                       chat_template=settings.chat_template, **placement)
             for m in getattr(settings, "extra_models", [])]
     return [first, *more]
+
+
+def spec_sources(settings: Any, specs: list[EngineSpec]) -> list[str]:
+    """Where each of ``specs`` (``specs_from_settings(settings)``) was given,
+    for messages: a config file's entry, or a flag and its position."""
+    if settings.config_file is not None:
+        return [f"{settings.config_file}: models.{spec.served_model}" for spec in specs]
+    if settings.engine == "upstream":
+        return [f"--served-model {settings.served_model}" if settings.served_model
+                else f"--upstream-model {settings.upstream_model}"]
+    models = [settings.model, *getattr(settings, "extra_models", [])]
+    out = [f"--model #{n} ({model})" if model is not None else "the default model (no --model)"
+           for n, model in enumerate(models, 1)]
+    if settings.served_model:
+        out[0] = f"--served-model {settings.served_model} (for {out[0]})"
+    return out[:len(specs)]
 
 
 def parse_sampling(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -305,13 +417,15 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
     from lmspd.engines.llama.models import resolve_model
 
     model_id, path = resolve_model(spec.model, Roots.default(getattr(settings, "models_dir", None)))
-    served = spec.served_model or model_id
+    served = check_served_id(spec.served_model or model_id,
+                             f"model {spec.model or model_id}: its id (give another with --served-model or a "
+                             "config entry's name)")
     disk_dir = settings.kv_disk_dir or Path(settings.data_dir) / "kv"
     cache = CacheSettings(
         enabled=settings.prefix_cache,
         ram_budget_bytes=settings.kv_ram_mb << 20,
         # One directory per served model: checkpoints never cross models.
-        disk_dir=(disk_dir / served) if settings.kv_disk_space_mb > 0 else None,
+        disk_dir=(disk_dir / kv_folder(served)) if settings.kv_disk_space_mb > 0 else None,
         disk_budget_bytes=settings.kv_disk_space_mb << 20,
         checkpoint_every=settings.kv_checkpoint_every,
         swa_full=getattr(settings, "swa_full", False),
