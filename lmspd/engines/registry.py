@@ -206,6 +206,10 @@ class LazyEngine:
         return self._closing
 
     async def aclose(self) -> None:
+        """(shutdown) Free the engine; from now on no model of the registry
+        starts a load (a close ending would otherwise start the loads that
+        waited for it, on a server going down)."""
+        self._registry.shutting_down = True
         if self._closing is None and self.status != LOADED:
             # Nothing loaded (a load under way at shutdown ends in its thread).
             return
@@ -327,6 +331,8 @@ class ModelRegistry:
         # One timer, armed for the earliest deadline of any loaded model.
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_due = 0.0
+        # Set once the server closes its models: nothing loads after that.
+        self.shutting_down = False
 
     def add(self, info: ModelInfo, build: Callable[[], Any], cost_bytes: int) -> LazyEngine:
         if self.max_bytes is not None and cost_bytes > self.max_bytes:
@@ -372,6 +378,8 @@ class ModelRegistry:
     def request_load(self, model: LazyEngine) -> None:
         """Start loading ``model`` if the budget allows, unloading idle ones first (event loop only)."""
         self._loop = asyncio.get_running_loop()
+        if self.shutting_down:
+            return
         now = time.monotonic()
         if model.status in (LOADING, LOADED):
             model.wanted_at = None
@@ -409,6 +417,8 @@ class ModelRegistry:
         """(event loop) ``model``'s engine has closed: its memory is free, so
         the loads that waited for a close (asked for lately) start now, the
         longest waiting first."""
+        if self.shutting_down:
+            return
         now = time.monotonic()
         waiting = sorted((m for m in self.models.values() if m.wanted_at is not None),
                          key=lambda m: m.wanted_at or 0.0)

@@ -20,7 +20,7 @@ Each entry is one model; the table key is its served id. An id is given once:
 TOML refuses a repeated table, and so does lmspd a JSON object's repeated key.
 
 A served id (a table key, ``--served-model``, or the name ``--model`` gives)
-is 1-128 characters: letters, digits and ``. _ - : @ +``, in parts split by
+is 1-256 characters: letters, digits and ``. _ - : @ +``, in parts split by
 ``/`` none of which is empty or starts with ``.`` (``llama3.2:latest``,
 ``Qwen/Qwen3-8B``; not ``""``, ``/tmp``, ``../x``). Two models served under one
 id are refused at start, naming both. A local model's KV checkpoints live in
@@ -87,7 +87,10 @@ a key saved with ``lmspd config set-key --name``.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -97,6 +100,8 @@ from typing import Any, Union
 from lmspd.core.conversation import SamplingDefaults
 from lmspd.engines.llama.placement import check_kv_type
 from lmspd.engines.upstream.engine import UpstreamSpec
+
+log = logging.getLogger("lmspd.models")
 
 __all__ = ["ConfigError", "LlamaSpec", "EngineSpec", "build_engine", "check_served_id", "kv_folder",
            "load_config_file", "spec_sources", "specs_from_settings"]
@@ -150,7 +155,8 @@ _UPSTREAM_FIELDS: dict[str, tuple[type, ...]] = {
 # of a local model's KV checkpoint folder. Parts split by "/" (Qwen/Qwen3-8B,
 # hf.co/org/repo:Q4_K_M), none empty or starting with "." (no "..", no
 # absolute path, no hidden folder); no whitespace or control characters.
-MAX_SERVED_ID = 128
+# Hugging Face cache names run past 128 (org/repo-…-GGUF/…-Q4_K_M).
+MAX_SERVED_ID = 256
 _ID_PART = r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@+-]*"
 _SERVED_ID = re.compile(rf"{_ID_PART}(?:/{_ID_PART})*")
 SERVED_ID_RULE = (f"1-{MAX_SERVED_ID} letters, digits and . _ - : @ +, in parts split by '/' none of which is "
@@ -165,10 +171,42 @@ def check_served_id(served: object, where: str) -> str:
     return served
 
 
+# A folder name is at most 255 bytes on the common file systems.
+_MAX_FOLDER = 200
+
+
 def kv_folder(served: str) -> str:
     """The KV checkpoint folder's name for a served id (one folder under the
-    KV directory: each "/" written "%2F", which no id contains)."""
-    return check_served_id(served, "the KV checkpoint folder").replace("/", "%2F")
+    KV directory: each "/" written "%2F", which no id contains; a long id is
+    cut and ends with a hash of the whole, so two ids never share one)."""
+    name = check_served_id(served, "the KV checkpoint folder").replace("/", "%2F")
+    if len(name) > _MAX_FOLDER:
+        name = name[:_MAX_FOLDER - 17] + "-" + hashlib.sha256(served.encode()).hexdigest()[:16]
+    return name
+
+
+def kv_dir(disk_dir: Path, served: str) -> Path:
+    """``disk_dir / kv_folder(served)``. Before served ids were checked, an
+    id with "/" was a nested folder (``kv/Qwen/Qwen3-8B``): found there,
+    its checkpoints move to the new folder once, so that an upgrade neither
+    starts cold nor leaves them unpruned beside it."""
+    folder = disk_dir / kv_folder(served)
+    if "/" in served and not folder.exists():
+        old = disk_dir.joinpath(*served.split("/"))
+        if old.is_dir():
+            try:
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                old.rename(folder)
+            except OSError as exc:
+                log.warning("could not move KV checkpoints from %s to %s: %s", old, folder, exc)
+                return folder
+            log.info("moved KV checkpoints from %s to %s", old, folder)
+            for parent in old.parents:  # the folders the old id nested in, if now empty
+                if parent == disk_dir or disk_dir not in parent.parents:
+                    break
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+    return folder
 
 
 class _DuplicateKey(ValueError):
@@ -425,7 +463,7 @@ def build_engine(spec: EngineSpec, settings: Any, placement: Any = None) -> Any:
         enabled=settings.prefix_cache,
         ram_budget_bytes=settings.kv_ram_mb << 20,
         # One directory per served model: checkpoints never cross models.
-        disk_dir=(disk_dir / kv_folder(served)) if settings.kv_disk_space_mb > 0 else None,
+        disk_dir=kv_dir(disk_dir, served) if settings.kv_disk_space_mb > 0 else None,
         disk_budget_bytes=settings.kv_disk_space_mb << 20,
         checkpoint_every=settings.kv_checkpoint_every,
         swa_full=getattr(settings, "swa_full", False),

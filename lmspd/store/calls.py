@@ -52,17 +52,37 @@ log = logging.getLogger("lmspd.store")
 FINAL_WRITE_DELAYS_S = (0.05, 0.2, 0.5)
 
 
+# SQLite's errors that pass: another writer holds the lock, or the disk
+# failed or filled (and may be freed). Not "no such table", "readonly
+# database", "too many SQL variables": those stay, and a retry until
+# shutdown would only hold a task in_progress.
+_SQLITE_PASSING = ("database is locked", "database table is locked", "database is busy", "disk i/o error",
+                   "database or disk is full")
+# PostgreSQL's SQLSTATE classes that pass: connection exceptions (08),
+# transaction rollbacks (40: serialization failures, deadlocks), insufficient
+# resources (53), operator intervention (57: a restart, a cancelled query).
+_PG_PASSING_CLASSES = ("08", "40", "53", "57")
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a store call that raised ``exc`` may succeed if tried again:
-    SQLite's "database is locked" and I/O errors (``OperationalError``; a
-    full disk that is freed), PostgreSQL's lost connections, pool timeouts,
-    serialization failures and deadlocks (``psycopg.OperationalError``, of
-    which ``psycopg_pool.PoolTimeout`` is one). Not: a closed store, a bug
-    (``Duplicate``, ``SequenceError``), a task someone else ended."""
+    SQLite busy, locked, I/O or full; PostgreSQL's lost connections (no
+    SQLSTATE: the client's own error), pool timeouts, and the SQLSTATE
+    classes above. Not: a closed store, a bug (``Duplicate``,
+    ``SequenceError``, a constraint), a task someone else ended."""
     if isinstance(exc, sqlite3.OperationalError):
-        return True
+        message = str(exc).lower()
+        return any(text in message for text in _SQLITE_PASSING)
     psycopg = sys.modules.get("psycopg")  # loaded only by the PostgreSQL store
-    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+    if psycopg is None:
+        return False
+    pool = sys.modules.get("psycopg_pool")
+    if pool is not None and isinstance(exc, pool.PoolTimeout):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    return state is None or str(state)[:2] in _PG_PASSING_CLASSES
 
 
 def backoff(first_s: float = 0.05, most_s: float = 2.0) -> Iterator[float]:

@@ -105,9 +105,14 @@ class ResponseQueries(SqlBackend):
         created_at: float | None = None,
         conversation_items: Sequence[JSON] | None = None,
     ) -> bool:
+        # Safe to try again after a commit that landed but reported an error
+        # (a connection lost during COMMIT): the response is then updated,
+        # not inserted twice, and items already appended are not appended
+        # again (the turn's items keep their ids across tries).
         with self.sql_write() as sql:
             if response is not None:
-                if new:
+                if new and sql.first("SELECT 1 FROM responses WHERE id = ? AND owner = ?",
+                                     (response_id, owner)) is None:
                     self._put_in(sql, owner, response_id, response, input_items,
                                  previous_response_id=previous_response_id, conversation_id=conversation_id,
                                  created_at=created_at)
@@ -120,7 +125,11 @@ class ResponseQueries(SqlBackend):
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
                          (conversation_id, owner)) is None:
                 return False  # deleted meanwhile: the response is stored all the same
-            append_items(sql, conversation_id, conversation_items, self._clock())
+            items = ensure_item_ids(conversation_items)
+            if items and sql.first("SELECT 1 FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                                   (conversation_id, items[-1]["id"])) is not None:
+                return True  # this turn's items are there already: an earlier try landed
+            append_items(sql, conversation_id, items, self._clock())
             return True
 
     def get_response(self, owner: str, response_id: str) -> JSON | None:

@@ -328,7 +328,13 @@ class TaskManager:
                 if live.record.writes_at_end(state):
                     # Before the terminal event: a reader that sees it and then
                     # reads the response or the conversation finds them final.
-                    await self._write(live, "its response", True, live.record.ended, state)
+                    try:
+                        await self._write(live, "its response", True, live.record.ended, state)
+                    except Exception:
+                        # Not a store error that may pass (a bug, a row that
+                        # cannot be written): the task's own end still is,
+                        # with the result, or it would stay in_progress.
+                        log.exception("task %s: could not store its response", live.id)
                 await self._write(live, "its final status", True, functools.partial(
                     self.store.set_task_status, live.owner, live.id, state.status,
                     result=live.dialect.response_json(state), error=state.error,

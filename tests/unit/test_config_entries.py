@@ -20,6 +20,7 @@ from lmspd.engines.specs import (
     LlamaSpec,
     build_engine,
     check_served_id,
+    kv_dir,
     kv_folder,
     load_config_file,
     specs_from_settings,
@@ -107,7 +108,7 @@ def test_a_repeated_toml_key_is_refused(tmp_path: Path, text: str) -> None:
 GOOD_IDS = ["smollm2", "llama3.2:latest", "Qwen/Qwen3-8B", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M",
             "claude-3-5-sonnet@20240620", "a_b+c", "x" * 128]
 BAD_IDS = ["", "/tmp", "../../x", "..", ".", "a/../b", "a/./b", "a//b", "a/", ".hidden", "a/.b", "a b", "a\nb",
-           "a\x00b", "a\\b", "x" * 129]
+           "a\x00b", "a\\b", "x" * 257]
 
 
 @pytest.mark.parametrize("served", GOOD_IDS)
@@ -240,3 +241,26 @@ def test_absolute_and_home_paths_and_names_stay(tmp_path: Path, monkeypatch: pyt
     assert isinstance(a, LlamaSpec) and isinstance(b, LlamaSpec)
     assert (a.model, a.chat_template) == (BUNDLED, "/abs/t.jinja")
     assert (b.model, b.chat_template) == (str(tmp_path / "home" / "m.gguf"), str(tmp_path / "home" / "t.jinja"))
+
+
+def test_a_long_id_gets_a_folder_name_the_file_system_takes() -> None:
+    long = "mradermacher/" + "Llama-3.1-Nemotron-70B-Instruct-HF-abliterated-i1-GGUF/" * 4 + "x-Q4_K_M"
+    assert 200 < len(long) <= 256
+    folder = kv_folder(long)
+    assert len(folder) <= 200 and folder != kv_folder(long[:-1] + "y")
+
+
+def test_checkpoints_in_the_old_nested_folder_move_once(tmp_path: Path) -> None:
+    """Before ids were checked, ``Qwen/Qwen3-8B``'s checkpoints lived in
+    ``kv/Qwen/Qwen3-8B``: they move to the new folder (not a cold start,
+    not left unpruned), and the emptied folder goes."""
+    old = tmp_path / "Qwen" / "Qwen3-8B"
+    old.mkdir(parents=True)
+    (old / "cp.kv").write_bytes(b"state")
+    folder = kv_dir(tmp_path, "Qwen/Qwen3-8B")
+    assert folder == tmp_path / "Qwen%2FQwen3-8B" and (folder / "cp.kv").read_bytes() == b"state"
+    assert not (tmp_path / "Qwen").exists()
+    # Done once: a later start finds the new folder and moves nothing.
+    old.mkdir(parents=True)
+    (old / "other.kv").write_bytes(b"x")
+    assert kv_dir(tmp_path, "Qwen/Qwen3-8B") == folder and not (folder / "other.kv").exists()

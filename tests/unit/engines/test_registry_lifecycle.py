@@ -383,3 +383,25 @@ def test_a_lazy_models_unreadable_chat_template_fails_at_start(tmp_path) -> None
     good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert lazy_llama_engine(LlamaSpec(model=None, ctx=512, chat_template=str(good)), settings, registry)
     assert registry.models == {} or all(m.status == UNLOADED for m in registry.models.values())
+
+
+def test_a_close_ending_at_shutdown_starts_no_load() -> None:
+    """b waits for a's close to load; the server shuts down meanwhile. The
+    close ending then must not start b's load on a server going down (its
+    engine would never be closed)."""
+    async def go() -> None:
+        world = World(("a", "b"), budget_models=1)
+        world.release = asyncio.Event()
+        await drain(await world.until_loaded("a"), "a")
+        with pytest.raises(ApiError):
+            await world.begin("b")  # evicts a, whose close takes a while
+        await asyncio.sleep(0.02)
+        assert world.model("b").wanted_at is not None
+        world.service.shutdown()
+        asyncio.get_running_loop().call_later(0.05, world.release.set)
+        await world.service.aclose()
+        await asyncio.sleep(0.1)
+        assert world.builds["b"] == 0 and world.live == []
+        assert world.model("b").status == UNLOADED
+
+    asyncio.run(go())

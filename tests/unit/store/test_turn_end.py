@@ -130,3 +130,18 @@ def test_an_interrupted_task_whose_response_is_final_ends_as_its_response(opened
     # The response rows are the store's to keep as they are: the final one untouched.
     assert s.get_response("alice", "resp_1")["status"] == "completed"
     assert s.fail_interrupted_tasks("again", close_log=close) == []
+
+
+def test_a_turn_written_again_after_it_landed_changes_nothing(opened) -> None:
+    """A commit that landed but reported an error (a connection lost during
+    COMMIT) is tried again: the response is updated, not inserted twice
+    (Duplicate), and the turn's items, which keep their ids across tries,
+    are not appended a second time."""
+    s = opened()
+    s.create_conversation("alice", "conv_1")
+    items = [{**message("hi"), "id": "msg_in"}, {**message("ok", "assistant"), "id": "msg_out"}]
+    for new in (True, True, False):
+        assert s.end_turn("alice", "resp_1", response("resp_1", "completed"), [items[0]], new=new,
+                          conversation_id="conv_1", conversation_items=items)
+    assert [i["id"] for i in s.conversation_items("alice", "conv_1")] == ["msg_in", "msg_out"]
+    assert s.get_response("alice", "resp_1")["status"] == "completed"

@@ -215,3 +215,27 @@ def test_a_final_write_that_never_lands_gives_up_at_shutdown_and_recovery_keeps_
         assert got["status"] == "completed" and got["output"][0]["content"][0]["text"] == "Hello there"
         assert openai_replay(http, rid)[-1][0] == "response.completed"
     store2.close()
+
+
+def test_a_response_end_that_cannot_be_written_still_ends_the_task(tmp_path: Path) -> None:
+    """An error that is not the store's passing kind (a bug, a constraint)
+    on the response's end is not retried, and does not keep the task's own
+    end from being written: the task completes with its result, followers
+    see the terminal event (it stayed in_progress, with no end, until a
+    restart)."""
+
+    class BadEnd(SQLiteStore):
+        def update_response(self, owner: str, rid: str, response: Any) -> Any:
+            if response.get("status") in FINAL:
+                raise sqlite3.IntegrityError("not a passing error")
+            return super().update_response(owner, rid, response)
+
+    store = BadEnd(tmp_path / "lmspd.sqlite3")
+    app, _ = make_app(tmp_path, store=store, engine=engine())
+    with TestClient(app, base_url="http://localhost") as http:
+        rid = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True}).json()["id"]
+        task = wait_final(lambda: dict(store._writer.execute(
+            "SELECT status FROM tasks WHERE id = ?", (rid,)).fetchone()))
+        assert task["status"] == "completed"
+        events = openai_replay(http, rid)
+        assert events[-1][0] == "response.completed"
