@@ -24,7 +24,9 @@ is 1-256 characters: letters, digits and ``. _ - : @ +``, in parts split by
 ``/`` none of which is empty or starts with ``.`` (``llama3.2:latest``,
 ``Qwen/Qwen3-8B``; not ``""``, ``/tmp``, ``../x``). Two models served under one
 id are refused at start, naming both. A local model's KV checkpoints live in
-``<kv-disk-dir>/<id>``, each ``/`` of the id written ``%2F`` (``kv_folder``).
+``<kv-disk-dir>/<id>``, each ``/`` of the id written ``%2F``, a long id cut
+and ended with a hash (``kv_folder``); an earlier version's nested folder
+moves there once (``kv_dir``).
 
 Paths in an entry (``model`` when it ends in ``.gguf``, any case, and
 ``chat_template``) are relative to the config file's folder; ``~`` is the

@@ -28,6 +28,7 @@ from lmspd.core.limits import DEFAULT_LIMITS, RequestLimits
 from lmspd.dialects.anthropic_messages import decode_request
 from lmspd.dialects.responses_items import media_placeholder
 from support.inprocess import MODEL, serving
+from support.mutation import json_values, paths, replaced
 
 LIMITS = DEFAULT_LIMITS.request
 CAPTURED = Path(__file__).resolve().parents[2] / "fixtures" / "claude-code" / "captured"
@@ -241,33 +242,10 @@ BLOCKS = [
                                                                    {"type": "image", "source": {}}]}},
     {"type": "browser_state", "tabs": [{"tab_id": "1", "title": "", "url": ""}], "state_changes": [{"type": "x"}]},
 ]
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=6,
-)
-
-
-def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
 @st.composite
 def mutated_blocks(draw: st.DrawFn) -> list[Any]:
-    blocks = copy.deepcopy(BLOCKS)
-    path = draw(st.sampled_from(_paths(blocks)[1:]))
-    node: Any = blocks
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = draw(json_values)
-    return blocks
+    path = draw(st.sampled_from(paths(BLOCKS)[1:]))
+    return replaced(BLOCKS, path, draw(json_values))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects import anthropic_messages, chat_completions, lmsp, openai_responses
+from support.mutation import json_values, paths, replaced
 
 FUNCTION = {"type": "function", "name": "lookup", "description": "d",
             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
@@ -94,42 +95,13 @@ DECODERS: dict[str, tuple[dict, Callable[[dict], Any]]] = {
         {k: v for k, v in raw.items() if k != "max_tokens"} if isinstance(raw, dict) else raw, DEFAULT_LIMITS.request)),
 }
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=6,
-)
-
-
-def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-def _replace(body: Any, path: tuple, new: Any) -> Any:
-    if not path:
-        return new
-    body = copy.deepcopy(body)
-    node = body
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = new
-    return body
-
-
 @st.composite
 def mutated(draw: st.DrawFn, base: dict) -> dict:
     body = base
     for _ in range(draw(st.integers(1, 2))):
-        paths = _paths(body)
-        path = draw(st.sampled_from(paths[1:] if len(paths) > 1 else paths))
-        body = _replace(body, path, draw(json_values))
+        places = paths(body)
+        path = draw(st.sampled_from(places[1:] if len(places) > 1 else places))
+        body = replaced(body, path, draw(json_values))
     return body if isinstance(body, dict) else {"model": "m", "input": body}
 
 

@@ -17,8 +17,8 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from lmspd.store.calls import StoreCalls
-from lmspd.store.sql import Sql
 from support.engine import ScriptedEngine
+from support.faults import FailingOnce
 from support.inprocess import MODEL, make_app
 
 
@@ -64,23 +64,6 @@ def test_a_finished_generation_is_stored_even_when_the_store_queue_is_full(tmp_p
 
 def engine_generations(app: Any) -> int:
     return app.state.lmspd.service.models[MODEL].engine.generations
-
-
-class FailingOnce:
-    """``Sql.many`` raises ``error`` for the next batch insert whose
-    statement holds ``needle``."""
-
-    def __init__(self, monkeypatch: Any, needle: str, error: Exception) -> None:
-        self.left = 1
-        original = Sql.many
-
-        def many(sql: Sql, statement: str, rows: Any) -> None:
-            if self.left and needle in statement and rows:
-                self.left -= 1
-                raise error
-            original(sql, statement, rows)
-
-        monkeypatch.setattr(Sql, "many", many)
 
 
 def test_a_transient_error_in_the_final_write_is_tried_again(tmp_path: Path, monkeypatch) -> None:

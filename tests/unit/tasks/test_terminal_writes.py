@@ -24,9 +24,9 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from lmspd.core.limits import DEFAULT_LIMITS
-from lmspd.store.sql import Sql
 from lmspd.store.sqlite import SQLiteStore
 from support.engine import ScriptedEngine
+from support.faults import FailingOnce
 from support.inprocess import MODEL, make_app
 from support.sse import parse_frames
 from support.validate import validate_lmsp_stream, validate_openai_stream
@@ -58,24 +58,6 @@ def openai_replay(http: TestClient, rid: str) -> list[tuple[str | None, dict]]:
 def lmsp_replay(http: TestClient, task_id: str) -> list:
     with http.stream("GET", f"/lmsp/v1/tasks/{task_id}/events", headers=LMSP) as reply:
         return list(parse_frames(reply.iter_lines()))
-
-
-class FailingOnce:
-    """``Sql.many`` that raises ``error`` for the next ``times`` batch
-    inserts whose statement holds ``needle`` (a write both the response's
-    own methods and one-transaction turn writes go through)."""
-
-    def __init__(self, monkeypatch: Any, needle: str, error: Exception, times: int = 1) -> None:
-        self.left = times
-        original = Sql.many
-
-        def many(sql: Sql, statement: str, rows: Any) -> None:
-            if self.left and needle in statement and rows:
-                self.left -= 1
-                raise error
-            original(sql, statement, rows)
-
-        monkeypatch.setattr(Sql, "many", many)
 
 
 class FlakyStatus(SQLiteStore):
