@@ -499,7 +499,6 @@ def response_json(state: ResponseState) -> dict[str, Any]:
     body.update(DEFAULT_ECHO)
     body.update(state.echo)
     extensions = response_extensions(state) or {}
-    extensions.pop(INCOMPLETE_EXTENSION, None)
     if state.incomplete_reason and state.incomplete_reason not in _OPENAI_REASONS:
         extensions[INCOMPLETE_EXTENSION] = {"reason": state.incomplete_reason}
     if extensions:
