@@ -23,7 +23,11 @@ load hits all of them alike; each round sends all systems the same prompt,
 whose system message starts with a fresh nonce, so no system can reuse more
 than the few template tokens before it from its previous request. Reported
 are medians with the interquartile range, and ratios computed per round
-(paired) as well as from the medians.
+(paired) as well as from the medians. With ``--baseline`` the two lmspd
+servers are started again the other way round half-way through the rounds:
+on the 2-core machine the server started first measured 3-4 % slower decode
+and ~50 ms more CPU per request with the same code on both sides
+(bench/README.md); the run prints the paired comparison of each half.
 
     .venv/bin/python bench/overhead.py --quick     # about a minute
     .venv/bin/python bench/overhead.py             # the full run
@@ -336,6 +340,20 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
                              + (f"  [target ≤ 5 ms: {verdict(over_pair.median <= 5.0)}]" if goal else ""))
             if cpu_pair:
                 lines.append(f"  {a} uses {cpu_pair.median:+.1f} ms CPU per request more than {b} (paired)")
+    if base is not None and LMSPD in per and meta.get("restart_at"):
+        # The paired comparison of the two lmspd servers in each half: the
+        # start-order effect is the difference between the halves.
+        cut = meta["restart_at"]
+        for label, keep in ((f"{LMSPD} started first", lambda r: r < cut),
+                            (f"{base} started first", lambda r: r >= cut)):
+            half = [s for s in samples if keep(s.round)]
+            dec = summarize(paired(half, LMSPD, base, lambda x, y: (x.decode_tps / y.decode_tps)
+                                   if x.decode_tps and y.decode_tps else None))
+            cpu = summarize(paired(half, LMSPD, base, lambda x, y: (x.cpu_ms - y.cpu_ms)
+                                   if x.cpu_ms is not None and y.cpu_ms is not None else None))
+            if dec and cpu:
+                lines.append(f"{label}: {LMSPD} decode / {base} decode = {dec.median:.3f} paired, "
+                             f"CPU {cpu.median:+.1f} ms per request")
     if ratios:
         console.print(rt)
     for line in lines:
@@ -354,6 +372,66 @@ def report(args: argparse.Namespace, samples: list[Sample], meta: dict[str, Any]
     for line in meta.get("notes", []):
         console.print("  note: " + line, markup=False)
     return {"per_system": per, "ratios": ratios, "headline": lines, "checks": checks}
+
+
+class LmspdChild:
+    """One ``lmspd serve`` the rounds call: this checkout's, or ``--baseline``'s
+    (``source``), restartable so that two of them can be started either way round."""
+
+    def __init__(self, name: str, source: Path | None, model: Path | None, model_id: str,
+                 bodies: list[dict[str, Any]], args: argparse.Namespace, tmp: Path, client: httpx.Client) -> None:
+        self.name, self._source, self._model, self._model_id = name, source, model, model_id
+        self._bodies, self._args, self._tmp, self._client = bodies, args, tmp, client
+        self._srv: Any = None
+
+    @property
+    def url(self) -> str:
+        return self._srv.url
+
+    @property
+    def pid(self) -> int:
+        return self._srv.pid
+
+    def start(self, start: int) -> dict[str, Any]:
+        """Start the server (``start``: which start this is, for its own data
+        dir and log) and send it the cache opt-out check's two requests, which
+        also leave every server's sequences used alike before the rounds."""
+        tag = self.name.replace("@", "-at-").replace("/", "_")
+        args = self._args
+        self._srv = lmspd_server(self._model, args.ctx, args.threads, self._tmp / f"{tag}-data-{start}",
+                                 self._tmp / f"{tag}-{start}.log", extra=lmspd_gpu_flags(args), source=self._source)
+        self._srv.start()
+        served = self._client.get(self.url + "/v1/models").json()["data"][0]["id"]
+        assert served == self._model_id, (served, self._model_id)
+        check = cache_opt_out_check(self._client, self.url, served)
+        self._srv.new_log_text()  # skip what the start and the check logged
+        return check
+
+    def stop(self) -> None:
+        if self._srv is not None:
+            self._srv.stop()
+            self._srv = None
+
+    def run(self, r: int, i: int) -> Sample:
+        srv = self._srv
+        body = self._bodies[i]
+        s = with_cpu(srv.pid, lambda: stream_responses(self._client, srv.url + "/v1/responses", body,
+                                                       Sample(self.name, r)))
+        # The engine logs each generation's prefill time (INFO, stderr).
+        found = PREFILL_LOG.findall(srv.new_log_text())
+        if found:
+            s.extra["prefill_ms"] = float(found[-1])
+        return s
+
+
+def cache_opt_out_note(check: dict[str, Any]) -> str:
+    if check["honoured"]:
+        return ('lmspd honours extensions {"lmspd.cache": {"reuse": false}} (an identical second request reported 0 '
+                "cached tokens); the measurement uses the nonce instead, so that every system reuses the same few "
+                "template tokens")
+    return ('lmspd accepts extensions {"lmspd.cache": {"reuse": false}} but does not honour it: an identical second '
+            f"request still reported {check['second_request']['cached_tokens']} of "
+            f"{check['second_request']['input_tokens']} input tokens cached; the nonce keeps prefix reuse equal instead")
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -396,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="lmspd-bench-"))
     servers = []
+    lmspd_children: list[LmspdChild] = []
     samples: list[Sample] = []
     client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
     try:
@@ -424,62 +503,27 @@ def main(argv: list[str] | None = None) -> int:
             runners[INPROC] = run_inproc
 
         if LMSPD in args.systems:
-            srv = lmspd_server(args.model and model, args.ctx, args.threads, tmp / "lmspd-data", tmp / "lmspd.log",
-                               extra=lmspd_gpu_flags(args))
-            servers.append(srv)
-            t = time.perf_counter()
-            srv.start()
-            print(f"lmspd ready at {srv.url} in {time.perf_counter() - t:.1f}s (pid {srv.pid})", flush=True)
-            served = client.get(srv.url + "/v1/models").json()["data"][0]["id"]
-            assert served == model_id, (served, model_id)
-            check = cache_opt_out_check(client, srv.url, model_id)
-            meta["lmspd_cache_opt_out"] = check
-            if check["honoured"]:
-                notes.append('lmspd honours extensions {"lmspd.cache": {"reuse": false}} (an identical second '
-                             "request reported 0 cached tokens); the measurement uses the nonce instead, so that "
-                             "every system reuses the same few template tokens")
-            else:
-                notes.append('lmspd accepts extensions {"lmspd.cache": {"reuse": false}} but does not honour it: '
-                             f"an identical second request still reported {check['second_request']['cached_tokens']}"
-                             f" of {check['second_request']['input_tokens']} input tokens cached; "
-                             "the nonce keeps prefix reuse equal instead")
-            lmspd_url = srv.url + "/v1/responses"
-            lmspd_srv = srv
-            lmspd_srv.new_log_text()  # skip what the start and the check logged
-
-            def run_lmspd(r: int, i: int) -> Sample:
-                s = with_cpu(lmspd_srv.pid, lambda: stream_responses(client, lmspd_url, bodies[i], Sample(LMSPD, r)))
-                # The engine logs each generation's prefill time (INFO, stderr).
-                found = PREFILL_LOG.findall(lmspd_srv.new_log_text())
-                if found:
-                    s.extra["prefill_ms"] = float(found[-1])
-                return s
-
-            runners[LMSPD] = run_lmspd
-
+            lmspd_children.append(LmspdChild(LMSPD, None, args.model and model, model_id, bodies, args, tmp, client))
         if args.baseline:
-            base_name = f"{LMSPD}@{args.baseline}"
-            base_srv = lmspd_server(args.model and model, args.ctx, args.threads, tmp / "base-data", tmp / "base.log",
-                                    extra=lmspd_gpu_flags(args), source=git_tree(args.baseline, tmp / "base-src"))
-            servers.append(base_srv)
-            base_srv.start()
-            print(f"{base_name} ready at {base_srv.url} (pid {base_srv.pid})", flush=True)
-            # The same two requests as lmspd's check: both servers then start
-            # the rounds with the same sequences used, so that the first
-            # rounds compare the same placement (a free sequence on one and a
-            # used one on the other did not).
-            cache_opt_out_check(client, base_srv.url, model_id)
-            base_url = base_srv.url + "/v1/responses"
-            base_srv.new_log_text()
-
-            def run_base(r: int, i: int) -> Sample:
-                s = with_cpu(base_srv.pid, lambda: stream_responses(client, base_url, bodies[i], Sample(base_name, r)))
-                found = PREFILL_LOG.findall(base_srv.new_log_text())
-                if found:
-                    s.extra["prefill_ms"] = float(found[-1])
-                return s
-
-            runners[base_name] = run_base
+            lmspd_children.append(LmspdChild(f"{LMSPD}@{args.baseline}", git_tree(args.baseline, tmp / "base-src"),
+                                             args.model and model, model_id, bodies, args, tmp, client))
+        for child in lmspd_children:
+            t = time.perf_counter()
+            check = child.start(0)
+            print(f"{child.name} ready at {child.url} in {time.perf_counter() - t:.1f}s (pid {child.pid})", flush=True)
+            if child.name == LMSPD:
+                meta["lmspd_cache_opt_out"] = check
+                notes.append(cache_opt_out_note(check))
+            runners[child.name] = child.run
+        # Two lmspd servers: whichever starts first measures a few per cent
+        # slower with the same code (bench/README.md), so half-way through
+        # they are started again the other way round.
+        restart_at = args.reps // 2 if len(lmspd_children) == 2 and args.reps >= 2 else None
+        if restart_at is not None:
+            meta["restart_at"] = restart_at
+            notes.append(f"rounds 1-{restart_at}: {lmspd_children[0].name} started first; rounds "
+                         f"{restart_at + 1}-{args.reps}: {lmspd_children[1].name} started first "
+                         "(the start-order effect cancels in the paired medians)")
 
         if XLLAMA in args.systems:
             srv = xllamacpp_server(model, args.ctx, args.threads, N_BATCH, tmp / "xllamacpp.log")
@@ -535,6 +579,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measuring {args.reps} rounds, round-robin...", flush=True)
         for r in range(args.reps):
             i = args.warmup + r
+            if r == restart_at:
+                for child in lmspd_children:
+                    child.stop()
+                for child in reversed(lmspd_children):
+                    child.start(1)
+                for child in reversed(lmspd_children):
+                    for w in range(args.warmup):
+                        child.run(-1 - w, w)
+                        time.sleep(args.gap)
+                print(f"  started again, {lmspd_children[1].name} first", flush=True)
             rotated = order[r % len(order):] + order[: r % len(order)]
             cells = []
             for name in rotated:
@@ -545,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {r + 1}/{args.reps}: " + " | ".join(cells), flush=True)
     finally:
         client.close()
+        for child in lmspd_children:
+            child.stop()
         for srv in servers:
             srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)
