@@ -51,6 +51,7 @@ from .chunks import (
     StreamItem,
     ToolCallFragment,
 )
+from .credentials import Secret
 from .errors import (
     ContradictoryFinish,
     DeltaAfterFinish,
@@ -63,7 +64,7 @@ from .errors import (
     UpstreamError,
     UpstreamLimitExceeded,
     UpstreamProviderError,
-    public_provider_code,
+    provider_error_code,
 )
 
 __all__ = ["BridgeDecoder"]
@@ -119,7 +120,7 @@ def _unwrap_custom_input(arguments: str) -> str:
 
 def _provider_failure(error: ProviderError) -> UpstreamProviderError:
     message = None
-    token = public_provider_code(error.code, error.type)
+    token = provider_error_code(error.code, error.type, error.message)
     if token is not None:
         message = f"The upstream provider reported an error ({token})."
     return UpstreamProviderError(
@@ -137,6 +138,8 @@ class BridgeDecoder:
     ``custom_tool_wrappers``: synthetic function name -> custom tool name; a
     call to the synthetic name is unwrapped from ``{"input": "<raw>"}`` and
     released as a ``kind="custom"`` call under the real name.
+    ``secret``: the provider key, scrubbed out of any error text the provider
+    sends (which is kept for logs).
 
     lmspd asks providers for one choice. ``limits.max_choices`` bounds what a
     provider may send anyway; were it raised, text from every choice would
@@ -149,11 +152,13 @@ class BridgeDecoder:
         allowed_tool_names: Iterable[str] = (),
         custom_tool_wrappers: Mapping[str, str] | None = None,
         limits: UpstreamStreamLimits | None = None,
+        *,
+        secret: Secret | None = None,
     ) -> None:
         self._allowed = frozenset(allowed_tool_names)
         self._wrappers = dict(custom_tool_wrappers or {})
         self._limits = limits or UpstreamStreamLimits()
-        self._chunks = ChatChunkDecoder(self._limits)
+        self._chunks = ChatChunkDecoder(self._limits, secret=secret)
         self._choices: dict[int, _Choice] = {}
         self._tool_calls = 0
         self._retained_bytes = 0

@@ -19,12 +19,14 @@ from lmspd.core.errors import ApiError
 from lmspd.core.limits import UpstreamStreamLimits
 from lmspd.core.strict_json import decode_json
 
+from .credentials import Secret
 from .errors import (
     DataAfterDone,
     DuplicateTerminal,
     DuplicateToolIndex,
     InvalidToolIndex,
     MalformedChunk,
+    private_text,
 )
 from .sse import SSEDecoder, SSEEvent
 
@@ -105,9 +107,6 @@ class Done:
 
 DONE = Done()
 StreamItem = ChatChunk | ProviderError | Done
-
-# Provider error text is kept for logs only; this much is enough.
-_MAX_PROVIDER_TEXT = 1024
 
 
 # -- field readers ----------------------------------------------------------------
@@ -232,14 +231,14 @@ def _usage(raw: Any) -> ChunkUsage | None:
     )
 
 
-def _bounded_text(value: Any) -> str | None:
+def _private_text(value: Any, secret: Secret | None) -> str | None:
+    # Kept for logs only (errors.private_text: the key out, then the cut).
     if value is None:
         return None
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text[:_MAX_PROVIDER_TEXT]
+    return private_text(value if isinstance(value, str) else json.dumps(value), secret)
 
 
-def _provider_error(body: Any) -> ProviderError:
+def _provider_error(body: Any, secret: Secret | None) -> ProviderError:
     # Shapes seen in the wild: {"error": {...}}, {"error": "text"} and vLLM's
     # older top-level {"object": "error", "message": ...}.
     if isinstance(body, dict):
@@ -247,22 +246,23 @@ def _provider_error(body: Any) -> ProviderError:
         if isinstance(inner, dict):
             body = inner
         elif inner is not None:
-            return ProviderError(message=_bounded_text(inner))
+            return ProviderError(message=_private_text(inner, secret))
     if not isinstance(body, dict):
-        return ProviderError(message=_bounded_text(body))
+        return ProviderError(message=_private_text(body, secret))
     code = body.get("code")
     return ProviderError(
-        message=_bounded_text(body.get("message")),
-        type=_bounded_text(body.get("type")),
-        code=None if code is None else _bounded_text(code if isinstance(code, str) else str(code)),
+        message=_private_text(body.get("message"), secret),
+        type=_private_text(body.get("type"), secret),
+        code=None if code is None else _private_text(code if isinstance(code, str) else str(code), secret),
     )
 
 
-def decode_payload(payload: Any) -> ChatChunk | ProviderError:
-    """One parsed ``data`` JSON value -> a chunk or a provider error."""
+def decode_payload(payload: Any, secret: Secret | None = None) -> ChatChunk | ProviderError:
+    """One parsed ``data`` JSON value -> a chunk or a provider error (its
+    text with ``secret``, the provider key, scrubbed out)."""
     body = _object(payload, "The chunk")
     if body.get("error") is not None or body.get("object") == "error":
-        return _provider_error(body)
+        return _provider_error(body, secret)
     return ChatChunk(
         id=_string(body, "id", "chunk"),
         model=_string(body, "model", "chunk"),
@@ -293,20 +293,20 @@ def _is_done(data: str) -> bool:
     return data.strip() == "[DONE]"
 
 
-def decode_event(event: SSEEvent) -> StreamItem | None:
+def decode_event(event: SSEEvent, secret: Secret | None = None) -> StreamItem | None:
     """One SSE event -> a stream item, or None for events that carry none
     (named events a Chat Completions client has no listener for, empty
     keep-alive data)."""
     if event.event == "error":
         try:
-            return _provider_error(json.loads(event.data))
+            return _provider_error(json.loads(event.data), secret)
         except (ValueError, RecursionError):
-            return ProviderError(message=_bounded_text(event.data))
+            return ProviderError(message=_private_text(event.data, secret))
     if event.event != "message" or not event.data.strip():
         return None
     if _is_done(event.data):
         return DONE
-    return decode_payload(_parse_json(event.data))
+    return decode_payload(_parse_json(event.data), secret)
 
 
 class ChatChunkDecoder:
@@ -317,8 +317,9 @@ class ChatChunkDecoder:
     bridge stops at the first terminal marker and never gets that far.
     """
 
-    def __init__(self, limits: UpstreamStreamLimits | None = None) -> None:
+    def __init__(self, limits: UpstreamStreamLimits | None = None, *, secret: Secret | None = None) -> None:
         self._sse = SSEDecoder(limits)
+        self._secret = secret  # the provider key, kept out of what a provider's error said
         self._done_seen = False
 
     @property
@@ -348,7 +349,7 @@ class ChatChunkDecoder:
             if event.event == "error" or (event.event == "message" and event.data.strip()):
                 raise DataAfterDone()
             return None
-        item = decode_event(event)
+        item = decode_event(event, self._secret)
         if isinstance(item, Done):
             self._done_seen = True
         return item

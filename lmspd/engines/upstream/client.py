@@ -10,6 +10,8 @@ exceptions into typed transport errors:
     closed with no answer                    tried once more at the same endpoint
                                              (the keep-alive reuse race), then
                                              UpstreamConnectionLost
+    closed inside its status line or headers UpstreamConnectionLost (it had the
+                                             request: no second generation)
     connect or header wait too slow          UpstreamTimeout
     no byte for ``idle_s`` mid-stream        UpstreamTimeout (the idle watchdog)
     no output for ``progress_s``             UpstreamTimeout (the progress bound)
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import anyio
+from aiohttp.http import RawResponseMessage
 
 from lmspd import __version__
 from lmspd.core.limits import UpstreamStreamLimits
@@ -56,7 +59,8 @@ from .errors import (
     UpstreamHTTPError,
     UpstreamTimeout,
     UpstreamUnavailable,
-    public_provider_code,
+    private_text,
+    provider_error_code,
 )
 from .pool import Endpoint, EndpointPool
 
@@ -187,6 +191,7 @@ class ProviderClient:
             "Accept-Encoding": "identity",
             "User-Agent": f"lmspd/{__version__}",
         }
+        self._key = key
         if key is not None:
             self._headers["Authorization"] = f"Bearer {key.reveal()}"
         self._max_connections = max_connections
@@ -243,7 +248,12 @@ class ProviderClient:
             try:
                 try:
                     return await self._open_at(session, endpoint, body)
-                except aiohttp.ServerDisconnectedError:
+                except aiohttp.ServerDisconnectedError as exc:
+                    if isinstance(exc.message, RawResponseMessage):
+                        # Closed after the first bytes of an answer: the
+                        # provider had the request; sending it again would
+                        # start a second generation.
+                        raise
                     # Closed with no answer: most often a kept-alive
                     # connection the provider shut just as it was reused.
                     # Once more before calling the endpoint down (which
@@ -292,7 +302,8 @@ class ProviderClient:
             raise UpstreamHTTPError(
                 status,
                 f"The upstream provider returned HTTP {status}" + (f" ({code})." if code else "."),
-                detail=detail,
+                # The key out before the cut (a provider may echo the header).
+                detail=private_text(detail, self._key),
                 provider_code=code,
                 retry_after=_retry_after(response.headers.get("retry-after")),
             )
@@ -358,12 +369,13 @@ async def _error_body(response: aiohttp.ClientResponse) -> tuple[str | None, str
         return text or None, None
     error = body.get("error", body) if isinstance(body, dict) else None
     if isinstance(error, str):
-        return error, None
+        return error, provider_error_code(None, None, error)
     if not isinstance(error, dict):
         return text, None
     message = error.get("message")
-    code = public_provider_code(*(str(c) for c in (error.get("code"), error.get("type")) if c is not None))
-    return (message if isinstance(message, str) else text), code
+    message = message if isinstance(message, str) else None
+    code, type_ = (None if v is None else str(v) for v in (error.get("code"), error.get("type")))
+    return (message or text), provider_error_code(code, type_, message)
 
 
 def _retry_after(value: str | None) -> int | None:

@@ -12,6 +12,7 @@ never show it, so a stray log line or traceback prints ``Secret('****')``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -41,6 +42,15 @@ class Secret:
 
     def reveal(self) -> str:
         return self._value
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the key replaced by ``****``, also where JSON wrote it
+        (with a backslash before each ``\\`` or ``"`` in it): a provider that
+        echoes the key may have escaped it on the way."""
+        escaped = json.dumps(self._value)[1:-1]
+        if escaped != self._value:
+            text = text.replace(escaped, "****")
+        return text.replace(self._value, "****")
 
     def __repr__(self) -> str:
         return "Secret('****')"

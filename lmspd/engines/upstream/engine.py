@@ -256,7 +256,8 @@ class UpstreamEngine:
             # A request that continues this response goes where its prefix is.
             self.router.remember(prepared.response_id, stream.endpoint, prepared.run.owner)
         request = prepared.request
-        bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits)
+        bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits,
+                               secret=self._key)
         self._generations += 1
         loop = asyncio.get_running_loop()
         reader: asyncio.Task[Any] | None = None  # set only while awaiting provider bytes
@@ -363,14 +364,16 @@ class UpstreamEngine:
         """What a provider's in-stream error said, for operators (never sent on)."""
         if not isinstance(error, UpstreamProviderError):
             return ""
-        said = [f"{k}={v!r}" for k, v in (("type", error.provider_type), ("code", error.provider_code),
-                                          ("message", error.provider_message)) if v]
-        return self._scrub(f" (provider: {', '.join(said)})") if said else ""
+        # Each value scrubbed before repr: repr escapes a backslash in the
+        # key, and what it wrote would no longer match the key.
+        fields = (("type", error.provider_type), ("code", error.provider_code), ("message", error.provider_message))
+        said = [f"{k}={self._scrub(v)!r}" for k, v in fields if v]
+        return f" (provider: {', '.join(said)})" if said else ""
 
     def _scrub(self, text: str) -> str:
-        if self._key is not None:
-            text = text.replace(self._key.reveal(), "****")
-        return text
+        # Already done where the provider's text was read and bounded (the
+        # client, the bridge); again here for whatever reaches a log line.
+        return self._key.scrub(text) if self._key is not None else text
 
     def _count(self, outcome: str) -> None:
         self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1

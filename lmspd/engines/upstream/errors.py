@@ -5,7 +5,8 @@ Every class carries a stable machine ``code`` (what ends up in
 messages are fixed strings written here, never provider bytes, so a hostile
 or careless provider cannot put credentials, markup or huge text into a
 reply. Whatever the provider said is kept on private attributes for logs,
-bounded and untrusted.
+bounded and untrusted, the provider key scrubbed out where it was read
+(``private_text``: client.py, chunks.py).
 
     UpstreamError                          upstream_error
       UpstreamTransportError               upstream_transport_error
@@ -41,6 +42,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .credentials import Secret
+
 # Provider text kept for logs is cut here; it is untrusted and never replied.
 _PRIVATE_TEXT_LIMIT = 1024
 
@@ -56,13 +59,43 @@ KNOWN_PROVIDER_CODES = frozenset({
 })
 
 
+# How servers say that the input does not fit the model's window: OpenAI's
+# code and llama.cpp server's type; vLLM and SGLang send only a generic type
+# (BadRequestError, code 400), so their wording. Read, never passed on.
+_CONTEXT_OVERFLOW_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+_CONTEXT_OVERFLOW_WORDS = (
+    "maximum context length",  # vLLM: "This model's maximum context length is N tokens. However, ..."
+    "longer than the model's context length",  # SGLang: "The input (N tokens) is longer than ..."
+    "longer than the maximum model length",  # vLLM: "The decoder prompt (length N) is longer than ..."
+    "exceeds the available context size",  # llama.cpp server
+)
+
+
 def public_provider_code(*candidates: str | None) -> str | None:
     """The first candidate a client may see, or None."""
     return next((c for c in candidates if c in KNOWN_PROVIDER_CODES), None)
 
 
-def _bounded(text: str | None) -> str | None:
-    return None if text is None else text[:_PRIVATE_TEXT_LIMIT]
+def provider_error_code(code: str | None, type_: str | None, message: str | None) -> str | None:
+    """The code a client may see for a provider's error: ``context_length_exceeded``
+    for each server's way of saying the input does not fit, else ``code`` or
+    ``type_`` where allowlisted, else None."""
+    if code in _CONTEXT_OVERFLOW_CODES or type_ in _CONTEXT_OVERFLOW_CODES:
+        return "context_length_exceeded"
+    if message is not None and any(words in message.lower() for words in _CONTEXT_OVERFLOW_WORDS):
+        return "context_length_exceeded"
+    return public_provider_code(code, type_)
+
+
+def private_text(text: str | None, secret: Secret | None = None) -> str | None:
+    """Provider text as kept for logs: the key scrubbed out, then cut to
+    ``_PRIVATE_TEXT_LIMIT``. In that order: a cut through an echoed key
+    leaves its head, which no longer matches the key to scrub."""
+    if text is None:
+        return None
+    if secret is not None:
+        text = secret.scrub(text)
+    return text[:_PRIVATE_TEXT_LIMIT]
 
 
 class UpstreamError(Exception):
@@ -125,7 +158,7 @@ class UpstreamHTTPError(UpstreamTransportError):
         retry_after: int | None = None,
     ) -> None:
         self.status = status
-        self.detail = _bounded(detail)
+        self.detail = private_text(detail)
         self.provider_code = provider_code
         self.retry_after = retry_after
         super().__init__(message or f"The upstream provider returned HTTP {status}.")
@@ -155,9 +188,9 @@ class UpstreamProviderError(UpstreamError):
         provider_code: str | None = None,
         provider_message: str | None = None,
     ) -> None:
-        self.provider_type = _bounded(provider_type)
-        self.provider_code = _bounded(provider_code)
-        self.provider_message = _bounded(provider_message)
+        self.provider_type = private_text(provider_type)
+        self.provider_code = private_text(provider_code)
+        self.provider_message = private_text(provider_message)
         super().__init__(message)
 
 
@@ -290,7 +323,7 @@ class UndeclaredTool(UpstreamProtocolError):
     default_message = "The upstream provider called a tool the request did not declare."
 
     def __init__(self, name: str) -> None:
-        self.name = _bounded(name)
+        self.name = private_text(name)
         super().__init__()
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["Endpoint", "EndpointPool", "normalize_base_url", "redact_url"]
+__all__ = ["Endpoint", "EndpointPool", "join_url", "normalize_base_url", "redact_url"]
 
 _MAX_BACKOFF_S = 30.0
 
@@ -34,7 +34,8 @@ def redact_url(url: str) -> str:
 
 def normalize_base_url(url: str) -> str:
     """``http://host:8000/v1`` (also accepted: the same with
-    ``/chat/completions`` at the end)."""
+    ``/chat/completions`` at the end). A query, such as Azure's
+    ``?api-version=``, is kept: ``join_url`` puts it after every path."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"upstream URL {redact_url(url)!r} must be an http(s) URL such as http://127.0.0.1:8000/v1")
@@ -45,6 +46,13 @@ def normalize_base_url(url: str) -> str:
     if path.endswith("/chat/completions"):
         path = path[: -len("/chat/completions")]
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def join_url(base_url: str, path: str) -> str:
+    """``path`` under the base URL, before its query: ``http://h/v1?v=1``
+    and ``/models`` make ``http://h/v1/models?v=1``."""
+    parts = urlsplit(base_url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path + path, parts.query, ""))
 
 
 @dataclass
@@ -64,7 +72,7 @@ class Endpoint:
         return redact_url(self.base_url)
 
     def url(self, path: str) -> str:
-        return self.base_url + path
+        return join_url(self.base_url, path)
 
     def snapshot(self) -> dict[str, object]:
         return {

@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .credentials import Secret
-from .pool import normalize_base_url, redact_url
+from .pool import join_url, normalize_base_url, redact_url
 
 __all__ = ["DEFAULT_CONTEXT_WINDOW", "Window", "discover_window"]
 
@@ -102,16 +102,19 @@ def _entry(listing: Any, model: str) -> dict[str, Any] | None:
 
 
 def _server_root(base_url: str) -> str:
+    # The base's query stays: whatever it says (an API version, a
+    # deployment) is the server's, and join_url puts it back after /props.
     parts = urlsplit(base_url)
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
 def _endpoint_window(base_url: str, model: str, key: Secret | None, deadline: float) -> Window | None:
-    listed = redact_url(base_url) + "/models"
-    entry = _entry(_get_json(base_url + "/models", key, deadline), model)
+    models_url = join_url(base_url, "/models")
+    listed = redact_url(models_url)
+    entry = _entry(_get_json(models_url, key, deadline), model)
     if entry is None:
         return None
     if (tokens := _positive(entry.get("max_model_len"))) is not None:
@@ -120,10 +123,11 @@ def _endpoint_window(base_url: str, model: str, key: Secret | None, deadline: fl
     if not isinstance(meta, dict) and entry.get("owned_by") != "llamacpp":
         return None
     # llama.cpp's server: the window each slot has, else the trained length.
-    props = _get_json(_server_root(base_url) + "/props", key, deadline)
+    props_url = join_url(_server_root(base_url), "/props")
+    props = _get_json(props_url, key, deadline)
     settings = props.get("default_generation_settings") if isinstance(props, dict) else None
     if isinstance(settings, dict) and (tokens := _positive(settings.get("n_ctx"))) is not None:
-        return Window(tokens, f"n_ctx from {redact_url(_server_root(base_url))}/props")
+        return Window(tokens, f"n_ctx from {redact_url(props_url)}")
     if isinstance(meta, dict) and (tokens := _positive(meta.get("n_ctx_train"))) is not None:
         return Window(tokens, f"meta.n_ctx_train (the trained length) from {listed}")
     return None

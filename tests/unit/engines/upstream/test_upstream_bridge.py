@@ -575,6 +575,14 @@ def test_provider_error_with_unsafe_code_gets_the_generic_message():
     assert failed == Failed("upstream_provider_error", "The upstream provider reported an error.")
 
 
+def test_an_in_stream_context_overflow_is_named_by_its_code_only():
+    raw = sse({"object": "error", "message": "The input (4476 tokens) is longer than the model's context length "
+               "(4096 tokens).", "type": "BadRequestError", "param": None, "code": 400})
+    (failed,) = feed_all([raw])
+    assert failed == Failed("upstream_provider_error",
+                            "The upstream provider reported an error (context_length_exceeded).")
+
+
 def test_error_event_fails():
     raw = text("a") + b"event: error\ndata: upstream exploded\n\n"
     assert bridge_events(raw) == [TextDelta("a"), F("upstream_provider_error")]

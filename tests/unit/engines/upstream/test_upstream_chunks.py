@@ -19,6 +19,7 @@ from lmspd.engines.upstream.chunks import (
     ProviderError,
     ToolCallFragment,
 )
+from lmspd.engines.upstream.credentials import Secret
 from lmspd.engines.upstream.errors import (
     DataAfterDone,
     DuplicateTerminal,
@@ -162,6 +163,21 @@ def test_error_event_is_a_provider_error_even_without_json():
 
 def test_provider_error_text_is_bounded():
     assert len(decode_one({"error": {"message": "x" * 10_000}}).message) == 1024
+
+
+def test_provider_error_text_loses_the_key_before_it_is_cut():
+    """Scrubbed first: a key that straddles the cut would leave its head,
+    and one inside a non-string value is JSON-escaped (a backslash doubled)."""
+    key = "sk-live-A1b2C3d4\\E5f6G7h8I9j0K1l2M3n4O5p6"
+    said = "x" * 1000 + f" Bearer {key}"
+    events = (sse({"error": {"message": said, "type": {"echo": key}, "code": key}})
+              + sse(said, event="error") + sse({"error": said}))
+    decoder = ChatChunkDecoder(secret=Secret(key))
+    errors = decoder.feed(events)
+    assert len(errors) == 3
+    kept = [text for e in errors for text in (e.message, e.type, e.code) if text]
+    assert kept[0].endswith("Bearer ****") and kept[1] == '{"echo": "****"}' and kept[2] == "****"
+    assert not any(key[:12] in text or json.dumps(key)[1:13] in text for text in kept)
 
 
 def test_done_keepalives_and_unknown_events():

@@ -131,6 +131,35 @@ def test_a_connection_closed_without_an_answer_is_tried_once_more():
     assert endpoint.healthy and endpoint.outstanding == 0
 
 
+@pytest.mark.parametrize("answered", [b"HTTP/1.1 200 OK\r\n",
+                                      b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"],
+                         ids=["status-line", "partial-headers"])
+def test_a_connection_closed_inside_the_answer_is_not_sent_again(answered: bytes):
+    """The provider had the request (it began answering): a second try
+    would be a second generation, so the first close is the failure."""
+    requests = []
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(answered)
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(cut, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]), health_interval_s=0)
+        try:
+            with pytest.raises(UpstreamConnectionLost):
+                await client.open(b"{}")
+        finally:
+            await client.aclose()
+            server.close()
+
+    asyncio.run(go())
+    assert len(requests) == 1
+
+
 def test_closing_the_client_closes_a_stream_whose_drain_had_not_started():
     """A stream handed back for draining just before the client closes (the
     server shutting down right after a turn): cancelling its drain before it

@@ -4,6 +4,8 @@ before the stream, cancellation and shutdown, failover, affinity, health."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import socket
 import time
 
@@ -22,6 +24,7 @@ from support.provider import (
     Reply,
     ScriptedProvider,
     error_reply_body,
+    sse,
     text_chunk,
     text_stream,
     tool_stream,
@@ -102,6 +105,44 @@ def test_service_open_refuses_before_any_byte_with_status_and_retry_after(provid
     error, running = run(go())
     assert error.status == 429 and error.code == "rate_limited" and error.headers["Retry-After"] == "7"
     assert running == 0, "a refused run must give its queue slot back"
+
+
+# What each server answers (HTTP 400) to a prompt longer than its window.
+CONTEXT_OVERFLOW_BODIES = {
+    "openai": {"error": {"message": "This model's maximum context length is 128000 tokens.",
+                         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}},
+    "llama-server": {"error": {"code": 400, "message": "request (4476 tokens) exceeds the available context size "
+                               "(4096 tokens), try increasing it", "type": "exceed_context_size_error",
+                               "n_prompt_tokens": 4476, "n_ctx": 4096}},
+    "vllm": {"error": {"message": "This model's maximum context length is 4096 tokens. However, you requested "
+                       "4476 tokens in the messages, Please reduce the length of the messages.",
+                       "type": "BadRequestError", "param": None, "code": 400}},
+    "vllm-v1": {"object": "error", "message": "The decoder prompt (length 4476) is longer than the maximum model "
+                "length of 4096. Make sure that `max_model_len` is no smaller than the number of text tokens.",
+                "type": "BadRequestError", "param": None, "code": 400},
+    "sglang": {"object": "error", "message": "The input (4476 tokens) is longer than the model's context length "
+               "(4096 tokens).", "type": "BadRequestError", "param": None, "code": 400},
+}
+
+
+@pytest.mark.parametrize("server", list(CONTEXT_OVERFLOW_BODIES))
+def test_each_server_s_context_overflow_is_context_length_exceeded(provider, server):
+    """Only the code reaches the client; the provider's words stay in the log."""
+    provider.push(Reply(status=400, content_type="application/json",
+                        body=json.dumps(CONTEXT_OVERFLOW_BODIES[server]).encode()))
+
+    async def go():
+        eng = engine(provider.url)
+        try:
+            with pytest.raises(ApiError) as caught:
+                await eng.open(eng.prepare(conversation()), CancelToken())
+            return caught.value
+        finally:
+            await eng.aclose()
+
+    error = run(go())
+    assert error.status == 400 and error.code == "context_length_exceeded"
+    assert "4096" not in error.message and "128000" not in error.message
 
 
 def test_service_runs_many_upstream_generations_at_once(provider):
@@ -319,6 +360,90 @@ def test_stats_and_info_never_hold_the_key(provider):
     assert key not in repr(eng.stats()) and key not in repr(eng.info) and key not in repr(eng.spec)
 
 
+class QueryRecordingProvider(ScriptedProvider):
+    """The scripted provider, also noting each request's path and query."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    async def _chat(self, request):
+        self.seen.append((request.url.path, request.url.query))
+        return await super()._chat(request)
+
+    async def _models(self, request):
+        self.seen.append((request.url.path, request.url.query))
+        return await super()._models(request)
+
+
+def test_a_base_url_with_a_query_keeps_it_after_each_path():
+    """Azure's ``?api-version=``: the query follows the path each request
+    adds (it once went before it, and every request missed the route); the
+    URL shown in stats and logs still leaves it out."""
+    provider = QueryRecordingProvider().start()
+    provider.push(Reply(parts=text_stream("Hello!")))
+
+    async def go():
+        eng = engine(provider.url + "?api-version=2024-06-01")
+        try:
+            events = await collect(eng, conversation())
+            healthy = await eng.client.probe(eng.pool.endpoints[0])
+            return events, healthy, eng.stats(), eng.info.source
+        finally:
+            await eng.aclose()
+
+    try:
+        events, healthy, stats, source = run(go())
+    finally:
+        provider.stop()
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello!"
+    assert isinstance(events[-1], Finished) and healthy
+    query = "api-version=2024-06-01"
+    assert provider.seen == [("/v1/chat/completions", query), ("/v1/models", query)]
+    assert "api-version" not in repr(stats) and "api-version" not in source
+
+
+ECHOED_KEYS = ["sk-live-A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8S9t0",
+               "sk-live-A1b2C3d4\\E5f6G7h8I9j0K1l2M3n4O5p6Q7r8S9t0"]  # a backslash: repr and JSON escape it
+
+
+def leaked(key: str, text: str) -> bool:
+    """Any 20 characters of ``key``, as is or escaped, in ``text``."""
+    spellings = (key, key.replace("\\", "\\\\"))
+    return any(s[i:i + 20] in text for s in spellings for i in range(len(s) - 19))
+
+
+@pytest.mark.parametrize("key", ECHOED_KEYS)
+@pytest.mark.parametrize("pad", [100, 970])  # 970: the echoed key straddles the 1024-char cut
+@pytest.mark.parametrize("where", ["http_error", "in_stream"])
+def test_a_provider_echoing_the_key_in_its_error_text_never_gets_it_logged(provider, caplog, key, pad, where):
+    said = "x" * pad + f" Authorization: Bearer {key} was refused"
+    if where == "http_error":
+        provider.push(Reply(status=401, content_type="application/json",
+                            body=json.dumps({"error": {"message": said, "type": "authentication_error"}}).encode()))
+    else:
+        provider.push(Reply(parts=[text_chunk("hi"), sse({"error": {"message": said, "type": "server_error"}})]))
+
+    async def go():
+        eng = engine(provider.url, key=key)
+        try:
+            return await collect(eng, conversation())
+        except ApiError as exc:
+            return exc
+        finally:
+            await eng.aclose()
+
+    with caplog.at_level(logging.INFO):
+        outcome = run(go())
+    if where == "http_error":
+        assert isinstance(outcome, ApiError) and outcome.code == "upstream_http_error"
+    else:
+        assert isinstance(outcome[-1], Failed) and outcome[-1].code == "upstream_provider_error"
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "x" * 100 in logged, "the provider's text is logged, the key scrubbed out of it"
+    assert not leaked(key, logged)
+
+
 def test_connection_is_kept_after_a_clean_end_and_dropped_after_trailing_noise(provider):
     """After [DONE] the rest of the body is let go by unread in the
     background so the connection serves the next request; a provider that
@@ -436,8 +561,6 @@ def test_routing_state_is_per_owner(provider, provider2):
 
 
 def test_a_refused_connection_moves_the_session_once(provider, caplog):
-    import logging
-
     provider.responder = lambda request: Reply(parts=text_stream("ok"))
 
     async def go():

@@ -22,7 +22,7 @@ from lmspd.engines.upstream.credentials import (
     save_key,
 )
 from lmspd.engines.upstream.engine import UpstreamSpec
-from lmspd.engines.upstream.pool import EndpointPool, normalize_base_url, redact_url
+from lmspd.engines.upstream.pool import EndpointPool, join_url, normalize_base_url, redact_url
 
 URLS = ["http://a:1/v1", "http://b:2/v1", "http://c:3/v1"]
 
@@ -69,6 +69,17 @@ def test_urls_are_normalized_and_redacted():
     with pytest.raises(ValueError, match="not in the URL"):
         normalize_base_url("http://user:sk-secret@h/v1")
     assert redact_url("http://user:pw@h:9/v1?key=1") == "http://h:9/v1"
+
+
+def test_a_query_in_the_base_url_follows_every_path():
+    base = normalize_base_url("https://h/openai/deployments/d/chat/completions?api-version=2024-06-01#x")
+    assert base == "https://h/openai/deployments/d?api-version=2024-06-01"
+    assert join_url(base, "/chat/completions") == (
+        "https://h/openai/deployments/d/chat/completions?api-version=2024-06-01")
+    assert join_url("http://h:8000/v1", "/models") == "http://h:8000/v1/models"
+    endpoint = EndpointPool([base]).endpoints[0]
+    assert endpoint.url("/models") == "https://h/openai/deployments/d/models?api-version=2024-06-01"
+    assert endpoint.label == "https://h/openai/deployments/d"
 
 
 # -- the key ------------------------------------------------------------------------

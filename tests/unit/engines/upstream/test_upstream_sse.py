@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tracemalloc
 from itertools import pairwise
 
 import pytest
@@ -317,6 +318,24 @@ def test_event_too_large():
     with pytest.raises(SSEEventTooLarge) as info:
         SSEDecoder(limits).feed(b"data: 123\ndata: 1234\n\n")
     assert info.value.code == "upstream_sse_event_too_large"
+
+
+def test_an_event_of_tiny_lines_holds_about_its_size_not_an_object_per_line():
+    """max_event_bytes bounds memory too: 3 bytes a line once cost ~44
+    (a bytes object and a list slot each), 15 times the limit."""
+    limits = UpstreamStreamLimits(max_event_bytes=64 * 1024)
+    lines = b"data:xy\n" * (limits.max_event_bytes // 3)
+    decoder = SSEDecoder(limits)
+    tracemalloc.start()
+    try:
+        assert decoder.feed(lines) == []
+        held = tracemalloc.get_traced_memory()[0]
+        (event,) = decoder.feed(b"\n")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert event.data == "\n".join(["xy"] * (limits.max_event_bytes // 3))
+    assert held < 1.5 * limits.max_event_bytes and peak < 3 * limits.max_event_bytes
 
 
 def test_buffered_bytes_count_pending_event_and_partial_line():

@@ -81,6 +81,21 @@ def test_llama_cpp_server_says_its_slot_window_in_props(provider, tmp_path, capl
     assert built(spec(provider.url), tmp_path).info.context_window == 131072
 
 
+def test_a_base_url_with_a_query_is_asked_with_the_query_after_the_path(provider):
+    """Azure-style ``?api-version=``: ``/models`` and ``/props`` go before
+    it (they once went after it, into the query, and missed the server);
+    the start-up log's URL leaves the query out."""
+    provider.model_entries = [{"id": "served-name", "max_model_len": 40960}]
+    window = discover_window([provider.url + "?api-version=1"], "served-name")
+    assert window is not None and window.tokens == 40960
+    assert window.source == f"max_model_len from {provider.url}/models"
+    provider.model_entries = [{"id": "model.gguf", "owned_by": "llamacpp"}]
+    provider.props = {"default_generation_settings": {"n_ctx": 4096}}
+    window = discover_window([provider.url + "?api-version=1"], "served-name")
+    assert window is not None and window.tokens == 4096 and "api-version" not in window.source
+    assert [r.path for r in provider.requests] == ["/v1/models", "/v1/models", "/props"]
+
+
 def test_several_endpoints_report_the_smallest(provider, tmp_path):
     other = ScriptedProvider().start()
     try:
