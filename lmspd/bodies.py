@@ -9,7 +9,13 @@ applies to the decompressed bytes too, and decompression stops as soon as it
 is passed (a zip bomb costs one limit's worth of memory, then a 413), and
 the body is walked by offset with a bound on its members (a body of many
 empty members is refused after ``max_body_members``, never copied once per
-member). Decoding a large body runs in a small pool of its own
+member). The JSON's values are counted before it is parsed, and a body
+of more than ``max_json_values`` is refused unparsed: the parser holds the
+interpreter lock throughout, so what it costs every other stream must stay
+small whatever thread it runs in. A body must make progress: a pause
+longer than ``body_timeout_s`` between two of its pieces is a 408, and a
+client that leaves mid-body ends the request as a 499 (as the metrics
+count it; nothing failed, so nothing is logged). Decoding a large body runs in a small pool of its own
 (``decode_off_loop``; WebSocket messages use it too): the event loop only
 reads the bytes, and slow bodies wait for each other, never for the default
 executor's other work. So does decoding the request a large body holds
@@ -30,7 +36,7 @@ from starlette.requests import Request
 
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import BODY_DECODE_WORKERS, RequestLimits
-from lmspd.core.strict_json import decode_json, json_path
+from lmspd.core.strict_json import count_values, decode_json, json_path, value_bound
 
 __all__ = ["INLINE_BYTES", "JsonBody", "content_encodings", "decode_body", "decode_json", "decode_off_loop", "decoded",
            "json_path", "parse_json_object", "read_json_body", "read_json_object"]
@@ -93,17 +99,35 @@ async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
                 raise _too_large(limits)
         except ValueError:
             raise ApiError("invalid_request", "Content-Length is not a number.") from None
+    raw = await _read_bytes(request, limits)
+    if not encodings and len(raw) <= INLINE_BYTES:
+        return JsonBody(decode_body(raw, encodings, limits), small=True)
+    return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
+
+
+async def _read_bytes(request: Request, limits: RequestLimits) -> bytes:
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                message = await request.receive()
+        except TimeoutError:
+            # The rest of the body may never come: the connection goes too.
+            raise ApiError("request_timeout", f"The request body stopped arriving: nothing came for "
+                           f"{limits.body_timeout_s:g} s.", headers={"Connection": "close"}) from None
+        if message["type"] == "http.disconnect":
+            # The client left: nobody reads the reply, and nothing failed here.
+            raise ApiError("client_closed_request", "The client closed the connection during its request body.",
+                           status=499)
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limits.max_body_bytes:
             raise _too_large(limits)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not encodings and len(raw) <= INLINE_BYTES:
-        return JsonBody(decode_body(raw, encodings, limits), small=True)
-    return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 def content_encodings(header: str, limits: RequestLimits) -> list[str]:
@@ -126,6 +150,7 @@ def content_encodings(header: str, limits: RequestLimits) -> list[str]:
 def decode_body(raw: bytes, encodings: list[str], limits: RequestLimits) -> dict[str, Any]:
     for coding in reversed(encodings):
         raw = _decompress(raw, coding, limits)
+    _check_values(raw, limits, "body")
     data = decode_json(raw, max_depth=limits.max_json_depth)
     if not isinstance(data, dict):
         raise ApiError("invalid_json", "The JSON body must be an object.")
@@ -205,6 +230,20 @@ def _unzstd(raw: bytes, limit: int, max_frames: int) -> bytes:
     return bytes(out)
 
 
+def _check_values(raw: bytes | str, limits: RequestLimits, what: str) -> None:
+    """Refuses JSON of more than ``max_json_values`` values before it is
+    parsed. Nearly every body passes on the bound alone (three counts at
+    memory speed); only one whose strings are full of commas and brackets,
+    source code say, is counted exactly, outside its strings."""
+    limit = limits.max_json_values
+    if value_bound(raw) <= limit:
+        return
+    text = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    if count_values(text, limit) > limit:
+        raise ApiError("request_too_large", f"The JSON {what} holds more than {limit} values (each object, array, "
+                       f"string, number, true, false and null is one); the limit is {limit} (max_json_values).")
+
+
 def _too_many(what: str, limit: int) -> ApiError:
     return ApiError("invalid_request", f"The body has more than {limit} {what}; send it as one.")
 
@@ -224,6 +263,7 @@ def parse_json_object(raw: str | bytes, limits: RequestLimits) -> dict[str, Any]
     errors."""
     if len(raw) > limits.max_body_bytes:
         raise ApiError("request_too_large", f"The message exceeds {limits.max_body_bytes} bytes.")
+    _check_values(raw, limits, "message")
     data = decode_json(raw, max_depth=limits.max_json_depth)
     if not isinstance(data, dict):
         raise ApiError("invalid_json", "The message must be a JSON object.")

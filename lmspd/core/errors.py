@@ -19,6 +19,7 @@ _CODES: dict[str, tuple[int, str, str]] = {
     "unsupported_media_type": (415, "Unsupported media type", "invalid_request_error"),
     "request_too_large": (413, "Request body too large", "invalid_request_error"),
     "headers_too_large": (431, "Request header fields too large", "invalid_request_error"),
+    "request_timeout": (408, "Request timeout", "invalid_request_error"),
     "unsupported_capability": (400, "Unsupported capability", "invalid_request_error"),
     "unsupported_parameter": (400, "Unsupported parameter", "invalid_request_error"),
     "context_length_exceeded": (400, "Context length exceeded", "invalid_request_error"),

@@ -40,6 +40,15 @@ class RequestLimits:
     # the list is what bounds a body's decompression work.
     max_body_codings: int = 2
     max_json_depth: int = 64
+    # Values in one JSON body or WebSocket message (each object, array,
+    # string, number, true, false, null), counted before parsing. The JSON
+    # parser holds the interpreter lock for the whole document, stalling
+    # every stream whatever thread runs it, at up to ~0.5 µs a value
+    # (arrays, with the garbage collector's share): 2.8M empty arrays in
+    # 8 MiB stalled the server for a second. 128Ki values is some 60 ms at
+    # worst on a busy two-core machine, and about four times what a body of
+    # max_input_items items (some eight values each) and its tools hold.
+    max_json_values: int = 128 * 1024
     max_input_items: int = 4096
     max_content_parts: int = 256
     # Client-declared cache breakpoints in one message or system prompt (as
@@ -76,6 +85,23 @@ class RequestLimits:
     max_metadata_value_chars: int = 512
     max_stop_sequences: int = 4
     max_header_bytes: int = 64 * 1024
+    # A request head must be complete this long after its first byte
+    # (lmspd.http11), or it is answered 408 and the connection closed: a
+    # head sent a byte at a time would hold its connection forever. (A
+    # connection that sends nothing is closed after uvicorn's keep-alive
+    # timeout, 5 s.) Never while a response is being sent: a stream runs
+    # as long as it runs.
+    head_timeout_s: float = 30.0
+    # A request body may pause this long between two pieces (lmspd.bodies),
+    # then it is a 408: a slow link delivers a piece every few hundred ms,
+    # while a body held one byte short of its Content-Length would hold
+    # its connection and its bytes forever.
+    body_timeout_s: float = 60.0
+    # Open connections, HTTP and WebSocket (lmspd.http11). One past it is
+    # answered 503 as soon as its request line is read, and closed. At
+    # most half the process's file descriptors (RLIMIT_NOFILE): the store,
+    # the models and the connections being refused need theirs.
+    max_connections: int = 1024
     # Calls one turn may make when parallel_tool_calls allows several (small
     # models otherwise repeat a forced call until max_output_tokens).
     max_parallel_tool_calls: int = 4

@@ -74,7 +74,9 @@ class _Coalescer:
 
     async def _write_later(self) -> None:
         try:
-            if self._pending:
+            # What arrived while a write waited (a slow client) goes next:
+            # no task is started for it while this one runs.
+            while self._pending:
                 await self._write()
         except Exception as exc:  # the client went away: the handler hears it next
             self._error = exc

@@ -117,3 +117,52 @@ def test_members_are_bounded_and_each_must_end(coding) -> None:
     assert many.status == 400 and f"more than 4 {coding}" in many.message
     cut = refused([pack(b'{"a": 1}')[:-2]], encoding=coding, limits=limits)
     assert cut.status == 400 and "ends early" in cut.message
+
+
+def read_messages(receive, limits=LIMITS):
+    """The body ``receive`` delivers (a coroutine function of no argument), read."""
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+
+    async def go():
+        return await read_json_object(Request(scope, receive), limits)
+
+    return asyncio.run(asyncio.wait_for(go(), 10))
+
+
+def test_a_body_that_stops_arriving_is_a_408_that_closes_the_connection() -> None:
+    pieces = [{"type": "http.request", "body": b'{"a": ', "more_body": True}]
+
+    async def receive():
+        if pieces:
+            return pieces.pop()
+        await asyncio.sleep(3600)  # the rest never comes
+
+    with pytest.raises(ApiError) as info:
+        read_messages(receive, RequestLimits(body_timeout_s=0.05))
+    assert info.value.status == 408 and "0.05 s" in info.value.message
+    assert info.value.headers["Connection"] == "close"
+
+
+def test_a_slow_body_that_keeps_coming_is_read() -> None:
+    pieces = [b'{"a": ', b"[1, ", b"2]}"]
+
+    async def receive():
+        await asyncio.sleep(0.1)  # each piece within the pause allowed, all of them past it
+        body = pieces.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(pieces)}
+
+    assert read_messages(receive, RequestLimits(body_timeout_s=0.2)) == {"a": [1, 2]}
+
+
+def test_a_client_that_leaves_mid_body_ends_the_request_as_a_499() -> None:
+    # Not starlette's ClientDisconnect, which reached the edge as an
+    # unhandled error and counted as a 500.
+    messages = [{"type": "http.request", "body": b'{"a": ', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    with pytest.raises(ApiError) as info:
+        read_messages(receive)
+    assert info.value.status == 499 and info.value.code == "client_closed_request"

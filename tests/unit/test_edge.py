@@ -1,9 +1,17 @@
 """The HTTP edge under uvicorn as lmspd configures it: a header flood is a
-431 in the dialect's shape, and a 500 leaves the connection usable."""
+431 in the dialect's shape, and a 500 leaves the connection usable; heads
+and bodies that stop arriving are timed out, but never a response being
+sent; connections past the cap are a 503; a large body does not stall
+other requests; a refusal never lands inside a response still streaming."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
 from urllib.parse import urlparse
 
 import httpx
@@ -11,7 +19,7 @@ import pytest
 
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.store.sqlite import SQLiteStore
-from support.inprocess import ThreadedServer, make_app
+from support.inprocess import ScriptedEngine, ThreadedServer, make_app
 
 
 class BrokenReads(SQLiteStore):
@@ -129,3 +137,192 @@ def test_the_bound_applies_again_to_the_next_request_on_a_connection(url) -> Non
         reply = _trickle_head(sock, b"GET /v1/models HTTP/1.1\r\n")
     assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
     assert b'"code":"headers_too_large"' in reply
+
+
+# -- time, connections, and what a large body costs the others ------------------------
+
+TIMEOUT_S = 0.5
+QUICK = replace(DEFAULT_LIMITS, request=replace(DEFAULT_LIMITS.request, head_timeout_s=TIMEOUT_S,
+                                                body_timeout_s=TIMEOUT_S, max_connections=8))
+# Twenty words 0.1 s apart: a stream four times longer than the timeouts.
+WORDS = tuple(f"w{i} " for i in range(20))
+
+
+@contextmanager
+def _serve(data, limits=QUICK, keep_alive_s: float = TIMEOUT_S):
+    app, store = make_app(data, limits=limits, engine=ScriptedEngine(WORDS, delay_s=0.1))
+    server = ThreadedServer(app, limits)
+    server.server.config.timeout_keep_alive = keep_alive_s  # read by each new connection
+    try:
+        with server as base:
+            u = urlparse(base)
+            yield base, (u.hostname, u.port)
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    with _serve(tmp_path_factory.mktemp("quick")) as served:
+        yield served
+
+
+@contextmanager
+def _errors_logged():
+    """ERROR records of lmspd's and uvicorn's loggers (uvicorn's do not reach the root)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.ERROR)
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def _until_closed(sock: socket.socket, within_s: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and when it closed."""
+    start = time.monotonic()
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"still open after {within_s} s; got {data[:200]!r}")
+    return data, time.monotonic() - start
+
+
+def test_a_connection_that_sends_nothing_is_closed(quick) -> None:
+    _, address = quick
+    with socket.create_connection(address) as sock:
+        data, after = _until_closed(sock, 10)
+    assert data == b"" and after < 5
+
+
+def test_a_head_that_stops_arriving_is_a_408_in_the_dialects_shape(quick) -> None:
+    _, address = quick
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"POST /lmsp/v1/responses HTTP/1.1\r\n")
+        data, after = _until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b"application/problem+json" in data and b"did not arrive within 0.5 s" in data
+    assert after < 5
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(quick) -> None:
+    _, address = quick
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        data, after = _until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b"stopped arriving" in data and after < 5
+
+
+def test_a_stream_longer_than_the_timeouts_is_not_cut(quick) -> None:
+    base, _ = quick
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for _ in range(2):  # and the connection serves the next one
+            with client.stream("POST", "/v1/responses", json={"model": "scripted", "input": "hi", "stream": True,
+                                                              "store": False}) as r:
+                start = time.monotonic()
+                text = "".join(r.iter_text())
+            assert time.monotonic() - start > 3 * TIMEOUT_S
+            assert "event: response.completed" in text and "w19" in text
+
+
+def test_connections_past_the_cap_are_a_503_in_the_dialects_shape(tmp_path) -> None:
+    with _serve(tmp_path, keep_alive_s=30) as (base, address):
+        idle = [socket.create_connection(address) for _ in range(QUICK.request.max_connections)]
+        try:
+            time.sleep(0.3)  # all of them accepted
+            with socket.create_connection(address) as sock:
+                sock.sendall(b"GET /lmsp/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                data, after = _until_closed(sock, 10)
+            assert data.startswith(b"HTTP/1.1 503"), data[:200]
+            assert b"application/problem+json" in data and b"retry-after: 1" in data.lower()
+            assert b'"code":"server_overloaded"' in data and after < 2
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.3)
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_an_oversized_pipelined_head_waits_for_the_stream_before_it(quick) -> None:
+    _, address = quick
+    body = b'{"model":"scripted","input":"hi","stream":true,"store":false}'
+    request = (b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with _errors_logged() as errors, socket.create_connection(address) as sock:
+        sock.sendall(request)
+        time.sleep(0.5)  # the response streams
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 80_000)
+        data, _ = _until_closed(sock, 20)
+    stream, refusal = data.split(b"0\r\n\r\nHTTP/1.1 431", 1)
+    assert b"event: response.completed" in stream and b"HTTP/1.1 431" not in stream
+    assert b'"code":"headers_too_large"' in refusal
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_a_request_httptools_cannot_frame_is_a_400_in_the_dialects_shape(quick) -> None:
+    _, address = quick
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"POST /lmsp/v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        data, _ = _until_closed(sock, 10)
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    assert b"application/problem+json" in data and b"Transfer-Encoding can't be present with Content-Length" in data
+
+
+def test_a_client_that_leaves_mid_body_is_no_error(quick) -> None:
+    base, address = quick
+    with _errors_logged() as errors:
+        with socket.create_connection(address) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+            time.sleep(0.2)
+        time.sleep(0.3)
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert not errors, [r.getMessage() for r in errors]
+    counted = [line for line in metrics.splitlines() if line.startswith("lmspd_http_requests_total")
+               and 'route="/v1/chat/completions"' in line]
+    assert counted and all('status="499"' in line for line in counted), counted
+
+
+def test_a_large_body_does_not_stall_the_other_requests(url) -> None:
+    # 2.8M empty arrays in 8 MiB: the JSON parser held the interpreter lock
+    # for most of a second, in a decode thread but stalling every stream.
+    body = (b'{"model":"scripted","input":[' + b",".join([b"[]"] * 2_800_000))[:8 * 1024 * 1024 - 2] + b"]}"
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not stop.is_set():
+                start = time.perf_counter()
+                client.get("/health")
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.005)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(0.2)
+        r = httpx.post(url + "/v1/responses", content=body, headers={"content-type": "application/json"}, timeout=60)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        prober.join()
+    assert max(latencies) < 0.25, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    assert r.status_code == 413 and "max_json_values" in r.json()["error"]["message"]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gzip
 import json
+from unittest import mock
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmspd.bodies import content_encodings, decode_body, decode_json, json_path
+from lmspd.bodies import content_encodings, decode_body, decode_json, json_path, parse_json_object
+from lmspd.core import strict_json
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import RequestLimits
+from lmspd.core.strict_json import count_values, value_bound
 
 # JSON values as the standard library would write them, finite and surrogate-free.
 _text = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
@@ -87,12 +90,108 @@ def test_garbage_is_a_400_never_a_crash(raw) -> None:
         assert exc.status == 400
 
 
+def test_an_integer_too_long_to_read_names_its_field() -> None:
+    # Not Python's "use sys.set_int_max_str_digits() to increase the limit".
+    err = refusal('{"temperature": 1' + "0" * 5000 + "}")
+    assert err.param == "temperature"
+    assert err.message == "'temperature' is an integer of 5001 digits; the limit is 4300."
+    assert refusal('{"a": [-' + "9" * 4301 + "]}").param == "a[0]"
+    assert refusal("1" * 4301).message == "The body is an integer of 4301 digits; the limit is 4300."
+    assert decode_json('{"seed": ' + "9" * 4300 + "}")["seed"] == int("9" * 4300)
+
+
+def test_a_long_non_finite_number_is_not_quoted_whole() -> None:
+    err = refusal('{"top_p": 1' + "0" * 5000 + ".5}")
+    assert err.param == "top_p" and len(err.message) < 120 and "5003 characters" in err.message
+
+
 def test_nesting_past_the_limit_is_refused() -> None:
     with pytest.raises(ApiError):
         decode_json("[" * 65 + "]" * 65, max_depth=64)
     assert decode_json("[" * 64 + "]" * 64, max_depth=64)
     with pytest.raises(ApiError):
         decode_json("[" * 100_000 + "]" * 100_000)
+
+
+# -- counting values before parsing ------------------------------------------------
+
+def _values(value) -> int:
+    if isinstance(value, list):
+        return 1 + sum(map(_values, value))
+    if isinstance(value, dict):
+        return 1 + sum(map(_values, value.values()))
+    return 1
+
+
+# Strings a counter that did not skip them would count wrong: brackets,
+# commas, quotes and backslashes, escaped or not.
+_tricky_text = st.text(st.sampled_from(list('[]{},:"\\ ab\n\t\u00e9')), max_size=12)
+tricky_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _tricky_text
+    | _text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_tricky_text | _text, inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@given(tricky_values, st.sampled_from([None, 0, 2]), st.booleans())
+def test_the_count_is_the_number_of_values_the_parser_makes(value, indent, ascii_only) -> None:
+    text = json.dumps(value, indent=indent, ensure_ascii=ascii_only).encode()
+    count = count_values(text, 10**9)
+    assert count == _values(json.loads(text))
+    assert value_bound(text) >= count and value_bound(text.decode()) == value_bound(text)
+
+
+@given(tricky_values)
+def test_the_count_stops_once_past_the_limit(value) -> None:
+    text = json.dumps([value, value]).encode()
+    total = _values(json.loads(text))
+    for stop in (1, total // 2, total - 1, total):
+        counted = count_values(text, stop)
+        assert counted == total if stop >= total else counted > stop
+
+
+@given(tricky_values, st.integers(2, 9))
+def test_a_string_is_skipped_across_the_scans_windows(value, window) -> None:
+    # Small windows: escapes and closing quotes fall on every side of an edge.
+    text = json.dumps([value, "\\\\\"" * 5, value]).encode()
+    with mock.patch.object(strict_json, "_STRING_WINDOW", window):
+        assert count_values(text, 10**9) == _values(json.loads(text))
+
+
+def test_a_string_that_never_closes_ends_the_count() -> None:
+    assert count_values(b'["never closed, [1, 2]', 10**9) == 2
+    assert count_values(b'["ends in a backslash\\', 10**9) == 2
+
+
+VALUES = RequestLimits(max_body_bytes=1 << 20, max_json_values=100)
+
+
+def test_a_body_of_more_values_than_the_limit_is_413_before_it_is_parsed(monkeypatch) -> None:
+    at_limit = json.dumps({"input": [0] * 98}).encode()  # the object, the list, 98 numbers
+    assert decode_body(at_limit, [], VALUES)["input"] == [0] * 98
+    over = json.dumps({"input": [[]] * 99}).encode()
+    monkeypatch.setattr("lmspd.bodies.decode_json", lambda *a, **k: pytest.fail("parsed"))
+    with pytest.raises(ApiError) as info:
+        decode_body(over, [], VALUES)
+    assert info.value.status == 413 and info.value.code == "request_too_large"
+    assert "more than 100 values" in info.value.message and "max_json_values" in info.value.message
+    # Measured after decompression; a WebSocket message the same.
+    with pytest.raises(ApiError) as info:
+        decode_body(gzip.compress(over), ["gzip"], VALUES)
+    assert info.value.status == 413
+    with pytest.raises(ApiError) as info:
+        parse_json_object(over.decode(), VALUES)
+    assert info.value.status == 413 and "JSON message" in info.value.message
+
+
+def test_brackets_and_commas_inside_strings_are_not_values() -> None:
+    # Source code sent as text: far above the limit on the quick bound.
+    code = "f(a, b)[0] = {x, y};\n" * 200
+    body = json.dumps({"model": "m", "input": [{"role": "user", "content": code}] * 3}).encode()
+    assert value_bound(body) > VALUES.max_json_values
+    assert decode_body(body, [], VALUES)["input"][2]["content"] == code
+    assert parse_json_object(body.decode(), VALUES)["model"] == "m"
 
 
 # -- Content-Encoding --------------------------------------------------------------
