@@ -1,9 +1,11 @@
 """Disk checkpoints: exact KV state, keyed by the text a client can replay.
 
-One file per checkpoint, written atomically (temp file, fsync, rename) with
-a SHA-256 over header and payload. A file that fails any check — magic,
-checksum, model fingerprint — is removed, never loaded. The directory has a
-byte budget; the least recently used checkpoints go first.
+One file per checkpoint, written atomically (a temp file of its own, fsync,
+rename) with a SHA-256 over header and payload. A file that fails any
+check — magic, checksum, model fingerprint — is removed, never loaded. The
+directory has a byte budget, shared fairly by the owners (API keys) and
+kept from the start: the least recently used checkpoints of the owners over
+their share (lmspd.core.fairness) go first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import os
 import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lmspd.core.files import open_private, private_dir
+from lmspd.core.fairness import over_share
+from lmspd.core.files import FILE_MODE, private_dir
 
 from .state import SessionState, common_prefix
 
@@ -82,6 +86,7 @@ class DiskCheckpoints:
             )
         for tmp in self.directory.glob("*.tmp"):
             tmp.unlink(missing_ok=True)  # a write cut off by a crash
+        self._evict()  # the budget may have been lowered since they were written
 
     @property
     def total_bytes(self) -> int:
@@ -200,35 +205,49 @@ class DiskCheckpoints:
                 self.on_evict(list(state.tokens), state.owner)
             return None
         path = self.directory / (name + SUFFIX)
-        tmp = path.with_suffix(".tmp")
-        with os.fdopen(open_private(tmp), "wb") as fh:  # 0600: it holds the prompt's text
-            fh.write(MAGIC)
-            fh.write(struct.pack("<I", len(header)))
-            fh.write(header)
-            fh.write(state.kv)
-            fh.write(digest)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        with self._lock:
-            self._index[name] = Checkpoint(path=path, tokens=list(state.tokens), kv_text=state.kv_text,
-                                           visible=state.visible, response_id=state.response_id, size=size,
-                                           owner=state.owner, floor=state.floor)
+        # A temp file of this write's own: the writer thread and a save the
+        # scheduler makes itself (back-pressure, shutdown) may write one key
+        # at once.
+        fd, tmp = tempfile.mkstemp(prefix=name + "-", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), FILE_MODE)  # 0600 whatever the umask: it holds the prompt's text
+                fh.write(MAGIC)
+                fh.write(struct.pack("<I", len(header)))
+                fh.write(header)
+                fh.write(state.kv)
+                fh.write(digest)
+                fh.flush()
+                os.fsync(fh.fileno())
+            with self._lock:  # the last rename wins, and the index describes its file
+                os.replace(tmp, path)
+                self._index[name] = Checkpoint(path=path, tokens=list(state.tokens), kv_text=state.kv_text,
+                                               visible=state.visible, response_id=state.response_id, size=size,
+                                               owner=state.owner, floor=state.floor)
+                self._read_ahead.pop(name, None)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         self._evict()
         return path
 
     def _evict(self) -> None:
+        """Within the budget again: the least recently used checkpoints of
+        the owners over their fair share go, so that one key that saves
+        without end removes only its own."""
         removed: list[Checkpoint] = []
         with self._lock:
             entries = sorted(self._index.values(), key=lambda c: _mtime(c.path))
-            total = sum(c.size for c in entries)
+            usage: dict[str, int] = {}
             for cp in entries:
-                if total <= self.budget_bytes:
-                    break
+                usage[cp.owner or ""] = usage.get(cp.owner or "", 0) + cp.size
+            while over := over_share(usage, self.budget_bytes):
+                cp = next(c for c in entries if (c.owner or "") in over)
+                entries.remove(cp)
                 cp.path.unlink(missing_ok=True)
                 self._index.pop(cp.path.stem, None)
                 self._read_ahead.pop(cp.path.stem, None)
-                total -= cp.size
+                usage[cp.owner or ""] -= cp.size
                 removed.append(cp)
         if self.on_evict is not None:
             for cp in removed:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import Collection, Hashable, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -344,6 +344,8 @@ class RamStates(Mapping[str, SessionState]):
         # checked at every capture, and summing every state's is linear.
         self._sizes: dict[str, int] = {}
         self.nbytes = 0
+        # The same by owner: the budget is shared fairly among them (``Tiers``).
+        self.owner_bytes: dict[str, int] = {}
 
     def keep(self, state: SessionState) -> None:
         """``state`` under its key, the most recently kept (replacing any
@@ -353,16 +355,21 @@ class RamStates(Mapping[str, SessionState]):
         self._states[key] = state
         if old is state:
             self.index.touch(key, state)
-            self.nbytes -= self._sizes[key]
+            self._count(state.owner, -self._sizes[key])
         else:
             if old is not None:
                 self._forget(key, old)
             self.index.add(key, state)
         self._sizes[key] = size = state.nbytes
-        self.nbytes += size
+        self._count(state.owner, size)
 
-    def pop_oldest(self) -> SessionState:
-        key, state = self._states.popitem(last=False)
+    def pop_oldest(self, owners: Collection[str] | None = None) -> SessionState:
+        """The least recently kept state (of one of ``owners``, when given), removed."""
+        if owners is None:
+            key, state = self._states.popitem(last=False)
+        else:
+            key, state = next((k, s) for k, s in self._states.items() if s.owner in owners)
+            del self._states[key]
         self._forget(key, state)
         return state
 
@@ -371,7 +378,15 @@ class RamStates(Mapping[str, SessionState]):
 
     def _forget(self, key: str, state: SessionState) -> None:
         self.index.remove(key, state)
-        self.nbytes -= self._sizes.pop(key)
+        self._count(state.owner, -self._sizes.pop(key))
+
+    def _count(self, owner: str, nbytes: int) -> None:
+        self.nbytes += nbytes
+        held = self.owner_bytes.get(owner, 0) + nbytes
+        if held:
+            self.owner_bytes[owner] = held
+        else:
+            self.owner_bytes.pop(owner, None)
 
     def __getitem__(self, key: str) -> SessionState:
         return self._states[key]

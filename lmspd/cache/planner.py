@@ -135,6 +135,13 @@ class CacheRequest:
     # (a tool output whose call exists nowhere but in that state).
     requires_state: str | None = None
     max_new_tokens: int = 0
+    # ``max_new_tokens`` may be cut to the room the window leaves: the
+    # request set no limit, or only a ceiling (Anthropic's ``max_tokens``).
+    # A plan then need leave room for one token, so that a turn whose KV
+    # holds more than its replay (hidden reasoning, a call sampled as other
+    # tokens) is still continued; the generation ends where the window does
+    # (``context_window``).
+    clamp_output: bool = False
     # A replayed tool-call turn lacks its reasoning: only a remembered state
     # (resident, RAM, disk by visible transcript) may explain it.
     needs_reasoning_state: bool = False
@@ -353,7 +360,9 @@ class Planner:
             for r in live:
                 assert r.state is not None
                 if self._extends(req, r.state):
-                    return self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))
+                    fitted = self._fits(req, self._continue(req, r.state, "tool-output-ids", r.seq))
+                    if fitted.source != "cold":
+                        return fitted
             if not live:
                 state = self.ram.get(req.requires_state)
                 if state is None or state.owner != req.owner:
@@ -364,10 +373,13 @@ class Planner:
                 if self._extends(req, state):
                     if target is None:
                         return None
-                    return self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+                    fitted = self._fits(req, self._continue(req, state, "tool-output-ids", target.seq, restore=True))
+                    if fitted.source != "cold":
+                        return fitted
             # The state is there but has no visible transcript to append to
-            # (its turn could not be aligned with the template): the prompt,
-            # rendered whole on top of its items, is matched like any other.
+            # (its turn could not be aligned with the template), or its whole
+            # KV and the output would not fit the window: the prompt, rendered
+            # whole on top of its items, is matched like any other.
 
         if req.pin is not None and req.previous_response_id:
             for r in mine:
@@ -668,7 +680,8 @@ class Planner:
 
     def _too_long(self, req: CacheRequest, plan: CachePlan) -> bool:
         """The kept tokens, the suffix and the output exceed a sequence."""
-        return plan.keep + len(plan.suffix) + req.max_new_tokens > self.ops.n_ctx
+        output = 1 if req.clamp_output else req.max_new_tokens
+        return plan.keep + len(plan.suffix) + output > self.ops.n_ctx
 
     def _serves(self, req: CacheRequest, plan: CachePlan) -> bool:
         """``_fits`` would take ``plan`` as it is (its suffix known now)."""

@@ -2,11 +2,12 @@
 
 A state that leaves its sequence (another request took the sequence, or the
 residency kept an exact-state checkpoint of it) is captured once and kept
-here: **in RAM**, under a byte budget, the least recently kept first to
-leave; a state that leaves RAM is written to the **disk checkpoints**
-(lmspd.cache.disk) by a writer thread of its own, so the scheduler thread
-never waits for the disk unless four writes are already queued. Without a
-disk tier a state that leaves RAM is gone, and the eviction log
+here: **in RAM**, under a byte budget shared fairly by the owners, the
+least recently kept of those over their share first to leave; a state that
+leaves RAM is written to the **disk checkpoints** (lmspd.cache.disk) by a
+writer thread of its own, so the scheduler thread never waits for the disk
+unless four writes are already queued. Without a disk tier a state that
+leaves RAM is gone, and the eviction log
 (lmspd.cache.diagnostics.EvictionLog) says why. At shutdown every
 remembered state goes to disk.
 
@@ -22,6 +23,8 @@ import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from lmspd.core.fairness import over_share
 
 from .diagnostics import EvictionLog
 from .disk import DiskCheckpoints
@@ -68,11 +71,13 @@ class Tiers:
             self._writer.start()
 
     def remember(self, state: SessionState, displaced: bool = False) -> None:
-        """Keep ``state`` in RAM, the least recently kept leaving for disk
-        when over budget. ``displaced``: another request took its sequence."""
+        """Keep ``state`` in RAM, the least recently kept of the owners over
+        their fair share of the budget (lmspd.core.fairness) leaving for
+        disk when over it: a key within its share keeps its states however
+        many another keeps. ``displaced``: another request took its sequence."""
         self.ram.keep(state)
         while self.ram.nbytes > self.budget_bytes and self.ram:
-            old = self.ram.pop_oldest()
+            old = self.ram.pop_oldest(over_share(self.ram.owner_bytes, self.budget_bytes))
             if self.disk is not None:
                 self.write_behind(old)  # leaving RAM: the disk keeps it
             else:

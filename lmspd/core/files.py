@@ -36,10 +36,3 @@ def private_file(path: str | os.PathLike[str]) -> None:
         os.fchmod(fd, FILE_MODE)
     finally:
         os.close(fd)
-
-
-def open_private(path: str | os.PathLike[str]) -> int:
-    """A new file (truncated if it exists) for writing, 0600: a descriptor for ``os.fdopen``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    os.fchmod(fd, FILE_MODE)
-    return fd

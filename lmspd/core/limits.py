@@ -206,7 +206,7 @@ class Retention:
     final result with ``GET /tasks/{id}``.
 
     Each ``max_*_bytes`` is one budget for all owners together, shared
-    fairly (``lmspd.store.pruning.fair_share``): an owner within an equal
+    fairly (``lmspd.core.fairness.fair_share``): an owner within an equal
     split of it never loses a record to another owner's writes.
     """
 

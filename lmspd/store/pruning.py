@@ -18,9 +18,9 @@ budget divided by the owners holding that kind, loses nothing.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Callable
 
+from lmspd.core.fairness import fair_share
 from lmspd.core.limits import Retention
 from lmspd.store.sql import ACTIVE_SQL, TERMINAL_SQL, Connections, Sql, in_list
 
@@ -46,22 +46,6 @@ def _loop(db: Connections, step: Callable[[Sql], int]) -> int:
 def _expired(sql: Sql, select: str, *args: object) -> Victims:
     """``select`` names ``owner`` and ``id``."""
     return [(row["owner"], row["id"]) for row in sql.rows(select + f" LIMIT {BATCH}", args)]
-
-
-def fair_share(usage: Mapping[str, int], budget: int) -> int | None:
-    """The most bytes each owner may keep so that all of ``usage`` fits
-    ``budget``, or None when it fits already. Max-min fair: an owner under
-    the share keeps everything, the others are cut to the share, which is
-    never below ``budget // len(usage)``."""
-    if sum(usage.values()) <= budget:
-        return None
-    left, held = budget, sorted(usage.values())
-    for i, used in enumerate(held):
-        share = left // (len(held) - i)
-        if used > share:
-            return share
-        left -= used
-    return 0  # not reached: the largest holder is over the share when the sum is over the budget
 
 
 def _over_budget(sql: Sql, usage_sql: str, candidates_sql: str, budget: int) -> Victims:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -59,6 +60,31 @@ log = logging.getLogger("lmspd.engine")
 
 DEFAULT_PARALLEL = 4
 _GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+
+# What of a GGUF ``model_identity`` hashes: its head (the header, metadata
+# and tensor index of any model we know fit in it: a 256k-token vocabulary
+# is ~6 MiB) and blocks spread evenly over the whole file (the weights).
+IDENTITY_HEAD_BYTES = 16 << 20
+IDENTITY_BLOCKS = 16
+IDENTITY_BLOCK_BYTES = 64 << 10
+
+
+def model_identity(path: Path) -> str:
+    """A digest of the model file's content, for its KV checkpoints'
+    fingerprint: other weights or metadata under the same name and size (a
+    retrained or re-quantized model copied over the old one) must not
+    restore the old model's states. This reads 17 MiB of any file (~15 ms
+    from the page cache); hashing all of a 20 GB one would take ~25 s at
+    every start, minutes from a cold disk."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(b"%d:" % size)
+    last = max(0, size - IDENTITY_BLOCK_BYTES)
+    with open(path, "rb") as fh:
+        digest.update(fh.read(IDENTITY_HEAD_BYTES))
+        for i in range(IDENTITY_BLOCKS):
+            fh.seek(last * i // (IDENTITY_BLOCKS - 1))
+            digest.update(fh.read(IDENTITY_BLOCK_BYTES))
+    return digest.hexdigest()[:32]
 
 
 @dataclass
@@ -227,9 +253,10 @@ class LlamaEngine:
             # computed with, and restores only into the same cell types and
             # V layout (flash attention keeps V untransposed): a mismatch was
             # a read, a refused restore and a cold prefill for every match.
+            # The model by its content, not its file name and size.
             placement = self.placement
             rope = f":yarn{placement.rope.trained}" if placement.rope else ""
-            fingerprint = (f"{path.name}:{path.stat().st_size}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
+            fingerprint = (f"gguf-{model_identity(path)}:{self.n_ctx}:{llama_cpp.__version__}:{self.kv.kind}"
                            f":{placement.kv_type}:fa{int(placement.flash_attn)}{rope}")
             disk = DiskCheckpoints(settings.disk_dir, settings.disk_budget_bytes, fingerprint)
         kv = self.kv

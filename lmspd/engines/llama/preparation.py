@@ -102,6 +102,7 @@ class LlamaPrepared:
             reuse=self.reuse_cache,
             requires_state=self.requires_state,
             max_new_tokens=self.max_new_tokens,
+            clamp_output=self.window_bound or conv.max_output_tokens_is_ceiling,
             needs_reasoning_state=self.needs_reasoning_state,
             owner=run.owner,
             pin=run.pin,
@@ -175,8 +176,9 @@ class Preparation:
             text = self.render(conversation)
             tokens = self._tokenize(conversation, text, run.owner)
         requested = asked = conversation.max_output_tokens
-        if conversation.truncate and len(tokens) + (requested or 1) > n_ctx:
-            conversation, text, tokens = self._truncate(conversation, text, tokens, n_ctx - (requested or 1),
+        answer = self._answer_room(requested)
+        if conversation.truncate and len(tokens) + answer > n_ctx:
+            conversation, text, tokens = self._truncate(conversation, text, tokens, n_ctx - answer,
                                                         add_generation_prompt=not run.prefill_only)
             if run.prefill_only:  # of the items truncation kept
                 text, tokens = self._warm_prefix(conversation)
@@ -306,6 +308,18 @@ class Preparation:
                     return dataclasses.replace(
                         conversation, items=[dataclasses.replace(first, text=stripped)] + conversation.items[1:])
         return conversation
+
+    def _answer_room(self, requested: int | None) -> int:
+        """The tokens ``truncation: auto`` leaves for the answer: those asked
+        for, or without ``max_output_tokens`` a quarter of the window, at
+        most the server's default cap (``max_output_tokens_default``). Room
+        for one token, what the prompt needs to fit, left a prompt that
+        filled the window a few tokens to answer in (``context_window``)."""
+        if requested is not None:
+            return requested
+        room = self.n_ctx // 4
+        ceiling = self.limits.max_output_tokens_default
+        return max(1, min(room, ceiling) if ceiling > 0 else room)
 
     def _truncate(self, conversation: Conversation, text: str, tokens: list[int], budget: int, *,
                   add_generation_prompt: bool) -> tuple[Conversation, str, list[int]]:

@@ -358,6 +358,12 @@ class Scheduler:
             self.cache.discard(seq)
             job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
             return
+        # Output without a limit of its own is planned with room for one
+        # token (``CacheRequest.clamp_output``): a continuation whose KV
+        # holds more than its replay has less room than the prompt alone left.
+        room = self.cache.ops.n_ctx - plan.keep - len(plan.suffix)
+        if gen.max_new > room:
+            gen.max_new, gen.reason = room, "context_window"
         run = Running(job, plan, resident.tokens, gen)
         run.breaks = self.cache.breakpoints_ahead(job.request, seq)
         conversation = job.prepared.conversation

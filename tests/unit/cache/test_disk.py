@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,6 +102,66 @@ def test_budget_evicts_least_recently_used(tmp_path):
     disk.save(state("c", 3, kv))
     assert disk.total_bytes <= 10_000
     assert disk.best_match("a", "local") is None and disk.best_match("b", "local") is not None and disk.best_match("c", "local") is not None
+
+
+def test_a_key_within_its_fair_share_keeps_its_checkpoint_while_another_floods(tmp_path):
+    """The budget is shared max-min fairly (lmspd.core.fairness): bob's ten
+    checkpoints remove only bob's least recently used, never alice's one,
+    which is older than all of them but within an equal split."""
+    kv = b"x" * 4000
+    disk = DiskCheckpoints(tmp_path, 20_000, "fp")
+    alice = state("alice's", 1, kv)
+    alice.owner = "alice"
+    path = disk.save(alice)
+    os.utime(path, (1, 1))
+    for i in range(10):
+        bob = state(f"bob's {i}", 2 + i, kv)
+        bob.owner = "bob"
+        os.utime(disk.save(bob), (10 + i, 10 + i))
+    assert disk.total_bytes <= 20_000
+    assert path.exists() and disk.best_match("alice's turn", "alice") is not None
+    assert disk.best_match("bob's 9", "bob") is not None and disk.best_match("bob's 0", "bob") is None
+
+
+def test_a_budget_lowered_between_runs_holds_from_the_start(tmp_path):
+    kv = b"x" * 4000
+    disk = DiskCheckpoints(tmp_path, 100_000, "fp")
+    for i in range(8):
+        os.utime(disk.save(state(f"turn {i}", 1 + i, kv)), (i, i))
+    assert disk.total_bytes > 20_000
+    again = DiskCheckpoints(tmp_path, 20_000, "fp")
+    assert again.total_bytes <= 20_000
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.kv")) == again.total_bytes
+    assert again.best_match("turn 7", "local") is not None and again.best_match("turn 0", "local") is None
+
+
+def test_two_saves_of_one_key_at_once_leave_a_whole_checkpoint(tmp_path):
+    """The writer thread and a save of the scheduler's own (back-pressure,
+    shutdown) may write one key together: each writes a temp file of its
+    own, the last rename wins, and what is left loads."""
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    errors: list[BaseException] = []
+
+    def save(s: SessionState) -> None:
+        try:
+            disk.save(s)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    for trial in range(30):
+        one, other = state("abc", 3, b"1" * 2_000_000), state("abc", 3, b"2" * 2_000_000)
+        other.visible = "another visible " * 50
+        threads = [threading.Thread(target=save, args=(s,)) for s in (one, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], trial
+        loaded = disk.load(disk._index[one.key])
+        assert loaded is not None, trial
+        assert (loaded.kv, loaded.visible) in ((one.kv, one.visible), (other.kv, other.visible)), trial
+        assert disk.best_match(loaded.visible, "local")[1] == "responses-visible", "the index names the file's state"
+    assert [p.name for p in tmp_path.iterdir()] == [one.key + ".kv"]
 
 
 def test_checkpoints_match_only_their_owners_requests(tmp_path):

@@ -281,7 +281,7 @@ def worlds(draw):
     req = CacheRequest(text=text or "x", tokens=tokenize(text or "x"), items=[],
                        previous_response_id=draw(st.sampled_from([None, "r1", "r2"])),
                        needs_reasoning_state=draw(st.sampled_from([False, False, False, True])), max_new_tokens=draw(st.integers(0, 40)),
-                       owner="o", signature=draw(st.sampled_from(["same", "other"])))  # type: ignore[arg-type]
+                       clamp_output=draw(st.booleans()), owner="o", signature=draw(st.sampled_from(["same", "other"])))  # type: ignore[arg-type]
     return states, req
 
 

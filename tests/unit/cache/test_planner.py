@@ -277,6 +277,38 @@ def test_a_continuation_the_hidden_tokens_push_past_the_window_rereads_the_promp
     assert plan.source == "copy" and plan.keep + len(plan.suffix) == len(req.tokens), plan
 
 
+def test_a_request_without_an_output_limit_continues_a_turn_longer_than_its_replay():
+    """No max_output_tokens (Codex, the agent SDKs): ``max_new_tokens`` is
+    the room the window leaves the replay, which the hidden tokens of the
+    turn's KV take part of. The plan leaves room for one token; the
+    generation ends where the window does. A limit of the request's own
+    still has to fit."""
+    turn = state(SYSTEM + "<u>q</u><a>a</a>", hidden="<think>" + "x" * 20 + "</think>")
+    target = seq(1)
+    p = planner([seq(0, turn), target], kv=Kv(n_ctx=4096))
+    text = turn.visible + "<u>n</u>"
+    room = 4096 - len(tokenize(text))
+    plan = p.plan(ask(text, max_new_tokens=room, clamp_output=True), target=target)
+    assert (plan.source, plan.seq, plan.keep) == ("visible-prefix", 0, len(turn.tokens)), plan
+    assert p.plan(ask(text, max_new_tokens=room), target=target).source == "copy"
+
+
+def test_a_tool_output_only_request_its_state_cannot_hold_is_matched_like_any_other():
+    """The call's state is live but its KV and the output exceed the window:
+    the prompt, rendered whole on top of the state's items, still reuses
+    what it shares with it rather than prefilling it all."""
+    turn = state(SYSTEM + "<u>q</u><a><call/></a>", hidden="<think>" + "x" * 200 + "</think>")
+    target = seq(1)
+    p = planner([seq(0, turn), target], kv=Kv(n_ctx=len(turn.tokens) + 20))
+    req = ask(turn.visible + "<tool>r</tool>", requires_state=turn.key, max_new_tokens=8)
+    plan = p.plan(req, target=target)
+    assert (plan.source, plan.copy_from) == ("copy", 0), plan
+    assert plan.keep + len(plan.suffix) == len(req.tokens)
+    # Bound only by the window, the call turn is continued.
+    req = ask(turn.visible + "<tool>r</tool>", requires_state=turn.key, max_new_tokens=8, clamp_output=True)
+    assert p.plan(req, target=target).source == "tool-output-ids"
+
+
 def test_below_its_floor_a_state_is_not_cut_and_a_checkpoint_serves():
     conv = state(SYSTEM + "<u>a long document</u><a>ok</a>", kv=b"conv")
     conv.floor = len(conv.tokens) - 4
