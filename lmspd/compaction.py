@@ -21,23 +21,31 @@ An engine that can prefill without generating (the llama engine) then
 evaluates the reduced window into its KV, so the new chain's first turn is
 a cache hit. The upstream engine compacts the same way: the summary is one
 more Chat Completions request to its provider (there is nothing to prefill).
+
+A turn that compacts (``CompactingRun``) sends response.created and
+keep-alives while its summary is written, the longest silence a turn can
+have: its refusals before that (the summary's admission) are still HTTP
+errors, a failure after it fails the response.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import inspect
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from lmspd.core import compaction as item
-from lmspd.core.conversation import Conversation, Message, OutputFormat, Sampling, ToolChoice
+from lmspd.core.conversation import Conversation, Item, Message, OutputFormat, Sampling, ToolChoice
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
 from lmspd.core.run import RunContext
+from lmspd.engines.base import CancelToken
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.steps import Step
 
@@ -69,10 +77,9 @@ def supports_prefill(app: "LmspdApp", model: str) -> bool:
     return bool(getattr(app.service.model(model).engine, "supports_prefill", False))
 
 
-async def summarize(app: "LmspdApp", run: RunContext, conversation: Conversation) -> tuple[str, Usage]:
-    """The model's summary of ``conversation``'s window and what writing it
-    cost (an ``ApiError`` if it failed), run for ``run``'s owner and session."""
-    conv = dataclasses.replace(
+def summary_request(conversation: Conversation) -> Conversation:
+    """What the model is asked for a summary of ``conversation``'s window."""
+    return dataclasses.replace(
         conversation,
         items=list(conversation.items) + [Message(role="user", text=item.COMPACTION_PROMPT)],
         tool_choice=ToolChoice(mode="none"),
@@ -85,43 +92,66 @@ async def summarize(app: "LmspdApp", run: RunContext, conversation: Conversation
         truncate=True,
         include_encrypted_reasoning=False,
     )
-    # A side request: it must not displace the connection's session.
-    side = dataclasses.replace(run, prefill_only=False, pin=None)
-    summary_run = await _begun(app.service.begin(conv, side))
-    state = ResponseState(id=new_id("cmp"), model=conv.model)
-    async for _ in summary_run.events(StreamSession(state, _Silent())):
-        pass
-    if state.status == "failed":
-        error = state.error or {}
-        raise ApiError(error.get("code", "server_error"), f"Compaction failed: {error.get('message', '')}")
-    return state.output_text.strip(), state.usage or Usage()
+
+
+class Summary:
+    """A summary run, admitted (``Service.begin``: its refusals come before
+    any byte of the turn); ``written`` reads it to its end."""
+
+    def __init__(self, run: "Run", model: str) -> None:
+        self.run = run
+        self._state = ResponseState(id=new_id("cmp"), model=model)
+        self._events = run.events(StreamSession(self._state, _Silent()))
+
+    @classmethod
+    async def begin(cls, app: "LmspdApp", run: RunContext, conversation: Conversation) -> "Summary":
+        """The summary of ``conversation``'s window, run for ``run``'s owner and session."""
+        # A side request: it must not displace the connection's session.
+        side = dataclasses.replace(run, prefill_only=False, pin=None)
+        return cls(await _begun(app.service.begin(summary_request(conversation), side)), conversation.model)
+
+    async def written(self) -> tuple[str, Usage]:
+        """The summary and what writing it cost (an ``ApiError`` if it failed)."""
+        async with contextlib.aclosing(self._events) as events:
+            async for _ in events:
+                pass
+        state = self._state
+        if state.status == "failed":
+            error = state.error or {}
+            raise ApiError(error.get("code", "server_error"), f"Compaction failed: {error.get('message', '')}")
+        return state.output_text.strip(), state.usage or Usage()
+
+    async def aclose(self) -> None:
+        """Gives back what the run holds, read or not."""
+        await self._events.aclose()
+
+
+async def summarize(app: "LmspdApp", run: RunContext, conversation: Conversation) -> tuple[str, Usage]:
+    """The model's summary of ``conversation``'s window and what writing it
+    cost (an ``ApiError`` if it failed), run for ``run``'s owner and session."""
+    return await (await Summary.begin(app, run, conversation)).written()
 
 
 def compaction_message(app: "LmspdApp", summary: str, owner: str) -> Message:
     return item.summary_message(summary, item.seal(app.sealer, summary, owner), new_id("cmp"))
 
 
-@dataclass
-class Lead:
-    """A turn that compacts: the compaction item it emits first, the
-    reduced conversation, (for a trigger) the run that ends the turn, and
-    what writing the summary cost. The turn's usage is everything the model
-    did for it: that summary (what ``/v1/responses/compact`` reports), then
-    the run's own, the answer or a trigger's warm-up prefill, which a
-    ``generate: false`` turn reports too (``StreamSession.spent``). Without
-    it the summary, the turn's main cost, went unreported: a trigger's
-    usage was all zeros."""
-
-    item: Message
-    conversation: Conversation
-    summary_usage: Usage
-    run: Any = None
+async def begin_run(app: "LmspdApp", conversation: Conversation, run: RunContext) -> Any:
+    """The run of a turn on ``conversation``: admitted by the service, or,
+    for a warm-up on an engine that cannot prefill without generating (the
+    upstream engine), one with nothing to do: asking the provider would
+    generate and bill; the next turn sends the whole context anyway."""
+    if run.prefill_only and not supports_prefill(app, conversation.model):
+        return FinishedRun()
+    return await _begun(app.service.begin(conversation, run))
 
 
-async def before_turn(app: "LmspdApp", run: RunContext, req: Any, dialect: Any) -> Lead | None:
-    """Whether this /v1/responses turn compacts (a trigger, or the
-    ``context_management`` threshold crossed), and how; ``run`` is the
-    turn's own (``routes.responses.begin_turn``)."""
+async def before_turn(app: "LmspdApp", run: RunContext, req: Any, window: list[Item]) -> "CompactingRun | None":
+    """The run of a /v1/responses turn that compacts (a trigger, or the
+    ``context_management`` threshold crossed), its summary admitted; None
+    for a turn that does not. ``run`` is the turn's own
+    (``routes.responses.begin_turn``), ``window`` its items, which the
+    reduced window replaces once the summary is written."""
     conversation: Conversation = req.conversation
     threshold = req.compact_threshold
     if not req.compaction_trigger:
@@ -129,21 +159,186 @@ async def before_turn(app: "LmspdApp", run: RunContext, req: Any, dialect: Any) 
             return None
         if await app.service.count_tokens(conversation) <= threshold:
             return None
-    summary, usage = await summarize(app, run, conversation)
-    made = compaction_message(app, summary, run.owner)
-    reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
-                                  previous_response_id=None)
-    log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
-             "trigger" if req.compaction_trigger else f"threshold={threshold}")
-    if not req.compaction_trigger:
-        return Lead(made, reduced, usage)
-    # The turn ends after the compaction item; the reduced window is
-    # prefilled meanwhile, so that the client's next turn continues it.
-    if supports_prefill(app, conversation.model):
+    summary = await Summary.begin(app, run, conversation)
+    return CompactingRun(app, run, conversation, summary, window,
+                         trigger=req.compaction_trigger, threshold=threshold)
+
+
+class CompactingRun:
+    """A turn that compacts: its events start at once (response.created,
+    in progress, then keep-alives while the summary is written), then the
+    compaction item, then the run that ends the turn on the reduced window
+    (a trigger's warm-up prefill, the threshold's answer). The summary is a
+    turn's longest silence (the whole window's prefill, maybe a wait in the
+    queue, then up to ``SUMMARY_MAX_TOKENS``), and clients give up on a
+    silent stream (Codex after 300 s, proxies often after 60).
+
+    What can be refused before any byte still is: the summary is admitted
+    before the turn starts (a full queue, a refusal while preparing) and an
+    engine that must reach its provider first does it in ``open``, as the
+    routes call it. What happens after the first byte (the summary failing,
+    the answer's admission) fails the response. The turn's usage is
+    everything the model did for it: the summary, then the run's own
+    (``StreamSession.spent``)."""
+
+    def __init__(self, app: "LmspdApp", run: RunContext, conversation: Conversation, summary: Summary,
+                 window: list[Item], *, trigger: bool, threshold: int | None) -> None:
+        self._app = app
+        self._run = run
+        self._conversation = conversation
+        self._summary = summary
+        self._window = window
+        self._trigger = trigger
+        self._threshold = threshold
+        # The run after the summary and its events, once admitted.
+        self._then: Any = None
+        self._then_events: Any = None
+        self.cancel = CancelToken()
+        self.cancel.on_cancel(lambda: self._current.cancel.cancel(self.cancel.reason))
+        self.ticket = _Places(self)
+
+    @property
+    def _current(self) -> Any:
+        return self._then if self._then is not None else self._summary.run
+
+    @property
+    def opens_first(self) -> bool:
+        return self._summary.run.opens_first
+
+    async def open(self) -> None:
+        await self._summary.run.open()
+
+    @property
+    def started(self) -> bool:
+        """Whether the model took the run now under way (one still queued
+        leaves the queue only when its task is cancelled)."""
+        return bool(self._current.started)
+
+    def events(self, session: StreamSession, on_start: Callable[[], None] | None = None) -> "_CompactingEvents":
+        return _CompactingEvents(self, self._events(session, on_start))
+
+    async def _events(self, session: StreamSession,
+                      on_start: Callable[[], None] | None) -> AsyncGenerator[WireEvent, None]:
+        for wire in session.start():
+            yield wire
+        try:
+            # Queued (a background response): in progress once the model takes the summary.
+            waiting = asyncio.ensure_future(self._summary.run.ticket.wait())
+            async for wire in self._quiet(waiting, session):
+                yield wire
+            waiting.result()
+            progress = session.begin_progress() if session.state.status == "queued" else []
+            if on_start is not None:
+                on_start()
+            for wire in progress:
+                yield wire
+            writing = asyncio.ensure_future(self._summary.written())
+            async for wire in self._quiet(writing, session):
+                yield wire
+            summary, usage = writing.result()
+            session.spent = usage
+            if self.cancel.cancelled:
+                for wire in (session.fail("server_shutting_down", "The server is shutting down.")
+                             if self.cancel.reason == "shutdown" else session.cancel()):
+                    yield wire
+                return
+            made = compaction_message(self._app, summary, self._run.owner)
+            self._then = await self._next(self._reduced(made))
+            if self.cancel.cancelled:
+                self._then.cancel.cancel(self.cancel.reason)
+            self._then_events = self._then.events(session)
+        except ApiError as exc:
+            for wire in session.fail(exc.code, exc.message):
+                yield wire
+            return
+        except Exception as exc:  # a bug must still end the stream properly
+            log.exception("response %s failed", session.state.id)
+            for wire in session.fail("server_error", f"Internal error: {type(exc).__name__}"):
+                yield wire
+            return
+        for wire in session.lead([made]):
+            yield wire
+        async with contextlib.aclosing(self._then_events) as events:
+            async for wire in events:
+                yield wire
+
+    async def _settle(self) -> None:
+        """Give back what the summary and the run after it hold, read or not."""
+        await self._summary.aclose()
+        if self._then_events is not None:
+            await self._then_events.aclose()
+
+    def _reduced(self, made: Message) -> Conversation:
+        conversation = self._conversation
+        reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
+                                      previous_response_id=None)
+        # What the turn continues from: a WebSocket connection remembers it.
+        self._window[:] = reduced.items
+        log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
+                 "trigger" if self._trigger else f"threshold={self._threshold}")
+        return reduced
+
+    async def _next(self, reduced: Conversation) -> Any:
+        """The run that ends the turn: the threshold's answer on the reduced
+        window; for a trigger, the reduced window prefilled, so that the
+        client's next turn continues it (nothing, where the engine cannot)."""
+        if not self._trigger:
+            return await begin_run(self._app, reduced, self._run)
+        if not supports_prefill(self._app, reduced.model):
+            return FinishedRun()
         warm = dataclasses.replace(reduced, max_output_tokens=None)
-        return Lead(made, reduced, usage,
-                    await _begun(app.service.begin(warm, dataclasses.replace(run, prefill_only=True))))
-    return Lead(made, reduced, usage, FinishedRun())
+        return await _begun(self._app.service.begin(warm, dataclasses.replace(self._run, prefill_only=True)))
+
+    async def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+        """The session's keep-alive every ``sse_keepalive_s`` until ``work``
+        is done (cancelled with this generator if it is not)."""
+        every = self._app.service.limits.sse_keepalive_s
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=every if every > 0 else None)
+                if not work.done():
+                    for wire in session.heartbeat():
+                        yield wire
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+
+
+class _CompactingEvents:
+    """``CompactingRun.events``: its wire events, and ``aclose``, which ends
+    the run and gives back what it holds even where its events were never
+    read (an async generator that never started runs no ``finally``)."""
+
+    __slots__ = ("_run", "_events")
+
+    def __init__(self, run: CompactingRun, events: AsyncGenerator[WireEvent, None]) -> None:
+        self._run = run
+        self._events = events
+
+    def __aiter__(self) -> "_CompactingEvents":
+        return self
+
+    def __anext__(self) -> Awaitable[WireEvent]:
+        return self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        await self._run._settle()
+
+
+class _Places:
+    """The queue places a compacting run holds: the summary's, then the
+    next run's (a task gives them back should its run never start)."""
+
+    def __init__(self, run: CompactingRun) -> None:
+        self._run = run
+
+    def release(self) -> None:
+        self._run._summary.run.ticket.release()
+        if self._run._then is not None:
+            self._run._then.ticket.release()
 
 
 class FinishedRun:
@@ -154,8 +349,6 @@ class FinishedRun:
     started = True
 
     def __init__(self) -> None:
-        from lmspd.engines.base import CancelToken
-
         self.cancel = CancelToken()
         self.ticket = _NoTicket()
 
@@ -182,9 +375,13 @@ class _NoTicket:
 
 # Fields of a create body that /compact reads; the rest of a create body has
 # no meaning for it (streaming, storage, sampling) and is refused by name.
+# The SDK's ResponseCompactParams are all here (its ``prompt_cache_options``
+# and ``image`` are decoded as a create body's and change nothing here: the
+# compacted window is prefilled wherever the engine can, and no model reads images).
 COMPACT_FIELDS = {"model", "input", "previous_response_id", "instructions", "prompt_cache_key", "tools",
                   "parallel_tool_calls", "reasoning", "text", "tool_choice", "metadata", "user",
-                  "safety_identifier", "include", "service_tier", "prompt_cache_retention", "client_metadata"}
+                  "safety_identifier", "include", "service_tier", "prompt_cache_retention", "client_metadata",
+                  "prompt_cache_options", "image"}
 
 
 async def compact(app: "LmspdApp", owner: str, dialect: Any, raw: dict[str, Any], context: Any) -> dict[str, Any]:

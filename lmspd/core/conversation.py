@@ -7,6 +7,7 @@ what lmspd supports). Nothing here knows about a wire format.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union
 
@@ -289,6 +290,39 @@ def orphan_tool_outputs(items: list[Item]) -> list[tuple[int, str]]:
         elif isinstance(item, ToolOutput) and item.call_id not in seen:
             orphans.append((i, item.call_id))
     return orphans
+
+
+def drop_groups(items: list[Item], *, kept_calls: Container[str] = ()) -> list[list[int]]:
+    """Indices of ``items`` that may be dropped (``truncation: auto``; a
+    WebSocket connection's remembered history), as the groups that go
+    together, oldest first: never a system or developer message, never the
+    last item, never the call the last item answers nor one of
+    ``kept_calls``; a call with every output that answers it. A kept output
+    whose call is gone renders as a result of nothing, which templates and
+    models misread, and as input it is refused (the client's 400)."""
+    if not items:
+        return []
+    *older, last = items
+    answered_last = last.call_id if isinstance(last, ToolOutput) else None
+    answers: dict[str, list[int]] = {}
+    for i, item in enumerate(older):
+        if isinstance(item, ToolOutput):
+            answers.setdefault(item.call_id, []).append(i)
+    groups: list[list[int]] = []
+    taken = [False] * len(older)
+    for i, item in enumerate(older):
+        if taken[i] or (isinstance(item, Message) and item.role in ("system", "developer")):
+            continue
+        group = [i]
+        if isinstance(item, ToolCall):
+            if item.call_id == answered_last or item.call_id in kept_calls:
+                continue
+            for j in answers.get(item.call_id, ()):
+                if j > i and not taken[j]:
+                    taken[j] = True
+                    group.append(j)
+        groups.append(group)
+    return groups
 
 
 def item_chars(item: Item) -> int:

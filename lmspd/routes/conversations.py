@@ -25,7 +25,7 @@ from lmspd.history import StoredContext
 from lmspd.http import LmspdApp, app_state, json_reply, json_reply_off_loop, principal
 from lmspd.idempotency import Reply
 from lmspd.routes.stored import list_json, page_params
-from lmspd.store.base import JSON, ConversationRecord, InvalidCursor, ensure_item_ids
+from lmspd.store.base import JSON, ConversationRecord, DuplicateItem, InvalidCursor, ensure_item_ids
 
 
 class CreateConversation(Strict):
@@ -34,7 +34,8 @@ class CreateConversation(Strict):
 
 
 class UpdateConversation(Strict):
-    metadata: dict[str, str]
+    # Required, and null clears it (the SDK's Required[Optional[Metadata]]).
+    metadata: dict[str, str] | None
 
 
 class AddItems(Strict):
@@ -72,6 +73,13 @@ def _metadata(app: LmspdApp, metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
+def _duplicate(exc: DuplicateItem) -> ApiError:
+    where = f"items[{exc.index}].id"
+    held = "an earlier item of 'items' has too" if exc.repeated else "the conversation already holds"
+    return invalid(f"'{where}' is {exc.item_id!r}, which {held}; item ids are unique within a conversation.",
+                   where)
+
+
 def _items(app: LmspdApp, raw: list[Any] | None, owner: str) -> list[JSON]:
     # A compaction item is opened here (a tampered one is refused now, not
     # on the conversation's next turn) and stored as it came.
@@ -89,8 +97,11 @@ async def create_conversation(request: Request) -> Response:
         body = _parse(raw, CreateConversation)
         metadata = _metadata(app, body.metadata)
         items = await app.calls(_items, app, body.items, owner)
-        record = await app.calls(app.store.create_conversation, owner, new_id("conv"), metadata=metadata,
-                                 items=items)
+        try:
+            record = await app.calls(app.store.create_conversation, owner, new_id("conv"), metadata=metadata,
+                                     items=items)
+        except DuplicateItem as exc:
+            raise _duplicate(exc) from None
         return Reply(json_reply(conversation_json(record)))
 
     return await idempotency.once(app.store, app.calls, owner, request, raw, create)
@@ -136,7 +147,10 @@ async def add_items(request: Request) -> Response:
         body = _parse(raw, AddItems)
         # Up to a body's worth of items: decoded, then stored, off the event loop.
         items = await app.calls(_items, app, body.items, owner)
-        stored = await app.calls(app.store.append_conversation_items, owner, conversation_id, items)
+        try:
+            stored = await app.calls(app.store.append_conversation_items, owner, conversation_id, items)
+        except DuplicateItem as exc:
+            raise _duplicate(exc) from None
         if stored is None:
             raise not_found(conversation_id)
         return Reply(await json_reply_off_loop(lambda: {

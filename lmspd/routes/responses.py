@@ -13,7 +13,6 @@ stream owned by this connection, or a background task that outlives it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator
@@ -49,7 +48,7 @@ from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
 from lmspd.store.calls import FINAL_WRITE_DELAYS_S, StoreCalls, retried
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
-from lmspd.tasks.manager import StoreUnavailable, task_request
+from lmspd.tasks.manager import StoreUnavailable, TaskEncoder, snapshot, task_request
 
 log = logging.getLogger("lmspd.http")
 
@@ -130,6 +129,8 @@ class Turn:
     calls: StoreCalls
     # The window the model continues from (history + input), before the
     # engine prepared it: a WebSocket connection keeps it as its latest state.
+    # A turn that compacts replaces it with the reduced window once the
+    # summary is written (``compaction.CompactingRun``).
     window: list[Item] = field(default_factory=list)
     # False once storing the final state failed (``turn_events``).
     stored: bool = True
@@ -166,25 +167,18 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     served = app.service.models.get(model)
     sampling = served.engine.info.sampling if served is not None else SamplingDefaults()
     state = ResponseState(id=new_id("resp"), model=model, echo=dialect.echo(req, sampling), status=status)
+    window = list(conversation.items)
     try:
-        lead = await compaction.before_turn(app, run_context, req, dialect) if dialect is OPENAI else None
-        if lead is not None:
-            conversation = lead.conversation
-        window = list(conversation.items)
-        if lead is not None and lead.run is not None:
-            run = lead.run
-        elif run_context.prefill_only and not compaction.supports_prefill(app, model):
-            # A warm-up on an engine that cannot prefill without generating
-            # (the upstream engine): asking the provider would generate and
-            # bill; the next turn sends the whole context anyway.
-            run = compaction.FinishedRun()
-        else:
-            run = await _begun(app.service.begin(conversation, run_context))
+        # A turn that compacts writes its summary once its events have started.
+        compacting = await compaction.before_turn(app, run_context, req, window) if dialect is OPENAI else None
+        # The service's Run, or one that acts as it (compaction's).
+        run: Any = compacting or await compaction.begin_run(app, conversation, run_context)
     except ApiError as exc:
         # The core names neutral fields; the client hears its own.
         raise dialect.names(req, conversation.items).name(exc) from None
-    session = StreamSession(state, dialect.encoder(), lead=[lead.item] if lead is not None else (),
-                            spent=lead.summary_usage if lead is not None else None)
+    # A background run's events are all stored: none of its keep-alives.
+    encoder = TaskEncoder(dialect.encoder()) if background else dialect.encoder()
+    session = StreamSession(state, encoder)
     previous = req.previous_response_id
     input_items = req.input_items
     tool_items = list(getattr(req, "tool_items", []))
@@ -209,11 +203,6 @@ async def _decode(app: LmspdApp, dialect: Dialect, raw: dict, context: Any, smal
         except NeedsStore:
             pass
     return await app.service.decode(lambda: dialect.decode(raw, app.limits, context=context))
-
-
-async def _begun(begun: Any) -> Run:
-    # Service.begin may be (or become) a coroutine.
-    return await begun if inspect.isawaitable(begun) else begun
 
 
 async def turn_events(turn: Turn) -> AsyncGenerator[WireEvent, None]:
@@ -251,8 +240,10 @@ async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, st
         reply.headers.update(location)
         return Reply(reply, follow_task=task_id)
     if not as_task:
-        # The queued response as it is now (it starts running meanwhile): small, no output yet.
-        return Reply(json_reply(dialect.response_json(state), headers=dialect.headers))
+        # The queued response as it is now (it starts running meanwhile): no
+        # output yet, but it echoes the request (instructions, tools: megabytes).
+        queued = snapshot(state)
+        return Reply(await json_reply_off_loop(lambda: dialect.response_json(queued), headers=dialect.headers))
     task = await app.calls(app.store.get_task, owner, task_id)
     assert task is not None
     return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))

@@ -27,7 +27,7 @@ from lmspd.http import (
     query_choice,
     query_int,
 )
-from lmspd.routes.task_wire import check_after, follow_reply
+from lmspd.routes.task_wire import check_after, follow_reply, history_expired
 from lmspd.store.base import InvalidCursor, Page, TaskRecord
 
 
@@ -46,9 +46,18 @@ async def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]
     return body
 
 
-async def _background_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord:
+async def _openai_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord | None:
+    """The task that runs (or ran) background response ``response_id``; an
+    LMSP task is no response of /v1's, whatever id it is asked by."""
     task = await app.calls(app.store.get_task, owner, response_id)
-    if task is None or task.request.get("dialect") != OPENAI.name:
+    return task if task is not None and task.request.get("dialect") == OPENAI.name else None
+
+
+async def _background_task(app: LmspdApp, owner: str, response_id: str, body: dict[str, Any]) -> TaskRecord | None:
+    """The task of a background response; ``None`` once it expired (tasks
+    are kept for less time than responses: ``Retention``)."""
+    task = await _openai_task(app, owner, response_id)
+    if task is None and body.get("background") is not True:
         raise invalid(f"Response {response_id!r} was not created with 'background: true'; only background "
                       "responses can be streamed again or cancelled.", "response_id")
     return task
@@ -61,7 +70,9 @@ async def openai_get_response(request: Request) -> Response:
     body = await _stored(app, owner, response_id)
     if not query_bool(request, "stream"):
         return await json_reply_off_loop(lambda: body)
-    task = await _background_task(app, owner, response_id)
+    task = await _background_task(app, owner, response_id, body)
+    if task is None:
+        raise history_expired(response_id, OPENAI)
     starting_after = query_int(request, "starting_after", minimum=0)
     # sequence_number N is store seq N + 1; "after N" means store seq > N + 1.
     after = 0 if starting_after is None else OPENAI.store_seq(starting_after)
@@ -73,7 +84,9 @@ async def openai_delete_response(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     response_id = request.path_params["response_id"]
-    await app.tasks.cancel_task(owner, response_id)
+    # Stopped first, so that nothing writes it again once deleted.
+    if await _openai_task(app, owner, response_id) is not None:
+        await app.tasks.cancel_task(owner, response_id)
     if not await app.calls(app.store.delete_response, owner, response_id):
         raise not_found(response_id)
     return json_reply({"id": response_id, "object": "response.deleted", "deleted": True})
@@ -83,11 +96,11 @@ async def openai_cancel_response(request: Request) -> Response:
     app = app_state(request)
     owner = principal(request, "responses:write").owner
     response_id = request.path_params["response_id"]
-    await _stored(app, owner, response_id)
-    await _background_task(app, owner, response_id)
-    await app.tasks.cancel_task(owner, response_id)
-    # Already finished: returned as it is (cancelling twice is harmless).
     body = await _stored(app, owner, response_id)
+    if await _background_task(app, owner, response_id, body) is not None:
+        await app.tasks.cancel_task(owner, response_id)
+        body = await _stored(app, owner, response_id)
+    # Already finished (its task expired, too): returned as it is (cancelling twice is harmless).
     return await json_reply_off_loop(lambda: body)
 
 

@@ -57,6 +57,14 @@ def cut_short(task_id: str) -> ApiError:
                     "final state.")
 
 
+def history_expired(task_id: str, dialect: Dialect, after: int = 0, first_kept: int | None = None) -> ApiError:
+    """410: the events asked for (those after store seq ``after``) were
+    pruned; ``first_kept``: the earliest event still kept, if any is."""
+    asked = f"Events after {dialect.wire_seq(after)} of {task_id!r}" if after else f"The events of {task_id!r}"
+    kept = "" if first_kept is None else f" (the earliest kept is {dialect.wire_seq(first_kept)})"
+    return ApiError("event_history_expired", f"{asked} are no longer kept{kept}; read the final result instead.")
+
+
 async def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str, after: int,
                  not_found: ApiError) -> StreamingResponse:
     """The task's events after store seq ``after`` as SSE, live until its
@@ -64,11 +72,7 @@ async def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str
     try:
         events = await app.tasks.follow(owner, task_id, after)
     except EventsExpired as exc:
-        raise ApiError(
-            "event_history_expired",
-            f"Events after {dialect.wire_seq(exc.after_seq)} are no longer kept (the earliest kept is "
-            f"{dialect.wire_seq(exc.first_retained_seq)}); read the final result instead.",
-        ) from None
+        raise history_expired(task_id, dialect, exc.after_seq, exc.first_kept) from None
     if events is None:
         raise not_found
 
@@ -80,6 +84,10 @@ async def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str
                 async for event in stream:
                     yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
                     ended, last = event.event in TERMINAL_EVENT_NAMES, event.seq
+        except EventsExpired as exc:  # retention dropped the log while it was being read
+            yield dialect.stream_error(history_expired(task_id, dialect, exc.after_seq, exc.first_kept),
+                                       dialect.wire_seq(last + 1))
+            return
         except Exception:  # reading the log failed (the store is down)
             log.exception("following %s", task_id)
             yield dialect.stream_error(cut_short(task_id), dialect.wire_seq(last + 1))

@@ -30,9 +30,10 @@ lane) is echoed on every event of its turn, errors included. After
 
 What a connection may hold is bounded (``lmspd.core.limits``): the history
 it remembers (``websocket_max_history_chars``: under ``truncation: "auto"``
-its oldest items are forgotten first, otherwise a response past it is not
-remembered), connections per credential and in all (a 429 at the upgrade,
-``lmspd.connections``), and one message (the body limit; uvicorn's
+its oldest items are forgotten first, as truncation drops them: a call
+with its outputs, never a call still waiting for one; otherwise a response
+past it is not remembered), connections per credential and in all (a 429
+at the upgrade, ``lmspd.connections``), and one message (the body limit; uvicorn's
 ``ws_max_size`` closes the socket on a larger one, ``lmspd.http11``, which
 also turns permessage-deflate off).
 """
@@ -41,9 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +53,10 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from lmspd.bodies import INLINE_BYTES, decode_off_loop, parse_json_object
-from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput
+from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOutput, drop_groups
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
+from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.core.limits import MAX_STREAM_ID_CHARS
 from lmspd.core.run import RunContext
 from lmspd.dialects.registry import OPENAI
@@ -61,7 +64,7 @@ from lmspd.dialects.responses_items import Expansion
 from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.history import StoredContext
 from lmspd.http import LmspdApp
-from lmspd.routes.responses import begin_turn, turn_events
+from lmspd.routes.responses import Turn, begin_turn, turn_events
 from lmspd.streaming.sse import dumps
 from lmspd.streaming.websocket import error_frame, event_frame
 
@@ -80,6 +83,9 @@ _IGNORED = frozenset({"response.processed"})
 _OUTBOX_FRAMES = 256
 # How long the last frames may take to leave before a connection closes.
 _FLUSH_S = 5.0
+# Remembered histories up to this many items are measured on the event
+# loop (a thread hop costs more); longer ones in the decoding pool.
+_INLINE_ITEMS = 512
 # Evicted ids a connection remembers (beyond them the oldest may be found
 # in the store again).
 _MAX_EVICTED = 1024
@@ -303,23 +309,41 @@ class Connection:
                 await self._error(turn.dialect.names(turn.req, turn.window).name(exc), lane)
                 return
         state = turn.session.state
+        ended = False
         # Closed here, not whenever the collector gets to it: a turn cancelled
         # while the outbox is full (the connection's age limit, the client
         # gone) gives back its provider request and queue slot at once.
         async with contextlib.aclosing(turn_events(turn)) as events:
-            async for _seq, _name, data in events:
+            async for _seq, name, data in events:
+                if name in TERMINAL_EVENT_NAMES:
+                    # Before the client hears the end: its next create may
+                    # follow at once, and must find this response.
+                    await self._remember(turn, previous)
+                    ended = True
                 await self._send(event_frame(data, lane))
-        if state.status in ("completed", "incomplete"):
-            # Stored only if the write succeeded: a later turn must not
-            # name a predecessor the store does not have.
-            items = _within(turn.window + list(state.output), self.app.settings.limits.websocket_max_history_chars,
-                            truncate=turn.req.conversation.truncate)
-            self.latest = None if items is None else Latest(state.id, items, turn.req.store and turn.stored,
-                                                            getattr(turn.req, "declared_tools", []))
-        else:
+        if not ended:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,
                  state.status, context.continued is not None)
+
+    async def _remember(self, turn: Turn, previous: Any) -> None:
+        """The ended turn as the connection's latest response, or the
+        response it continued evicted if it failed."""
+        state = turn.session.state
+        if state.status not in ("completed", "incomplete"):
+            self._evict(previous)
+            return
+        budget = self.app.settings.limits.websocket_max_history_chars
+        truncate = turn.req.conversation.truncate
+        # The walk is as long as the chain: a long one is measured off the event loop.
+        if len(turn.window) + len(state.output) <= _INLINE_ITEMS:
+            items = _remembered(turn.window, state.output, budget, truncate)
+        else:
+            items = await decode_off_loop(_remembered, turn.window, state.output, budget, truncate)
+        # Stored only if the write succeeded: a later turn must not
+        # name a predecessor the store does not have.
+        self.latest = None if items is None else Latest(state.id, items, turn.req.store and turn.stored,
+                                                        getattr(turn.req, "declared_tools", []))
 
     def _evict(self, previous: Any) -> None:
         if not isinstance(previous, str):
@@ -364,25 +388,37 @@ def _stream_id(frame: dict[str, Any]) -> str | None:
     return value
 
 
+def _remembered(window: list[Item], output: Sequence[Item], budget: int, truncate: bool) -> list[Item] | None:
+    return _within(window + list(output), budget, truncate=truncate)
+
+
 def _within(items: list[Item], budget: int, *, truncate: bool) -> list[Item] | None:
     """``items`` as the connection may remember them: whole, if their text
-    fits ``budget`` characters; under truncation, without the oldest items
-    it would drop first (never a system or developer message, never the
-    last item) until they fit; otherwise not at all (None)."""
+    fits ``budget`` characters; under truncation, without the oldest groups
+    that truncation would drop first (``drop_groups``: a call with its
+    outputs) until they fit, keeping every call still without an output
+    (the next turn may send it); otherwise not at all (None)."""
     sizes = [_chars(item) for item in items]
     total = sum(sizes)
     if total <= budget:
         return items
     if not truncate:
         return None
-    kept = []
-    for index, (item, size) in enumerate(zip(items, sizes, strict=True)):
-        keep = index == len(items) - 1 or (isinstance(item, Message) and item.role in ("system", "developer"))
-        if total > budget and not keep:
-            total -= size
-            continue
-        kept.append(item)
-    return kept if total <= budget else None
+    kept = [True] * len(items)
+    for group in drop_groups(items, kept_calls=_unanswered(items)):
+        if total <= budget:
+            break
+        for i in group:
+            kept[i] = False
+            total -= sizes[i]
+    if total > budget:
+        return None
+    return list(itertools.compress(items, kept))
+
+
+def _unanswered(items: list[Item]) -> set[str]:
+    answered = {item.call_id for item in items if isinstance(item, ToolOutput)}
+    return {item.call_id for item in items if isinstance(item, ToolCall) and item.call_id not in answered}
 
 
 def _chars(item: Item) -> int:

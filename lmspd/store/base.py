@@ -10,6 +10,10 @@ Ownership: every row belongs to an ``owner`` (an opaque credential id). A
 read, update or delete under another owner behaves exactly like "not found"
 (``None`` / ``False``), so a handler maps both to the same 404 and never
 reveals that the id exists.
+
+Ids are any text but a NUL (PostgreSQL's text cannot hold one): a lookup
+by an id that holds one is "not found" in every backend (``unstorable``),
+and an item id that does is replaced when stored (``ensure_item_ids``).
 """
 
 from __future__ import annotations
@@ -107,6 +111,19 @@ class Duplicate(StoreError):
     """An id that must be new already exists (ids are server-generated, so: a bug)."""
 
 
+class DuplicateItem(StoreError, ValueError):
+    """A client-chosen item id that its conversation already holds, or that
+    the list it came in repeats (maps to 400 naming ``items[index].id``):
+    item ids are unique within a conversation, as its paging needs."""
+
+    def __init__(self, index: int, item_id: str, repeated: bool) -> None:
+        super().__init__(f"item {index} has id {item_id!r}, which "
+                         + ("an earlier item in the list has too" if repeated else "the conversation already holds"))
+        self.index = index
+        self.item_id = item_id
+        self.repeated = repeated
+
+
 class InvalidCursor(StoreError, ValueError):
     """A pagination ``after`` id that is not in the list (maps to 400)."""
 
@@ -130,14 +147,21 @@ class TaskFinished(StoreError):
 class EventsExpired(StoreError):
     """Events the client asked for were pruned (maps to 410 ``event_history_expired``)."""
 
-    def __init__(self, task_id: str, after_seq: int, first_retained_seq: int) -> None:
+    def __init__(self, task_id: str, after_seq: int, first_retained_seq: int, last_seq: int) -> None:
         super().__init__(
             f"events of task {task_id!r} after {after_seq} are no longer retained; "
-            f"the earliest retained event is {first_retained_seq}"
+            + (f"the earliest retained event is {first_retained_seq}" if first_retained_seq <= last_seq
+               else "none is")
         )
         self.task_id = task_id
         self.after_seq = after_seq
         self.first_retained_seq = first_retained_seq
+        self.last_seq = last_seq
+
+    @property
+    def first_kept(self) -> int | None:
+        """The earliest event still kept; ``None`` if the whole log went."""
+        return self.first_retained_seq if self.first_retained_seq <= self.last_seq else None
 
 
 ChainProblem = Literal["missing", "cycle", "too_deep"]
@@ -222,6 +246,10 @@ class TaskRecord:
     id: str
     owner: str
     status: str
+    # What a task's readers need of its request: its ``dialect`` and
+    # ``model`` (``tasks.manager.task_request``; kept in columns of their
+    # own), never its body, which may be megabytes of tools that a poll of
+    # the task would parse each time (``Store.get_task_request`` reads it).
     request: JSON
     result: JSON | None
     error: JSON | None
@@ -309,15 +337,29 @@ _ITEM_ID_PREFIX = {
 
 def ensure_item_ids(items: Sequence[Mapping[str, Any]]) -> list[JSON]:
     """Copies of ``items``, each with an ``id``: input items may arrive without
-    one, but listing them pages by item id."""
+    one, but listing them pages by item id. A client's id that no store can
+    keep (``unstorable``) is replaced too."""
     out: list[JSON] = []
     for item in items:
         copy = dict(item)
-        if not isinstance(copy.get("id"), str) or not copy["id"]:
-            prefix = _ITEM_ID_PREFIX.get(str(copy.get("type")), "item")
-            copy["id"] = f"{prefix}_{secrets.token_hex(16)}"
+        if not isinstance(copy.get("id"), str) or not copy["id"] or unstorable(copy["id"]):
+            copy["id"] = new_item_id(copy)
         out.append(copy)
     return out
+
+
+def unstorable(key: str | None) -> bool:
+    """Whether ``key`` (an id, a cursor) holds a NUL, which no stored id
+    does: PostgreSQL's text cannot hold one, and ``ensure_item_ids``
+    renames a client's item id that does. A lookup by such a key finds
+    nothing without asking the database (which would refuse the
+    statement), so both backends answer it as they answer an unknown id."""
+    return key is not None and "\x00" in key
+
+
+def new_item_id(item: Mapping[str, Any]) -> str:
+    """A fresh id for ``item``, prefixed as its type's ids are."""
+    return f"{_ITEM_ID_PREFIX.get(str(item.get('type')), 'item')}_{secrets.token_hex(16)}"
 
 
 # --- the interface --------------------------------------------------------
@@ -396,7 +438,10 @@ class Store(Protocol):
         run, the final output). Input items are unchanged."""
         ...
 
-    def delete_response(self, owner: str, response_id: str) -> bool: ...
+    def delete_response(self, owner: str, response_id: str) -> bool:
+        """Remove the response, its items and, for a background response,
+        its task and event log, in one transaction. ``False`` if not found."""
+        ...
 
     def end_turn(
         self,
@@ -417,7 +462,9 @@ class Store(Protocol):
         those items appended to ``conversation_id``. Both are stored or
         neither is, so a failure never leaves a stored response whose
         conversation lacks it. ``False`` if the conversation was not found
-        (the response is stored all the same)."""
+        (the response is stored all the same). An item whose id the
+        conversation already holds (an ``item_reference`` to one of its
+        items, a client id sent again) is appended under a new id."""
         ...
 
     def list_input_items(
@@ -482,7 +529,9 @@ class Store(Protocol):
     def append_conversation_items(
         self, owner: str, conversation_id: str, items: Sequence[JSON]
     ) -> list[JSON] | None:
-        """Returns the items as stored (ids assigned), ``None`` if not found."""
+        """Returns the items as stored (ids assigned), ``None`` if not found;
+        ``DuplicateItem`` for an id the conversation holds or ``items``
+        repeats (``create_conversation`` too)."""
         ...
 
     def list_conversation_items(
@@ -528,7 +577,13 @@ class Store(Protocol):
         created_at: float | None = None,
     ) -> TaskRecord: ...
 
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None: ...
+    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
+        """The task's state, without its request's body (``TaskRecord.request``)."""
+        ...
+
+    def get_task_request(self, owner: str, task_id: str) -> JSON | None:
+        """The request the task was created with, body and all; ``None`` if not found."""
+        ...
 
     def set_task_status(
         self,

@@ -15,13 +15,16 @@ from lmspd.store.base import (
     JSON,
     ConversationRecord,
     Duplicate,
+    DuplicateItem,
     ItemPage,
     Order,
     Page,
     ensure_item_ids,
+    new_item_id,
+    unstorable,
 )
 from lmspd.store.paging import check_page_args, item_pages, page
-from lmspd.store.sql import Sql, SqlBackend, dumps, size
+from lmspd.store.sql import Sql, SqlBackend, dumps, in_list, size
 
 __all__ = ["ConversationQueries", "append_items", "conversation_record"]
 
@@ -53,6 +56,8 @@ class ConversationQueries(SqlBackend):
         return conversation_record(row)
 
     def update_conversation(self, owner: str, conversation_id: str, metadata: JSON) -> ConversationRecord | None:
+        if unstorable(conversation_id):
+            return None
         meta = dumps(metadata)
         with self.sql_write() as sql:
             row = sql.first("SELECT metadata FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
@@ -67,12 +72,16 @@ class ConversationQueries(SqlBackend):
 
     def append_conversation_items(self, owner: str, conversation_id: str,
                                   items: Sequence[JSON]) -> list[JSON] | None:
+        if unstorable(conversation_id):
+            return None
         with self.sql_write() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
                 return None
             return append_items(sql, conversation_id, items, self._clock())
 
     def delete_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> bool:
+        if unstorable(conversation_id) or unstorable(item_id):
+            return False
         with self.sql_write() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?" + self.for_update,
                          (conversation_id, owner)) is None:
@@ -86,17 +95,23 @@ class ConversationQueries(SqlBackend):
             return True
 
     def get_conversation(self, owner: str, conversation_id: str) -> ConversationRecord | None:
+        if unstorable(conversation_id):
+            return None
         with self.sql_single() as sql:
             row = sql.first("SELECT * FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner))
         return None if row is None else conversation_record(row)
 
     def delete_conversation(self, owner: str, conversation_id: str) -> bool:
+        if unstorable(conversation_id):
+            return False
         with self.sql_write() as sql:
             return sql.run("DELETE FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) == 1
 
     def list_conversation_items(self, owner: str, conversation_id: str, *, after: str | None = None,
                                 limit: int = 20, order: Order = "desc") -> Page | None:
         check_page_args(limit, order)
+        if unstorable(conversation_id):
+            return None
         with self.sql_read() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
                 return None
@@ -104,6 +119,8 @@ class ConversationQueries(SqlBackend):
                         after=after, limit=limit, order=order)
 
     def conversation_items(self, owner: str, conversation_id: str) -> list[JSON] | None:
+        if unstorable(conversation_id):
+            return None
         with self.sql_read() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
                 return None
@@ -114,6 +131,9 @@ class ConversationQueries(SqlBackend):
     @contextmanager
     def conversation_item_pages(self, owner: str, conversation_id: str, *,
                                 page_bytes: int = HISTORY_PAGE_BYTES) -> Iterator[Iterator[ItemPage] | None]:
+        if unstorable(conversation_id):
+            yield None
+            return
         with self.sql_snapshot() as sql:
             if sql.first("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)) is None:
                 yield None
@@ -124,6 +144,8 @@ class ConversationQueries(SqlBackend):
                              size="bytes", page_bytes=page_bytes)
 
     def get_conversation_item(self, owner: str, conversation_id: str, item_id: str) -> JSON | None:
+        if unstorable(conversation_id) or unstorable(item_id):
+            return None
         with self.sql_single() as sql:
             row = sql.first(
                 "SELECT i.body FROM conversation_items i "
@@ -135,8 +157,26 @@ class ConversationQueries(SqlBackend):
         return None if row is None else dict(json.loads(row["body"]))
 
 
-def append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: float) -> list[JSON]:
+# Item ids looked up per statement when appending (``_held``).
+_IDS_PER_READ = 256
+
+
+def append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: float, *,
+                 renew_taken: bool = False) -> list[JSON]:
+    """Append ``items`` (ids assigned where missing). Ids stay unique within
+    a conversation, as its paging resumes after an id: one it already holds,
+    or one ``items`` repeats, is ``DuplicateItem`` (a client's choice), or
+    with ``renew_taken`` is replaced by a new one (a turn's items: what the
+    model saw is kept, at its place, under an id of its own)."""
     stored = ensure_item_ids(items)
+    held = _held(sql, conversation_id, [item["id"] for item in stored])
+    seen: set[str] = set()
+    for index, item in enumerate(stored):
+        if item["id"] in held or item["id"] in seen:
+            if not renew_taken:
+                raise DuplicateItem(index, item["id"], repeated=item["id"] in seen)
+            item["id"] = new_item_id(item)
+        seen.add(item["id"])
     bodies = [dumps(item) for item in stored]
     # Reserve the positions in one statement: concurrent appends to one
     # conversation get disjoint ranges.
@@ -150,3 +190,15 @@ def append_items(sql: Sql, conversation_id: str, items: Sequence[JSON], now: flo
              [(conversation_id, start + offset, item["id"], body, size(body))
               for offset, (item, body) in enumerate(zip(stored, bodies, strict=True))])
     return stored
+
+
+def _held(sql: Sql, conversation_id: str, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the conversation already holds."""
+    held: set[str] = set()
+    unique = list(dict.fromkeys(ids))
+    for start in range(0, len(unique), _IDS_PER_READ):
+        chunk = unique[start:start + _IDS_PER_READ]
+        held.update(row["item_id"] for row in sql.rows(
+            f"SELECT item_id FROM conversation_items WHERE conversation_id = ? AND item_id IN {in_list(chunk)}",
+            (conversation_id, *chunk)))
+    return held

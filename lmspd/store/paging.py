@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from lmspd.store.base import InvalidCursor, ItemPage, Page
+from lmspd.store.base import InvalidCursor, ItemPage, Page, unstorable
 from lmspd.store.sql import Sql
 
 __all__ = ["check_page_args", "item_pages", "page"]
@@ -34,7 +34,7 @@ def page(sql: Sql, source: str, args: tuple[Any, ...], *, after: str | None, lim
         # Ids may repeat in a client-sent list; resuming after the occurrence
         # furthest along the chosen order keeps paging moving forward (it may
         # skip a twin, never loop).
-        found = sql.first(
+        found = None if unstorable(after) else sql.first(
             f"SELECT position FROM {source} AND item_id = ? "
             f"ORDER BY position {'ASC' if desc else 'DESC'} LIMIT 1",
             (*args, after),

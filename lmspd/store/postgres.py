@@ -68,6 +68,7 @@ from lmspd.store.base import (
     TerminalEventBuilder,
     default_terminal_event,
     new_instance_id,
+    unstorable,
 )
 from lmspd.store.conversations import ConversationQueries
 from lmspd.store.idempotency import IdempotencyQueries
@@ -76,7 +77,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries
+from lmspd.store.tasks import TaskQueries, fill_request_heads
 
 log = logging.getLogger("lmspd.store")
 
@@ -193,8 +194,20 @@ def _m2_instances(conn: Conn) -> None:
         conn.execute(statement)
 
 
+_SCHEMA_V3 = (
+    "ALTER TABLE tasks ADD COLUMN dialect TEXT",
+    "ALTER TABLE tasks ADD COLUMN model TEXT",
+)
+
+
+def _m3_request_heads(conn: Conn) -> None:
+    for statement in _SCHEMA_V3:
+        conn.execute(statement)
+    fill_request_heads(Sql(conn, "format"))
+
+
 # Append-only, one for one with lmspd.store.sqlite.MIGRATIONS.
-MIGRATIONS: list[Callable[[Conn], None]] = [_m1_initial, _m2_instances]
+MIGRATIONS: list[Callable[[Conn], None]] = [_m1_initial, _m2_instances, _m3_request_heads]
 
 # Any constant: it only has to be the same in every instance.
 _MIGRATION_LOCK = 0x6C6D7370
@@ -549,11 +562,13 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
             raise ValueError(f"after_seq must be at least 0, got {after_seq}")
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
+        if unstorable(task_id):
+            return None
         # One statement (one round trip, one snapshot): every reader of every
         # task runs this once per notice.
         with self._single() as conn:
             rows = conn.execute(
-                "SELECT t.first_retained_seq, e.seq, e.event, e.data FROM tasks t "
+                "SELECT t.first_retained_seq, t.last_seq, e.seq, e.event, e.data FROM tasks t "
                 "LEFT JOIN LATERAL (SELECT seq, event, data FROM task_events "
                 "WHERE task_id = t.id AND seq > %s ORDER BY seq LIMIT %s) e ON true "
                 "WHERE t.id = %s AND t.owner = %s ORDER BY e.seq",
@@ -563,7 +578,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
             return None
         first_retained = rows[0]["first_retained_seq"]
         if after_seq + 1 < first_retained:
-            raise EventsExpired(task_id, after_seq, first_retained)
+            raise EventsExpired(task_id, after_seq, first_retained, rows[0]["last_seq"])
         return [
             TaskEvent(r["seq"], r["event"], json.loads(r["data"]))
             for r in rows
@@ -593,7 +608,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
         for task_id in ids:
             with self._write() as conn:
                 row = conn.execute(
-                    f"SELECT * FROM tasks WHERE id = %(id)s AND status IN {_ACTIVE_SQL} AND "
+                    f"SELECT id FROM tasks WHERE id = %(id)s AND status IN {_ACTIVE_SQL} AND "
                     f"{self._gone_sql('instance_id')} FOR UPDATE SKIP LOCKED",
                     {"id": task_id, "me": self.instance_id, "now": self._clock()},
                 ).fetchone()

@@ -19,6 +19,7 @@ from lmspd.store.base import (
     Order,
     Page,
     ensure_item_ids,
+    unstorable,
 )
 from lmspd.store.conversations import append_items
 from lmspd.store.paging import check_page_args, item_pages, page
@@ -126,24 +127,44 @@ class ResponseQueries(SqlBackend):
                          (conversation_id, owner)) is None:
                 return False  # deleted meanwhile: the response is stored all the same
             items = ensure_item_ids(conversation_items)
-            if items and sql.first("SELECT 1 FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                                   (conversation_id, items[-1]["id"])) is not None:
+            if items and self._landed(sql, conversation_id, items[-1]):
                 return True  # this turn's items are there already: an earlier try landed
-            append_items(sql, conversation_id, items, self._clock())
+            append_items(sql, conversation_id, items, self._clock(), renew_taken=True)
             return True
 
+    @staticmethod
+    def _landed(sql: Sql, conversation_id: str, last: JSON) -> bool:
+        """Whether the turn whose last item is ``last`` was appended already
+        (a commit that landed but reported an error): that item is there as
+        it is. One of its id with another body is an item the turn
+        referenced or sent again, which ``append_items`` renames."""
+        row = sql.first("SELECT body FROM conversation_items WHERE conversation_id = ? AND item_id = ? "
+                        "ORDER BY position DESC LIMIT 1", (conversation_id, last["id"]))
+        return row is not None and json.loads(row["body"]) == last
+
     def get_response(self, owner: str, response_id: str) -> JSON | None:
+        if unstorable(response_id):
+            return None
         with self.sql_single() as sql:
             row = sql.first("SELECT body FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
         return None if row is None else dict(json.loads(row["body"]))
 
     def delete_response(self, owner: str, response_id: str) -> bool:
+        if unstorable(response_id):
+            return False
         with self.sql_write() as sql:
-            return sql.run("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)) == 1
+            if sql.run("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)) != 1:
+                return False
+            # A background response's task has its id and keeps its request
+            # and result; its event log goes with it (ON DELETE CASCADE).
+            sql.run("DELETE FROM tasks WHERE id = ? AND owner = ?", (response_id, owner))
+            return True
 
     def list_input_items(self, owner: str, response_id: str, *, after: str | None = None, limit: int = 20,
                          order: Order = "desc") -> Page | None:
         check_page_args(limit, order)
+        if unstorable(response_id):
+            return None
         with self.sql_read() as sql:
             if sql.first("SELECT 1 FROM responses WHERE id = ? AND owner = ?", (response_id, owner)) is None:
                 return None
@@ -151,6 +172,8 @@ class ResponseQueries(SqlBackend):
                         after=after, limit=limit, order=order)
 
     def response_chain(self, owner: str, response_id: str) -> list[ChainLink] | None:
+        if unstorable(response_id):
+            return None
         with self.sql_read() as sql:
             rows = self._chain(sql, owner, response_id)
             if rows is None:
@@ -171,6 +194,9 @@ class ResponseQueries(SqlBackend):
     @contextmanager
     def response_chain_pages(self, owner: str, response_id: str, *,
                              page_bytes: int = HISTORY_PAGE_BYTES) -> Iterator[ChainPages | None]:
+        if unstorable(response_id):
+            yield None
+            return
         with self.sql_snapshot() as sql:
             rows = self._chain(sql, owner, response_id)
             if rows is None:
@@ -249,6 +275,8 @@ class ResponseQueries(SqlBackend):
 
     def find_item(self, owner: str, item_id: str) -> JSON | None:
         """The newest stored item with this id, from a response or a conversation."""
+        if unstorable(item_id):
+            return None
         with self.sql_read() as sql:
             row = sql.first(
                 """SELECT body FROM (

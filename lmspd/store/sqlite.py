@@ -43,6 +43,7 @@ from lmspd.store.base import (
     TerminalEventBuilder,
     default_terminal_event,
     new_instance_id,
+    unstorable,
 )
 from lmspd.store.conversations import ConversationQueries
 from lmspd.store.idempotency import IdempotencyQueries
@@ -51,7 +52,7 @@ from lmspd.store.sql import ACTIVE_SQL as _ACTIVE_SQL
 from lmspd.store.sql import Sql
 from lmspd.store.sql import dumps as _dumps
 from lmspd.store.sql import size as _size
-from lmspd.store.tasks import TaskQueries, insert_events
+from lmspd.store.tasks import TaskQueries, fill_request_heads, insert_events
 
 # --- schema -----------------------------------------------------------------
 
@@ -170,10 +171,24 @@ _SCHEMA_V2 = (
     "ALTER TABLE idempotency_keys ADD COLUMN instance_id TEXT",
 )
 
+# Version 3: a task's dialect and model beside its request, so that reading
+# the task's state never parses the request (``TaskRecord.request``).
+_SCHEMA_V3 = (
+    "ALTER TABLE tasks ADD COLUMN dialect TEXT",
+    "ALTER TABLE tasks ADD COLUMN model TEXT",
+)
+
+
+def _m3_request_heads(conn: sqlite3.Connection) -> None:
+    for statement in _SCHEMA_V3:
+        conn.execute(statement)
+    fill_request_heads(Sql(conn, "qmark"))
+
+
 # Append-only: migration i moves the schema from version i to i + 1. Never
 # edit a shipped one; add the next. Each runs inside the open transaction
 # (no executescript: it would commit half-way).
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_instances]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_m1_initial, _m2_instances, _m3_request_heads]
 
 # Rows deleted per write transaction while pruning, so request handlers never
 # wait long for the writer lock.
@@ -431,14 +446,16 @@ class SQLiteStore(ResponseQueries, ConversationQueries, TaskQueries, Idempotency
             raise ValueError(f"after_seq must be at least 0, got {after_seq}")
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
+        if unstorable(task_id):
+            return None
         with self._read() as conn:
             row = conn.execute(
-                "SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
+                "SELECT first_retained_seq, last_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)
             ).fetchone()
             if row is None:
                 return None
             if after_seq + 1 < row["first_retained_seq"]:
-                raise EventsExpired(task_id, after_seq, row["first_retained_seq"])
+                raise EventsExpired(task_id, after_seq, row["first_retained_seq"], row["last_seq"])
             rows = conn.execute(
                 "SELECT seq, event, data FROM task_events WHERE task_id = ? AND seq > ? "
                 "ORDER BY seq LIMIT ?",

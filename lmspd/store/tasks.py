@@ -22,18 +22,31 @@ from lmspd.store.base import (
     TaskEvent,
     TaskRecord,
     TerminalEventBuilder,
+    unstorable,
 )
 from lmspd.store.sql import ACTIVE_SQL, TERMINAL_SQL, Sql, SqlBackend, dumps, loads_opt, size
 
-__all__ = ["TaskQueries", "task_record"]
+__all__ = ["TaskQueries", "fill_request_heads", "task_record"]
+
+# What a task's readers need of its request, kept in columns of their own
+# (``TaskRecord.request``): its body is never read to answer a poll.
+_HEAD = ("dialect", "model")
+
+# A task's state: every column but its request, which only a row without a
+# dialect gives (``unsplit``): one an instance older than schema 3 wrote
+# to a shared store after the migration (a rolling upgrade).
+_STATE = ("id, owner, status, dialect, model, result, error, response_id, created_at, updated_at, finished_at, "
+          "last_seq, first_retained_seq, CASE WHEN dialect IS NULL THEN request END AS unsplit")
 
 
 def task_record(row: Mapping[str, Any]) -> TaskRecord:
+    """A row of ``_STATE``'s columns as a record."""
+    head = (row["dialect"], row["model"]) if row["unsplit"] is None else _head_of(row["unsplit"])
     return TaskRecord(
         id=row["id"],
         owner=row["owner"],
         status=row["status"],
-        request=json.loads(row["request"]),
+        request={key: value for key, value in zip(_HEAD, head, strict=True) if value is not None},
         result=loads_opt(row["result"]),
         error=loads_opt(row["error"]),
         response_id=row["response_id"],
@@ -72,6 +85,8 @@ class TaskQueries(SqlBackend):
         return [r["id"] for r in rows]
 
     def request_cancel(self, owner: str, task_id: str) -> bool:
+        if unstorable(task_id):
+            return False
         with self.sql_write() as sql:
             changed = sql.run(f"UPDATE tasks SET cancel_requested_at = ? WHERE id = ? AND owner = ? "
                               f"AND status IN {ACTIVE_SQL}", (self._clock(), task_id, owner))
@@ -103,7 +118,8 @@ class TaskQueries(SqlBackend):
             error_text = None if final.get("error") is None else dumps(final["error"])
         row = sql.returning(
             f"UPDATE tasks SET status = ?, error = ?, updated_at = ?, finished_at = ?, "
-            f"bytes = {self.octets('request')} + COALESCE({self.octets('result')}, 0) + ? WHERE id = ? RETURNING *",
+            f"bytes = {self.octets('request')} + COALESCE({self.octets('result')}, 0) + ? WHERE id = ? "
+            f"RETURNING {_STATE}",
             (status, error_text, now, now, size(error_text), task_id))
         assert row is not None  # the caller holds the row
         task = task_record(row)
@@ -127,7 +143,7 @@ class TaskQueries(SqlBackend):
                 sql.run(f"UPDATE tasks SET result = ?, bytes = {self.octets('request')} + ? "
                         f"+ COALESCE({self.octets('error')}, 0) WHERE id = ?", (result, size(result), task_id))
         self._notice_in(sql, "events", task_id)
-        row = sql.first("SELECT * FROM tasks WHERE id = ?", (task_id,))
+        row = sql.first(f"SELECT {_STATE} FROM tasks WHERE id = ?", (task_id,))
         assert row is not None  # the row just written
         return task_record(row)
 
@@ -149,9 +165,11 @@ class TaskQueries(SqlBackend):
         created = self._now(created_at)
         with self.sql_write() as sql:
             row = sql.returning(
-                "INSERT INTO tasks (id, owner, status, response_id, request, created_at, updated_at, bytes, "
-                "instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING RETURNING *",
-                (task_id, owner, status, response_id, body, created, self._clock(), size(body), self.instance_id),
+                "INSERT INTO tasks (id, owner, status, response_id, request, dialect, model, created_at, "
+                "updated_at, bytes, instance_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                f"ON CONFLICT (id) DO NOTHING RETURNING {_STATE}",
+                (task_id, owner, status, response_id, body, *request_head(request), created, self._clock(),
+                 size(body), self.instance_id),
             )
         if row is None:
             raise Duplicate(f"task {task_id!r} already exists")
@@ -166,7 +184,7 @@ class TaskQueries(SqlBackend):
         error_text = None if error is None else dumps(error)
         # A terminal status waits for the flush wherever a backend relaxes it.
         with self.sql_write(durable=terminal) as sql:
-            row = sql.first("SELECT status, last_seq, request, result, error FROM tasks WHERE id = ? AND owner = ?"
+            row = sql.first("SELECT status, last_seq, result, error FROM tasks WHERE id = ? AND owner = ?"
                             + self.for_update, (task_id, owner))
             if row is None or row["status"] in TERMINAL_STATUSES:
                 return False
@@ -175,10 +193,10 @@ class TaskQueries(SqlBackend):
             new_result = result_text if result_text is not None else row["result"]
             new_error = error_text if error_text is not None else row["error"]
             now = self._clock()
-            sql.run("UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, finished_at = ?, bytes = ? "
-                    "WHERE id = ?",
+            sql.run(f"UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ?, finished_at = ?, "
+                    f"bytes = {self.octets('request')} + ? WHERE id = ?",
                     (status, new_result, new_error, now, now if terminal else None,
-                     size(row["request"]) + size(new_result) + size(new_error), task_id))
+                     size(new_result) + size(new_error), task_id))
             if final_event is not None or terminal:
                 self._notice_in(sql, "events", task_id)
         if final_event is not None or terminal:
@@ -186,14 +204,48 @@ class TaskQueries(SqlBackend):
         return True
 
     def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
+        if unstorable(task_id):
+            return None
         with self.sql_single() as sql:
-            row = sql.first("SELECT * FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
+            row = sql.first(f"SELECT {_STATE} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
         return None if row is None else task_record(row)
 
+    def get_task_request(self, owner: str, task_id: str) -> JSON | None:
+        if unstorable(task_id):
+            return None
+        with self.sql_single() as sql:
+            row = sql.first("SELECT request FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
+        return None if row is None else dict(json.loads(row["request"]))
+
     def first_retained_seq(self, owner: str, task_id: str) -> int | None:
+        if unstorable(task_id):
+            return None
         with self.sql_single() as sql:
             row = sql.first("SELECT first_retained_seq FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
         return None if row is None else int(row["first_retained_seq"])
+
+
+def request_head(request: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The ``_HEAD`` of a task's request (``dialect``, ``model``), as its columns keep it."""
+
+    def kept(value: Any) -> str | None:
+        return value if isinstance(value, str) and not unstorable(value) else None
+
+    return kept(request.get("dialect")), kept(request.get("model"))
+
+
+def _head_of(stored: str) -> tuple[str | None, str | None]:
+    request = json.loads(stored)
+    return request_head(request) if isinstance(request, dict) else (None, None)
+
+
+def fill_request_heads(sql: Sql) -> None:
+    """Migration: the ``_HEAD`` columns of the tasks stored before them, one
+    request parsed at a time (each may be megabytes)."""
+    for task in sql.rows("SELECT id FROM tasks"):
+        row = sql.first("SELECT request FROM tasks WHERE id = ?", (task["id"],))
+        assert row is not None  # in the migration's transaction
+        sql.run("UPDATE tasks SET dialect = ?, model = ? WHERE id = ?", (*_head_of(row["request"]), task["id"]))
 
 
 def insert_events(sql: Sql, task_id: str, last_seq: int, events: Sequence[tuple[int, str, JSON]]) -> None:

@@ -81,13 +81,9 @@ WireEvent = tuple[int, str, dict[str, Any]]
 class StreamSession:
     """Feeds engine events in, gets numbered wire events out."""
 
-    def __init__(self, state: ResponseState, encoder: Encoder, lead: list[OutputItem] | tuple[Any, ...] = (),
-                 spent: Usage | None = None) -> None:
+    def __init__(self, state: ResponseState, encoder: Encoder, spent: Usage | None = None) -> None:
         self.state = state
         self._encoder = encoder
-        # Complete items the response starts with, emitted (added, done)
-        # right after it is in progress: a compaction item.
-        self._lead = list(lead)
         # What the model already did for this response before its run (a
         # compaction's summary, ``lmspd.compaction``): the response's usage
         # is that and the run's together.
@@ -95,6 +91,7 @@ class StreamSession:
         self._seq = encoder.first_sequence_number
         self._open_index: int | None = None  # index of the item receiving deltas
         self._calls: dict[int, int] = {}  # engine tool index -> output index
+        self._started = False
         self.terminated = False
 
     @classmethod
@@ -113,12 +110,17 @@ class StreamSession:
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> list[WireEvent]:
+        """response.created, then (unless queued) in_progress. Once: a turn
+        that compacts starts its response before the run that ends it starts
+        it again (``lmspd.compaction.CompactingRun``)."""
+        if self._started:
+            return []
+        self._started = True
         out: list[WireEvent] = []
         self._emit(out, steps.ResponseCreated())
         if self.state.status == "queued":
             return out
         self._emit(out, steps.ResponseInProgress())
-        self._emit_lead(out)
         return out
 
     def begin_progress(self) -> list[WireEvent]:
@@ -126,7 +128,17 @@ class StreamSession:
         self.state.status = "in_progress"
         out: list[WireEvent] = []
         self._emit(out, steps.ResponseInProgress())
-        self._emit_lead(out)
+        return out
+
+    def lead(self, items: list[OutputItem]) -> list[WireEvent]:
+        """Complete items the response starts with, made once it was in
+        progress (a compaction item, whose summary the client waited for
+        hearing keep-alives), emitted (added, done) before the run's own."""
+        out: list[WireEvent] = []
+        for item in items:
+            item.status = "completed"
+            index = self._add_item(out, item)
+            self._emit(out, steps.ItemDone(index, item))
         return out
 
     def heartbeat(self) -> list[WireEvent]:
@@ -137,13 +149,6 @@ class StreamSession:
         out: list[WireEvent] = []
         self._emit(out, steps.Heartbeat())
         return out
-
-    def _emit_lead(self, out: list[WireEvent]) -> None:
-        for item in self._lead:
-            item.status = "completed"
-            index = self._add_item(out, item)
-            self._emit(out, steps.ItemDone(index, item))
-        self._lead = []
 
     def handle(self, event: EngineEvent) -> list[WireEvent]:
         if self.terminated:

@@ -29,6 +29,7 @@ import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
@@ -37,7 +38,9 @@ from lmspd.history import ResponseRecord
 from lmspd.service import Run
 from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
 from lmspd.store.calls import backoff, retried
-from lmspd.streaming.session import ResponseState, StreamSession
+from lmspd.streaming import steps
+from lmspd.streaming.session import Encoder, ResponseState, StreamSession
+from lmspd.streaming.steps import Step
 
 log = logging.getLogger("lmspd.tasks")
 
@@ -65,10 +68,16 @@ EVENT_WRITE_DELAYS_S: tuple[float, ...] = (0.05, 0.25)
 FINAL_WRITE_FIRST_S = 0.05
 FINAL_WRITE_MOST_S = 2.0
 
-# Marks, in a task's write queue, that the model took the task.
-_STARTED = object()
 # Marks the end of a task's write queue.
 _END = object()
+
+
+@dataclass(frozen=True)
+class _Started:
+    """Marks, in a task's write queue, that the model took the task: its
+    response as it was then, which the writer stores."""
+
+    state: ResponseState
 
 
 class StoreUnavailable(Exception):
@@ -77,6 +86,32 @@ class StoreUnavailable(Exception):
 
 class StoreRefused(RuntimeError):
     """A task's run stopped because its events could not be stored."""
+
+
+class TaskEncoder:
+    """A dialect's encoder for a background run: it writes no keep-alive
+    events (``steps.Heartbeat``). Every event of a task is stored, and a
+    keep-alive repeats the whole response object (instructions, tools,
+    metadata: up to megabytes) every ``sse_keepalive_s`` for as long as the
+    task waits, without bound; a task's followers hear SSE comments instead
+    (``lmspd.http.SseResponse``). A step not written takes no sequence
+    number, so the log stays contiguous for resuming."""
+
+    def __init__(self, inner: Encoder) -> None:
+        self._inner = inner
+        self.first_sequence_number = inner.first_sequence_number
+
+    def encode(self, step: Step, state: ResponseState, seq: int) -> tuple[str, dict[str, Any]] | None:
+        if isinstance(step, steps.Heartbeat):
+            return None
+        return self._inner.encode(step, state, seq)
+
+
+def snapshot(state: ResponseState) -> ResponseState:
+    """``state`` as it is now, for a thread to read while the run goes on:
+    a shallow copy with its own output list. Taken where every item in that
+    list is done (a run's start, its creation), so none of them changes."""
+    return replace(state, output=list(state.output))
 
 
 def task_request(dialect: Dialect, model: str, body: JSON) -> JSON:
@@ -103,7 +138,12 @@ class LiveTask:
         self.sent = 0  # events handed to the writer so far
         self.recorded = 0  # events written so far
         self.write_error: BaseException | None = None
-        self.pending: asyncio.Queue[Any] = asyncio.Queue(MAX_PENDING_EVENTS)
+        # What waits for the writer: the run's events, at most
+        # ``MAX_PENDING_EVENTS`` of them (``room``: a run that outpaces the
+        # store waits), and the writer's marks, which never wait and so are
+        # never dropped (the start is marked from a plain callback).
+        self.pending: asyncio.Queue[Any] = asyncio.Queue()
+        self.room = asyncio.Semaphore(MAX_PENDING_EVENTS)
         self._readers: set[asyncio.Queue[TaskEvent | None]] = set()
 
     @property
@@ -222,22 +262,20 @@ class TaskManager:
         async for seq, name, data in live.run.events(live.session, on_start=lambda: self._started(live)):
             await self._record(live, seq, name, data)
 
-    def _started(self, live: LiveTask) -> None:
-        # Queued behind the events before it, so the status never runs ahead.
-        with contextlib.suppress(asyncio.QueueFull):
-            live.pending.put_nowait(_STARTED)
-        try:
-            live.record.started(live.state)
-        except Exception:
-            log.exception("task %s: could not store its response as started", live.id)
+    @staticmethod
+    def _started(live: LiveTask) -> None:
+        # On the event loop: the writer stores the start (off it), queued
+        # behind the events before it, so the status never runs ahead.
+        live.pending.put_nowait(_Started(snapshot(live.state)))
 
     async def _record(self, live: LiveTask, seq: int, name: str, data: dict[str, Any]) -> None:
         if live.write_error is not None:
             # The store refused this task's events (a survivor closed it, or
             # the store is down): stop generating what cannot be kept.
             raise StoreRefused(f"task {live.id}: the store refused its events") from live.write_error
+        await live.room.acquire()
         live.sent += 1
-        await live.pending.put(TaskEvent(live.dialect.store_seq(seq), name, data))
+        live.pending.put_nowait(TaskEvent(live.dialect.store_seq(seq), name, data))
 
     async def _supervise(self, live: LiveTask) -> None:
         """Whatever stopped the runner, the log ends with a terminal event."""
@@ -262,7 +300,7 @@ class TaskManager:
             elif not runner.cancelled() and runner.exception() is not None:
                 log.error("task %s: storing its events failed", live.id, exc_info=runner.exception())
             if not live.writer.done():
-                await live.pending.put(_END)
+                live.pending.put_nowait(_END)
             await live.writer
             if live.write_error is not None and not isinstance(live.write_error, TaskFinished):
                 # Its log is cut short: hand it to recovery (on a shared
@@ -298,6 +336,9 @@ class TaskManager:
                     ended = True
                     break
                 batch.append(item)
+            # Taken off the queue: the run may hand over as many more.
+            for _ in range(sum(isinstance(item, TaskEvent) for item in batch)):
+                live.room.release()
             if live.write_error is None:
                 try:
                     await self._store_batch(live, batch)
@@ -316,11 +357,16 @@ class TaskManager:
         nowhere else: tried until they land or the server shuts down."""
         run: list[TaskEvent] = []
         for item in batch:
-            if item is _STARTED:
+            if isinstance(item, _Started):
                 await self._append(live, run)
                 run = []
                 await self._write(live, "its start", False, self.store.set_task_status, live.owner, live.id,
                                   "in_progress")
+                try:
+                    await self._write(live, "its response as started", False, live.record.started, item.state)
+                except Exception:
+                    # Its end overwrites it: the task goes on.
+                    log.exception("task %s: could not store its response as started", live.id)
             elif item.event in TERMINAL_EVENT_NAMES:
                 await self._append(live, run)
                 run = []

@@ -14,10 +14,10 @@ estimate re-aims from what it measured; a few misses in a row fall back to
 bisection between what is known to fit and what is known not to, so the
 worst case stays O(log n).
 
-What is dropped comes in groups: a tool call goes with the outputs that
-answer it (a kept output whose call is gone renders as a result of nothing,
-which templates and models misread), and the call answered by the last item
-(never dropped) stays.
+What is dropped comes in groups (``core.conversation.drop_groups``, which
+a WebSocket connection's remembered history drops by too): a tool call
+goes with the outputs that answer it, and the call answered by the last
+item (never dropped) stays.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmspd.core.conversation import Item, Message, ToolCall, ToolOutput, item_chars
+from lmspd.core.conversation import Item, drop_groups, item_chars
 
 # Measurements aimed by the estimate before the search bisects instead.
 _GUIDED_PROBES = 4
@@ -37,35 +37,6 @@ class Fit:
     items: list[Item]
     text: str
     tokens: list[int]
-
-
-def drop_groups(items: list[Item]) -> list[list[int]]:
-    """Indices of ``items`` that may be dropped, as the groups that go
-    together, oldest first: never a system or developer message, never the
-    last item, never the call the last item answers; a call with every
-    output that answers it."""
-    if not items:
-        return []
-    last = items[-1]
-    pinned = {last.call_id} if isinstance(last, ToolOutput) else set()
-    answers: dict[str, list[int]] = {}
-    for i, item in enumerate(items[:-1]):
-        if isinstance(item, ToolOutput):
-            answers.setdefault(item.call_id, []).append(i)
-    groups: list[list[int]] = []
-    taken: set[int] = set()
-    for i, item in enumerate(items[:-1]):
-        if i in taken or (isinstance(item, Message) and item.role in ("system", "developer")):
-            continue
-        if isinstance(item, ToolCall):
-            if item.call_id in pinned:
-                continue
-            group = [i] + [j for j in answers.get(item.call_id, ()) if j > i and j not in taken]
-        else:
-            group = [i]
-        taken.update(group)
-        groups.append(group)
-    return groups
 
 
 def fewest_dropped(items: list[Item], whole: Fit, budget: int, *, render: Callable[[list[Item]], str],

@@ -6,9 +6,13 @@ tests/e2e/test_stored_responses.py.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from lmspd.core.events import Finished, TextDelta, Usage
 from lmspd.engines.llama.speculation import DecodeStats
+from lmspd.store import open_store
 from support.engine import MODEL
+from support.inprocess import serving
 from support.sse import parse_frames
 from support.validate import check_openai_response, validate_lmsp_stream
 
@@ -251,3 +255,188 @@ def test_a_response_cut_by_its_cap_carries_no_incomplete_extension(http):
     assert "lmspd.incomplete" not in (created.get("extensions") or {})
     lm = http.get(f"/lmsp/v1/responses/{created['id']}").json()
     assert lm["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_deleting_a_background_response_takes_its_task_and_events_and_a_retry_replays_nothing(app, http):
+    """Its task (the request, the result) and its event log went on for
+    days after a DELETE, and an Idempotency-Key retry of the create
+    replayed the deleted output."""
+    import json
+
+    create = body("my private prompt", background=True, stream=True)
+    with http.stream("POST", "/v1/responses", json=create, headers={"Idempotency-Key": "k1"}) as r:
+        first = [f for f in parse_frames(r.iter_lines()) if f.data != "[DONE]"]
+    response_id = json.loads(first[0].data)["response"]["id"]
+    assert first[-1].event == "response.completed"
+    assert app.store.get_task("local", response_id) is not None
+
+    assert http.delete(f"/v1/responses/{response_id}").status_code == 200
+    assert app.store.get_task("local", response_id) is None
+    assert app.store.events_after("local", response_id, 0) is None
+    with http.stream("POST", "/v1/responses", json=create, headers={"Idempotency-Key": "k1"}) as r:
+        retried = r.read().decode()
+        assert r.status_code == 404, retried
+    assert json.loads(retried)["error"]["code"] == "response_not_found"
+
+
+def test_delete_through_v1_leaves_an_lmsp_task_of_that_id_alone(tmp_path):
+    """DELETE /v1/responses/<an LMSP task's id>: no such response, so a 404,
+    and the task it names runs on (it was cancelled, then answered 404)."""
+    from support.engine import ScriptedEngine
+    from support.follow import wait_for
+    from support.inprocess import serving
+
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(100)), delay_s=0.005)
+    with serving(tmp_path, engine=engine) as app:
+        http = app.http
+        task = http.post("/lmsp/v1/tasks", json=body(max_output_tokens=200)).json()
+        wait_for(lambda: http.get(f"/lmsp/v1/tasks/{task['id']}").json()["status"] == "in_progress", timeout=10)
+        r = http.delete(f"/v1/responses/{task['id']}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        done = wait_for(lambda: (t := http.get(f"/lmsp/v1/tasks/{task['id']}").json())["finished_at"] and t,
+                        timeout=10)
+    assert done["status"] == "completed" and engine.cancelled == 0
+
+
+def test_a_background_response_whose_task_expired_is_still_one(tmp_path):
+    """A background response is kept longer (30 days) than its task (7
+    days): its stream then is 410 (its events are gone), and cancelling it
+    returns it as it is, not a 400 saying it was not a background response."""
+    import time
+
+    from support.engine import ScriptedEngine
+    from support.follow import wait_for
+    from support.inprocess import serving
+
+    with serving(tmp_path, engine=ScriptedEngine((" a",))) as app:
+        http = app.http
+        response_id = http.post("/v1/responses", json=body(background=True)).json()["id"]
+        done = wait_for(lambda: (r := http.get(f"/v1/responses/{response_id}").json())["status"] == "completed"
+                        and r, timeout=10)
+        wait_for(lambda: app.store.get_task("local", response_id).terminal, timeout=10)  # its end written after
+        pruned = app.store.prune(now=time.time() + 8 * 86400)
+        assert pruned["tasks"] == 1 and pruned["responses"] == 0
+        assert http.get(f"/v1/responses/{response_id}").json() == done
+
+        r = http.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+        assert r.status_code == 410 and r.json()["error"]["code"] == "event_history_expired"
+        assert r.json()["error"]["message"] == (f"The events of {response_id!r} are no longer kept; "
+                                                "read the final result instead.")
+        r = http.post(f"/v1/responses/{response_id}/cancel")
+        assert r.status_code == 200 and r.json() == done
+
+
+def test_conversation_item_ids_are_unique_so_the_sdk_pages_through_all(app, http):
+    """A turn whose input references an item of its conversation added a
+    second item of that id, and POST .../items took a client id twice: the
+    listing, which resumes after an id, then skipped items (the SDK's
+    auto-paging returned 3 of 6)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": f"m{i}"}
+                                              for i in range(3)])
+    first = next(iter(client.conversations.items.list(conv.id, order="asc"))).id
+    turn = client.responses.create(model=MODEL, conversation=conv.id, max_output_tokens=24,
+                                   input=[{"type": "item_reference", "id": first},
+                                          {"type": "message", "role": "user", "content": "again"}])
+    # What the model saw is what the conversation lists: the referenced item twice.
+    seen = [t[1] for t in texts(app.engine.conversations[-1]) if t[0] != "system"]
+    assert seen == ["m0", "m1", "m2", "m0", "again"]
+    whole = [i.id for i in client.conversations.items.list(conv.id, order="asc", limit=100)]
+    assert len(whole) == len(set(whole)) == 6 and whole[-1] == turn.output[0].id
+    for order in ("asc", "desc"):
+        paged = [i.id for i in client.conversations.items.list(conv.id, order=order, limit=1)]
+        assert paged == (whole if order == "asc" else whole[::-1])
+    listed = http.get(f"/v1/conversations/{conv.id}/items", params={"order": "asc", "limit": 100}).json()["data"]
+    assert [i["content"][0]["text"] for i in listed[:5]] == seen
+
+    same = {"type": "message", "role": "user", "content": "d", "id": "msg_same"}
+    for items, where in (([same, same], "items[1].id"), ([{**same, "id": "msg_new"}, {**same, "id": first}],
+                                                          "items[1].id")):
+        r = http.post(f"/v1/conversations/{conv.id}/items", json={"items": items})
+        assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+    r = http.post("/v1/conversations", json={"items": [same, same]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "items[1].id"
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc", limit=100)] == whole
+
+
+def test_conversation_metadata_null_clears_it(http):
+    """The SDK declares ``metadata`` Required[Optional[...]]: null clears it."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+    conv = client.conversations.create(metadata={"topic": "math"})
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}
+    assert client.conversations.retrieve(conv.id).metadata == {}
+    r = http.post(f"/v1/conversations/{conv.id}", json={})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+
+
+# An id holding a NUL, in a path, a query or a body, and the answer it gets:
+# that of an unknown id, whichever store is behind the app.
+NUL_ID_REQUESTS = [
+    ("GET", "/v1/responses/resp_%00x", None, (404, "response_not_found")),
+    ("GET", "/v1/responses/resp_%00x/input_items", None, (404, "response_not_found")),
+    ("DELETE", "/v1/responses/resp_%00x", None, (404, "response_not_found")),
+    ("POST", "/v1/responses/resp_%00x/cancel", None, (404, "response_not_found")),
+    ("GET", "/v1/responses/{response}/input_items?after=a%00", None, (400, "invalid_request")),
+    ("GET", "/lmsp/v1/responses/resp_%00x", None, (404, "response_not_found")),
+    ("GET", "/v1/conversations/conv_%00x", None, (404, "conversation_not_found")),
+    ("POST", "/v1/conversations/conv_%00x", {"metadata": {}}, (404, "conversation_not_found")),
+    ("DELETE", "/v1/conversations/conv_%00x", None, (404, "conversation_not_found")),
+    ("GET", "/v1/conversations/conv_%00x/items", None, (404, "conversation_not_found")),
+    ("POST", "/v1/conversations/conv_%00x/items", {"items": []}, (404, "conversation_not_found")),
+    ("GET", "/v1/conversations/{conversation}/items?after=a%00", None, (400, "invalid_request")),
+    ("GET", "/v1/conversations/{conversation}/items/msg_%00", None, (404, "not_found")),
+    ("DELETE", "/v1/conversations/{conversation}/items/msg_%00", None, (404, "not_found")),
+    ("GET", "/lmsp/v1/tasks/task_%00x", None, (404, "task_not_found")),
+    ("GET", "/lmsp/v1/tasks/task_%00x/events", None, (404, "task_not_found")),
+    ("POST", "/lmsp/v1/tasks/task_%00x/cancel", None, (404, "task_not_found")),
+    ("POST", "/v1/responses", body(previous_response_id="resp_\0"), (400, "previous_response_not_found")),
+    ("POST", "/lmsp/v1/responses", body(previous_response_id="resp_\0"), (400, "previous_response_not_found")),
+    ("POST", "/v1/responses", body(conversation="conv_\0"), (404, "conversation_not_found")),
+    ("POST", "/v1/responses", body(conversation={"id": "conv_\0"}), (404, "conversation_not_found")),
+    ("POST", "/v1/responses", body([{"type": "item_reference", "id": "msg_\0"}]), (400, "invalid_request")),
+]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_id_holding_a_nul_is_unknown_on_either_store(tmp_path, request, backend):
+    """PostgreSQL's text cannot hold a NUL: psycopg refused each of these
+    lookups (DataError, a 500 and a traceback) where SQLite found nothing."""
+    target = str(tmp_path / "lmspd.db") if backend == "sqlite" else request.getfixturevalue("pg_database")
+    with serving(tmp_path, store=open_store(target)) as app:
+        http = app.http
+        ids = {"response": http.post("/v1/responses", json=body()).json()["id"],
+               "conversation": http.post("/v1/conversations", json={}).json()["id"]}
+        for method, path, sent, expected in NUL_ID_REQUESTS:
+            r = http.request(method, path.format(**ids), json=sent, headers={"LMSP-Version": "1.0"})
+            problem = r.json()
+            code = problem["error"]["code"] if "error" in problem else problem["code"]
+            assert (r.status_code, code) == expected, (method, path, sent, r.text)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_item_id_holding_a_nul_is_replaced_on_either_store(tmp_path, request, backend):
+    """A client's item id PostgreSQL cannot hold: the response, generated,
+    could not be stored (a 503 losing it), and items added to a
+    conversation were a 500. Each gets an id of its own, as an item sent
+    without one does."""
+    target = str(tmp_path / "lmspd.db") if backend == "sqlite" else request.getfixturevalue("pg_database")
+    item = {"type": "message", "role": "user", "content": "a\0b", "id": "msg_\0"}
+    with serving(tmp_path, store=open_store(target)) as app:
+        http = app.http
+        conversation = http.post("/v1/conversations", json={"items": [item], "metadata": {"k\0": "v\0"}})
+        assert conversation.status_code == 200, conversation.text
+        conversation_id = conversation.json()["id"]
+        added = http.post(f"/v1/conversations/{conversation_id}/items", json={"items": [item]})
+        assert added.status_code == 200, added.text
+        created = http.post("/v1/responses", json=body([item], conversation=conversation_id))
+        assert created.status_code == 200, created.text
+        inputs = http.get(f"/v1/responses/{created.json()['id']}/input_items").json()["data"]
+        items = http.get(f"/v1/conversations/{conversation_id}/items", params={"order": "asc"}).json()["data"]
+    assert [i["content"][0]["text"] for i in inputs] == ["a\0b"]
+    assert [i.get("content", [{}])[0].get("text") for i in items][:3] == ["a\0b"] * 3
+    ids = [i["id"] for i in inputs + items]
+    assert all(i.startswith("msg_") and "\0" not in i for i in ids) and len(set(ids)) == len(items)

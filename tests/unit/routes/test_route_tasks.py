@@ -7,6 +7,7 @@ tests/e2e/test_crash.py, test_multi_instance.py)."""
 from __future__ import annotations
 
 import threading
+import time
 
 from openai import OpenAI
 
@@ -188,6 +189,8 @@ def test_events_expire_with_410_but_the_result_stays(tmp_path):
             assert r.status_code == 410
             assert r.json()["code"] == "event_history_expired"
             assert r.headers["content-type"].startswith("application/problem+json")
+            asked = "Events after 3 of" if headers else "The events of"
+            assert r.json()["detail"] == f"{asked} {task['id']!r} are no longer kept; read the final result instead."
         result = http.get(f"/lmsp/v1/tasks/{task['id']}").json()
         assert result["result"]["output"] == validate_lmsp_stream(full)["output"]
 
@@ -199,3 +202,116 @@ def test_events_expire_with_410_but_the_result_stays(tmp_path):
                                             params={"stream": "true", "starting_after": 0})).status_code == 410 and r,
                      timeout=10)
         assert r.json()["error"]["code"] == "event_history_expired"
+        assert r.json()["error"]["message"] == (f"Events after 0 of {bg['id']!r} are no longer kept; "
+                                                "read the final result instead.")
+        # Without starting_after: no "events after -1", nor an earliest kept one past the last.
+        r = http.get(f"/v1/responses/{bg['id']}", params={"stream": "true"})
+        assert r.status_code == 410 and r.json()["error"]["message"] == (
+            f"The events of {bg['id']!r} are no longer kept; read the final result instead.")
+
+
+def test_a_queued_background_response_stores_no_keep_alives(tmp_path):
+    """A keep-alive event repeats the whole response (its instructions,
+    tools, metadata); stored, a response waiting in the queue grew its log
+    by that much every interval, without bound. Its followers hear SSE
+    comments instead, and its log stays numbered without gaps."""
+    import dataclasses
+
+    from lmspd.core.limits import DEFAULT_LIMITS
+    from lmspd.streaming.sse import SSE_KEEPALIVE
+
+    every = 0.05
+    engine = ScriptedEngine(LONG, delay_s=0.005)  # one at a time: the second waits
+    limits = dataclasses.replace(DEFAULT_LIMITS, sse_keepalive_s=every)
+    with serving(tmp_path, engine=engine, limits=limits) as app:
+        http = app.http
+        first = http.post("/v1/responses", json=task_body(max_output_tokens=4000, background=True)).json()
+        wait_for(lambda: http.get(f"/v1/responses/{first['id']}").json()["status"] == "in_progress", timeout=10)
+        waiting = http.post("/v1/responses", json=task_body(background=True, instructions="x" * 100_000)).json()
+        assert waiting["status"] == "queued"
+
+        def stored_log() -> list[tuple[int, str, int]]:
+            events = app.store.events_after("local", waiting["id"], 0) or []
+            return [(e.seq, e.event, len(str(e.data))) for e in events]
+
+        before = wait_for(stored_log, timeout=10)
+        # A follower meanwhile: comments, no events, for several intervals.
+        with http.stream("GET", f"/v1/responses/{waiting['id']}", params={"stream": "true",
+                                                                          "starting_after": 0}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            heard = [next(lines) for _ in range(3)]
+        assert heard == [SSE_KEEPALIVE.decode().strip()] * 3, heard
+        time.sleep(10 * every)
+        assert http.get(f"/v1/responses/{waiting['id']}").json()["status"] == "queued"
+        assert stored_log() == before, "a waiting response's stored log grew"
+        assert [name for _, name, _ in before] == ["response.created"]
+
+        assert http.post(f"/v1/responses/{first['id']}/cancel").status_code == 200
+        _, frames, _ = follow(http, f"/v1/responses/{waiting['id']}", params={"stream": "true"})
+        events = openai_events(frames)
+    final = validate_openai_stream(events)  # sequence numbers 0, 1, 2, ... without a gap
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert final["status"] == "incomplete" and final["output"]  # its 24 tokens
+
+
+def test_a_log_pruned_while_it_is_read_ends_the_stream_with_410s_code(tmp_path, caplog):
+    """Retention may drop a finished task's log between two batches of one
+    reader (512 events each): its stream ends saying so, as a fresh reader
+    is told, not as if the store had failed (store_unavailable, and a
+    traceback at ERROR)."""
+    import json
+
+    engine = ScriptedEngine(LONG[:700])
+    with serving(tmp_path, engine=engine) as app:
+        http = app.http
+        task = http.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=2000)).json()
+        done = wait_for(lambda: finished(http, task["id"]), timeout=30)
+        assert done["last_event_id"] > 600
+        store, read = app.store, app.store.events_after
+        reads = []
+
+        def events_after(*args, **kwargs):
+            out = read(*args, **kwargs)
+            reads.append(len(out or []))
+            if len(reads) == 1:  # after the first batch: the log goes (a day after it ended)
+                store.prune(now=time.time() + 2 * 86400)
+            return out
+
+        store.events_after = events_after
+        try:
+            status, frames, _ = follow(http, f"/lmsp/v1/tasks/{task['id']}/events")
+        finally:
+            store.events_after = read
+    assert status == 200 and reads[0] == 512 and len(frames) == 513
+    error = json.loads(frames[-1].data)
+    assert frames[-1].event == "error" and error["error"]["code"] == "event_history_expired", error
+    assert error["error"]["detail"] == (f"Events after 512 of {task['id']!r} are no longer kept; "
+                                        "read the final result instead.")
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_polling_a_task_leaves_its_request_unparsed(app, http, monkeypatch):
+    """A poll of a task (702 bytes of reply) parsed the whole stored
+    request in a store thread, megabytes of tools, holding the interpreter
+    lock and stalling every stream each time; so did its cancel."""
+    import json
+
+    tools = [{"type": "function", "name": f"f{i}",
+              "parameters": {"type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(100)}}}
+             for i in range(64)]
+    sent = json.dumps(task_body(tools=tools))
+    task = http.post("/lmsp/v1/tasks", content=sent, headers={"content-type": "application/json"}).json()
+    wait_for(lambda: finished(http, task["id"]), timeout=30)
+    parsed: list[int] = []
+    loads = json.loads
+
+    def counting(text, *args, **kwargs):
+        parsed.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting)
+    for _ in range(3):
+        r = http.get(f"/lmsp/v1/tasks/{task['id']}")
+        assert r.status_code == 200 and r.json()["status"] == "completed"
+    assert http.post(f"/lmsp/v1/tasks/{task['id']}/cancel").json()["status"] == "completed"
+    assert parsed and max(parsed) < len(sent) / 10, (len(sent), sorted(parsed)[-3:])

@@ -11,12 +11,13 @@ import typing
 
 import pytest
 from openai.types.chat import completion_create_params
-from openai.types.responses import Response, response_create_params
+from openai.types.responses import Response, response_compact_params, response_create_params
 from openai.types.responses.responses_client_event import ResponseCreate
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from openai.types.shared.reasoning_effort import ReasoningEffort
 from pydantic import TypeAdapter
 
+from lmspd.compaction import COMPACT_FIELDS
 from lmspd.core.limits import MAX_STREAM_ID_CHARS
 from lmspd.dialects.chat_completions import ChatCompletionRequest
 from lmspd.dialects.openai_responses import CreateResponse
@@ -57,6 +58,18 @@ def test_every_parameter_the_sdk_sends_is_known():
     assert chat_params - set(ChatCompletionRequest.model_fields) == set()
     # A WebSocket response.create is a create body plus its envelope.
     assert set(ResponseCreate.model_fields) - set(CreateResponse.model_fields) == {"type", "generate", "stream_id"}
+
+
+def test_every_parameter_the_sdk_sends_to_compact_is_known(app):
+    assert set(typing.get_type_hints(response_compact_params.ResponseCompactParams)) - COMPACT_FIELDS == set()
+    body = {"model": MODEL, "input": "a long story"}
+    for extra in ({"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}},
+                  {"image": {"context_compression": "auto"}}):
+        r = app.http.post("/v1/responses/compact", json={**body, **extra})
+        assert r.status_code == 200 and r.json()["object"] == "response.compaction", r.text
+    # Decoded as a create body's: an invalid value is refused by name.
+    r = app.http.post("/v1/responses/compact", json={**body, "image": {"context_compression": "always"}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("image"), r.text
 
 
 def test_unknown_parameters_are_still_refused(app):

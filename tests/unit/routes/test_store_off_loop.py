@@ -179,3 +179,36 @@ def test_a_row_lock_held_elsewhere_leaves_the_stream_alone(tmp_path, pg_database
     assert (on_lock, outstanding, answered_under_lock) == (POOL_SIZE, BLOCKED_WRITERS, 0)
     statuses = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in results]
     assert statuses == [200] * BLOCKED_WRITERS, statuses
+
+
+def test_a_background_response_that_starts_while_the_writer_is_held_leaves_the_stream_alone(tmp_path) -> None:
+    """When the model takes a queued background response, its status and
+    its stored response become in_progress: written by the task's writer, off
+    the loop. Written on it, another stream stalled until SQLite's writer
+    was free (~740 ms here)."""
+    from support.follow import wait_for
+
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(DELTAS)), delay_s=DELAY_S, max_concurrency=2)
+    app, store = make_app(tmp_path, engine=engine)
+    with ThreadedServer(app) as url:
+        gaps: list[float] = []
+        stream = threading.Thread(target=lambda: gaps.append(largest_gap(url)))
+        stream.start()
+        wait_for(lambda: engine.generations == 1, timeout=10)
+        # A short run takes the model's other place; the background response waits for it.
+        short = threading.Thread(target=lambda: httpx.post(url + "/v1/responses", timeout=60, json={
+            "model": MODEL, "input": "hi", "store": False, "max_output_tokens": 30}))
+        short.start()
+        wait_for(lambda: engine.generations == 2, timeout=10)
+        background = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "hi", "background": True})
+        assert background.json()["status"] == "queued"
+        # Another thread's long write (a prune batch, an 8 MiB idempotent
+        # reply) holds the writer while the short run ends (~0.3 s) and the
+        # background response starts.
+        with store._lock:
+            time.sleep(1.0)
+        short.join()
+        stream.join()
+        assert engine.generations == 3
+    store.close()
+    assert gaps[0] < 0.4, f"largest gap between deltas {gaps[0] * 1000:.0f} ms"

@@ -28,6 +28,7 @@ from lmspd.store.base import (
     ChainError,
     ClosedLog,
     Duplicate,
+    DuplicateItem,
     EventsExpired,
     InvalidCursor,
     NotFound,
@@ -202,7 +203,7 @@ SCHEMA_COLUMNS = {
     "conversation_items": ["conversation_id", "position", "item_id", "body", "bytes"],
     "tasks": ["id", "owner", "status", "response_id", "request", "result", "error", "created_at",
               "updated_at", "finished_at", "last_seq", "first_retained_seq", "bytes", "events_bytes",
-              "instance_id", "cancel_requested_at"],
+              "instance_id", "cancel_requested_at", "dialect", "model"],
     "task_events": ["task_id", "seq", "event", "data"],
     "idempotency_keys": ["owner", "key", "request_hash", "state", "status_code", "headers", "body",
                          "created_at", "expires_at", "bytes", "instance_id"],
@@ -284,6 +285,26 @@ def test_update_and_delete_response(store: Store) -> None:
     assert store.get_response("alice", "resp_1") is None
     after = store.stats()
     assert after["responses"] == 0 and after["response_items"] == 0 and after["response_bytes"] == 0
+
+
+def test_deleting_a_background_response_deletes_its_task_and_log(store: Store) -> None:
+    """Its task (same id) holds the request and the result, its log the
+    output: none of it outlives the response. Another task is left alone."""
+    store.put_response("alice", "resp_1", {"id": "resp_1", "status": "queued"}, [user_msg("private")])
+    store.create_task("alice", "resp_1", {"body": "private"}, status="in_progress", response_id="resp_1")
+    store.append_events("resp_1", [(1, "delta", {"text": "secret"})])
+    store.set_task_status("alice", "resp_1", "completed", result={"output": "secret"},
+                          final_event=(2, "response.completed", {}))
+    store.create_task("alice", "task_1", {}, status="in_progress")
+    assert store.delete_response("alice", "task_1") is False, "an LMSP task is no response"
+    assert store.delete_response("bob", "resp_1") is False
+    assert store.get_task("alice", "resp_1") is not None
+
+    assert store.delete_response("alice", "resp_1") is True
+    assert store.get_task("alice", "resp_1") is None
+    assert store.events_after("alice", "resp_1", 0) is None
+    assert store.stats()["events"] == 0
+    assert store.get_task("alice", "task_1") is not None
 
 
 def test_response_owner_isolation(store: Store) -> None:
@@ -501,6 +522,52 @@ def test_conversation_lifecycle(store: Store, clock: FakeClock) -> None:
     assert store.delete_conversation("alice", "conv_1") is False
 
 
+def test_conversation_item_ids_stay_unique(store: Store) -> None:
+    """Paging resumes after an item id: one id twice in a conversation made
+    it skip items. A client's repeated id is refused; a turn's item whose
+    id the conversation holds (a reference to one of its items) is kept
+    under a new id; another conversation's ids are none of its business."""
+    store.create_conversation("bob", "conv_b", items=[user_msg("b", "msg_b")])
+    with pytest.raises(DuplicateItem) as err:
+        store.create_conversation("alice", "conv_1", items=[user_msg("a", "msg_a"), user_msg("b", "msg_a")])
+    assert (err.value.index, err.value.item_id, err.value.repeated) == (1, "msg_a", True)
+    assert store.get_conversation("alice", "conv_1") is None, "refused whole"
+    store.create_conversation("alice", "conv_1", items=[user_msg("a", "msg_a"), user_msg("b", "msg_b")])
+    with pytest.raises(DuplicateItem) as err:
+        store.append_conversation_items("alice", "conv_1", [user_msg("c"), user_msg("again", "msg_a")])
+    assert (err.value.index, err.value.item_id, err.value.repeated) == (1, "msg_a", False)
+    assert len(store.conversation_items("alice", "conv_1")) == 2, "refused whole"
+
+    store.put_response("alice", "resp_1", {"id": "resp_1", "status": "in_progress"}, [user_msg("a", "msg_a")],
+                       conversation_id="conv_1")
+    turn = [user_msg("a", "msg_a"), user_msg("a", "msg_a"), response_obj("resp_1")["output"][0]]
+    for _ in range(2):  # the second: a retry after a commit that landed
+        assert store.end_turn("alice", "resp_1", response_obj("resp_1"), [user_msg("a", "msg_a")], new=False,
+                              conversation_id="conv_1", conversation_items=turn) is True
+    items = store.conversation_items("alice", "conv_1")
+    ids = [i["id"] for i in items]
+    assert len(ids) == len(set(ids)) == 5
+    assert ids[:2] == ["msg_a", "msg_b"] and ids[2].startswith("msg_") and ids[4] == "msg_out_resp_1"
+    assert [i["content"] for i in items[2:4]] == [user_msg("a")["content"]] * 2
+    # The response's own input keeps the id it was sent with.
+    assert [i["id"] for i in store.list_input_items("alice", "resp_1").items] == ["msg_a"]
+    # A turn that ends with such an item (no output): not mistaken for one that landed already.
+    store.put_response("alice", "resp_2", {"id": "resp_2", "status": "incomplete"}, [user_msg("b", "msg_b")],
+                       conversation_id="conv_1")
+    assert store.end_turn("alice", "resp_2", None, [user_msg("b", "msg_b")], new=False, conversation_id="conv_1",
+                          conversation_items=[{**user_msg("b"), "id": "msg_b", "status": "completed"}]) is True
+    ids = [i["id"] for i in store.conversation_items("alice", "conv_1")]
+    assert len(ids) == len(set(ids)) == 6
+    paged, after = [], None
+    while True:
+        page = store.list_conversation_items("alice", "conv_1", after=after, limit=1, order="asc")
+        paged += [i["id"] for i in page.items]
+        if not page.has_more:
+            break
+        after = page.items[-1]["id"]
+    assert paged == ids
+
+
 def test_conversation_owner_isolation(store: Store) -> None:
     store.create_conversation("alice", "conv_1", items=[user_msg("secret", "msg_s")])
     assert store.get_conversation("mallory", "conv_1") is None
@@ -514,6 +581,69 @@ def test_conversation_owner_isolation(store: Store) -> None:
     assert store.delete_conversation("mallory", "conv_1") is False
     assert store.conversation_items("alice", "conv_1") == [user_msg("secret", "msg_s")]
     assert store.get_conversation("alice", "conv_1").metadata == {}
+
+
+# --- ids no store can hold -------------------------------------------------------------------
+
+
+def test_an_id_holding_a_nul_names_nothing(store: Store) -> None:
+    """PostgreSQL's text holds no NUL (psycopg refused the statement: a
+    500); SQLite's does. Both answer a lookup by such an id, from a path or
+    a body, as they answer an unknown id."""
+    store.put_response("alice", "resp_1", response_obj("resp_1"), [user_msg("x", "msg_x")])
+    store.create_conversation("alice", "conv_1", items=[user_msg("y", "msg_y")])
+    store.create_task("alice", "task_1", {}, status="in_progress")
+    for nul in ("resp_\x00", "conv_1\x00", "\x00"):
+        assert store.get_response("alice", nul) is None
+        assert store.delete_response("alice", nul) is False
+        assert store.list_input_items("alice", nul) is None
+        assert store.response_chain("alice", nul) is None
+        with store.response_chain_pages("alice", nul) as chain:
+            assert chain is None
+        assert store.find_item("alice", nul) is None
+        assert store.get_conversation("alice", nul) is None
+        assert store.update_conversation("alice", nul, {}) is None
+        assert store.delete_conversation("alice", nul) is False
+        assert store.append_conversation_items("alice", nul, [user_msg("z")]) is None
+        assert store.list_conversation_items("alice", nul) is None
+        assert store.conversation_items("alice", nul) is None
+        with store.conversation_item_pages("alice", nul) as pages:
+            assert pages is None
+        assert store.get_conversation_item("alice", nul, "msg_y") is None
+        assert store.get_conversation_item("alice", "conv_1", nul) is None
+        assert store.delete_conversation_item("alice", nul, "msg_y") is False
+        assert store.delete_conversation_item("alice", "conv_1", nul) is False
+        assert store.get_task("alice", nul) is None
+        assert store.get_task_request("alice", nul) is None
+        assert store.events_after("alice", nul, 0) is None
+        assert store.first_retained_seq("alice", nul) is None
+        assert store.request_cancel("alice", nul) is False
+        # A cursor that names no item of the list.
+        with pytest.raises(InvalidCursor):
+            store.list_input_items("alice", "resp_1", after=nul)
+        with pytest.raises(InvalidCursor):
+            store.list_conversation_items("alice", "conv_1", after=nul)
+    assert store.get_response("alice", "resp_1") == response_obj("resp_1")
+    assert store.conversation_items("alice", "conv_1") == [user_msg("y", "msg_y")]
+
+
+def test_a_client_item_id_holding_a_nul_is_replaced(store: Store) -> None:
+    """A client's item id that PostgreSQL cannot hold gets a new one, as a
+    missing id does (the response was generated: refusing it at the store
+    loses it); a NUL inside stored JSON is JSON's ``\\u0000`` and stays."""
+    text = "a\x00b"
+    stored = store.put_response("alice", "resp_1", response_obj("resp_1", text=text), [user_msg(text, "msg_\x00")])
+    assert stored[0]["id"].startswith("msg_") and "\x00" not in stored[0]["id"]
+    assert store.list_input_items("alice", "resp_1").items == stored
+    assert store.get_response("alice", "resp_1") == response_obj("resp_1", text=text)
+    record = store.create_conversation("alice", "conv_1", metadata={"k\x00": "v\x00"},
+                                       items=[user_msg(text, "\x00")])
+    assert record.metadata == {"k\x00": "v\x00"}
+    (added,) = store.append_conversation_items("alice", "conv_1", [user_msg(text, "m\x00")])
+    items = store.conversation_items("alice", "conv_1")
+    assert [i["content"] for i in items] == [user_msg(text)["content"]] * 2 and items[1] == added
+    assert all(i["id"].startswith("msg_") and "\x00" not in i["id"] for i in items)
+    assert store.get_conversation_item("alice", "conv_1", added["id"]) == added
 
 
 # --- a request's history, read in pages (lmspd.history) ----------------------------------
@@ -655,12 +785,40 @@ def test_task_round_trip_and_events(store: Store) -> None:
     done = store.get_task("alice", "task_1")
     assert done.status == "completed" and done.result == result and done.last_seq == 4
     assert done.finished_at is not None and done.terminal
-    assert done.request == {"model": "m", "input": "hi"} and done.response_id == "resp_t"
+    assert done.request == {"model": "m"} and done.response_id == "resp_t"
+    assert store.get_task_request("alice", "task_1") == {"model": "m", "input": "hi"}
     # First terminal write wins; a late cancel changes nothing.
     assert store.set_task_status("alice", "task_1", "cancelled") is False
     assert store.get_task("alice", "task_1").status == "completed"
     with pytest.raises(TaskFinished):
         store.append_event("task_1", 5, "response.output_text.delta", {})
+
+
+def test_reading_a_task_leaves_its_request_unparsed(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll of a task (its state, its result) parsed its whole request:
+    megabytes of tools, holding the interpreter lock each time. Its
+    dialect and model are kept beside it; the rest is read on demand."""
+    tools = [{"type": "function", "name": f"f{i}", "parameters": {"p": "x" * 1000}} for i in range(1000)]
+    request = {"dialect": "lmsp", "model": "m", "body": {"input": "hi", "tools": tools}}
+    parsed: list[int] = []
+    loads = json.loads
+
+    def counting(text: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting)
+    created = store.create_task("alice", "task_1", request, status="in_progress", response_id="resp_1")
+    store.append_event("task_1", 1, "response.created", {})
+    store.set_task_status("alice", "task_1", "completed", result={"id": "resp_1", "status": "completed"},
+                          final_event=(2, "response.completed", {}))
+    assert store.request_cancel("alice", "task_1") is False
+    done = store.get_task("alice", "task_1")
+    assert max(parsed) < 1000, "only small values were parsed"
+    assert created.request == done.request == {"dialect": "lmsp", "model": "m"}
+    assert done.result == {"id": "resp_1", "status": "completed"} and done.last_seq == 2
+    assert store.get_task_request("alice", "task_1") == request
+    assert max(parsed) > 1_000_000
 
 
 def test_task_duplicate_and_invalid_status(store: Store) -> None:
@@ -729,6 +887,7 @@ def test_event_log_retention_gives_410_but_keeps_result(backend: Backend, clock:
         with pytest.raises(EventsExpired) as err:
             s.events_after("alice", "task_1", 3)
         assert err.value.first_retained_seq == 7 and err.value.after_seq == 3
+        assert err.value.last_seq == 6 and err.value.first_kept is None  # the whole log went
         # A reader that already saw everything is told "nothing more", not 410.
         assert s.events_after("alice", "task_1", 6) == []
         task = s.get_task("alice", "task_1")
@@ -1202,7 +1361,7 @@ def test_data_survives_reopen_and_migrations_are_idempotent(backend: Backend) ->
             assert s.get_response("alice", "resp_1") == response_obj("resp_1")
             assert s.list_input_items("alice", "resp_1").items == [user_msg("x", "msg_x")]
             assert s.conversation_items("alice", "conv_1") == [user_msg("y", "msg_y")]
-            assert s.get_task("alice", "task_1").request == {"q": 1}
+            assert s.get_task_request("alice", "task_1") == {"q": 1}
             assert s.idempotency_begin("alice", "k", "h").body == b"ok"
     assert backend.integrity() == "ok"
 
@@ -1222,6 +1381,37 @@ def test_new_migration_applies_once(backend: Backend, monkeypatch: pytest.Monkey
             assert s.stats()["schema_version"] == shipped + 1
     assert calls == [1]
     assert "note" in backend.columns("responses")
+
+
+def test_tasks_stored_before_their_request_columns_get_them(backend: Backend,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schema 3 keeps a task's dialect and model beside its request
+    (``TaskRecord.request``); the tasks of an existing database get theirs
+    from the requests they were stored with, and so does one that an older
+    instance, still running on a shared store, writes afterwards."""
+    shipped = backend.module.MIGRATIONS
+    monkeypatch.setattr(backend.module, "MIGRATIONS", shipped[:shipped.index(backend.module._m3_request_heads)])
+    backend.open().close()
+    assert "dialect" not in backend.columns("tasks")
+    requests = {"task_1": {"dialect": "openai", "model": "m1", "body": {"input": "x" * 10_000}},
+                "task_2": {"model": 7}, "task_3": {"dialect": "lmsp"}, "task_4": {"dialect": "lmsp", "model": "m4"}}
+
+    def insert_as_before(task_id: str) -> None:
+        backend.sql("INSERT INTO tasks (id, owner, status, request, created_at, updated_at, bytes) "
+                    "VALUES (?, 'alice', 'completed', ?, 1, 1, 0)", (task_id, json.dumps(requests[task_id])))
+
+    for task_id in ("task_1", "task_2", "task_3"):
+        insert_as_before(task_id)
+    monkeypatch.setattr(backend.module, "MIGRATIONS", shipped)
+    with backend.open() as s:
+        assert s.stats()["schema_version"] == len(shipped)
+        insert_as_before("task_4")
+        assert s.get_task("alice", "task_1").request == {"dialect": "openai", "model": "m1"}
+        assert s.get_task("alice", "task_2").request == {}
+        assert s.get_task("alice", "task_3").request == {"dialect": "lmsp"}
+        assert s.get_task("alice", "task_4").request == {"dialect": "lmsp", "model": "m4"}
+        assert s.get_task_request("alice", "task_1") == requests["task_1"]
+    assert backend.sql("SELECT id FROM tasks WHERE dialect IS NOT NULL ORDER BY id") == [("task_1",), ("task_3",)]
 
 
 def test_failed_migration_rolls_back(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,8 @@ kept), and a tool call and its outputs go together."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lmspd.core.conversation import Conversation, Message, ToolCall, ToolOutput
@@ -63,6 +65,20 @@ def test_drops_the_fewest_oldest_items_in_a_constant_number_of_renders(preparati
     # One item fewer dropped would not fit: the fewest were dropped.
     one_more = Conversation(model="m", items=[original[0]] + original[dropped:], max_output_tokens=64)
     assert len(counted.tokenize(counted.render(one_more))) + 64 > 1024
+
+
+def test_without_max_output_tokens_a_quarter_of_the_window_is_left_to_answer(preparation):
+    """Truncating only until the prompt fit left it a few tokens to answer
+    in, which ended as incomplete (``context_window``)."""
+    conv = replace(long_conversation(100), max_output_tokens=None)
+    original = list(conv.items)
+    prepared = preparation.prepare(conv)
+    room = preparation.n_ctx // 4  # under the server's default cap (8192)
+    assert prepared.max_new_tokens >= room and prepared.input_tokens + room <= preparation.n_ctx
+    # The fewest items for that room were dropped.
+    dropped = len(original) - len(prepared.conversation.items)
+    one_more = Conversation(model="m", items=[original[0]] + original[dropped:])
+    assert len(preparation.vocab.tokenize(preparation.render(one_more))) + room > preparation.n_ctx
 
 
 def calls_answered_later(words: int) -> list:

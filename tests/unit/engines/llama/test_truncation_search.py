@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmspd.core.conversation import Item, Message, ToolCall, ToolOutput
-from lmspd.engines.llama.truncation import Fit, drop_groups, fewest_dropped
+from lmspd.core.conversation import Item, Message, ToolCall, ToolOutput, drop_groups
+from lmspd.engines.llama.truncation import Fit, fewest_dropped
 
 
 def text_of(item: Item) -> str:
