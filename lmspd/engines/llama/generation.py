@@ -77,7 +77,10 @@ class Generation:
         self._reasoning_end: tuple[int, str] | None = None
         # How much of ``raw`` the KV holds: all of it but the token being taken.
         self._raw_evaluated = 0
+        # Tokens lmspd wrote into the output (a reasoning block's forced
+        # close): output as much as sampled ones, in the limit and the window.
         self.forced = 0
+        self._close_tokens: list[int] | None = None  # that close, tokenized once
         conv = prepared.conversation
         self.budget = BUDGETS.get(conv.reasoning_effort, BUDGETS[None])
         if prepared.grammar is not None and not prepared.lazy_patterns:
@@ -105,14 +108,26 @@ class Generation:
 
     # -- driven by the scheduler --------------------------------------------------
 
+    @property
+    def left(self) -> int:
+        """Output tokens the limit still allows (``max_new``, the window's
+        room at most): forced tokens take cells of the KV as sampled ones do."""
+        return self.max_new - len(self.sampled) - self.forced
+
     def before_sample(self) -> list[int]:
         """Tokens to evaluate before the next sample: the end of a thinking
-        block whose budget is spent (written into the KV), else none."""
+        block whose budget is spent (written into the KV), else none. Only
+        a close that leaves room for a sampled token after it is forced;
+        otherwise the block runs on to the limit, which ends the turn there."""
         splitter = self.splitter
         if splitter is None or not splitter.in_reasoning or self.usage.reasoning_tokens < self.budget:
             return []
         text = splitter.syntax.forced_close
-        tokens = self.vocab.tokenize(text)
+        if self._close_tokens is None:
+            self._close_tokens = self.vocab.tokenize(text)
+        if len(self._close_tokens) >= self.left:
+            return []
+        tokens = list(self._close_tokens)  # the scheduler consumes what it is handed
         self.forced += len(tokens)
         self.raw += text.encode()
         try:
@@ -158,7 +173,7 @@ class Generation:
             elif self.guard is not None and self.guard.feed(token):
                 self.reason = "repetition"
                 return self._complete(token)
-            if hit or len(self.sampled) >= self.max_new:
+            if hit or self.left <= 0:
                 return self._complete(token)
             return [token]
         except ToolCallError as exc:
@@ -172,6 +187,13 @@ class Generation:
         is evaluated after this call. None when there is nothing to take."""
         end, self._reasoning_end = self._reasoning_end, None
         return end
+
+    def failed(self, code: str, message: str) -> None:
+        """The scheduler ends this generation with an error (a fault, a
+        failed decode); its usage counts what was output until then."""
+        self._finish_tokens()
+        self.done = True
+        self.emit(Failed(code, message, self.usage))
 
     def cancelled(self, pending: list[int]) -> list[int]:
         """The client left or the server is shutting down. The state keeps

@@ -309,10 +309,17 @@ class Scheduler:
                 continue
             if plan is None:
                 continue  # no sequence for it yet: asked again after the next step
+            # Out of ``_waiting`` and not yet in ``_running``: from here a
+            # fault is this job's alone to end (``_not_placed``); the loop's
+            # handler knows nothing of it.
             self._waiting.remove(job)
-            if self._already_warm(job, plan):
+            try:
+                warm = self._already_warm(job, plan)
+            except Exception as exc:
+                self._not_placed(job, exc)
                 continue
-            self._start(job, plan)
+            if not warm:
+                self._start(job, plan)
 
     def _already_warm(self, job: Job, plan: CachePlan) -> bool:
         """A warm-up (``generate: false``) whose prompt the cache already
@@ -336,6 +343,23 @@ class Scheduler:
         return True
 
     def _start(self, job: Job, plan: CachePlan) -> None:
+        """Run ``job`` on ``plan.seq`` from the next step. A fault while
+        placing it fails this job alone; its sequence, which ``apply`` may
+        have half changed or marked busy (nothing would release it), is
+        discarded."""
+        try:
+            run = self._placed(job, plan)
+        except Exception as exc:
+            self._not_placed(job, exc)
+            self.cache.discard(plan.seq)
+            return
+        self._running.append(run)
+
+    def _not_placed(self, job: Job, exc: Exception) -> None:
+        log.error("could not start a generation", exc_info=exc)
+        job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
+
+    def _placed(self, job: Job, plan: CachePlan) -> Running:
         # Before apply: the diagnosis compares with what the cache holds now.
         report = self.cache.diagnose(job.request, plan)
         plan = self.cache.apply(plan, job.request)
@@ -350,14 +374,8 @@ class Scheduler:
             state.signature = signature
             self.cache.finished(seq, state)
 
-        try:
-            gen = Generation(self.runtime, job.prepared, plan, job.cancel, job.emit, usage,
-                             response_id=job.response_id, kv_tokens=resident.tokens, remember=remember)
-        except Exception as exc:
-            log.exception("could not start a generation")
-            self.cache.discard(seq)
-            job.emit(Failed("server_error", f"Generation failed: {type(exc).__name__}"))
-            return
+        gen = Generation(self.runtime, job.prepared, plan, job.cancel, job.emit, usage,
+                         response_id=job.response_id, kv_tokens=resident.tokens, remember=remember)
         # Output without a limit of its own is planned with room for one
         # token (``CacheRequest.clamp_output``): a continuation whose KV
         # holds more than its replay has less room than the prompt alone left.
@@ -372,7 +390,7 @@ class Scheduler:
             run.spec = SequenceSpeculation(resident.tokens, sampler if isinstance(sampler, GrammarFirstRejection)
                                            else None)
             gen.usage.decode_report = run.spec.stats
-        self._running.append(run)
+        return run
 
     def _reap(self) -> None:
         """Cancelled (client gone, shutdown): ended now, released after at most one step."""
@@ -541,7 +559,7 @@ class Scheduler:
             spec = run.spec
             assert spec is not None
             gen = run.gen
-            limit = min(planner.max_draft, self.n_batch - n, gen.max_new - len(gen.sampled) - 1)
+            limit = min(planner.max_draft, self.n_batch - n, gen.left - 1)
             if limit <= 0:
                 continue
             spec.produced = len(gen.sampled)
@@ -761,8 +779,7 @@ class Scheduler:
         if run in self._running:
             self._running.remove(run)
         if not run.gen.done:
-            run.gen.done = True
-            run.job.emit(Failed(code, message, run.gen.usage))
+            run.gen.failed(code, message)
         self.cache.discard(run.seq)
 
     def _shutdown(self) -> None:

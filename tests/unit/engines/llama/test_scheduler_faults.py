@@ -10,6 +10,7 @@ import pytest
 
 from lmspd.core.conversation import Conversation, Message, Sampling
 from lmspd.core.events import Failed, Finished
+from lmspd.core.run import RunContext
 from lmspd.engines.base import CancelToken
 from support.llama_engine import bundled_engine
 
@@ -44,6 +45,52 @@ def test_a_step_that_raises_ends_its_streams_and_the_next_request_is_served(engi
     monkeypatch.setattr(engine.scheduler, "_step", flaky)
     events = run(engine)
     assert calls[0] >= 3, "the fault was reached"
+    assert isinstance(events[-1], Failed) and events[-1].code == "server_error", events[-1]
+    assert events[-1].usage.output_tokens > 0, "what was output before the fault is counted"
+    assert isinstance(run(engine)[-1], Finished), "the scheduler still serves"
+
+
+@pytest.mark.parametrize("part", ["apply", "breakpoints_ahead"])
+def test_a_fault_while_placing_a_request_ends_it_and_frees_its_sequence(engine, monkeypatch, part):
+    """Placed, a request is out of the waiting list before it runs: a fault
+    there (a failed capture in ``apply``, or anything after it, with its
+    sequence marked busy) ends it with ``server_error``, and the next
+    request gets the one sequence."""
+    original = getattr(engine.cache, part)
+    faults = [0]
+
+    def flaky(*args):
+        if not faults[0]:
+            faults[0] += 1
+            raise RuntimeError("injected fault")
+        return original(*args)
+
+    monkeypatch.setattr(engine.cache, part, flaky)
+    events = run(engine)
+    assert faults[0] == 1, "the fault was reached"
+    assert isinstance(events[-1], Failed) and events[-1].code == "server_error", events[-1]
+    assert isinstance(run(engine)[-1], Finished), "the sequence is free again"
+
+
+def test_a_fault_while_ending_a_warm_up_that_is_already_held_ends_it(engine, monkeypatch):
+    """A warm-up whose prompt the cache holds ends without running: a fault
+    there ends it with ``server_error`` too."""
+    warm_up = RunContext(prefill_only=True)
+    conv = Conversation(model="m", items=[Message("user", "Warm up.")], sampling=Sampling(temperature=0))
+
+    async def events_of_warm_up() -> list:
+        return [e async for e in engine.generate(engine.prepare(conv, warm_up), CancelToken())]
+
+    assert isinstance(asyncio.run(asyncio.wait_for(events_of_warm_up(), 60))[-1], Finished)
+    faults = [0]
+
+    def flaky(seq: int) -> None:
+        faults[0] += 1
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.cache, "hold", flaky)
+    events = asyncio.run(asyncio.wait_for(events_of_warm_up(), 60))
+    assert faults[0] == 1, "the fault was reached"
     assert isinstance(events[-1], Failed) and events[-1].code == "server_error", events[-1]
     assert isinstance(run(engine)[-1], Finished), "the scheduler still serves"
 

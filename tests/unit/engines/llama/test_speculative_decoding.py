@@ -2,8 +2,9 @@
 the acceptance rule (greedy decoding takes the same tokens with and without
 drafts, free and under a grammar, and with a reasoning section cut by its
 budget mid-draft), rollback (the KV holds exactly the sequence's tokens
-afterwards), a cancelled sequence that drafted frees cleanly, and a KV that
-cannot be trimmed does not speculate.
+afterwards), a cancelled sequence that drafted frees cleanly, a forced
+reasoning close counts against the limit and the window (drafts included),
+and a KV that cannot be trimmed does not speculate.
 
 Drafting is made unconditional (``cheap_batches``: the GPU case, where a
 batch costs what one token costs) so that drafts are proposed and rejected
@@ -163,6 +164,32 @@ def test_a_reasoning_section_cut_by_its_budget_mid_draft():
         assert fast[2].usage.reasoning_tokens == plain[2].usage.reasoning_tokens == 16  # effort minimal's budget
         assert fast[2].usage.decode_report.as_json()["drafted"] > 0
         kv_matches_tokens(eng)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_forced_reasoning_close_stays_within_the_window_and_the_limit(speculative):
+    """The close lmspd writes when the reasoning budget is spent is output
+    too: it counts against the limit and takes cells of the window, and so
+    limits the drafts. Without room for it after the budget (a limit of the
+    window's room, or none; or a small one), the block runs on to the limit.
+    A 256-token window, the prompt leaving 67 tokens of room."""
+    with bundled_engine(parallel=1, n_ctx=256, chat_template=THINKING) as eng:
+        prompt = "Write the code below again.\n\n" + CODE + "\ndef scale_8(x):\n    return x * 8 + 24"
+        room = eng.n_ctx - len(eng.prepare(conversation(prompt, speculative=False)).tokens)
+        assert room == 67
+        with drafting(eng):
+            for limit, reason in ((None, "context_window"), (room, "length"), (20, "length")):
+                conv = conversation(prompt, speculative=speculative, reasoning_effort="minimal",
+                                    max_output_tokens=limit)
+                _, events = run(eng, conv)
+                end = events[-1]
+                assert isinstance(end, Finished), (limit, end)
+                assert (end.reason, end.usage.output_tokens) == (reason, limit or room), (limit, end)
+                if limit == 20:  # no room for the close after the budget (16): all reasoning
+                    assert end.usage.reasoning_tokens == 20, end.usage
+                if speculative:
+                    assert end.usage.decode_report.as_json()["drafted"] > 0
+                kv_matches_tokens(eng)
 
 
 def test_a_kv_that_cannot_be_trimmed_does_not_speculate():
