@@ -70,6 +70,10 @@ class ReasoningConfig(Lenient):
 
 
 class StreamOptions(Strict):
+    """``include_obfuscation`` pads OpenAI's delta events against
+    length side channels on the network; lmspd sends none (a server on
+    loopback gains nothing from it), whatever it says."""
+
     include_obfuscation: bool | None = None
 
 
@@ -240,6 +244,8 @@ def decode_request(raw: dict[str, Any], limits: RequestLimits, *,
     check_metadata(body.metadata, limits)
     raw_input, trigger = _take_compaction_trigger(body.input if body.input is not None else [])
     expansion = Expansion(limits)
+    if body.instructions is not None:
+        expansion.add_text(body.instructions, "instructions")
     items = decode_items(raw_input, limits,
                          resolve_reference=context.resolve_reference if context is not None else None,
                          open_compaction=context.open_compaction if context is not None else None,
@@ -579,7 +585,8 @@ def state_from_log(events: list[tuple[str, dict[str, Any]]]) -> tuple[ResponseSt
                 state.output[index] = item
             if kind.endswith(".done") and open_index == index:
                 open_index = None
-        elif kind == "response.content_part.added":
+        elif kind in ("response.content_part.added", "response.reasoning_summary_part.added"):
+            # A reasoning item streamed as its summary opens with its summary part.
             open_index = index
         elif kind in ("response.output_text.delta", "response.reasoning_text.delta",
                       "response.reasoning_summary_text.delta"):

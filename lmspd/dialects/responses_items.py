@@ -44,20 +44,15 @@ class Expansion:
     thousands of items."""
 
     def __init__(self, limits: RequestLimits) -> None:
+        self.limits = limits
         self.limit = limits.max_expanded_chars
         self.item_limit = limits.max_expanded_items
         self.chars = 0
         self.items = 0
 
     def add(self, item: Item, where: str) -> Item:
-        self.chars += item_chars(item)
         self.items += 1
-        if self.chars > self.limit:
-            raise invalid(
-                f"The input is more than {self.limit} characters once the stored history it names is expanded "
-                f"(previous_response_id, conversation, item_reference and compaction items, the input itself), "
-                f"exceeded at '{where}'; the limit is {self.limit} characters (max_expanded_chars). "
-                "Send less history, or compact it (/v1/responses/compact).", where)
+        self._count(item_chars(item), where)
         if self.items > self.item_limit:
             raise invalid(
                 f"The input is more than {self.item_limit} items once the stored history it names is expanded "
@@ -70,6 +65,22 @@ class Expansion:
         for item in items:
             self.add(item, where)
         return items
+
+    def add_text(self, text: str, where: str) -> str:
+        """Text the model reads besides the items (``instructions``): no
+        item, but its characters count."""
+        _check_text(text, where, self.limits)
+        self._count(len(text), where)
+        return text
+
+    def _count(self, chars: int, where: str) -> None:
+        self.chars += chars
+        if self.chars > self.limit:
+            raise invalid(
+                f"The input is more than {self.limit} characters once the stored history it names is expanded "
+                f"(previous_response_id, conversation, item_reference and compaction items, the input itself, "
+                f"the instructions), exceeded at '{where}'; the limit is {self.limit} characters "
+                "(max_expanded_chars). Send less history, or compact it (/v1/responses/compact).", where)
 
 
 class StoredContext(Protocol):
@@ -494,13 +505,27 @@ def _check_text(text: str, path: str, limits: RequestLimits) -> None:
 
 # -- tools -----------------------------------------------------------------------
 
-# Tool types that run on OpenAI's side; lmspd accepts and ignores them
-# (Codex sends web_search on every request) but cannot be forced to call them.
+# Built-in tools OpenAI runs on its side: the client never sees their
+# calls. lmspd accepts them and leaves them out (Codex sends web_search on
+# every request), and a tool_choice cannot force them. ``shell`` is one of
+# them in a container only (``_runs_on_client``). ``tool_search`` with
+# ``execution: "client"`` is Codex's own, sent on every request
+# (tests/fixtures/clients/codex-cli): left out as well, so that Codex is
+# served; the model is offered the tools declared up front, never a search
+# for deferred ones.
 HOSTED_TOOL_TYPES = {
     "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
-    "file_search", "tool_search", "mcp", "code_interpreter", "image_generation", "local_shell",
-    "shell", "apply_patch", "computer_use_preview", "computer", "programmatic_tool_calling",
+    "file_search", "tool_search", "mcp", "code_interpreter", "image_generation", "shell",
+    "programmatic_tool_calling",
 }
+# Built-in tools the client runs itself: the model's call comes back for it
+# to carry out. lmspd cannot offer a model their built-in form, and leaving
+# them out would answer for a model that never had them: a 400 naming them
+# (a client that runs one declares it as a function or custom tool, as Codex
+# declares apply_patch).
+CLIENT_TOOL_TYPES = {"apply_patch", "local_shell", "computer_use_preview", "computer", "computer_use"}
+# Where a shell tool runs OpenAI's container (else on the client: "local").
+_HOSTED_SHELL_ENVIRONMENTS = {"container_auto", "container_reference"}
 
 
 class FunctionToolIn(Lenient):
@@ -536,7 +561,8 @@ def decode_tools(raw: list[Any] | None, limits: RequestLimits, *,
     """``tools`` (and ``more``: ``(where, tool)`` pairs from elsewhere in the
     request, such as an ``additional_tools`` input item) as neutral tools.
     Hosted tools are skipped (OpenAI runs them, the client never does); a
-    type lmspd cannot render is a 400 naming it."""
+    built-in tool the client runs, and any type lmspd cannot render, is a
+    400 naming it."""
     entries = [(f"tools[{i}]", entry) for i, entry in enumerate(raw or [])] + list(more)
     if not entries:
         return []
@@ -609,12 +635,25 @@ def _decode_tool(where: str, entry: Any, limits: RequestLimits) -> list[Function
                 inner.name = qualify(inner.name, ns.name)
                 out.append(inner)
             return out
+        if kind in CLIENT_TOOL_TYPES or _runs_on_client(kind, entry):
+            raise ApiError("unsupported_capability", f"'{where}' is the built-in {kind!r} tool, which the client "
+                           "runs: lmspd cannot offer it to the model in that form; declare it as a function or "
+                           "custom tool instead.", param=f"{where}.type")
         if kind in HOSTED_TOOL_TYPES:
             return []
     except ValidationError as exc:
         raise validation_error(exc, where) from None
     raise invalid(f"Unsupported tool type {kind!r} at '{where}' ({_tool_label(entry)}): lmspd cannot render it "
                   "for the model.", f"{where}.type")
+
+
+def _runs_on_client(kind: str | None, entry: dict[str, Any]) -> bool:
+    """A shell tool outside OpenAI's containers: ``environment`` local, or
+    none (the shell tool's first form, whose calls the client runs)."""
+    if kind != "shell":
+        return False
+    environment = entry.get("environment")
+    return not (isinstance(environment, dict) and environment.get("type") in _HOSTED_SHELL_ENVIRONMENTS)
 
 
 def _tool_label(entry: Any) -> str:
@@ -718,7 +757,10 @@ def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> Tool
         for j, t in enumerate(listed):
             if not isinstance(t, dict):
                 raise invalid(f"'tool_choice.tools[{j}]' must be an object.", f"tool_choice.tools[{j}]")
-            if tag(t.get("type"), f"tool_choice.tools[{j}].type") in HOSTED_TOOL_TYPES:
+            listed_kind = tag(t.get("type"), f"tool_choice.tools[{j}].type")
+            if listed_kind in CLIENT_TOOL_TYPES:
+                raise _forced_builtin(listed_kind, f"tool_choice.tools[{j}]")
+            if listed_kind in HOSTED_TOOL_TYPES:
                 continue
             name = t.get("name")
             if not isinstance(name, str) or name not in names:
@@ -728,13 +770,16 @@ def decode_tool_choice(raw: Any, tools: list[FunctionTool | CustomTool]) -> Tool
         if mode == "required" and not allowed:
             raise invalid("'tool_choice' requires a call but allows no callable tool.", "tool_choice.tools")
         return ToolChoice(mode=chosen, allowed=allowed)
-    if kind in HOSTED_TOOL_TYPES or kind in ("web_search_preview", "mcp", "file_search"):
-        raise ApiError(
-            "unsupported_capability",
-            f"'tool_choice' forces the hosted tool {kind!r}, which lmspd does not run.",
-            param="tool_choice",
-        )
+    if kind in HOSTED_TOOL_TYPES or kind in CLIENT_TOOL_TYPES:
+        raise _forced_builtin(kind, "tool_choice")
     raise invalid(f"Invalid 'tool_choice.type': {kind!r}.", "tool_choice.type")
+
+
+def _forced_builtin(kind: str, param: str) -> ApiError:
+    where = "runs on the client" if kind in CLIENT_TOOL_TYPES else "OpenAI runs"
+    return ApiError("unsupported_capability", f"'{param}' names the built-in tool {kind!r}, which {where}: lmspd "
+                    "never offers it to the model (a tool the client runs is declared as a function or custom "
+                    "tool).", param=param)
 
 
 def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
@@ -762,8 +807,11 @@ def decode_json_format(raw: dict[str, Any] | None, path: str) -> OutputFormat:
         return OutputFormat(type="json_object")
     if not isinstance(schema, dict):
         raise invalid(f"Missing required parameter: '{base}.schema'.", f"{base}.schema")
-    return OutputFormat(type="json_schema", name=name, schema=schema, strict=bool(spec.get("strict")),
-                        param=f"{base}.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        # As a tool's strict: "false" is no boolean, never a truthy string.
+        raise invalid(f"Invalid value for '{base}.strict': Input should be a valid boolean.", f"{base}.strict")
+    return OutputFormat(type="json_schema", name=name, schema=schema, strict=strict is True, param=f"{base}.schema")
 
 
 def check_metadata(metadata: dict[str, str] | None, limits: RequestLimits) -> None:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd import compaction, idempotency
-from lmspd.bodies import read_json_body, read_json_object
+from lmspd.bodies import decode_off_loop, read_json_body, read_json_object
 from lmspd.core.conversation import Item, SamplingDefaults
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
@@ -47,6 +47,7 @@ from lmspd.idempotency import Reply
 from lmspd.routes.task_wire import follow_reply, task_json
 from lmspd.service import Run
 from lmspd.store.calls import FINAL_WRITE_DELAYS_S, StoreCalls, retried
+from lmspd.streaming.framing import Framer
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.tasks.manager import StoreUnavailable, TaskEncoder, snapshot, task_request
 
@@ -97,7 +98,7 @@ async def _run(request: Request, app: LmspdApp, owner: str, dialect: Dialect, ra
     except ApiError as exc:
         raise dialect.names(req, turn.window).name(exc) from None
     if req.stream:
-        return Reply(sse_reply(_stream(dialect, turn), headers=dialect.headers,
+        return Reply(sse_reply(_stream(dialect, turn, small), headers=dialect.headers,
                                keepalive_s=app.settings.limits.sse_keepalive_s))
     if not await run_to_end(request, turn_events(turn)):
         return Reply(Response(status_code=499))
@@ -254,11 +255,13 @@ async def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> 
     return await follow_reply(app, owner, dialect, task_id, 0, ApiError(code, f"{task_id!r} not found."))
 
 
-async def _stream(dialect: Dialect, turn: Turn) -> AsyncIterator[bytes]:
+async def _stream(dialect: Dialect, turn: Turn, small: bool) -> AsyncIterator[bytes]:
     """A stream owned by this connection: if the client leaves, generation
-    stops (LMSP §6.3) and nothing is stored."""
+    stops (LMSP §6.3) and nothing is stored. A large request's echo in its
+    lifecycle events is encoded off the event loop, once (``Framer``)."""
+    frame = Framer(dialect.frame, decode_off_loop, small=small)
     async for seq, name, data in turn_events(turn):
-        yield dialect.frame(seq, name, data)
+        yield await frame(seq, name, data)
     if dialect.trailer is not None:
         yield dialect.trailer
 

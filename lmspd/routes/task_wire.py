@@ -9,11 +9,13 @@ from typing import Any, AsyncIterator
 
 from starlette.responses import StreamingResponse
 
+from lmspd.bodies import decode_off_loop
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import LMSP, Dialect
 from lmspd.http import LmspdApp, sse_reply
 from lmspd.store.base import EventsExpired, TaskRecord
+from lmspd.streaming.framing import Framer
 from lmspd.tasks.manager import LiveTask
 
 log = logging.getLogger(__name__)
@@ -78,11 +80,13 @@ async def follow_reply(app: LmspdApp, owner: str, dialect: Dialect, task_id: str
 
     async def frames() -> AsyncIterator[bytes]:
         ended, last = False, after
+        # A response object read back from the log is encoded off the loop where it is large.
+        frame = Framer(dialect.frame, decode_off_loop)
         try:
             # aclosing: a reader that leaves unsubscribes at once, not at GC.
             async with contextlib.aclosing(events) as stream:
                 async for event in stream:
-                    yield dialect.frame(dialect.wire_seq(event.seq), event.event, event.data)
+                    yield await frame(dialect.wire_seq(event.seq), event.event, event.data)
                     ended, last = event.event in TERMINAL_EVENT_NAMES, event.seq
         except EventsExpired as exc:  # retention dropped the log while it was being read
             yield dialect.stream_error(history_expired(task_id, dialect, exc.after_seq, exc.first_kept),

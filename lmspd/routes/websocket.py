@@ -65,6 +65,7 @@ from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.history import StoredContext
 from lmspd.http import LmspdApp
 from lmspd.routes.responses import Turn, begin_turn, turn_events
+from lmspd.streaming.framing import Framer
 from lmspd.streaming.sse import dumps
 from lmspd.streaming.websocket import error_frame, event_frame
 
@@ -257,16 +258,16 @@ class Connection:
                                        "connection; wait for its terminal event before the next response.create."),
                               lane)
             return
-        self._turn = asyncio.create_task(self._run_turn(frame))
+        self._turn = asyncio.create_task(self._run_turn(frame, small=len(text) <= INLINE_BYTES))
 
-    async def _run_turn(self, frame: dict[str, Any]) -> None:
+    async def _run_turn(self, frame: dict[str, Any], *, small: bool) -> None:
         try:
-            await self._turn_body(frame)
+            await self._turn_body(frame, small=small)
         except (WebSocketDisconnect, RuntimeError) as exc:
             # The socket went away under a send: serve() sees the disconnect.
             log.info("websocket turn ended early: %s", type(exc).__name__)
 
-    async def _turn_body(self, frame: dict[str, Any]) -> None:
+    async def _turn_body(self, frame: dict[str, Any], *, small: bool) -> None:
         body = {k: v for k, v in frame.items() if k not in ("type", "generate", "stream_id", *_AGREEING, *_DROPPED)}
         context = ConnectionContext(StoredContext(self.app.store, self.owner, self.app.sealer), self.latest,
                                     self._evicted)
@@ -310,17 +311,19 @@ class Connection:
                 return
         state = turn.session.state
         ended = False
+        # A large request's echo in the lifecycle events is encoded off the loop, once.
+        frame_event = Framer(lambda _seq, _name, data: event_frame(data, lane), decode_off_loop, small=small)
         # Closed here, not whenever the collector gets to it: a turn cancelled
         # while the outbox is full (the connection's age limit, the client
         # gone) gives back its provider request and queue slot at once.
         async with contextlib.aclosing(turn_events(turn)) as events:
-            async for _seq, name, data in events:
+            async for seq, name, data in events:
                 if name in TERMINAL_EVENT_NAMES:
                     # Before the client hears the end: its next create may
                     # follow at once, and must find this response.
                     await self._remember(turn, previous)
                     ended = True
-                await self._send(event_frame(data, lane))
+                await self._send(await frame_event(seq, name, data))
         if not ended:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,

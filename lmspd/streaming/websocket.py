@@ -11,12 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from lmspd.core.errors import ApiError
-from lmspd.streaming.sse import dumps
+from lmspd.streaming.sse import Spliced, dumps
 
 
 def event_frame(data: dict[str, Any], stream_id: str | None = None) -> str:
     """``stream_id``: the lane the turn's ``response.create`` named, which
     each of its events echoes (the SDK's ``Response*WsEvent`` types)."""
+    if type(data) is Spliced:  # a large response's lifecycle event (lmspd.streaming.framing)
+        return data.text() if stream_id is None else data.text(stream_id=stream_id)
     return dumps(data if stream_id is None else {**data, "stream_id": stream_id})
 
 

@@ -9,6 +9,7 @@ a body names is read off the loop, and so is everything a large body holds
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -17,6 +18,7 @@ from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.history import StoredContext
 from lmspd.service import Service
 from support.inprocess import MODEL, serving
+from support.sse import parse_frames
 
 
 def on_loop() -> bool:
@@ -175,3 +177,46 @@ def test_a_background_create_reply_is_serialized_off_the_loop(tmp_path, monkeypa
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "queued" and r.json()["output"] == []
     assert replies == [(False, len(r.content))]
+
+
+def test_lifecycle_events_echo_a_large_request_without_encoding_it_on_the_loop(tmp_path, monkeypatch):
+    """response.created, in_progress, completed (and each keep-alive) carry
+    the whole Response object, which echoes the instructions: 8 MB of them
+    took ~100 ms an event on the loop. They are encoded once, off the loop,
+    and spliced into every frame: over SSE, over a WebSocket and for a
+    background stream's follower (whose events are read back from the log)."""
+    import lmspd.streaming.sse as sse
+
+    on_loop_sizes: list[int] = []
+    encode = sse._dumps
+
+    def spy(value):
+        out = encode(value)
+        if on_loop():
+            on_loop_sizes.append(len(out))
+        return out
+
+    monkeypatch.setattr(sse, "_dumps", spy)
+    # Escaped in the frame (U+2028 ends a line for httpx), whole once read.
+    big = "instructions\u2028" * 80_000
+    body = {"model": MODEL, "input": "hi", "instructions": big}
+
+    def echoed(events: list[dict]) -> list[str]:
+        assert events[-1]["type"] == "response.completed", events[-1]
+        return [e["type"] for e in events if e.get("response", {}).get("instructions") == big]
+
+    with serving(tmp_path) as app:
+        for extra in ({"stream": True}, {"stream": True, "background": True}):
+            with app.http.stream("POST", "/v1/responses", json={**body, **extra}) as r:
+                assert r.status_code == 200
+                frames = [f for f in parse_frames(r.iter_lines()) if f.data != "[DONE]"]
+            assert echoed([f.json() for f in frames])[0] == "response.created"
+            assert {"response.in_progress", "response.completed"} <= set(echoed([f.json() for f in frames]))
+        with app.http.websocket_connect("ws://localhost/v1/responses") as ws:
+            ws.send_text(json.dumps({"type": "response.create", **body, "stream_id": "lane"}))
+            events = [json.loads(ws.receive_text())]
+            while events[-1]["type"] not in ("response.completed", "response.failed", "error"):
+                events.append(json.loads(ws.receive_text()))
+        assert echoed(events) == ["response.created", "response.in_progress", "response.completed"]
+        assert {e["stream_id"] for e in events} == {"lane"}
+    assert on_loop_sizes and max(on_loop_sizes) < 64 * 1024

@@ -144,3 +144,16 @@ def test_item_references_count_against_the_item_bound(item_app):
     refs = [{"type": "item_reference", "id": item_id}] * ITEM_BOUND
     assert http.post("/v1/responses", json=body(refs)).status_code == 200
     refused_items(http.post("/v1/responses", json=body(refs + [EMPTY])), f"input[{ITEM_BOUND}]")
+
+
+def test_instructions_are_bounded_as_text_and_count_toward_the_expanded_input(tmp_path):
+    """The model reads the instructions with the input: one text field is
+    at most ``max_text_chars``, and they count toward the expansion bound."""
+    limits = replace(LIMITS, request=replace(LIMITS.request, max_text_chars=1500))
+    with serving(tmp_path, limits=limits) as app:
+        r = app.http.post("/v1/responses", json=body("hi", instructions="x" * 1501))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "instructions", r.text
+        assert "1501" in r.json()["error"]["message"] and "1500" in r.json()["error"]["message"]
+        refused(app.http.post("/v1/responses", json=body("y" * 600, instructions="x" * 1500)), "input")
+        assert app.http.post("/v1/responses", json=body("y" * 400, instructions="x" * 1500)).status_code == 200
+        assert app.engine.conversations[-1].instructions == "x" * 1500

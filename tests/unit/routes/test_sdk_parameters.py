@@ -198,3 +198,30 @@ def test_a_create_refused_while_another_runs_answers_on_its_own_lane(tmp_path):
         [refused] = [e for e in events if e["type"] == "error"]
         assert refused["error"]["code"] == "concurrent_request" and refused["stream_id"] == "second", refused
         assert {e["stream_id"] for e in events if e is not refused} == {"first"}
+
+
+def test_a_json_schema_formats_strict_is_a_boolean(app):
+    """As a tool's ``strict``: the string "false" is no boolean (it turned
+    strict mode on), on every dialect's output format."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "name": "x", "schema": schema}
+    for strict in ("false", 0, "yes"):
+        refused(respond(app, text={"format": {**fmt, "strict": strict}}), "text.format.strict", "invalid_request")
+        refused(chat(app, response_format={"type": "json_schema", "json_schema": {**fmt, "strict": strict}}),
+                "response_format.json_schema.strict", "invalid_request")
+    for strict, applied in ((False, False), (None, False), (True, True)):
+        assert respond(app, text={"format": {**fmt, "strict": strict}}).status_code == 200
+        assert app.engine.conversations[-1].output_format.strict is applied
+
+
+def test_include_obfuscation_is_accepted_and_adds_nothing(app):
+    """OpenAI pads its deltas against length side channels on the network;
+    a local server sends none, whatever the client asks."""
+    body = {"model": MODEL, "input": "hi", "store": False, "stream": True,
+            "stream_options": {"include_obfuscation": True}}
+    with app.http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["type"] == "response.completed"
+    assert not any("obfuscation" in e for e in events)

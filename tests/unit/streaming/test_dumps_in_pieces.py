@@ -38,3 +38,23 @@ def test_no_single_call_of_the_encoder_spans_the_page(monkeypatch) -> None:
     page = {"object": "list", "data": [item] * 50, "first_id": "msg_1", "last_id": "msg_1", "has_more": False}
     out = sse.dumps_in_pieces(page)
     assert len(out) > 5_000_000 and max(calls) < sse._PIECE_CHARS + 100_100
+
+
+def test_a_long_string_is_encoded_a_slice_at_a_time(monkeypatch) -> None:
+    """Instructions of 8 MB are one string: encoded in one call, it held
+    the lock ~25 ms."""
+    calls: list[int] = []
+    encode = sse._dumps
+
+    def counted(value):
+        out = encode(value)
+        calls.append(len(out))
+        return out
+
+    text = 'é\u2028"\\\n\x00x' * 150_000
+    monkeypatch.setattr(sse, "_dumps", counted)
+    out = sse.dumps_in_pieces({"instructions": text})
+    monkeypatch.undo()
+    assert out == sse.dumps({"instructions": text}).encode()
+    # Each character escapes to six at most.
+    assert len(calls) > 4 and max(calls) <= 6 * sse._PIECE_CHARS + 2

@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from lmspd.core.events import Finished, TextDelta, ToolCallDelta, ToolCallDone, ToolCallStarted, Usage
+from lmspd.core.events import (
+    Finished,
+    ReasoningDelta,
+    ReasoningDone,
+    TextDelta,
+    ToolCallDelta,
+    ToolCallDone,
+    ToolCallStarted,
+    Usage,
+)
 from lmspd.dialects.registry import DIALECTS, LMSP, OPENAI, Dialect
 from lmspd.store.base import TaskEvent, TaskRecord
 from lmspd.streaming.session import ResponseState, StreamSession
@@ -62,6 +71,33 @@ def test_every_cut_point_closes_into_a_valid_stream(name: str) -> None:
         else:
             final = validate_openai_stream([data for _, data in events])
             assert final == closed.result and final["error"]["code"] == "server_restarted"
+
+
+def test_a_summarised_reasoning_item_cut_off_is_closed_with_its_summary_part() -> None:
+    """A /v1 request with ``reasoning.summary`` streams its reasoning as one
+    summary part: cut off inside it, the log closes that part (its text
+    done, the part done) before the item, as the session would have."""
+    state = ResponseState(id="resp_1", model="m", status="queued", created_at=100,
+                          echo={"reasoning": {"effort": "low", "summary": "auto"}})
+    session = StreamSession(state, OPENAI.encoder())
+    wires = session.start() + session.begin_progress()
+    for event in (ReasoningDelta("Let me "), ReasoningDelta("think."), ReasoningDone(), TextDelta("Hi."),
+                  Finished("stop", Usage(input_tokens=5, output_tokens=7))):
+        wires += session.handle(event)
+    log = [TaskEvent(OPENAI.store_seq(seq), name, data) for seq, name, data in wires]
+    names = [e.event for e in log]
+    for cut in range(1, len(log)):
+        head = log[:cut]
+        closed = close_interrupted(task(OPENAI, cut), cut + 1, head)
+        final = validate_openai_stream([e.data for e in head] + [data for _, data in closed.events])
+        assert final == closed.result and final["error"]["code"] == "server_restarted"
+        if names[cut - 1] == "response.reasoning_summary_text.delta":
+            assert [name for name, _ in closed.events] == [
+                "response.reasoning_summary_text.done", "response.reasoning_summary_part.done",
+                "response.output_item.done", "response.failed"]
+            done = closed.events[0][1]
+            assert done["text"] == "".join(e.data["delta"] for e in head if "delta" in e.data)
+            assert final["output"][0]["status"] == "incomplete"
 
 
 def test_a_log_without_events_gets_a_bare_failure_in_its_dialect() -> None:
