@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default=Settings.host,
                        help="the address to listen on (default %(default)s; any address that is not loopback "
                             "needs --api-key)")
-    serve.add_argument("--port", type=int, default=Settings.port, help="default %(default)s; 0 picks a free port")
+    serve.add_argument("--port", type=_port, default=Settings.port, help="default %(default)s; 0 picks a free port")
     serve.add_argument("--model", action="append", default=[], dest="models",
                        help="repeatable (several models load on first use); a bundled model id, a path to a .gguf file, or a name `lmspd models` lists "
                             f"(Hugging Face cache, Ollama, LM Studio, --models-dir); default: {DEFAULT_MODEL_ID}")
@@ -387,6 +387,11 @@ def _apply_engine(parser: argparse.ArgumentParser, args: argparse.Namespace, set
         settings.config_file = args.config_file.expanduser()
     elif args.engine == "upstream" and (not args.upstream_urls or not args.upstream_model):
         parser.error("--engine upstream needs --upstream-url and --upstream-model")
+    elif args.engine == "upstream" and (local := [flag for flag, dest in _LOCAL_FLAGS
+                                                  if getattr(args, dest) != serve.get_default(dest)]):
+        # The provider runs the model: these would be ignored without a word.
+        parser.error(f"{', '.join(local)}: for local models (--engine llama); --engine upstream serves the "
+                     "provider's model, drop them")
     elif args.engine == "llama" and (args.upstream_urls or args.upstream_model
                                      or args.upstream_context_window is not None):
         parser.error("--upstream-url/--upstream-model/--upstream-context-window need --engine upstream")
@@ -417,6 +422,46 @@ _PER_MODEL_FLAGS = (
 )
 
 
+# The flags that only a local model (--engine llama) reads: (flag, argparse
+# dest). Not --models-dir: /v1/models lists the GGUFs found there whatever
+# the engine.
+_LOCAL_FLAGS = (
+    ("--model", "models"),
+    ("--ctx", "ctx"),
+    ("--threads", "threads"),
+    ("--parallel", "parallel"),
+    ("--gpu-layers", "gpu_layers"),
+    ("--flash-attn", "flash_attn"),
+    ("--kv-type", "kv_type"),
+    ("--rope-scaling", "rope_scaling"),
+    ("--chat-template", "chat_template"),
+    ("--models-max-mem", "models_max_mem_mb"),
+    ("--models-idle-s", "models_idle_s"),
+    ("--max-output-tokens-default", "max_output_tokens_default"),
+    ("--repetition-window", "repetition_window"),
+    ("--no-prefix-cache", "no_prefix_cache"),
+    ("--kv-disk-dir", "kv_disk_dir"),
+    ("--kv-disk-space-mb", "kv_disk_space_mb"),
+    ("--kv-ram-mb", "kv_ram_mb"),
+    ("--kv-checkpoint-every", "kv_checkpoint_every"),
+    ("--speculative", "speculative"),
+    ("--swa-full", "swa_full"),
+    ("--keep-billing-header", "keep_billing_header"),
+    ("--keep-tool-order", "keep_tool_order"),
+)
+
+
+def _port(text: str) -> int:
+    # Checked here: out of range, uvicorn failed with a traceback after the model had loaded.
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 65535, not {text!r}")
+    return port
+
+
 def _config_parser(sub: argparse._SubParsersAction) -> None:
     config = sub.add_parser("config", help="manage saved settings (the upstream provider key)")
     actions = config.add_subparsers(dest="action", required=True)
@@ -444,6 +489,9 @@ def _config(args: argparse.Namespace) -> int:
         path = save_key(data_dir, value, args.name)
     except CredentialError as exc:
         print(f"lmspd: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --data-dir names a file, or one not ours to write
+        print(f"lmspd: {exc.filename}: {exc.strerror}" if exc.filename else f"lmspd: {exc}", file=sys.stderr)
         return 2
     print(f"saved to {path} (readable by you only)", file=sys.stderr)
     return 0

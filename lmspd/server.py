@@ -1,10 +1,17 @@
-"""Process lifecycle: build the service (models load now, or on first use
-when several are served), bind, announce the URL, shut down cleanly."""
+"""Process lifecycle: bind, build the service (models load now, or on first
+use when several are served), announce the URL, shut down cleanly."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -17,6 +24,11 @@ from lmspd.store.base import Store
 from lmspd.streaming.coalesce import CoalescingMiddleware
 
 log = logging.getLogger("lmspd")
+
+# The signals that stop lmspd: while it serves, a clean shutdown and exit 0;
+# while it loads, an exit at once with 128 + the signal's number (130 for
+# Ctrl-C, 143 for SIGTERM), as a shell reports a process the signal ended.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Server(uvicorn.Server):
@@ -44,11 +56,42 @@ class _Server(uvicorn.Server):
         self._service.shutdown()
         super().handle_exit(sig, frame)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, less its last step: after a clean shutdown it raised the
+        signal that asked for it again, so Ctrl-C ended in a KeyboardInterrupt
+        traceback (status 1 or -2) and SIGTERM in -15. Stopped as asked, lmspd
+        exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread may set handlers (a server run in a test's thread)
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
 
 def serve(settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    try:
+        # Bound before the model loads: a port in use or a host that does not
+        # resolve is said at once, not after the load (minutes for a large model).
+        sockets = bind(settings.host, settings.port)
+    except OSError as exc:
+        _cannot_listen(settings, exc)
+        return 2
+    try:
+        return _serve_on(sockets, settings)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve_on(sockets: list[socket.socket], settings: Settings) -> int:
     if not settings.api_keys and not settings.loopback:
         # Only an address that resolves to loopback alone may run open: ""
         # and 0.0.0.0 bind every interface.
@@ -59,8 +102,7 @@ def serve(settings: Settings) -> int:
         )
         return 2
     try:
-        store = open_store(settings)
-        service = build_service(settings)
+        store, service = _load(settings)
     except Exception as exc:  # a bad --model or data dir is the user's to fix: say so plainly
         print(f"lmspd: {exc}", file=sys.stderr)
         return 2
@@ -76,9 +118,122 @@ def serve(settings: Settings) -> int:
         # Request heads bounded by limits.max_header_bytes, refused as a 431.
         **uvicorn_options(settings.limits.request),
     )
+    try:
+        # Listening only now: a client that connects during the load is
+        # refused at once rather than left waiting in the backlog. (Another
+        # server that bound the same port meanwhile is found here.)
+        for sock in sockets:
+            sock.listen(config.backlog)
+    except OSError as exc:
+        _cannot_listen(settings, exc)
+        return 2
     server = _Server(config, service, settings)
-    server.run()
+    server.run(sockets=sockets)
     return 0
+
+
+def _cannot_listen(settings: Settings, exc: OSError) -> None:
+    # strerror: "Address already in use", "Name or service not known".
+    print(f"lmspd: cannot listen on {settings.host or '*'} port {settings.port}: {exc.strerror or exc}",
+          file=sys.stderr)
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening) to every address ``host`` resolves
+    to ("": every interface), as asyncio's ``create_server`` binds them for
+    uvicorn: address reuse (a restart finds the port in TIME_WAIT), IPv6
+    sockets IPv6 only, an address family the machine lacks skipped."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    skipped: OSError | None = None
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # a family this kernel does not speak
+                skipped = exc
+                continue
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:  # in use, not permitted: the caller's to say
+                    raise
+                skipped = exc  # ::1 where IPv6 is off
+                sockets.pop().close()
+        if not sockets:
+            raise skipped or OSError(errno.EADDRNOTAVAIL, "no address to bind")
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM while the service loads."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.signal = sig
+
+
+def _load(settings: Settings) -> tuple[Store, Service]:
+    """``open_store`` and ``build_service`` in a thread of their own, the main
+    thread waiting: a load in the main thread sits in llama.cpp, where the
+    only Python that runs is its log callback, and ctypes swallows the
+    KeyboardInterrupt raised there (Ctrl-C was ignored and the server went
+    on to serve). SIGINT and SIGTERM meanwhile end the process at once,
+    without a traceback: there is nothing to shut down yet, and the load
+    cannot be stopped inside llama.cpp."""
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def load() -> None:
+        try:
+            outcome.append((open_store(settings), build_service(settings)))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    try:
+        with _stop_raises():
+            threading.Thread(target=load, name="lmspd-load", daemon=True).start()
+            done.wait()
+    except _Stopped as stopped:
+        name = signal.Signals(stopped.signal).name
+        print(f"lmspd: interrupted ({name}) while loading: exiting without serving", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not sys.exit: the interpreter's shutdown would wait for the load,
+        # or free what the loading thread is still inside.
+        os._exit(128 + stopped.signal)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    store, service = outcome[0]
+    return store, service
+
+
+@contextlib.contextmanager
+def _stop_raises() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``_Stopped`` in the main thread (a signal the
+    process was started ignoring stays ignored)."""
+    def stop(sig: int, frame: Any) -> None:
+        raise _Stopped(sig)
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            # None: a handler not set from Python; the default is what stood.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def open_store(settings: Settings) -> Store:

@@ -1,24 +1,32 @@
 """``lmspd launch CLIENT [-- client args]``: the command line around
 ``clients.build`` and ``files.write``: find the server (or start one on
 loopback, saying so), write the client's files, run the client, and stop a
-server it started when the client exits."""
+server it started when the client exits, or when the launch is interrupted
+(Ctrl-C while it waits) or told to end (SIGTERM, SIGHUP: passed on to the
+client)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from lmspd.core.files import private_dir, private_file
 from lmspd.launch import clients, files
 from lmspd.launch.served import ServedModel, ServerRefused, ServerUnavailable, read_served
 
@@ -28,6 +36,11 @@ START_TIMEOUT_S = 600.0
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Any value on a loopback server without --api-key; the clients need one.
 LOCAL_KEY = "lmspd-local"
+# What ends a launch as its client's exit would (the started server stopped):
+# SIGTERM, and SIGHUP (the terminal closed). The client hears it too.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+# How long a client told to end has before it is killed.
+CLIENT_GRACE_S = 10.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,55 +76,143 @@ def run(args: argparse.Namespace, client_args: list[str]) -> int:
     from lmspd.config import Settings
 
     data_dir = (args.data_dir or Settings().data_dir).expanduser()
-    url = args.url.rstrip("/")
+    try:
+        url = base_url(args.url)
+    except ValueError as exc:
+        print(f"lmspd launch: --url (or LMSPD_URL) {exc}", file=sys.stderr)
+        return 2
     key = args.api_key or os.environ.get("LMSPD_API_KEY") or LOCAL_KEY
     started: subprocess.Popen[bytes] | None = None
     try:
-        try:
-            served = read_served(url, key)
-        except ServerUnavailable as exc:
-            if args.print_only or args.no_start or not _startable(url):
-                print(f"lmspd launch: {exc}; start one with `lmspd serve`"
-                      + ("" if args.print_only or args.no_start else " (only a loopback server is started for you)"),
-                      file=sys.stderr)
-                return 2
-            started = _start_server(url, data_dir)
-            served = _wait_ready(url, key, started)
-        if args.max_output_tokens is not None:
-            served = [replace(m, max_output_tokens=args.max_output_tokens) for m in served]
-        try:
-            main = _pick(served, args.model, "--model")
-            small = _pick(served, args.small_model, "--small-model") if args.small_model else main
-        except ValueError as exc:
-            print(f"lmspd launch: {exc}", file=sys.stderr)
-            return 2
-        plan = clients.build(args.client, served, main, small, url, data_dir / "launch" / args.client)
-        command = [args.bin or plan.program, *plan.args, *client_args]
-        if args.print_only:
-            print(render(plan, served, url, client_args, files.compare(plan)), end="")
-            return 0
-        print(_header(plan, served, url), file=sys.stderr)
-        for change in files.write(plan):
-            print(f"{change.status}: {change.path}", file=sys.stderr)
-            if change.diff:
-                print(change.diff, end="" if change.diff.endswith("\n") else "\n", file=sys.stderr)
-        executable = shutil.which(command[0])
-        if executable is None:
-            print(f"lmspd launch: {command[0]} is not installed (or not on PATH; --bin names it)", file=sys.stderr)
-            return 127
-        env = {**os.environ, **plan.env, plan.key_env: key}
-        # Ctrl-C belongs to the client while it runs (it shares the terminal).
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            return subprocess.run([executable, *command[1:]], env=env).returncode
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        with _terminations():
+            try:
+                served = read_served(url, key)
+            except ServerUnavailable as exc:
+                if args.print_only or args.no_start or not _startable(url):
+                    print(f"lmspd launch: {exc}; start one with `lmspd serve`"
+                          + ("" if args.print_only or args.no_start else " (only a loopback server is started for you)"),
+                          file=sys.stderr)
+                    return 2
+                started = _start_server(url, data_dir)
+                served = _wait_ready(url, key, started)
+            return _launch(args, client_args, served, url, key, data_dir)
     except ServerRefused as exc:
         print(f"lmspd launch: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --data-dir names a file, or a directory not ours to write
+        print(f"lmspd launch: {exc.filename}: {exc.strerror}" if exc.filename else f"lmspd launch: {exc}",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmspd launch: interrupted" + (": stopping the server it started" if started else ""), file=sys.stderr)
+        return 128 + signal.SIGINT
+    except _Terminated as ended:
+        print(f"lmspd launch: {signal.Signals(ended.signal).name}"
+              + (": stopping the server it started" if started else ""), file=sys.stderr)
+        return 128 + ended.signal
     finally:
         if started is not None:
             _stop(started)
+
+
+def _launch(args: argparse.Namespace, client_args: list[str], served: list[ServedModel], url: str, key: str,
+            data_dir: Path) -> int:
+    """Write the client's files and run it (or, with --print, show them)."""
+    if args.max_output_tokens is not None:
+        served = [replace(m, max_output_tokens=args.max_output_tokens) for m in served]
+    try:
+        main = _pick(served, args.model, "--model")
+        small = _pick(served, args.small_model, "--small-model") if args.small_model else main
+    except ValueError as exc:
+        print(f"lmspd launch: {exc}", file=sys.stderr)
+        return 2
+    plan = clients.build(args.client, served, main, small, url, data_dir / "launch" / args.client)
+    command = [args.bin or plan.program, *plan.args, *client_args]
+    if args.print_only:
+        print(render(plan, served, url, client_args, files.compare(plan)), end="")
+        return 0
+    print(_header(plan, served, url), file=sys.stderr)
+    for change in files.write(plan):
+        print(f"{change.status}: {change.path}", file=sys.stderr)
+        if change.diff:
+            print(change.diff, end="" if change.diff.endswith("\n") else "\n", file=sys.stderr)
+    executable = shutil.which(command[0])
+    if executable is None:
+        print(f"lmspd launch: {command[0]} is not installed (or not on PATH; --bin names it)", file=sys.stderr)
+        return 127
+    env = {**os.environ, **plan.env, plan.key_env: key}
+    # Ctrl-C belongs to the client while it runs (it shares the terminal).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        client = subprocess.Popen([executable, *command[1:]], env=env)
+        try:
+            return client.wait()
+        except _Terminated as ended:
+            _end_client(client, ended.signal)
+            raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def base_url(url: str) -> str:
+    """lmspd's root from ``--url``: given as such (``http://HOST:PORT``) or
+    as the OpenAI base URL that clients are given (``.../v1``). Any other
+    path is refused: lmspd serves its routes from the root, and a path
+    joined before them answered 404 (or, with no server there, the launch
+    started one and waited for it at the wrong path for 10 minutes)."""
+    parts = urlsplit(url.strip())
+    path = parts.path.rstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: give the server's URL, http://HOST:PORT (or http://HOST:PORT/v1)")
+    if path not in ("", "/v1") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: lmspd serves from the root: give http(s)://{parts.netloc} "
+                         "(or its OpenAI base URL, .../v1), without another path")
+    return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+
+
+class _Terminated(Exception):
+    """SIGTERM or SIGHUP: the launch ends, stopping what it started."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.signal = sig
+
+
+@contextlib.contextmanager
+def _terminations() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``_Terminated`` (once: the clean-up that
+    follows runs undisturbed; a second signal acts as it would have). Only
+    a ``finally`` stopped the started server, and these signals' default
+    action skips it: the server (and the client) went on running."""
+    previous: dict[int, Any] = {}
+
+    def end(sig: int, frame: Any) -> None:
+        _restore(previous)
+        raise _Terminated(sig)
+
+    for sig in TERMINATING:
+        previous[sig] = signal.signal(sig, end)
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _end_client(client: subprocess.Popen[bytes], sig: int) -> None:
+    """Pass ``sig`` on to the client; kill it if it has not exited within
+    ``CLIENT_GRACE_S``."""
+    with contextlib.suppress(ProcessLookupError):
+        client.send_signal(sig)
+    try:
+        client.wait(timeout=CLIENT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        client.kill()
+        client.wait()
 
 
 def _positive(text: str) -> int:
@@ -161,13 +262,36 @@ def _startable(url: str) -> bool:
 def _start_server(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    log = data_dir / "launch" / "server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = private_dir(data_dir / "launch") / "server.log"
     cmd = [sys.executable, "-m", "lmspd", "serve", "--host", host, "--port", str(port), "--data-dir", str(data_dir)]
     print(f"lmspd launch: no server at {url}: starting `{shlex.join(cmd[2:])}` (log: {log}); "
           "it stops when the client exits", file=sys.stderr)
+    private_file(log)  # the server makes its data dir's files its owner's alone; its log too
     with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_dies_with_this_process())
+
+
+def _dies_with_this_process() -> Callable[[], None] | None:
+    """On Linux, what the server's child process runs before lmspd starts:
+    SIGTERM to it when this process ends, however it ends (a SIGKILL leaves
+    no clean-up to run). Elsewhere, or beside other threads, None: the
+    launch's own clean-up only."""
+    if not sys.platform.startswith("linux") or threading.active_count() > 1:
+        return None  # a forked child of a threaded process may deadlock in Python code
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launch ended before the child could ask: start nothing
+            os._exit(1)
+
+    return arm
 
 
 def _wait_ready(url: str, key: str, proc: subprocess.Popen[bytes]) -> list[ServedModel]:

@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmspd.core.files import private_dir
 from lmspd.launch.clients import Plan
 
 
@@ -39,7 +40,8 @@ def compare(plan: Plan) -> list[Change]:
 
 def write(plan: Plan) -> list[Change]:
     changes = compare(plan)
-    plan.directory.mkdir(parents=True, exist_ok=True)
+    # 0700, as the server makes the data dir (the launch may be first to).
+    private_dir(plan.directory)
     for change in changes:
         if change.status == "unchanged":
             continue

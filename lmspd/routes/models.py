@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from lmspd.dialects import lmsp
 from lmspd.http import app_state, json_reply, principal
+from lmspd.launch.clients import CODEX_INSTRUCTIONS
 
 
 def _found(settings: Any) -> list[dict[str, Any]]:
@@ -53,7 +54,7 @@ async def openai_models(request: Request) -> Response:
 
 def codex_model_entry(info: Any) -> dict[str, Any]:
     """One entry of Codex's ``models`` catalog (its ``ModelInfo``), truthful
-    where lmspd knows the answer; ``base_instructions`` is left to the client."""
+    where lmspd knows the answer."""
     return {
         "slug": info.id,
         "display_name": info.id,
@@ -67,6 +68,11 @@ def codex_model_entry(info: Any) -> dict[str, Any]:
         "supported_in_api": True,
         "priority": 0,
         "upgrade": None,
+        # Codex's ModelInfo requires it (a String without a default: a catalog
+        # with an entry lacking it fails to parse whole). What Codex would
+        # use otherwise, its own prompt.md, is inside its binary: the short
+        # instructions ``lmspd launch codex`` writes into its catalog file.
+        "base_instructions": CODEX_INSTRUCTIONS,
         "supports_reasoning_summaries": bool(info.capabilities.get("reasoning")),
         "support_verbosity": False,
         "default_verbosity": None,

@@ -63,8 +63,9 @@ def thread_share() -> int | None:
 def _threads(args: list[str]) -> list[str]:
     # A --config file sets each model's threads (lmspd refuses --threads beside
     # it): a test whose file has a local model gives it ``thread_share()``.
+    # An upstream engine has no local model to thread (lmspd refuses it too).
     share = thread_share()
-    if share is None or "--threads" in args or "--config" in args:
+    if share is None or "--threads" in args or "--config" in args or "upstream" in args:
         return []
     return ["--threads", str(share)]
 

@@ -181,3 +181,78 @@ def test_no_server_is_started_when_refused_or_not_on_loopback(flags, url, tmp_pa
     monkeypatch.setattr("lmspd.launch.served.read_served.__kwdefaults__", {"timeout": 0.5})
     code, _, err = launch(capsys, "codex", "--url", url, "--data-dir", str(tmp_path), "--bin", "true", *flags)
     assert code == 2 and "start one with `lmspd serve`" in err, err
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+def test_the_openai_base_url_names_the_server_too(suffix, stub_url, tmp_path, capsys, monkeypatch):
+    """``--url http://HOST:PORT/v1`` (the base URL clients are given) was
+    joined before /lmsp/v1/models: HTTP 404."""
+    code, out, err = launch(capsys, "pi", "--print", "--url", stub_url + suffix, "--data-dir", str(tmp_path))
+    assert code == 0, err
+    assert f'"baseUrl": "{stub_url}/v1"' in out, out
+    monkeypatch.setenv("LMSPD_URL", stub_url + suffix)
+    code, again, err = launch(capsys, "pi", "--print", "--data-dir", str(tmp_path))
+    assert (code, again) == (0, out), err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8080/api", "http://127.0.0.1:8080/v1/models",
+                                 "http://127.0.0.1:8080/?x=1", "127.0.0.1:8080", "ftp://127.0.0.1:8080"])
+def test_a_url_with_another_path_is_refused_before_anything(url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("lmspd.launch.command._start_server", lambda *a: pytest.fail("started a server"))
+    monkeypatch.setattr("lmspd.launch.command.read_served", lambda *a, **k: pytest.fail("asked a server"))
+    code, _, err = launch(capsys, "codex", "--url", url, "--data-dir", str(tmp_path), "--bin", "true")
+    assert code == 2
+    assert err.startswith(f"lmspd launch: --url (or LMSPD_URL) {url!r}: ") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("extra", [("--print",), ("--bin", "true")])
+def test_a_data_dir_that_is_a_file_is_one_line(extra, stub_url, tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    code, out, err = launch(capsys, "pi", "--url", stub_url, "--data-dir", str(not_a_dir), *extra)
+    assert code == 2 and out == ""
+    assert err.strip().endswith("Not a directory") and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith(f"lmspd launch: {not_a_dir}/launch"), err
+
+
+def test_the_data_dir_a_launch_creates_is_its_owners_alone(stub_url, tmp_path, capsys):
+    """As the server creates it (0700): the launch may be first to."""
+    previous = os.umask(0o022)
+    try:
+        data = tmp_path / "fresh"
+        assert launch(capsys, "pi", "--url", stub_url, "--data-dir", str(data), "--bin", "true")[0] == 0
+    finally:
+        os.umask(previous)
+    for directory in (data, data / "launch", data / "launch" / "pi"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
+class Stopped:
+    def __init__(self):
+        self.stopped = False
+
+    def terminate(self):
+        self.stopped = True
+
+    def wait(self, timeout=None):
+        return -15
+
+    def poll(self):
+        return None
+
+
+def test_ctrl_c_while_the_started_server_loads_stops_it_quietly(tmp_path, capsys, monkeypatch):
+    server = Stopped()
+    monkeypatch.setattr("lmspd.launch.command._start_server", lambda *a: server)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lmspd.launch.command._wait_ready", interrupted)
+    monkeypatch.setattr("lmspd.launch.served.read_served.__kwdefaults__", {"timeout": 0.5})
+    try:
+        code, _, err = launch(capsys, "codex", "--url", "http://127.0.0.1:9", "--data-dir", str(tmp_path))
+    except KeyboardInterrupt:
+        pytest.fail("the KeyboardInterrupt reached the user (a traceback)")
+    assert code == 130 and server.stopped
+    assert err.strip().endswith("lmspd launch: interrupted: stopping the server it started"), err

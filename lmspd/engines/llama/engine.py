@@ -25,11 +25,10 @@ import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import llama_cpp
 from llama_cpp import _internals as internals
-from llama_cpp._utils import suppress_stdout_stderr
 
 from lmspd.cache.disk import DiskCheckpoints
 from lmspd.cache.manager import ContinuationCache, KvOps
@@ -68,6 +67,8 @@ IDENTITY_HEAD_BYTES = 16 << 20
 IDENTITY_BLOCKS = 16
 IDENTITY_BLOCK_BYTES = 64 << 10
 
+T = TypeVar("T")
+
 
 def model_identity(path: Path) -> str:
     """A digest of the model file's content, for its KV checkpoints'
@@ -85,6 +86,23 @@ def model_identity(path: Path) -> str:
             fh.seek(last * i // (IDENTITY_BLOCKS - 1))
             digest.update(fh.read(IDENTITY_BLOCK_BYTES))
     return digest.hexdigest()[:32]
+
+
+def _native(build: Callable[[], T]) -> T:
+    """Build a llama-cpp-python model or context, its failure in llama.cpp's
+    words: its exception says only "Failed to load model from file" or
+    "Failed to create llama_context". Built verbose: ``verbose=False`` would
+    point the whole process's stdout and stderr at /dev/null meanwhile (not
+    thread-safe: two models loading at once left the server's log there for
+    good), and llama.cpp's lines already go through ``native_log``, its
+    info at debug."""
+    with native_log.errors() as errors:
+        try:
+            return build()
+        except ValueError as exc:
+            if not errors:
+                raise
+            raise ValueError(f"{exc}: {'; '.join(errors)}") from None
 
 
 @dataclass
@@ -157,7 +175,7 @@ class LlamaEngine:
         if buffers.reason:
             log.log(logging.INFO if buffers.use else logging.WARNING, "model %s: %s", model_id, buffers.reason)
         model_params.n_gpu_layers = placement.n_gpu_layers
-        self._model = internals.LlamaModel(path_model=str(path), params=model_params, verbose=False)
+        self._model = _native(lambda: internals.LlamaModel(path_model=str(path), params=model_params))
         model = self._model
         params = llama_cpp.llama_context_default_params()
         # One KV stream per sequence, each the full window: every request
@@ -184,8 +202,7 @@ class LlamaEngine:
             params.rope_scaling_type = llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN
             params.rope_freq_scale = placement.rope.freq_scale
             params.yarn_orig_ctx = placement.rope.trained
-        with suppress_stdout_stderr(disable=False):
-            self.ctx = internals.LlamaContext(model=model, params=params, verbose=False)
+        self.ctx = _native(lambda: internals.LlamaContext(model=model, params=params))
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
         # What llama.cpp made of it (it pads the window to 256 cells).
         self.placement = dataclasses.replace(placement, window=self.n_ctx)
@@ -382,6 +399,5 @@ class LlamaEngine:
         await loop.run_in_executor(None, self.scheduler.close)
         await loop.run_in_executor(None, self.cache.flush)
         await loop.run_in_executor(None, self.preparation.close)
-        with suppress_stdout_stderr(disable=False):
-            self.ctx.close()
-            self._model.close()
+        self.ctx.close()
+        self._model.close()

@@ -153,6 +153,10 @@ class Memory:
     usable: int  # bytes lmspd may use (free memory less the headroom)
     free: int  # what the backend reports free
     headroom: int
+    # A device's memory (placement sets it): fewer --gpu-layers there is a way out.
+    gpu: bool = False
+    # ``usable`` is --models-max-mem's, below what is free: a larger one is a way out.
+    capped: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,8 +218,8 @@ def fit(shape: ModelShape, weights: int, memory: Memory, ask: Request) -> Fit:
     avail = f"{memory.usable / MIB:,.0f} MiB usable in {memory.where} ({memory.free / MIB:,.0f} MiB free less " \
             f"{memory.headroom / MIB:,.0f} MiB headroom)"
     if weights + shape.compute_bytes(CELL_PAD, 1, flash_attn=ask.flash_attn) > memory.usable:
-        raise FitError(f"the model's weights need {weights / MIB:,.0f} MiB, more than the {avail}; "
-                       "use a smaller quantization of the model, or fewer --gpu-layers (the rest stays in RAM)")
+        raise FitError(f"the model's weights need {weights / MIB:,.0f} MiB, more than the {avail}; use "
+                       + _either([*_room(memory), "a smaller quantization of the model"]))
 
     if ask.ctx is not None:
         window = asked_window(ask.ctx, shape.trained)
@@ -227,9 +231,11 @@ def fit(shape: ModelShape, weights: int, memory: Memory, ask: Request) -> Fit:
                 if total(window, seqs) <= memory.usable:
                     return done(window, seqs, f"{what}: --parallel lowered from {parallel} to {seqs} to fit "
                                               f"the {avail}")
-        raise FitError(_refusal(f"{what} with --parallel {parallel if parallel_given else 1}",
-                                total(window, parallel if parallel_given else 1), avail,
-                                "a smaller --ctx (or --ctx auto), a lower --parallel, or --kv-type q8_0"))
+        # Without --parallel, one sequence was tried last.
+        seqs = parallel if parallel_given else 1
+        asked = f"{what} with --parallel {seqs}" if parallel_given else f"{what}, even as one sequence,"
+        raise FitError(_refusal(asked, total(window, seqs), avail,
+                                _ways_out(memory, ask, seqs, "a smaller --ctx (or --ctx auto)")))
 
     trained = shape.trained or AUTO_MIN_WINDOW
     target = asked_window(None, shape.trained)
@@ -254,12 +260,34 @@ def fit(shape: ModelShape, weights: int, memory: Memory, ask: Request) -> Fit:
         lowered = f"--parallel lowered from {parallel} to {seqs}, " if seqs != parallel else ""
         return done(window, seqs, f"{lowered}window lowered to {window} (below {AUTO_MIN_WINDOW}, floor "
                                   f"{FLOOR_WINDOW}) to fit {seqs} sequences in the {avail}")
-    raise FitError(_refusal(f"--parallel {seqs} sequences of the smallest automatic window ({FLOOR_WINDOW} tokens)",
+    sequences = f"--parallel {seqs} sequences" if parallel_given else "one sequence"
+    raise FitError(_refusal(f"{sequences} of the smallest automatic window ({FLOOR_WINDOW} tokens)",
                             total(FLOOR_WINDOW, seqs), avail,
-                            "a lower --parallel, --kv-type q8_0 (with flash attention), or a smaller --ctx "
-                            "given explicitly"))
+                            _ways_out(memory, ask, seqs, "a smaller --ctx given explicitly")))
 
 
 def _refusal(what: str, needed: int, avail: str, flags: str) -> str:
     return f"{what} needs {needed / MIB:,.0f} MiB (weights, KV and compute buffers), more than the {avail}; " \
            f"try {flags}"
+
+
+def _room(memory: Memory) -> list[str]:
+    """More room where the model goes, where a flag gives it."""
+    return (["a larger --models-max-mem"] if memory.capped else []) + \
+           (["fewer --gpu-layers (the rest stays in RAM)"] if memory.gpu else [])
+
+
+def _ways_out(memory: Memory, ask: Request, seqs: int, smaller_ctx: str) -> str:
+    """What would fit the window: only what the flags have left to change
+    (no lower --parallel below one sequence, no q8_0 on a q8_0 KV)."""
+    ways = [smaller_ctx]
+    if seqs > 1:
+        ways.append("a lower --parallel")
+    smaller_kv = {"f16": "--kv-type q8_0 (with flash attention)", "q8_0": "--kv-type q4_0"}.get(ask.kv_type)
+    if smaller_kv:
+        ways.append(smaller_kv)
+    return _either([*ways, *_room(memory)])
+
+
+def _either(ways: list[str]) -> str:
+    return ways[0] if len(ways) == 1 else f"{', '.join(ways[:-1])}, or {ways[-1]}"

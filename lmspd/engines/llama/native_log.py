@@ -7,6 +7,12 @@ llama.cpp's graph dumps (~60 lines each time a new batch shape reserves a
 graph) and "copying KV buffer" notes into its log between requests. Here
 llama.cpp's warnings and errors are warnings and errors of the server's
 log; its info and debug lines are debug lines, shown by ``--log-level debug``.
+
+llama-cpp-python reports a failed load as "Failed to load model from file"
+whatever the cause; llama.cpp's error lines say which (an unknown
+architecture, a truncated file, a context too large for memory).
+:func:`errors` keeps the last of them logged on the loading thread, for the
+engine to put into its exception.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import llama_cpp
 
@@ -24,9 +33,18 @@ log = logging.getLogger("lmspd.llama_cpp")
 # own table is an older order (1 info ... 4 debug).
 _LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 _CONT = 5
+# llama.cpp warnings of every normal load that lmspd has answered: a window
+# past the trained length is lmspd's choice (stretched with YaRN unless
+# --rope-scaling none; the placement line says so), and a mistyped control
+# token is one llama.cpp corrects itself (Gemma 3's GGUFs). Debug lines, so
+# that a load is quiet at --log-level info.
+_ANSWERED = ("-- possible training context overflow", "was not control-type; this is probably a bug in the model")
 # A line's pieces until its newline (llama.cpp writes some lines in parts),
 # per thread: a decode on the scheduler thread and a load elsewhere may log at once.
 _lines = threading.local()
+# The error lines :func:`errors` keeps: the last few are the cause (llama.cpp
+# logs the failure, then each caller up the stack adds a line of its own).
+ERRORS_KEPT = 4
 
 
 def route(level: int, text: bytes) -> None:
@@ -48,9 +66,27 @@ def route(level: int, text: bytes) -> None:
     # here again on this same thread.
     _lines.level, _lines.text = pending_level, rest
     lines += [(pending_level, line) for line in done]
+    kept: deque[str] | None = getattr(_lines, "errors", None)
     for line_level, line in lines:
         if line.strip():
+            if kept is not None and line_level >= logging.ERROR:
+                kept.append(line.strip())
+            if line_level == logging.WARNING and any(known in line for known in _ANSWERED):
+                line_level = logging.DEBUG
             log.log(line_level, "%s", line.rstrip())
+
+
+@contextmanager
+def errors() -> Iterator[deque[str]]:
+    """The error lines llama.cpp logs on this thread inside the block (the
+    last ``ERRORS_KEPT``). Per thread: several models may load at once."""
+    kept: deque[str] = deque(maxlen=ERRORS_KEPT)
+    outer = getattr(_lines, "errors", None)
+    _lines.errors = kept
+    try:
+        yield kept
+    finally:
+        _lines.errors = outer
 
 
 @llama_cpp.llama_log_callback

@@ -152,7 +152,7 @@ def _placed(path: Path, header: GGUFInfo, shape: ModelShape | None, *, ctx: int 
     elif gpu_layers and not found.offload:
         log.warning("--gpu-layers %d: this llama-cpp-python build has no GPU backend with a device (./dev.sh "
                     "builds one: LMSPD_GPU=cuda|metal|vulkan); running on the CPU", gpu_layers)
-    fa = flash_attn == "on" or (flash_attn == "auto" and (offload or kv_type != "f16"))
+    fa = _flash_attn(flash_attn, kv_type, offloaded=offload)
     weights = path.stat().st_size
     layers = shape.layers if shape is not None else int(header.metadata.get(f"{header.architecture}.block_count", 0)
                                                         or 0)
@@ -173,7 +173,7 @@ def _placed(path: Path, header: GGUFInfo, shape: ModelShape | None, *, ctx: int 
     if not offload:
         chosen = fit(shape, weights, _capped(devs.ram(), budget), ask)
         return _with(base, chosen, 0)
-    device = _capped(devs.device(found), budget)
+    device = _capped(dataclasses.replace(devs.device(found), gpu=True), budget)
     want = _all_or(gpu_layers, shape.layers)
     if want >= shape.layers:
         try:
@@ -192,11 +192,24 @@ def _placed(path: Path, header: GGUFInfo, shape: ModelShape | None, *, ctx: int 
         need = _on_device(shape, weights, chosen, ask, want)
         raise FitError(f"--gpu-layers {want} needs {need / MIB:,.0f} MiB on {device.where}, more than its "
                        f"{device.usable / MIB:,.0f} MiB usable; use --gpu-layers {n} or fewer (or 'all': what fits)")
+    if n == 0 and fa != _flash_attn(flash_attn, kv_type, offloaded=False):
+        # No layer fits the device: a CPU run after all, with flash attention
+        # as --flash-attn auto gives the CPU (off: its CPU kernel is the slow
+        # one), and fitted again for the compute buffers that takes.
+        ask = dataclasses.replace(ask, flash_attn=False)
+        base = dataclasses.replace(base, flash_attn=False)
+        chosen = fit(shape, weights, _capped(devs.ram(), budget), ask)
     if first:
         log.info("all %d layers do not fit %s (%s): offloading %d", shape.layers, device.where, first, n)
         chosen = dataclasses.replace(chosen, reason=f"{n} of {shape.layers} layers fit {device.where}; "
                                                     f"{chosen.reason}")
     return _with(base, chosen, n)
+
+
+def _flash_attn(flash_attn: str, kv_type: str, *, offloaded: bool) -> bool:
+    """--flash-attn: auto is on where layers are offloaded (the GPU's fast
+    path) or the V cache is quantized (llama.cpp needs it then), else off."""
+    return flash_attn == "on" or (flash_attn == "auto" and (offloaded or kv_type != "f16"))
 
 
 def _all_or(gpu_layers: int | None, layers: int) -> int:
@@ -206,7 +219,7 @@ def _all_or(gpu_layers: int | None, layers: int) -> int:
 def _capped(memory: Memory, budget: int | None) -> Memory:
     if budget is None or budget >= memory.usable:
         return memory
-    return dataclasses.replace(memory, where=f"{memory.where} (--models-max-mem)", usable=budget)
+    return dataclasses.replace(memory, where=f"{memory.where} (--models-max-mem)", usable=budget, capped=True)
 
 
 def _with(base: RuntimeConfig, chosen: Fit, gpu_layers: int) -> RuntimeConfig:

@@ -148,3 +148,52 @@ def test_without_flash_attention_the_scores_count() -> None:
     # 512 x 32768 x 32 x 4 B = 2 GiB more than with flash attention.
     on = LLAMA_8B.compute_bytes(32768, 4, flash_attn=True)
     assert LLAMA_8B.compute_bytes(32768, 4, flash_attn=False) - on == 2 * GIB
+
+
+def refusal(memory: Memory, ask: Request, weights_mib: int = 4820) -> str:
+    with pytest.raises(FitError) as refused:
+        fit(LLAMA_8B, weights_mib * MIB, memory, ask)
+    return str(refused.value)
+
+
+def test_a_refusal_advises_only_what_the_flags_left_to_change() -> None:
+    """The advice follows where the model runs and what was given: no lower
+    --parallel where one sequence was tried, no fewer --gpu-layers in RAM."""
+    ram = Memory("RAM", usable=24 * GIB, free=26 * GIB, headroom=2 * GIB)
+    # --ctx 10000000 without --parallel: one sequence was tried (not "--parallel 1", which nobody gave).
+    alone = refusal(ram, Request(ctx=10_000_000, flash_attn=True))
+    assert "--ctx 10000000, even as one sequence, needs" in alone
+    assert alone.endswith("; try a smaller --ctx (or --ctx auto), or --kv-type q8_0 (with flash attention)"), alone
+    # Given, more than one: lowering it is a way out.
+    given = refusal(ram, Request(ctx=10_000_000, parallel=2, flash_attn=True))
+    assert "--ctx 10000000 with --parallel 2 needs" in given
+    assert given.endswith("; try a smaller --ctx (or --ctx auto), a lower --parallel, or --kv-type q8_0 "
+                          "(with flash attention)"), given
+    # Already q4_0: no smaller KV type to suggest.
+    assert refusal(ram, Request(ctx=10_000_000, kv_type="q4_0", flash_attn=True)).endswith(
+        "; try a smaller --ctx (or --ctx auto)")
+    # The automatic window's floor without --parallel: one sequence, no lower --parallel.
+    small = Memory("RAM", usable=6 * GIB, free=8 * GIB, headroom=2 * GIB)
+    floor = refusal(small, Request(flash_attn=True))
+    assert floor.startswith("one sequence of the smallest automatic window (16384 tokens) needs"), floor
+    assert "--parallel" not in floor
+
+
+def test_weights_that_do_not_fit_name_the_flag_that_made_the_room() -> None:
+    """RAM under --models-max-mem: a larger budget, not "fewer --gpu-layers"
+    (the model is on the CPU); a GPU given every layer: fewer of them."""
+    capped = Memory("RAM (--models-max-mem)", usable=50 * MIB, free=26 * GIB, headroom=2 * GIB, capped=True)
+    message = refusal(capped, Request(flash_attn=False))
+    assert message.endswith("; use a larger --models-max-mem, or a smaller quantization of the model"), message
+    assert "--gpu-layers" not in message
+    ram = Memory("RAM", usable=4 * GIB, free=6 * GIB, headroom=2 * GIB)
+    assert refusal(ram, Request(flash_attn=False)).endswith("; use a smaller quantization of the model")
+    gpu = Memory("CUDA0", usable=4 * GIB, free=5 * GIB, headroom=GIB, gpu=True)
+    assert refusal(gpu, Request(flash_attn=True)).endswith(
+        "; use fewer --gpu-layers (the rest stays in RAM), or a smaller quantization of the model")
+    # The window on a capped GPU: both ways out, after the window's own.
+    gpu_capped = Memory("CUDA0 (--models-max-mem)", usable=6 * GIB, free=25 * GIB, headroom=GIB, gpu=True,
+                        capped=True)
+    assert refusal(gpu_capped, Request(ctx=131072, flash_attn=True)).endswith(
+        "; try a smaller --ctx (or --ctx auto), --kv-type q8_0 (with flash attention), a larger --models-max-mem, "
+        "or fewer --gpu-layers (the rest stays in RAM)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 
 import llama_cpp
 from llama_cpp import _internals as internals
@@ -95,3 +96,37 @@ def test_a_line_logged_from_inside_the_logging_of_another_is_logged_once(caplog)
         (logging.WARNING, "an unfinished warning"),
         (logging.ERROR, "decode: failed"),
     ]
+
+
+def test_error_lines_are_kept_per_thread_and_only_inside_the_block():
+    other: list[list[str]] = []
+
+    def elsewhere() -> None:
+        with native_log.errors() as kept:
+            native_log.route(ERROR, b"another thread's failure\n")
+        other.append(list(kept))
+
+    native_log.route(ERROR, b"before the block\n")
+    with native_log.errors() as kept:
+        native_log.route(WARN, b"only a warning\n")
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        for i in range(native_log.ERRORS_KEPT + 2):
+            native_log.route(ERROR, b"failure %d\n" % i)
+    native_log.route(ERROR, b"after the block\n")
+    assert list(kept) == [f"failure {i}" for i in range(2, native_log.ERRORS_KEPT + 2)]
+    assert other == [["another thread's failure"]]
+
+
+def test_warnings_lmspd_has_answered_are_debug_lines(caplog):
+    """A window past the trained length is lmspd's choice (with YaRN): every
+    default load of the bundled model warned of it at --log-level info."""
+    caplog.set_level(logging.DEBUG, logger="lmspd.llama_cpp")
+    native_log.route(WARN, b"llama_context: n_ctx_seq (32768) > n_ctx_train (8192) -- possible training "
+                           b"context overflow\n")
+    native_log.route(WARN, b"some other warning\n")
+    logged = dict((text, level) for level, text in routed(caplog))
+    assert logged["llama_context: n_ctx_seq (32768) > n_ctx_train (8192) -- possible training context "
+                  "overflow"] == logging.DEBUG
+    assert logged["some other warning"] == logging.WARNING

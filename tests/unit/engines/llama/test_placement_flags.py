@@ -120,6 +120,43 @@ def test_layers_that_do_not_fit_the_card_stay_in_ram(monkeypatch: pytest.MonkeyP
         plan(path, gpu_layers=10, found=a_gpu(1536))
 
 
+def test_a_gpu_that_takes_no_layer_leaves_flash_attention_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--flash-attn auto is on where layers are offloaded: a card too full
+    for one layer is a CPU run, where the flash attention kernel is the slow
+    one (README: 2.9x slower per output token); it was on, decided from
+    "a GPU exists" before the layers were placed."""
+    path = resolve_model(None)[1]
+    monkeypatch.delenv(FREE_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(devs, "ram", lambda: Memory("RAM", 16 * 1024 * MIB, 18 * 1024 * MIB, 2 * 1024 * MIB))
+    # 1100 MiB free, 76 usable: less than the 169 MiB of compute buffers, no layer fits.
+    none = plan(path, found=a_gpu(1100))
+    assert (none.backend, none.gpu_layers, none.device) == ("cpu", 0, None)
+    assert none.flash_attn is False
+    assert none.reason.startswith("0 of 30 layers fit CUDA0")
+    # Fitted for the CPU's compute buffers (without flash attention they grow with the window).
+    cpu = plan(path, gpu_layers=0, found=a_gpu(1100))
+    assert (none.window, none.parallel, none.cost_bytes) == (cpu.window, cpu.parallel, cpu.cost_bytes)
+    # A quantized KV needs it wherever it runs; --flash-attn on is kept.
+    assert plan(path, kv_type="q8_0", found=a_gpu(1100)).flash_attn is True
+    assert plan(path, flash_attn="on", found=a_gpu(1100)).flash_attn is True
+
+
+def test_a_refusal_names_the_flags_of_where_the_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU under --models-max-mem: a larger budget, not "fewer
+    --gpu-layers"; on a card given every layer: fewer of them."""
+    path = resolve_model(None)[1]
+    monkeypatch.delenv(FREE_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(devs, "ram", lambda: Memory("RAM", 16 * 1024 * MIB, 18 * 1024 * MIB, 2 * 1024 * MIB))
+    with pytest.raises(FitError) as cpu:
+        plan(path, budget=50 * MIB, found=Devices("cpu", ()))
+    assert "50 MiB usable in RAM (--models-max-mem)" in str(cpu.value)
+    assert str(cpu.value).endswith("use a larger --models-max-mem, or a smaller quantization of the model")
+    with pytest.raises(FitError) as card:
+        plan(path, gpu_layers=30, found=a_gpu(1100))
+    assert "use fewer --gpu-layers (the rest stays in RAM)" in str(card.value)
+    assert "--models-max-mem" not in str(card.value)
+
+
 def test_an_nvidia_gpu_left_unused_is_named_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     """A machine with an NVIDIA driver whose llama.cpp cannot use it says so
