@@ -36,7 +36,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from lmspd.core import compaction as item
@@ -46,6 +46,7 @@ from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
 from lmspd.core.run import RunContext
 from lmspd.engines.base import CancelToken
+from lmspd.service import RunEvents
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.steps import Step
 
@@ -214,8 +215,8 @@ class CompactingRun:
         leaves the queue only when its task is cancelled)."""
         return bool(self._current.started)
 
-    def events(self, session: StreamSession, on_start: Callable[[], None] | None = None) -> "_CompactingEvents":
-        return _CompactingEvents(self, self._events(session, on_start))
+    def events(self, session: StreamSession, on_start: Callable[[], None] | None = None) -> "RunEvents":
+        return RunEvents(self, self._events(session, on_start))
 
     async def _events(self, session: StreamSession,
                       on_start: Callable[[], None] | None) -> AsyncGenerator[WireEvent, None]:
@@ -304,28 +305,6 @@ class CompactingRun:
                 work.cancel()
                 with contextlib.suppress(BaseException):
                     await work
-
-
-class _CompactingEvents:
-    """``CompactingRun.events``: its wire events, and ``aclose``, which ends
-    the run and gives back what it holds even where its events were never
-    read (an async generator that never started runs no ``finally``)."""
-
-    __slots__ = ("_run", "_events")
-
-    def __init__(self, run: CompactingRun, events: AsyncGenerator[WireEvent, None]) -> None:
-        self._run = run
-        self._events = events
-
-    def __aiter__(self) -> "_CompactingEvents":
-        return self
-
-    def __anext__(self) -> Awaitable[WireEvent]:
-        return self._events.__anext__()
-
-    async def aclose(self) -> None:
-        await self._events.aclose()
-        await self._run._settle()
 
 
 class _Places:

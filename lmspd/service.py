@@ -15,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError, RequestField
@@ -360,14 +360,19 @@ class Run:
                 yield wire
 
 
+class Settles(Protocol):
+    async def _settle(self) -> None: ...
+
+
 class RunEvents:
-    """``Run.events``: the run's wire events, and ``aclose``, which ends the
-    run and gives back what it holds even where its events were never read
-    (an async generator that never started runs no ``finally``)."""
+    """``Run.events`` (and a compacting turn's, ``compaction.CompactingRun``):
+    the run's wire events, and ``aclose``, which ends the run and gives back
+    what it holds even where its events were never read (an async generator
+    that never started runs no ``finally``)."""
 
     __slots__ = ("_run", "_events")
 
-    def __init__(self, run: Run, events: AsyncGenerator[WireEvent, None]) -> None:
+    def __init__(self, run: Settles, events: AsyncGenerator[WireEvent, None]) -> None:
         self._run = run
         self._events = events
 
