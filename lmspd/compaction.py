@@ -46,7 +46,7 @@ from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
 from lmspd.core.run import RunContext
 from lmspd.engines.base import CancelToken
-from lmspd.service import RunEvents
+from lmspd.service import RunEvents, quiet
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.steps import Step
 
@@ -290,21 +290,8 @@ class CompactingRun:
         warm = dataclasses.replace(reduced, max_output_tokens=None)
         return await _begun(self._app.service.begin(warm, dataclasses.replace(self._run, prefill_only=True)))
 
-    async def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
-        """The session's keep-alive every ``sse_keepalive_s`` until ``work``
-        is done (cancelled with this generator if it is not)."""
-        every = self._app.service.limits.sse_keepalive_s
-        try:
-            while not work.done():
-                await asyncio.wait({work}, timeout=every if every > 0 else None)
-                if not work.done():
-                    for wire in session.heartbeat():
-                        yield wire
-        finally:
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
+    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+        return quiet(work, session, self._app.service.limits.sse_keepalive_s)
 
 
 class _Places:

@@ -229,21 +229,8 @@ class Run:
         finally:
             self.ticket.release()
 
-    async def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
-        """The session's heartbeat every ``sse_keepalive_s`` until ``work``
-        is done (cancelled with this generator if it is not)."""
-        every = self._service.limits.sse_keepalive_s
-        try:
-            while not work.done():
-                await asyncio.wait({work}, timeout=every if every > 0 else None)
-                if not work.done():
-                    for wire in session.heartbeat():
-                        yield wire
-        finally:
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
+    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+        return quiet(work, session, self._service.limits.sse_keepalive_s)
 
     async def _paced(self, events: AsyncIterator[Any], session: StreamSession) -> AsyncIterator[WireEvent]:
         """``events`` through ``session``, and its heartbeat each time
@@ -407,3 +394,20 @@ def _dropped(loop: asyncio.AbstractEventLoop, engine: Engine, prepared: Prepared
 
 # The give-backs of dropped runs still under way (a task nothing else holds may be collected).
 _settling: set[asyncio.Task[None]] = set()
+
+
+async def quiet(work: "asyncio.Future[Any]", session: StreamSession, every: float) -> AsyncIterator[WireEvent]:
+    """The session's heartbeat every ``every`` seconds (``sse_keepalive_s``;
+    0: none) until ``work`` is done (cancelled with this generator if it is
+    not): a run waiting for its model, or a compacting turn for its summary."""
+    try:
+        while not work.done():
+            await asyncio.wait({work}, timeout=every if every > 0 else None)
+            if not work.done():
+                for wire in session.heartbeat():
+                    yield wire
+    finally:
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
