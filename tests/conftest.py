@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import sys
+import tempfile
 
 import httpx
 import pytest
@@ -45,6 +49,43 @@ def pytest_xdist_make_scheduler(config, log):
             return _scope(nodeid)
 
     return ByModule(config, log)
+
+
+@contextlib.contextmanager
+def _turn(alone: bool):
+    """The other worker's tests, kept off the cores while a test marked
+    ``alone`` runs (README: Tests). Every test holds ``run.lock`` shared, an
+    ``alone`` test exclusively; each takes ``gate.lock`` first, so that a
+    worker waiting to run alone is not overtaken by the other's next test."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:  # one process: nothing runs beside it
+        yield
+        return
+    folder = os.path.join(tempfile.gettempdir(), f"lmspd-tests-{run_id}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "gate.lock"), "a") as gate, open(os.path.join(folder, "run.lock"), "a") as run:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked ``alone`` measures time against a bound (a stream's
+    largest gap, a latency, whether drafting pays): on two workers the other
+    worker's decode took its core, and such tests failed by chance. Setup
+    and teardown are inside the turn: a module's server starts in its first
+    test's setup."""
+    with _turn(item.get_closest_marker("alone") is not None):
+        yield
 
 
 def pytest_itemcollected(item):

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from support.server import MODEL
 
@@ -28,6 +29,7 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+@pytest.mark.alone
 def test_references_past_the_expansion_bound_are_refused_at_once(server):
     text = ("lorem ipsum dolor sit amet " * (ITEM_CHARS // 27 + 1))[:ITEM_CHARS]
     conv = httpx.post(server.url + "/v1/conversations", timeout=60,

@@ -108,6 +108,7 @@ def test_gzip_and_zstd_bodies_and_a_bomb(server):
     assert r.status_code == 415 and "3 codings; the limit is 2" in r.json()["error"]["message"]
 
 
+@pytest.mark.alone
 def test_bodies_of_many_tiny_members_are_refused_at_once_and_health_answers(server):
     """~8 MB of empty gzip members (20 bytes each) or zstd frames (9 bytes)
     inflate to nothing, so no size limit fires: the members themselves are

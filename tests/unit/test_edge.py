@@ -300,6 +300,7 @@ def test_a_client_that_leaves_mid_body_is_no_error(quick) -> None:
     assert counted and all('status="499"' in line for line in counted), counted
 
 
+@pytest.mark.alone
 def test_a_large_body_does_not_stall_the_other_requests(url) -> None:
     # 2.8M empty arrays in 8 MiB: the JSON parser held the interpreter lock
     # for most of a second, in a decode thread but stalling every stream.

@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 import httpx
+import pytest
 
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.core.run import LOCAL
@@ -80,6 +81,7 @@ def test_a_prepare_past_its_bound_is_a_503_and_frees_its_slot(tmp_path) -> None:
     store.close()
 
 
+@pytest.mark.alone
 def test_preparing_a_big_request_does_not_stall_running_streams(tmp_path) -> None:
     engine = SlowPrepare(prepare_s=1.5, words=tuple(f"w{i} " for i in range(60)), delay_s=0.05)
     app, store = make_app(tmp_path, engine=engine)

@@ -18,6 +18,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from support.engine import ScriptedEngine
 from support.inprocess import MODEL, ThreadedServer, make_app
@@ -27,6 +28,9 @@ DELAY_S = 0.01
 # Two items of 3.5 MiB: near the 8 MiB body limit, each under the 4 Mi
 # characters a text part may have.
 ITEM_CHARS = 7 * 512 * 1024
+
+# A stream's largest gap against a fixed bound (tests/conftest.py).
+pytestmark = pytest.mark.alone
 
 
 def largest_gap(url: str) -> float:

@@ -53,6 +53,7 @@ async def run_text(engine, text: str, n: int = 4):
     return list(prepared.tokens)
 
 
+@pytest.mark.alone
 def test_a_request_waiting_for_a_sequence_to_finish_starts_right_after_it(engine4, monkeypatch):
     """The cache may answer "not now" while a sequence evaluates the last
     token of a turn the request continues (or would be cut back on). That
