@@ -19,7 +19,10 @@ count it; nothing failed, so nothing is logged). Decoding a large body runs in a
 (``decode_off_loop``; WebSocket messages use it too): the event loop only
 reads the bytes, and slow bodies wait for each other, never for the default
 executor's other work. So does decoding the request a large body holds
-(``decoded``); a small one's is decoded on the loop, as its JSON was.
+(``decoded``); a small one's is decoded on the loop, as its JSON was. The
+bytes of every body being received or decoded count against one bound for
+the process (``max_bodies_in_flight_bytes``), so that slow bodies on many
+connections cannot hold the memory of all of them at once.
 """
 
 from __future__ import annotations
@@ -62,6 +65,49 @@ async def decode_off_loop(fn: Callable[..., _T], *args: Any) -> _T:
     return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args))
 
 
+class _BodiesInFlight:
+    """The bytes of bodies received and not yet decoded, over every app in
+    the process (tests run several, each on its own thread's loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def take(self, n: int, limit: int) -> bool:
+        with self._lock:
+            if self.bytes + n > limit:
+                return False
+            self.bytes += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.bytes -= n
+
+
+IN_FLIGHT = _BodiesInFlight()
+
+
+class _Held:
+    """What one body holds of ``IN_FLIGHT``: given back whatever ends it."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self._limits = limits
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        limit = self._limits.max_bodies_in_flight_bytes
+        if not IN_FLIGHT.take(n, limit):
+            raise ApiError("server_overloaded", f"Request bodies being received take the server's bound "
+                           f"({limit // (1024 * 1024)} MiB together); retry shortly.",
+                           headers={"Retry-After": "1", "Connection": "close"})
+        self.bytes += n
+
+    def release(self) -> None:
+        IN_FLIGHT.give(self.bytes)
+        self.bytes = 0
+
+
 @dataclass(frozen=True)
 class JsonBody:
     """A request body's JSON object; ``small``: it was sent uncompressed
@@ -99,13 +145,17 @@ async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
                 raise _too_large(limits)
         except ValueError:
             raise ApiError("invalid_request", "Content-Length is not a number.") from None
-    raw = await _read_bytes(request, limits)
-    if not encodings and len(raw) <= INLINE_BYTES:
-        return JsonBody(decode_body(raw, encodings, limits), small=True)
-    return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
+    held = _Held(limits)
+    try:
+        raw = await _read_bytes(request, limits, held)
+        if not encodings and len(raw) <= INLINE_BYTES:
+            return JsonBody(decode_body(raw, encodings, limits), small=True)
+        return JsonBody(await decode_off_loop(decode_body, raw, encodings, limits), small=False)
+    finally:
+        held.release()
 
 
-async def _read_bytes(request: Request, limits: RequestLimits) -> bytes:
+async def _read_bytes(request: Request, limits: RequestLimits, held: _Held) -> bytes:
     chunks: list[bytes] = []
     size = 0
     more = True
@@ -125,6 +175,7 @@ async def _read_bytes(request: Request, limits: RequestLimits) -> bytes:
         size += len(chunk)
         if size > limits.max_body_bytes:
             raise _too_large(limits)
+        held.add(len(chunk))
         chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)

@@ -102,6 +102,12 @@ class RequestLimits:
     # most half the process's file descriptors (RLIMIT_NOFILE): the store,
     # the models and the connections being refused need theirs.
     max_connections: int = 1024
+    # Bytes of request bodies received and not yet decoded, all connections
+    # together (lmspd.bodies): past it a body is a 503 with Retry-After and
+    # its connection closed. Without it, bodies trickling in on every
+    # allowed connection held max_connections x max_body_bytes (8 GiB);
+    # 256 MiB is 32 bodies of the largest size arriving at once.
+    max_bodies_in_flight_bytes: int = 256 * 1024 * 1024
     # Calls one turn may make when parallel_tool_calls allows several (small
     # models otherwise repeat a forced call until max_output_tokens).
     max_parallel_tool_calls: int = 4

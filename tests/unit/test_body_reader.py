@@ -13,6 +13,7 @@ import json
 import pytest
 from starlette.requests import Request
 
+from lmspd import bodies
 from lmspd.bodies import read_json_object
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import RequestLimits
@@ -119,13 +120,14 @@ def test_members_are_bounded_and_each_must_end(coding) -> None:
     assert cut.status == 400 and "ends early" in cut.message
 
 
+SCOPE = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+         "headers": [(b"content-type", b"application/json")]}
+
+
 def read_messages(receive, limits=LIMITS):
     """The body ``receive`` delivers (a coroutine function of no argument), read."""
-    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")]}
-
     async def go():
-        return await read_json_object(Request(scope, receive), limits)
+        return await read_json_object(Request(SCOPE, receive), limits)
 
     return asyncio.run(asyncio.wait_for(go(), 10))
 
@@ -166,3 +168,65 @@ def test_a_client_that_leaves_mid_body_ends_the_request_as_a_499() -> None:
     with pytest.raises(ApiError) as info:
         read_messages(receive)
     assert info.value.status == 499 and info.value.code == "client_closed_request"
+
+
+def test_bodies_in_flight_share_one_bound_and_give_their_bytes_back() -> None:
+    """Slow bodies on many connections held max_connections x max_body_bytes
+    together (8 GiB); now the bytes received and not yet decoded, over all
+    of them, are bounded: one past it is a 503 that closes its connection,
+    and a body that ends, however it ends, gives its bytes back."""
+    limits = RequestLimits(max_body_bytes=1024, max_bodies_in_flight_bytes=1000)
+    first_piece = b'{"a": "' + b"x" * 593  # 600 bytes, the first body's, held while it waits
+    resume = asyncio.Event()
+
+    async def first():
+        pieces = [first_piece, b'"}']
+
+        async def receive():
+            if len(pieces) == 1:
+                await resume.wait()
+            return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces)}
+        return await read_json_object(Request(SCOPE, receive), limits)
+
+    def second(size: int):
+        body = b'{"b": "' + b"y" * (size - 9) + b'"}'
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+        return read_json_object(Request(SCOPE, receive), limits)
+
+    async def go():
+        reading = asyncio.create_task(first())
+        await asyncio.sleep(0.01)
+        assert bodies.IN_FLIGHT.bytes == 600
+        assert (await second(400))["b"] == "y" * 391  # within what is left
+        with pytest.raises(ApiError) as info:
+            await second(401)
+        resume.set()
+        assert (await reading)["a"] == "x" * 593
+        assert bodies.IN_FLIGHT.bytes == 0
+        assert (await second(1000))["b"]  # the whole bound, once the first gave its bytes back
+        return info.value
+
+    err = asyncio.run(asyncio.wait_for(go(), 10))
+    assert (err.status, err.code) == (503, "server_overloaded")
+    assert err.headers == {"Retry-After": "1", "Connection": "close"}
+    assert bodies.IN_FLIGHT.bytes == 0
+
+
+@pytest.mark.parametrize("chunks, status", [
+    ([b'{"a": 1'], 400),  # not JSON
+    ([b'{"a": "' + b"x" * 1100 + b'"}'], 413),
+    ([b'{"a":', None], 499),  # the client leaves
+])
+def test_a_body_refused_gives_its_bytes_back(chunks, status) -> None:
+    messages = [{"type": "http.request", "body": c, "more_body": i + 1 < len(chunks)} if c is not None
+                else {"type": "http.disconnect"} for i, c in enumerate(chunks)]
+
+    async def receive():
+        return messages.pop(0)
+
+    with pytest.raises(ApiError) as info:
+        read_messages(receive)
+    assert info.value.status == status
+    assert bodies.IN_FLIGHT.bytes == 0

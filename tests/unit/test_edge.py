@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from lmspd import bodies
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.store.sqlite import SQLiteStore
 from support.inprocess import ScriptedEngine, ThreadedServer, make_app
@@ -200,6 +201,36 @@ def _until_closed(sock: socket.socket, within_s: float) -> tuple[bytes, float]:
     except TimeoutError:
         pytest.fail(f"still open after {within_s} s; got {data[:200]!r}")
     return data, time.monotonic() - start
+
+
+def test_bodies_held_on_many_connections_share_one_bound(tmp_path) -> None:
+    """A body received in part holds its bytes; past the process's bound
+    for bodies in flight, another connection's body is a 503 in its
+    dialect's shape and its connection closes. Once the held body goes,
+    the same body is served."""
+    limits = replace(QUICK, request=replace(QUICK.request, body_timeout_s=30, max_bodies_in_flight_bytes=100_000))
+    body = b'{"model": "scripted", "store": false, "input": "' + b"x" * 20_000 + b'"}'
+    post = (b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with _serve(tmp_path, limits) as (base, address):
+        held = socket.create_connection(address)
+        held.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 200000\r\n\r\n" + b'{"input": "' + b"x" * 89_989)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and bodies.IN_FLIGHT.bytes < 90_000:
+            time.sleep(0.01)
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(post)
+            refused, _ = _until_closed(sock, 10)
+        held.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and bodies.IN_FLIGHT.bytes:
+            time.sleep(0.01)
+        with socket.create_connection(address, timeout=10) as sock:
+            served = _exchange(sock, post)
+    assert refused.startswith(b"HTTP/1.1 503"), refused[:300]
+    assert b'"code":"server_overloaded"' in refused and b"retry-after: 1" in refused.lower()
+    assert served.startswith(b"HTTP/1.1 200"), served[:300]
 
 
 def test_a_connection_that_sends_nothing_is_closed(quick) -> None:
