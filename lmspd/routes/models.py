@@ -35,8 +35,8 @@ async def openai_models(request: Request) -> Response:
     for m in served_models:
         info = m.engine.info
         data.append({"id": info.id, "object": "model", "created": info.created, "owned_by": info.owned_by,
-                     "served": True, "context_window": info.context_window,
-                     "status": getattr(m.engine, "status", "loaded"), "sampling": info.sampling.as_json()})
+                     "served": True, "context_window": info.context_window, **model_status(m.engine),
+                     "sampling": info.sampling.as_json()})
     served = {d["id"].lower() for d in data}
     # Found models are the operator's (private repository names): admin
     # only. Directory walks and header reads: off the event loop.
@@ -50,6 +50,17 @@ async def openai_models(request: Request) -> Response:
     # late). Only served models: Codex may pick any entry.
     return json_reply({"object": "list", "data": data,
                        "models": [codex_model_entry(m.engine.info) for m in served_models]})
+
+
+def model_status(engine: Any) -> dict[str, Any]:
+    """``status``: loaded, or (a model that loads on first use) unloaded,
+    loading, unloading or failed; a failed model's load error and when a
+    request tries it again beside it (what such a request would be told)."""
+    status = getattr(engine, "status", "loaded")
+    if status != "failed":
+        return {"status": status}
+    stats = engine.stats()
+    return {"status": status, "error": stats.get("error"), "retry_in_s": stats.get("retry_in_s")}
 
 
 def codex_model_entry(info: Any) -> dict[str, Any]:
@@ -94,10 +105,8 @@ async def lmsp_models(request: Request) -> Response:
         # Stored responses, previous_response_id and tasks live in the store,
         # not in an engine: every model has them.
         caps = {"streaming": True, "conversations": True, "tasks": True, **info.capabilities}
-        # loaded, or (a model that loads on first use) unloaded / loading / unloading.
-        status = getattr(m.engine, "status", "loaded")
         # What a request that sets none is sampled with (the model's own
         # settings, under the operator's).
         data.append({"id": info.id, "object": "model", "context_window": info.context_window, "capabilities": caps,
-                     "status": status, "sampling": info.sampling.as_json()})
+                     **model_status(m.engine), "sampling": info.sampling.as_json()})
     return json_reply({"object": "list", "data": data}, headers={"LMSP-Version": lmsp.VERSION})

@@ -247,7 +247,26 @@ def test_simultaneous_first_requests_build_one_engine() -> None:
 # -- a failed load --------------------------------------------------------------------
 
 
-def test_a_failed_load_is_reported_and_retried_after_a_doubling_backoff(monkeypatch) -> None:
+async def listed_status(service: Service, data_dir: Any) -> dict[str, dict[str, Any]]:
+    """Model "a" as /v1/models and /lmsp/v1/models list it."""
+    import httpx
+
+    from lmspd.app import build_app
+    from lmspd.config import Settings
+    from lmspd.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(data_dir / "lmspd.sqlite3")
+    app = build_app(Settings(data_dir=data_dir), service, store)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+            openai = (await http.get("/v1/models")).json()["data"]
+            lmsp = (await http.get("/lmsp/v1/models", headers={"LMSP-Version": "1.0"})).json()["data"]
+    finally:
+        store.close()
+    return {"openai": next(m for m in openai if m["id"] == "a"), "lmsp": next(m for m in lmsp if m["id"] == "a")}
+
+
+def test_a_failed_load_is_reported_and_retried_after_a_doubling_backoff(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(registry_module, "FAILED_RETRY_S", 10.0, raising=False)
     monkeypatch.setattr(registry_module, "FAILED_RETRY_MAX_S", 15.0, raising=False)
     outcomes = [RuntimeError("cannot read chat template t.jinja: No such file"), RuntimeError("still broken"), None]
@@ -283,6 +302,10 @@ def test_a_failed_load_is_reported_and_retried_after_a_doubling_backoff(monkeypa
         assert stats["state"] == FAILED and "t.jinja" in stats["error"] and stats["failures"] == 1
         assert 0 < stats["retry_in_s"] <= 10
         assert 9 < model.retry_at - time.monotonic() <= 10
+        # The model lists say why, as a request for it is told.
+        for listed in (await listed_status(world.service, tmp_path)).values():
+            assert listed["status"] == FAILED and "t.jinja" in listed["error"], listed
+            assert 0 < listed["retry_in_s"] <= 10
 
         # Due: the next request tries again; a second failure waits twice as long (capped).
         model.retry_at = time.monotonic()
@@ -298,6 +321,8 @@ def test_a_failed_load_is_reported_and_retried_after_a_doubling_backoff(monkeypa
         await drain(await world.until_loaded("a"), "a")
         assert model.status == LOADED and model.error is None and model.failures == 0
         assert "error" not in model.stats()
+        for listed in (await listed_status(world.service, tmp_path)).values():
+            assert listed["status"] == LOADED and "error" not in listed, listed
 
     asyncio.run(go())
 
