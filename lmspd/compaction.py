@@ -46,7 +46,7 @@ from lmspd.core.events import Finished, Usage
 from lmspd.core.ids import new_id
 from lmspd.core.run import RunContext
 from lmspd.engines.base import CancelToken
-from lmspd.service import RunEvents, quiet
+from lmspd.service import RunEvents, RunStream, TurnRun, quiet
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
 from lmspd.streaming.steps import Step
 
@@ -137,7 +137,7 @@ def compaction_message(app: "LmspdApp", summary: str, owner: str) -> Message:
     return item.summary_message(summary, item.seal(app.sealer, summary, owner), new_id("cmp"))
 
 
-async def begin_run(app: "LmspdApp", conversation: Conversation, run: RunContext) -> Any:
+async def begin_run(app: "LmspdApp", conversation: Conversation, run: RunContext) -> TurnRun:
     """The run of a turn on ``conversation``: admitted by the service, or,
     for a warm-up on an engine that cannot prefill without generating (the
     upstream engine), one with nothing to do: asking the provider would
@@ -192,14 +192,14 @@ class CompactingRun:
         self._trigger = trigger
         self._threshold = threshold
         # The run after the summary and its events, once admitted.
-        self._then: Any = None
-        self._then_events: Any = None
+        self._then: TurnRun | None = None
+        self._then_events: RunStream | None = None
         self.cancel = CancelToken()
         self.cancel.on_cancel(lambda: self._current.cancel.cancel(self.cancel.reason))
         self.ticket = _Places(self)
 
     @property
-    def _current(self) -> Any:
+    def _current(self) -> TurnRun:
         return self._then if self._then is not None else self._summary.run
 
     @property
@@ -279,7 +279,7 @@ class CompactingRun:
                  "trigger" if self._trigger else f"threshold={self._threshold}")
         return reduced
 
-    async def _next(self, reduced: Conversation) -> Any:
+    async def _next(self, reduced: Conversation) -> TurnRun:
         """The run that ends the turn: the threshold's answer on the reduced
         window; for a trigger, the reduced window prefilled, so that the
         client's next turn continues it (nothing, where the engine cannot)."""
@@ -318,7 +318,11 @@ class FinishedRun:
         self.cancel = CancelToken()
         self.ticket = _NoTicket()
 
-    async def events(self, session: StreamSession, on_start: Any = None) -> AsyncIterator[WireEvent]:
+    async def open(self) -> None:
+        return None
+
+    async def events(self, session: StreamSession,
+                     on_start: Callable[[], None] | None = None) -> AsyncGenerator[WireEvent, None]:
         for wire in session.start():
             yield wire
         if session.state.status == "queued":

@@ -351,6 +351,43 @@ class Settles(Protocol):
     async def _settle(self) -> None: ...
 
 
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+class RunStream(Protocol):
+    """A run's wire events; ``aclose`` ends the run, read or not. (Spelled
+    out: Python 3.11's Protocol cannot extend ``AsyncIterator``.)"""
+
+    def __aiter__(self) -> AsyncIterator[WireEvent]: ...
+
+    def __anext__(self) -> Awaitable[WireEvent]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+class TurnRun(Protocol):
+    """What a route or a task drives: the service's ``Run``, or a run that
+    acts as one (``compaction.CompactingRun``: a summary, then the run on
+    the reduced window; ``compaction.FinishedRun``: nothing to generate)."""
+
+    @property
+    def cancel(self) -> CancelToken: ...
+
+    @property
+    def ticket(self) -> Releasable: ...
+
+    @property
+    def opens_first(self) -> bool: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    async def open(self) -> None: ...
+
+    def events(self, session: StreamSession, on_start: Callable[[], None] | None = None) -> RunStream: ...
+
+
 class RunEvents:
     """``Run.events`` (and a compacting turn's, ``compaction.CompactingRun``):
     the run's wire events, and ``aclose``, which ends the run and gives back

@@ -45,7 +45,7 @@ from lmspd.http import (
 )
 from lmspd.idempotency import Reply
 from lmspd.routes.task_wire import follow_reply, task_json
-from lmspd.service import Run
+from lmspd.service import TurnRun
 from lmspd.store.calls import FINAL_WRITE_DELAYS_S, StoreCalls, retried
 from lmspd.streaming.framing import Framer
 from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
@@ -122,7 +122,7 @@ class Turn:
 
     dialect: Dialect
     req: ResponsesRequest
-    run: Run
+    run: TurnRun
     session: StreamSession
     record: ResponseRecord
     background: bool
@@ -172,8 +172,8 @@ async def begin_turn(app: LmspdApp, run_context: RunContext, dialect: Dialect, r
     try:
         # A turn that compacts writes its summary once its events have started.
         compacting = await compaction.before_turn(app, run_context, req, window) if dialect is OPENAI else None
-        # The service's Run, or one that acts as it (compaction's).
-        run: Any = compacting or await compaction.begin_run(app, conversation, run_context)
+        # The service's Run, or one that acts as it (``TurnRun``: compaction's).
+        run: TurnRun = compacting or await compaction.begin_run(app, conversation, run_context)
     except ApiError as exc:
         # The core names neutral fields; the client hears its own.
         raise dialect.names(req, conversation.items).name(exc) from None
@@ -221,7 +221,7 @@ async def turn_events(turn: Turn) -> AsyncGenerator[WireEvent, None]:
             yield wire
 
 
-async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: Run,
+async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, stream: bool, run: TurnRun,
                 session: StreamSession, record: ResponseRecord, *, as_task: bool) -> Reply:
     state = session.state
     # OpenAI addresses a background response by its response id, so the task

@@ -1,4 +1,4 @@
-"""Background runs: a ``Run`` driven to its end by the server, not by a client.
+"""Background runs: a run (``service.TurnRun``) driven to its end by the server, not by a client.
 
 Every wire event is written to the store before any reader sees it. A reader
 subscribes to the live run first, then replays the log from the store, then
@@ -35,7 +35,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, TypeVar
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
-from lmspd.service import Run
+from lmspd.service import TurnRun
 from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
 from lmspd.store.calls import backoff, retried
 from lmspd.streaming import steps
@@ -123,7 +123,7 @@ def task_request(dialect: Dialect, model: str, body: JSON) -> JSON:
 class LiveTask:
     """A task running in this process, and the readers following it."""
 
-    def __init__(self, task_id: str, owner: str, dialect: Dialect, run: Run, session: StreamSession,
+    def __init__(self, task_id: str, owner: str, dialect: Dialect, run: TurnRun, session: StreamSession,
                  record: ResponseRecord) -> None:
         self.id = task_id
         self.owner = owner
@@ -231,7 +231,7 @@ class TaskManager:
 
     # -- running -----------------------------------------------------------------
 
-    async def start(self, *, task_id: str, owner: str, dialect: Dialect, request: JSON, run: Run,
+    async def start(self, *, task_id: str, owner: str, dialect: Dialect, request: JSON, run: TurnRun,
                     session: StreamSession, record: ResponseRecord) -> LiveTask:
         """Persist the task (off the event loop) and start driving its run;
         returns once it is stored, before it runs. A task the store could
