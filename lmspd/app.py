@@ -23,6 +23,7 @@ from lmspd.config import Settings
 from lmspd.core.errors import ApiError
 from lmspd.edge import EdgeMiddleware, error_reply
 from lmspd.http import LmspdApp
+from lmspd.http11 import quiet_accept_errors
 from lmspd.metrics import RequestMetrics
 from lmspd.origins import BrowserGuard, split_origins
 from lmspd.routes import console as console_routes
@@ -122,6 +123,7 @@ def build_app(settings: Settings, service: Service, store: Store) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        quiet_accept_errors(asyncio.get_running_loop())
         # Before the first request: nothing a crash left running may look alive.
         recover(store)
         state.tasks.attach()

@@ -26,7 +26,10 @@ body's own pace, while its handler reads it, is ``lmspd.bodies``' to judge.
 
 Past ``max_connections`` open connections (at most half the process's
 file descriptors), a new one is answered 503 as soon as its request line
-arrives, and closed.
+arrives, and closed. Should the descriptors run out all the same (other
+files, a burst faster than refusals close), asyncio stops accepting for a
+second and says so with a traceback each time; ``quiet_accept_errors``
+makes that one warning a minute naming the limit.
 
 Each refusal is written by hand (no request reached the app), after the
 response in progress on the connection if there is one (a pipelined
@@ -39,6 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import http
+import logging
+import time
 from typing import Any
 
 import httptools
@@ -47,6 +52,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import RequestLimits
 from lmspd.edge import error_reply
+
+log = logging.getLogger("lmspd.connections")
 
 # Room for the request line (method, target, version) beyond the headers.
 REQUEST_LINE_BYTES = 8 * 1024
@@ -279,6 +286,44 @@ def connection_cap(limits: RequestLimits) -> int:
     if soft == resource.RLIM_INFINITY:
         return limits.max_connections
     return max(1, min(limits.max_connections, soft // 2))
+
+
+# asyncio's report of a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM);
+# it then stops accepting for a second (asyncio.selector_events).
+_ACCEPT_FAILED = "socket.accept() out of system resource"
+_ACCEPT_WARNING_EVERY_S = 60.0
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """A failed accept is logged as one warning a minute naming the file
+    descriptor limit, not asyncio's traceback a second; anything else goes
+    to the handler that was there."""
+    previous = loop.get_exception_handler()
+    warned_at = [-_ACCEPT_WARNING_EVERY_S]
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if context.get("message") == _ACCEPT_FAILED and isinstance(exc, OSError):
+            now = time.monotonic()
+            if now - warned_at[0] >= _ACCEPT_WARNING_EVERY_S:
+                warned_at[0] = now
+                log.warning("cannot accept connections: %s (ulimit -n is %s); new connections wait a second each "
+                            "time (raise the limit, or lower max_connections)", exc.strerror or exc, _nofile())
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
+def _nofile() -> str:
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return "unknown"
+    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def uvicorn_options(limits: RequestLimits) -> dict[str, Any]:

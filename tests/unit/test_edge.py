@@ -358,3 +358,46 @@ def test_a_large_body_does_not_stall_the_other_requests(url) -> None:
         prober.join()
     assert max(latencies) < 0.25, f"/health took up to {max(latencies) * 1000:.0f} ms"
     assert r.status_code == 413 and "max_json_values" in r.json()["error"]["message"]
+
+
+# A process out of file descriptors: its loop's server listens, then every
+# descriptor is taken, so each accept fails (EMFILE) as connections arrive.
+_OUT_OF_FDS = """
+import asyncio, logging, os, resource, sys
+from lmspd.http11 import quiet_accept_errors
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+async def main():
+    quiet_accept_errors(asyncio.get_running_loop())
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(2.5)  # accepting fails, is paused a second, fails again
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_out_of_file_descriptors_says_so_once_without_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _OUT_OF_FDS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+    _, err = proc.communicate(timeout=30)
+    for c in clients:
+        c.close()
+    assert proc.returncode == 0, err
+    warnings = [line for line in err.splitlines() if "cannot accept connections" in line]
+    assert len(warnings) == 1, err
+    assert "ulimit -n is 64" in warnings[0] and "Too many open files" in warnings[0], warnings
+    assert "Traceback" not in err and "out of system resource" not in err, err
