@@ -211,3 +211,15 @@ def test_a_file_llama_cpp_cannot_load_is_refused(capsys: pytest.CaptureFixture[s
     model.write_bytes(b"GGUF" + b"\0" * 64)
     code, _, err = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--model", str(model))
     assert code == 2 and err.startswith(f"lmspd render: {model}: ")
+
+
+def test_a_model_llama_cpp_refuses_is_refused_in_its_words(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """As the server's load says: llama-cpp-python's own message is only
+    "Failed to load model from file" (render loaded it with llama.cpp's
+    output pointed at /dev/null, the reason with it)."""
+    from support.gguf_writer import gguf_bytes, model_metadata
+
+    model = tmp_path / "frob.gguf"
+    model.write_bytes(gguf_bytes(model_metadata(arch="frobnicator")))
+    code, _, err = render(capsys, tmp_path, {"model": "m", "input": "Hi."}, "--model", str(model))
+    assert code == 2 and "unknown model architecture: 'frobnicator'" in err, err

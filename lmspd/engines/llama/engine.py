@@ -88,23 +88,6 @@ def model_identity(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def _native(build: Callable[[], T]) -> T:
-    """Build a llama-cpp-python model or context, its failure in llama.cpp's
-    words: its exception says only "Failed to load model from file" or
-    "Failed to create llama_context". Built verbose: ``verbose=False`` would
-    point the whole process's stdout and stderr at /dev/null meanwhile (not
-    thread-safe: two models loading at once left the server's log there for
-    good), and llama.cpp's lines already go through ``native_log``, its
-    info at debug."""
-    with native_log.errors() as errors:
-        try:
-            return build()
-        except ValueError as exc:
-            if not errors:
-                raise
-            raise ValueError(f"{exc}: {'; '.join(errors)}") from None
-
-
 @dataclass
 class CacheSettings:
     enabled: bool = True
@@ -175,7 +158,7 @@ class LlamaEngine:
         if buffers.reason:
             log.log(logging.INFO if buffers.use else logging.WARNING, "model %s: %s", model_id, buffers.reason)
         model_params.n_gpu_layers = placement.n_gpu_layers
-        self._model = _native(lambda: internals.LlamaModel(path_model=str(path), params=model_params))
+        self._model = native_log.built(lambda: internals.LlamaModel(path_model=str(path), params=model_params))
         model = self._model
         params = llama_cpp.llama_context_default_params()
         # One KV stream per sequence, each the full window: every request
@@ -202,7 +185,7 @@ class LlamaEngine:
             params.rope_scaling_type = llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN
             params.rope_freq_scale = placement.rope.freq_scale
             params.yarn_orig_ctx = placement.rope.trained
-        self.ctx = _native(lambda: internals.LlamaContext(model=model, params=params))
+        self.ctx = native_log.built(lambda: internals.LlamaContext(model=model, params=params))
         self.n_ctx = llama_cpp.llama_n_ctx_seq(self.ctx.ctx)
         # What llama.cpp made of it (it pads the window to 256 cells).
         self.placement = dataclasses.replace(placement, window=self.n_ctx)

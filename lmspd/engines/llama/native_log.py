@@ -11,8 +11,8 @@ log; its info and debug lines are debug lines, shown by ``--log-level debug``.
 llama-cpp-python reports a failed load as "Failed to load model from file"
 whatever the cause; llama.cpp's error lines say which (an unknown
 architecture, a truncated file, a context too large for memory).
-:func:`errors` keeps the last of them logged on the loading thread, for the
-engine to put into its exception.
+:func:`errors` keeps the last of them logged on the loading thread, and
+:func:`built` puts them into the load's exception.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import ctypes
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import llama_cpp
 
 log = logging.getLogger("lmspd.llama_cpp")
+T = TypeVar("T")
 
 # ggml_log_level in the ggml.h this build ships: 0 none, 1 debug, 2 info,
 # 3 warn, 4 error, 5 cont (the previous line goes on). llama-cpp-python's
@@ -87,6 +89,23 @@ def errors() -> Iterator[deque[str]]:
         yield kept
     finally:
         _lines.errors = outer
+
+
+def built(build: Callable[[], T]) -> T:
+    """Build a llama-cpp-python model or context, its failure in llama.cpp's
+    words: its exception says only "Failed to load model from file" or
+    "Failed to create llama_context". Build it verbose: ``verbose=False``
+    points the whole process's stdout and stderr at /dev/null meanwhile
+    (not thread-safe: two models loading at once left the server's log
+    there for good), and llama.cpp's lines already come here, its info at
+    debug."""
+    with errors() as kept:
+        try:
+            return build()
+        except ValueError as exc:
+            if not kept:
+                raise
+            raise ValueError(f"{exc}: {'; '.join(kept)}") from None
 
 
 @llama_cpp.llama_log_callback

@@ -36,7 +36,7 @@ class PromptRenderer:
         native_log.install()
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
-        self._model = internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+        self._model = native_log.built(lambda: internals.LlamaModel(path_model=str(path), params=params))
         self.text = ModelText.of(self._model, chat_template)
         # (A vocabulary-only model has no hyperparameters: n_ctx_train is 0.)
         meta = self._model.metadata()
