@@ -296,8 +296,8 @@ _ACCEPT_WARNING_EVERY_S = 60.0
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """A failed accept is logged as one warning a minute naming the file
-    descriptor limit, not asyncio's traceback a second; anything else goes
-    to the handler that was there."""
+    descriptor limit, not asyncio's traceback for every failed accept
+    (hundreds a second); anything else goes to the handler that was there."""
     previous = loop.get_exception_handler()
     warned_at = [-_ACCEPT_WARNING_EVERY_S]
 
