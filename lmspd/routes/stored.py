@@ -36,13 +36,15 @@ def not_found(response_id: str) -> ApiError:
 
 
 async def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]:
+    live = app.tasks.live(response_id, owner)
+    if live is not None and live.dialect is OPENAI:
+        # Running in the background here: the live state has the output so
+        # far, and the stored body (as large as the request's echo, parsed
+        # holding the interpreter lock) is older; a client polls this.
+        return openai_responses.response_json(live.state)
     body = await app.calls(app.store.get_response, owner, response_id)
     if body is None:
         raise not_found(response_id)
-    live = app.tasks.live(response_id, owner)
-    if live is not None:
-        # Running in the background: the live state has the output so far.
-        return openai_responses.response_json(live.state)
     return body
 
 

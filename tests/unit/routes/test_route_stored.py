@@ -440,3 +440,36 @@ def test_an_item_id_holding_a_nul_is_replaced_on_either_store(tmp_path, request,
     assert [i.get("content", [{}])[0].get("text") for i in items][:3] == ["a\0b"] * 3
     ids = [i["id"] for i in inputs + items]
     assert all(i.startswith("msg_") and "\0" not in i for i in ids) and len(set(ids)) == len(items)
+
+
+def test_polling_a_running_background_response_reads_its_live_state_not_the_store(tmp_path):
+    """A client polls GET /v1/responses/{id} while it runs: the answer is
+    the live state (the output so far), and the stored body, as large as
+    the request's echo and parsed holding the interpreter lock, is not
+    read for it. An LMSP task's id is still no /v1 response."""
+    from support.engine import ScriptedEngine
+    from support.follow import wait_for
+
+    engine = ScriptedEngine(tuple(f" w{i}" for i in range(200)), delay_s=0.01)
+    with serving(tmp_path, engine=engine) as app:
+        http = app.http
+        response_id = http.post("/v1/responses", json=body(background=True, max_output_tokens=300)).json()["id"]
+        task = http.post("/lmsp/v1/tasks", json=body(max_output_tokens=300)).json()
+        wait_for(lambda: http.get(f"/v1/responses/{response_id}").json()["status"] == "in_progress", timeout=10)
+        reads: list[str] = []
+        store = app.app.state.lmspd.store  # what the routes call (the metrics' timing wrapper)
+        get_response = store.get_response
+
+        def counted(owner, rid):
+            reads.append(rid)
+            return get_response(owner, rid)
+
+        store.get_response = counted
+        polled = http.get(f"/v1/responses/{response_id}").json()
+        assert polled["status"] == "in_progress" and polled["id"] == response_id
+        assert reads == []
+        r = http.get(f"/v1/responses/{task['id']}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+        done = wait_for(lambda: (r := http.get(f"/v1/responses/{response_id}").json())["status"] == "completed"
+                        and r, timeout=30)
+    assert done["output"][0]["content"][0]["text"].startswith(" w0 w1")
