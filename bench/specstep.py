@@ -98,6 +98,19 @@ def _cost(shape: str) -> Any:
     return cost
 
 
+class _Gen:
+    """What ``Scheduler._plan_drafts`` reads of a ``Generation``."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.max_new = 1 << 20
+        self.sampled: list[int] = []
+
+    @property
+    def left(self) -> int:
+        return self.max_new - len(self.sampled)
+
+
 def _replay(streams: list[dict[str, Any]], nseq: int, shape: str, steps: int) -> tuple[float, list[Any]]:
     from lmspd.engines.llama.scheduler import Scheduler
     from lmspd.engines.llama.speculation import Planner, SequenceSpeculation
@@ -111,8 +124,8 @@ def _replay(streams: list[dict[str, Any]], nseq: int, shape: str, steps: int) ->
         tokens = list(stream["prompt"])
         spec = SequenceSpeculation(tokens, None)
         spec.index.catch_up(1 << 20)
-        runs.append(SimpleNamespace(spec=spec, prefilling=False, gen=SimpleNamespace(done=False, max_new=1 << 20,
-                                    sampled=[]), pending=[text[0]], draft=None, tokens=tokens, text=text, at=1))
+        runs.append(SimpleNamespace(spec=spec, prefilling=False, gen=_Gen(), pending=[text[0]], draft=None,
+                                    tokens=tokens, text=text, at=1))
     parts = [(r, 1, True) for r in runs]
     trace: list[Any] = []
     spent = 0.0
