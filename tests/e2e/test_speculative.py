@@ -14,8 +14,9 @@ import pytest
 from support.server import MODEL, ServerProcess
 
 CODE = "\n".join(f"def scale_{i}(x):\n    return x * {i} + {3 * i}" for i in range(6))
-# Whether drafting pays is learned from measured step times: the other
-# worker's decode beside it made drafting look dear (tests/conftest.py).
+# Whether drafting pays is learned from measured step times, and the
+# module's server takes every core (``srv``): nothing may run beside it
+# (tests/conftest.py).
 pytestmark = pytest.mark.alone
 
 BODY = {"model": MODEL, "temperature": 0, "max_output_tokens": 24, "store": False,
