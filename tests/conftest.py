@@ -5,6 +5,7 @@ import fcntl
 import os
 import sys
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,9 @@ settings.load_profile("lmspd")
 
 # Launches reported back by pytest-xdist's workers (pytest_testnodedown).
 _WORKER_LAUNCHES: list[tuple[str, ...]] = []
+# Seconds spent by ``alone`` tests, this process's and the workers': waiting
+# for the other worker's test to end, and running (``_turn``).
+_ALONE = {"tests": 0, "waited_s": 0.0, "ran_s": 0.0}
 
 
 # The modules whose tests use ``default_server``: one pytest-xdist group.
@@ -64,17 +68,23 @@ def _turn(alone: bool):
     folder = os.path.join(tempfile.gettempdir(), f"lmspd-tests-{run_id}")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "gate.lock"), "a") as gate, open(os.path.join(folder, "run.lock"), "a") as run:
+        asked = time.monotonic()
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         finally:
             if not alone:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+        got = time.monotonic()
         try:
             yield
         finally:
             fcntl.flock(run, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+            if alone:
+                _ALONE["tests"] += 1
+                _ALONE["waited_s"] += got - asked
+                _ALONE["ran_s"] += time.monotonic() - got
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -99,10 +109,14 @@ def pytest_sessionfinish(session):
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["lmspd_launches"] = [list(args) for args in LAUNCHES]
+        workeroutput["lmspd_alone"] = dict(_ALONE)
 
 
 def pytest_testnodedown(node, error):
-    _WORKER_LAUNCHES.extend(tuple(args) for args in getattr(node, "workeroutput", {}).get("lmspd_launches", []))
+    output = getattr(node, "workeroutput", {})
+    _WORKER_LAUNCHES.extend(tuple(args) for args in output.get("lmspd_launches", []))
+    for key, value in output.get("lmspd_alone", {}).items():
+        _ALONE[key] += value
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -113,6 +127,11 @@ def pytest_terminal_summary(terminalreporter):
     if launches:
         terminalreporter.write_line(f"lmspd serve processes started: {len(launches)} "
                                     f"({len(set(launches))} distinct flag sets)")
+    # What running them alone cost: the other worker idles while one runs,
+    # and the one waiting idles until the other's test ends.
+    if _ALONE["tests"]:
+        terminalreporter.write_line(f"tests run alone: {_ALONE['tests']}, {_ALONE['ran_s']:.0f} s running, "
+                                    f"{_ALONE['waited_s']:.0f} s waiting for the other worker's test to end")
 
 
 @pytest.fixture(scope="session")
