@@ -278,14 +278,21 @@ WEBSOCKET_MESSAGE_SLACK = 64 * 1024
 def connection_cap(limits: RequestLimits) -> int:
     """``limits.max_connections``, within half the file descriptors the
     process may open (each connection holds one)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return limits.max_connections
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    soft = _nofile()
+    if soft is None:
         return limits.max_connections
     return max(1, min(limits.max_connections, soft // 2))
+
+
+def _nofile() -> int | None:
+    """The process's file descriptor limit (``ulimit -n``); None where it
+    has none or the platform does not say (not a Unix)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 # asyncio's report of a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM);
@@ -308,7 +315,8 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
             if now - warned_at[0] >= _ACCEPT_WARNING_EVERY_S:
                 warned_at[0] = now
                 log.warning("cannot accept connections: %s (ulimit -n is %s); new connections wait a second each "
-                            "time (raise the limit, or lower max_connections)", exc.strerror or exc, _nofile())
+                            "time (raise the limit, or lower max_connections)", exc.strerror or exc,
+                            _nofile() or "unlimited")
             return
         if previous is not None:
             previous(loop, context)
@@ -316,14 +324,6 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handle)
-
-
-def _nofile() -> str:
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return "unknown"
-    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def uvicorn_options(limits: RequestLimits) -> dict[str, Any]:
