@@ -16,6 +16,7 @@ from typing import Any
 
 import uvicorn
 
+from lmspd import signals
 from lmspd.app import build_app
 from lmspd.config import Settings
 from lmspd.http11 import uvicorn_options
@@ -65,12 +66,11 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield  # only the main thread may set handlers (a server run in a test's thread)
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        previous: dict[int, Any] = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            signals.restore(previous)
 
 
 def serve(settings: Settings) -> int:
@@ -173,12 +173,8 @@ def bind(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-class _Stopped(BaseException):
+class _Stopped(signals.Signalled):
     """SIGINT or SIGTERM while the service loads."""
-
-    def __init__(self, sig: int) -> None:
-        super().__init__(sig)
-        self.signal = sig
 
 
 def _load(settings: Settings) -> tuple[Store, Service]:
@@ -201,12 +197,11 @@ def _load(settings: Settings) -> tuple[Store, Service]:
             done.set()
 
     try:
-        with _stop_raises():
+        with signals.raised(_Stopped, STOP_SIGNALS):
             threading.Thread(target=load, name="lmspd-load", daemon=True).start()
             done.wait()
     except _Stopped as stopped:
-        name = signal.Signals(stopped.signal).name
-        print(f"lmspd: interrupted ({name}) while loading: exiting without serving", file=sys.stderr, flush=True)
+        print(f"lmspd: interrupted ({stopped.name}) while loading: exiting without serving", file=sys.stderr, flush=True)
         sys.stdout.flush()
         # Not sys.exit: the interpreter's shutdown would wait for the load,
         # or free what the loading thread is still inside.
@@ -215,25 +210,6 @@ def _load(settings: Settings) -> tuple[Store, Service]:
         raise outcome[0]
     store, service = outcome[0]
     return store, service
-
-
-@contextlib.contextmanager
-def _stop_raises() -> Iterator[None]:
-    """SIGINT and SIGTERM raise ``_Stopped`` in the main thread (a signal the
-    process was started ignoring stays ignored)."""
-    def stop(sig: int, frame: Any) -> None:
-        raise _Stopped(sig)
-
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig, handler in previous.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(sig, stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            # None: a handler not set from Python; the default is what stood.
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def open_store(settings: Settings) -> Store:

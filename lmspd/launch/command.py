@@ -18,14 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from lmspd import signals
 from lmspd.core.files import private_dir, private_file
 from lmspd.launch import clients, files
 from lmspd.launch.served import ServedModel, ServerRefused, ServerUnavailable, read_served
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, client_args: list[str]) -> int:
     key = args.api_key or os.environ.get("LMSPD_API_KEY") or LOCAL_KEY
     started: subprocess.Popen[bytes] | None = None
     try:
-        with _terminations():
+        with signals.raised(_Terminated, TERMINATING):
             try:
                 served = read_served(url, key)
             except ServerUnavailable as exc:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, client_args: list[str]) -> int:
         print("lmspd launch: interrupted" + (": stopping the server it started" if started else ""), file=sys.stderr)
         return 128 + signal.SIGINT
     except _Terminated as ended:
-        print(f"lmspd launch: {signal.Signals(ended.signal).name}"
+        print(f"lmspd launch: {ended.name}"
               + (": stopping the server it started" if started else ""), file=sys.stderr)
         return 128 + ended.signal
     finally:
@@ -170,37 +170,10 @@ def base_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "", "", ""))
 
 
-class _Terminated(Exception):
-    """SIGTERM or SIGHUP: the launch ends, stopping what it started."""
-
-    def __init__(self, sig: int) -> None:
-        super().__init__(sig)
-        self.signal = sig
-
-
-@contextlib.contextmanager
-def _terminations() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ``_Terminated`` (once: the clean-up that
-    follows runs undisturbed; a second signal acts as it would have). Only
-    a ``finally`` stopped the started server, and these signals' default
-    action skips it: the server (and the client) went on running."""
-    previous: dict[int, Any] = {}
-
-    def end(sig: int, frame: Any) -> None:
-        _restore(previous)
-        raise _Terminated(sig)
-
-    for sig in TERMINATING:
-        previous[sig] = signal.signal(sig, end)
-    try:
-        yield
-    finally:
-        _restore(previous)
-
-
-def _restore(handlers: dict[int, Any]) -> None:
-    for sig, handler in handlers.items():
-        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+class _Terminated(signals.Signalled):
+    """SIGTERM or SIGHUP: the launch ends, stopping what it started. Only a
+    ``finally`` stops the started server, and these signals' default action
+    skips it: the server (and the client) went on running."""
 
 
 def _end_client(client: subprocess.Popen[bytes], sig: int) -> None:
