@@ -169,7 +169,7 @@ if [ "$cmd" = test ] && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 &&
 fi
 case "$cmd" in
   serve) exec "$VENV/bin/lmspd" serve "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  test) exec "$VENV/bin/python" scripts/run_tests.py "$@" ;;
   lint) "$VENV/bin/ruff" check lmspd tests bench && exec "$VENV/bin/mypy" ;;
   *) usage ;;
 esac

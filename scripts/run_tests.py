@@ -1,0 +1,60 @@
+"""``./dev.sh test``: pytest in two phases (README: Tests).
+
+The tests marked ``alone`` measure time against a bound, so on two workers
+each waited for the other worker's current test to end (a Codex test runs
+150 s): ~270 s of a CI run's ~1,000 were one worker idle. They now run after
+the others, in one process, with nothing beside them:
+
+1. ``pytest -m "not alone" ARGS`` (two workers, as ``pyproject.toml`` says);
+2. ``pytest -m alone -n 0 ARGS``.
+
+Arguments that choose the markers or the workers themselves (``-m``, ``-n``)
+run as given, in one invocation: the ``alone`` lock (``tests/conftest.py``)
+still keeps those tests to themselves there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+NO_TESTS = 5  # pytest's exit status when nothing was selected
+# A first phase that ended so (interrupted, an internal or usage error) ends the run.
+GO_ON = (0, 1, NO_TESTS)
+
+
+def phases(args: list[str]) -> list[list[str]]:
+    """The pytest argument lists to run, in order."""
+    if any(_chooses_phase(arg) for arg in args):
+        return [args]
+    return [["-m", "not alone", *args], ["-m", "alone", "-n", "0", *args]]
+
+
+def _chooses_phase(arg: str) -> bool:
+    return arg.startswith(("-m", "-n", "--numprocesses"))
+
+
+def outcome(statuses: list[int]) -> int:
+    """One exit status for the phases: the first failure's, or 0; NO_TESTS
+    only when no phase selected a test (a path with no ``alone`` test in it
+    leaves the second phase nothing to run, which is no failure)."""
+    ran = [status for status in statuses if status != NO_TESTS]
+    if not ran:
+        return NO_TESTS
+    return next((status for status in ran if status != 0), 0)
+
+
+def main(args: list[str]) -> int:
+    statuses: list[int] = []
+    for phase in phases(args):
+        if statuses and statuses[-1] not in GO_ON:
+            break
+        statuses.append(subprocess.call([sys.executable, "-m", "pytest", *phase]))
+    return outcome(statuses)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # pytest, in the same process group, has said what it stopped
+        sys.exit(130)

@@ -1,0 +1,77 @@
+"""scripts/run_tests.py (``./dev.sh test``): the ``alone`` tests run after the
+others, in one process, and the two phases give one exit status."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "run_tests.py"
+_spec = importlib.util.spec_from_file_location("run_tests", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+run_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_tests)
+
+
+def test_the_alone_tests_run_second_in_one_process_with_the_arguments_passed_to_both():
+    assert run_tests.phases(["tests/unit", "-q"]) == [
+        ["-m", "not alone", "tests/unit", "-q"],
+        ["-m", "alone", "-n", "0", "tests/unit", "-q"],
+    ]
+
+
+@pytest.mark.parametrize("chooser", [["-m", "slow"], ["-mslow"], ["-n", "0"], ["-n0"], ["--numprocesses=4"]])
+def test_arguments_that_choose_markers_or_workers_run_as_given_once(chooser):
+    args = ["tests/e2e", *chooser]
+    assert run_tests.phases(args) == [args]
+
+
+@pytest.mark.parametrize(("statuses", "status"), [
+    ([0, 0], 0),
+    ([0, 5], 0),   # a path without an alone test
+    ([5, 0], 0),   # only alone tests selected
+    ([5, 5], 5),
+    ([1, 0], 1),
+    ([0, 1], 1),
+    ([1, 5], 1),
+    ([2], 2),      # interrupted: the second phase did not run
+])
+def test_one_exit_status_for_the_phases(statuses, status):
+    assert run_tests.outcome(statuses) == status
+
+
+def test_a_failing_first_phase_still_runs_the_second_and_an_interrupted_one_does_not(monkeypatch):
+    ran: list[list[str]] = []
+    answers = iter([1, 0])
+
+    def call(command: list[str]) -> int:
+        ran.append(command[3:])
+        return next(answers)
+
+    monkeypatch.setattr(run_tests.subprocess, "call", call)
+    assert run_tests.main(["x"]) == 1 and len(ran) == 2
+
+    ran.clear()
+    answers = iter([2, 0])
+    assert run_tests.main(["x"]) == 2 and len(ran) == 1
+
+
+def test_it_runs_pytest_for_real_on_a_selection(tmp_path: Path):
+    """The script against pytest itself: a module with one ``alone`` test
+    and one plain one, each phase running its own."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\nmarkers = ["alone: a test run by itself"]\naddopts = "-p no:cacheprovider"\n')
+    (tmp_path / "test_two.py").write_text(
+        "import pytest, os\n"
+        "def test_plain():\n    open('plain', 'a').write('ran\\n')\n"
+        "@pytest.mark.alone\n"
+        "def test_by_itself():\n    open('alone', 'a').write('ran\\n')\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), "-p", "xdist", "-q", "test_two.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "plain").read_text() == "ran\n" and (tmp_path / "alone").read_text() == "ran\n"
+    assert done.stdout.count("1 passed, 1 deselected") == 2, done.stdout
