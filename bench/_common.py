@@ -432,13 +432,17 @@ XLLAMACPP_READY = re.compile(r"xllamacpp \S+ serving at (http://\S+)")
 
 
 def lmspd_server(model: Path | None, ctx: int, threads: int, data_dir: Path, log_path: Path,
-                 log_level: str = "info", extra: list[str] | None = None, source: Path | None = None) -> ChildServer:
+                 log_level: str = "info", extra: list[str] | None = None, source: Path | None = None,
+                 entry: list[str] | None = None) -> ChildServer:
     """``source``: a tree whose ``lmspd`` package the server runs instead of
-    this checkout's (``git_tree``), for before/after runs side by side."""
+    this checkout's (``git_tree``), for before/after runs side by side.
+    ``entry``: what runs lmspd's command line instead of ``-m lmspd`` (a
+    bench's own wrapper script and its arguments, before ``serve``)."""
     # With ``source``: -P keeps the working directory (this checkout, when a
     # bench runs from it) off the front of the import path, and PYTHONPATH
     # comes before the editable install's finder.
-    cmd = [sys.executable, *(["-P"] if source is not None else []), "-m", "lmspd", "serve", "--port", "0",
+    cmd = [sys.executable, *(["-P"] if source is not None else []), *(entry or ["-m", "lmspd"]),
+           "serve", "--port", "0",
            "--data-dir", str(data_dir), "--ctx", str(ctx), "--threads", str(threads), "--log-level", log_level,
            *(extra or [])]
     if model is not None:

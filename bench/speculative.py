@@ -46,8 +46,23 @@ percent with the same code (two ``off`` servers: 1.08x over ten rounds);
 ``lmspd.speculative: false``, for a difference of a few percent. Each round's
 auto/off (the two back to back) is printed after the table.
 
+``--fixed-text`` holds the text fixed (and implies ``--off-in-auto``): at
+temperature 0 the text auto writes is a matter of near-ties (above), and on
+``edit`` the kept drafts per request ranged from 23 to 99 of 160 tokens by
+which functions the model happened to write, so auto/off measured the text
+as much as the drafting. The server then runs wrapped (``_serve-fixed-text``,
+no lmspd code changed): the first request for a prompt (the warm-up, with
+speculation off) records the tokens it took, and every later request for
+that prompt takes those tokens at each position, whatever the sampler
+picked; the sampler still runs (its cost stays), and a draft is kept while
+it matches the recorded text. Auto and off then decode the same text
+(``same`` is every round by construction), with real costs: the drafting
+alone is compared. ``bench/specstep.py`` does the same with modelled costs
+and no server.
+
   python bench/speculative.py                       # everything, bundled model
   python bench/speculative.py --model M.gguf --scenarios edit,chat --threads 8
+  python bench/speculative.py --scenarios edit --temperatures 0 --no-llama --fixed-text --rounds 5
 """
 
 from __future__ import annotations
@@ -448,8 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--off-in-auto", action="store_true",
                     help="off = the auto server's own requests with lmspd.speculative false (one process: "
                          "two server processes differ by several percent with the same code)")
+    ap.add_argument("--fixed-text", action="store_true",
+                    help="every request for a prompt takes the tokens its first (off) took: auto and off decode "
+                         "the same text; implies --off-in-auto")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
+    args.off_in_auto = args.off_in_auto or args.fixed_text
     model = args.model or bundled_model_path()
     scenarios = [s for s in args.scenarios.split(",") if s]
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -476,9 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         sources["base"] = ("auto", git_tree(args.baseline, work / "baseline"))
         systems.append("base")
+    entry = [str(Path(__file__).resolve()), "_serve-fixed-text"] if args.fixed_text else None
     servers = {name: lmspd_server(model, args.ctx, args.threads, work / f"data-{name}", work / f"lmspd-{name}.log",
                                   extra=["--parallel", "4", "--speculative", mode, "--served-model", "m",
-                                         *lmspd_gpu_flags(args)], source=source)
+                                         *lmspd_gpu_flags(args)], source=source, entry=entry)
                for name, (mode, source) in sources.items()}
     try:
         for srv in servers.values():
@@ -488,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                 urls = {mode: srv.url for mode, srv in servers.items()}
                 if args.off_in_auto:
                     urls["off"] = servers["auto"].url
+                if args.fixed_text:  # off's warm-up first: its text is the one recorded
+                    urls = {"off": urls.pop("off"), **urls}
                 rounds = measure_alternating(urls, bodies(scenario, temp, "lmspd"), args.rounds, seed, args.settle,
                                              {"off": {"lmspd.speculative": False}} if args.off_in_auto else None)
                 for mode in urls:
@@ -619,5 +641,52 @@ def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps
     return modes
 
 
+def _serve_fixed_text(argv: list[str]) -> int:
+    """``lmspd`` (``argv``: its command line) with every generation taking
+    the tokens that the first generation of its prompt took (``--fixed-text``).
+
+    Wrapped, not changed: ``Generation.__init__`` registers each generation
+    by its sampler, ``scheduler._sample`` (every token taken, plain steps
+    and each draft position alike) still asks the sampler and then returns
+    the recorded token at that position, and ``Generation._end`` records a
+    prompt's first text. All three run on the scheduler thread."""
+    import lmspd.engines.llama.scheduler as scheduler
+    from lmspd.cli import main as lmspd_main
+    from lmspd.engines.llama.generation import Generation
+
+    texts: dict[tuple[int, ...], list[int]] = {}
+    # By the sampler's id: (prompt, its recorded text or None, the tokens taken so far).
+    live: dict[int, tuple[tuple[int, ...], list[int] | None, list[int]]] = {}
+    init, end, sample = Generation.__init__, Generation._end, scheduler._sample
+
+    def registered(self: Generation, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        prompt = tuple(self.prepared.tokens)
+        live[id(self.sampler)] = (prompt, texts.get(prompt), [])
+
+    def replayed(sampler: Any, ctx: Any, row: int, top: int | None) -> int:
+        token = sample(sampler, ctx, row, top)
+        entry = live.get(id(sampler))
+        if entry is not None:
+            _, text, taken = entry
+            if text is not None and len(taken) < len(text):
+                token = text[len(taken)]
+            taken.append(token)
+        return token
+
+    def recorded(self: Generation, *args: Any, **kwargs: Any) -> list[int]:
+        entry = live.pop(id(self.sampler), None)
+        if entry is not None and entry[1] is None:
+            texts.setdefault(entry[0], entry[2])
+        return end(self, *args, **kwargs)
+
+    Generation.__init__ = registered  # type: ignore[method-assign]
+    Generation._end = recorded  # type: ignore[method-assign]
+    scheduler._sample = replayed
+    return lmspd_main(argv)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve-fixed-text":
+        sys.exit(_serve_fixed_text(sys.argv[2:]))
     sys.exit(main())

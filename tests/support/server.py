@@ -71,7 +71,10 @@ def _threads(args: list[str]) -> list[str]:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, data_dir: str | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, data_dir: str | None = None, env: dict[str, str] | None = None,
+                 entry: list[str] | None = None) -> None:
+        """``entry``: what runs lmspd's command line instead of ``-m lmspd``
+        (a bench's wrapper script and its arguments, before ``serve``)."""
         if data_dir is None:
             data_dir = tempfile.mkdtemp(prefix="lmspd-test-")
             # Removed when the test process exits, not in stop(): a test may
@@ -82,6 +85,7 @@ class ServerProcess:
         self.data_dir = data_dir
         self.args = list(args)
         self.env = env or {}
+        self.entry = entry or ["-m", "lmspd"]
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.output: list[str] = []
@@ -89,7 +93,7 @@ class ServerProcess:
         self._pump_thread: threading.Thread | None = None
 
     def start(self, timeout: float = 90.0) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "lmspd", "serve", "--port", "0", "--data-dir", self.data_dir,
+        cmd = [sys.executable, *self.entry, "serve", "--port", "0", "--data-dir", self.data_dir,
                "--log-level", "info", *self.args, *_threads(self.args)]
         _log_launch(self.args)
         self.proc = subprocess.Popen(
