@@ -10,7 +10,9 @@ the others, in one process, with nothing beside them:
 
 Arguments that choose the markers or the workers themselves (``-m``, ``-n``)
 run as given, in one invocation: the ``alone`` lock (``tests/conftest.py``)
-still keeps those tests to themselves there.
+still keeps those tests to themselves there. A failing first phase still
+runs the second (its report is worth having), unless the arguments ask to
+stop at the first failure.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def outcome(statuses: list[int]) -> int:
 
 def main(args: list[str]) -> int:
     statuses: list[int] = []
+    # Asked to stop at the first failure (-x, --exitfirst, --maxfail=N): a
+    # failing first phase is the run's end too.
+    go_on = (0, NO_TESTS) if any(a == "-x" or a.startswith(("--exitfirst", "--maxfail")) for a in args) else GO_ON
     for phase in phases(args):
-        if statuses and statuses[-1] not in GO_ON:
+        if statuses and statuses[-1] not in go_on:
             break
         statuses.append(subprocess.call([sys.executable, "-m", "pytest", *phase]))
     return outcome(statuses)

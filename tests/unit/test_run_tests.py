@@ -60,6 +60,19 @@ def test_a_failing_first_phase_still_runs_the_second_and_an_interrupted_one_does
     assert run_tests.main(["x"]) == 2 and len(ran) == 1
 
 
+@pytest.mark.parametrize("stop", ["-x", "--exitfirst", "--maxfail=2"])
+def test_asked_to_stop_at_the_first_failure_a_failing_first_phase_ends_the_run(monkeypatch, stop):
+    ran: list[list[str]] = []
+    answers = iter([1, 0])
+
+    def call(command: list[str]) -> int:
+        ran.append(command[3:])
+        return next(answers)
+
+    monkeypatch.setattr(run_tests.subprocess, "call", call)
+    assert run_tests.main(["tests", stop]) == 1 and len(ran) == 1
+
+
 def test_it_runs_pytest_for_real_on_a_selection(tmp_path: Path):
     """The script against pytest itself: a module with one ``alone`` test
     and one plain one, each phase running its own."""
