@@ -238,6 +238,8 @@ def build_service(settings: Settings) -> Service:
     # Where each model was given (a flag, a config entry): two under one id are refused.
     sources = spec_sources(settings, specs)
     given: dict[str, tuple[str, str]] = {}
+    # Local models by their id's case-folded form: each has a KV checkpoint folder named by its id.
+    local: dict[str, tuple[str, str]] = {}
     # Several local models, or a memory or idle limit: each loads on first use.
     lazy = (sum(isinstance(s, LlamaSpec) for s in specs) > 1 or settings.models_max_mem_mb is not None
             or settings.models_idle_s is not None)
@@ -256,6 +258,13 @@ def build_service(settings: Settings) -> Service:
                               "its own id (--served-model renames the first --model; a --config file names every "
                               "model) or drop one")
         given[served] = (source, engine.info.source)
+        if isinstance(spec, LlamaSpec):
+            other, other_source = local.setdefault(served.casefold(), (served, source))
+            if other != served:
+                raise ConfigError(f"two local models are served as {other!r} ({other_source}) and {served!r} "
+                                  f"({source}), ids that differ only in letter case: on a case-insensitive file "
+                                  "system (macOS's and Windows' default) their KV checkpoint folders are one, which "
+                                  "each would prune as its own (and remove the other model's checkpoints); give one of them another id")
         log.info("serving %s from %s", engine.info.id, engine.info.source)
         service.add_engine(engine)
     if registry is not None:

@@ -86,6 +86,19 @@ def test_distinct_ids_are_all_served(tmp_path: Path, two_tiny: tuple[Path, Path]
     assert sorted(build_service(settings).models) == ["tiny", "tiny-1"]
 
 
+def test_two_local_ids_that_differ_only_in_case_are_refused(tmp_path: Path, two_tiny: tuple[Path, Path]) -> None:
+    """Their KV checkpoint folders (named by the id) are one folder on macOS's
+    default file system, where each model deleted the other's checkpoints
+    (a checkpoint with another model's fingerprint is removed on sight)."""
+    settings = Settings(data_dir=tmp_path, model=str(two_tiny[0]), served_model="Tiny",
+                        extra_models=[str(two_tiny[1])])
+    with pytest.raises(ConfigError) as caught:
+        build_service(settings)
+    message = str(caught.value)
+    assert "'Tiny' (--served-model Tiny" in message and "'tiny' (--model #2" in message
+    assert "differ only in letter case" in message
+
+
 def test_a_repeated_json_key_is_refused(tmp_path: Path) -> None:
     cfg = _config(tmp_path, '{"models": {"a": {"model": "x.gguf"}, "a": {"model": "y.gguf"}}}', "models.json")
     with pytest.raises(ConfigError, match=r"the key 'a' is given twice"):
