@@ -36,7 +36,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from lmspd.core import compaction as item
@@ -225,8 +225,9 @@ class CompactingRun:
         try:
             # Queued (a background response): in progress once the model takes the summary.
             waiting = asyncio.ensure_future(self._summary.run.ticket.wait())
-            async for wire in self._quiet(waiting, session):
-                yield wire
+            async with contextlib.aclosing(self._quiet(waiting, session)) as heartbeats:
+                async for wire in heartbeats:
+                    yield wire
             waiting.result()
             progress = session.begin_progress() if session.state.status == "queued" else []
             if on_start is not None:
@@ -234,8 +235,9 @@ class CompactingRun:
             for wire in progress:
                 yield wire
             writing = asyncio.ensure_future(self._summary.written())
-            async for wire in self._quiet(writing, session):
-                yield wire
+            async with contextlib.aclosing(self._quiet(writing, session)) as heartbeats:
+                async for wire in heartbeats:
+                    yield wire
             summary, usage = writing.result()
             session.spent = usage
             if self.cancel.cancelled:
@@ -290,7 +292,7 @@ class CompactingRun:
         warm = dataclasses.replace(reduced, max_output_tokens=None)
         return await _begun(self._app.service.begin(warm, dataclasses.replace(self._run, prefill_only=True)))
 
-    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncGenerator[WireEvent, None]:
         return quiet(work, session, self._app.service.limits.sse_keepalive_s)
 
 

@@ -229,7 +229,7 @@ class Run:
         finally:
             self.ticket.release()
 
-    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncIterator[WireEvent]:
+    def _quiet(self, work: "asyncio.Future[Any]", session: StreamSession) -> AsyncGenerator[WireEvent, None]:
         return quiet(work, session, self._service.limits.sse_keepalive_s)
 
     async def _paced(self, events: AsyncIterator[Any], session: StreamSession) -> AsyncIterator[WireEvent]:
@@ -300,8 +300,10 @@ class Run:
             if not self.ticket.ready:
                 # Queued: the client hears that the response is alive.
                 admitted = asyncio.ensure_future(self.ticket.wait())
-                async for wire in self._quiet(admitted, session):
-                    yield wire
+                # Closed here, not when collected: its clean-up stops the wait.
+                async with contextlib.aclosing(self._quiet(admitted, session)) as heartbeats:
+                    async for wire in heartbeats:
+                        yield wire
                 admitted.result()
             async with self.ticket:
                 self.started = True
@@ -433,7 +435,7 @@ def _dropped(loop: asyncio.AbstractEventLoop, engine: Engine, prepared: Prepared
 _settling: set[asyncio.Task[None]] = set()
 
 
-async def quiet(work: "asyncio.Future[Any]", session: StreamSession, every: float) -> AsyncIterator[WireEvent]:
+async def quiet(work: "asyncio.Future[Any]", session: StreamSession, every: float) -> AsyncGenerator[WireEvent, None]:
     """The session's heartbeat every ``every`` seconds (``sse_keepalive_s``;
     0: none) until ``work`` is done (cancelled with this generator if it is
     not): a run waiting for its model, or a compacting turn for its summary."""

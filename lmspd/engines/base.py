@@ -208,6 +208,10 @@ class QueueTicket:
         assert self._future is not None
         try:
             await self._future
+            if self._released:
+                # Released while its turn came (``release`` passed the slot on):
+                # whoever waits must not run without one.
+                raise asyncio.CancelledError
         except asyncio.CancelledError:
             if self._future.done() and not self._future.cancelled():
                 # Our turn came just as we were cancelled: pass it on.
@@ -230,6 +234,12 @@ class QueueTicket:
         if self._holding:
             self._queue._release()
         elif self._future is not None:
+            if self._future.done() and not self._future.cancelled():
+                # The slot was handed over and ``wait`` has not resumed to
+                # take it (a client gone in that instant): pass it on, or
+                # the model keeps one slot fewer for good.
+                self._queue._release()
+                return
             self._future.cancel()
             try:
                 self._queue._waiters.remove(self._future)

@@ -116,3 +116,38 @@ def test_release_is_idempotent() -> None:
         assert q.admit().ready
 
     asyncio.run(go())
+
+
+def test_a_waiter_released_as_its_turn_arrives_passes_the_slot_on() -> None:
+    """The slot is handed to a queued run, and in the same instant its client
+    goes: the run's clean-up releases the ticket before the wait resumes.
+    The slot was lost for good (``running`` stayed 1 with nothing running:
+    at --parallel 1 every later request queued until refused)."""
+    async def go() -> None:
+        q = queue(concurrency=1, pending=3)
+        holder = q.admit()
+        gone, next_one = q.admit(), q.admit()
+        waiting = asyncio.ensure_future(gone.wait())
+        after = asyncio.ensure_future(next_one.wait())
+        await asyncio.sleep(0)
+        holder.release()  # hands the slot to ``gone``...
+        gone.release()  # ...whose client leaves before its wait resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting  # it must not go on to run without a slot
+        await asyncio.wait_for(after, 1)
+        assert q.running == 1
+        next_one.release()
+        assert q.running == 0 and q.admit().ready
+
+    asyncio.run(go())
+
+
+def test_a_ticket_released_before_it_was_ever_waited_on_gives_its_handed_slot_back() -> None:
+    async def go() -> None:
+        q = queue(concurrency=1, pending=2)
+        holder, queued = q.admit(), q.admit()
+        holder.release()  # the slot goes to ``queued``, never waited on
+        queued.release()
+        assert q.running == 0 and q.pending == 0 and q.admit().ready
+
+    asyncio.run(go())
