@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -141,8 +142,14 @@ def _launch(args: argparse.Namespace, client_args: list[str], served: list[Serve
         print(f"lmspd launch: {command[0]} is not installed (or not on PATH; --bin names it)", file=sys.stderr)
         return 127
     env = {**os.environ, **plan.env, plan.key_env: key}
-    # Ctrl-C belongs to the client while it runs (it shares the terminal).
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C belongs to the client while it runs (it shares the terminal):
+    # the launch lets it pass. A handler that does nothing, not SIG_IGN: an
+    # ignored signal stays ignored across exec, and the client (with every
+    # command it runs for the user) started deaf to Ctrl-C.
+    # A launch started with it ignored (a background job) leaves it so.
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _let_pass)
     try:
         client = subprocess.Popen([executable, *command[1:]], env=env)
         try:
@@ -151,7 +158,11 @@ def _launch(args: argparse.Namespace, client_args: list[str], served: list[Serve
             _end_client(client, ended.signal)
             raise
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signals.restore({signal.SIGINT: previous})
+
+
+def _let_pass(sig: int, frame: Any) -> None:
+    """SIGINT while the client runs: the client's (the terminal sent it to both)."""
 
 
 def base_url(url: str) -> str:
@@ -241,8 +252,13 @@ def _start_server(url: str, data_dir: Path) -> subprocess.Popen[bytes]:
           "it stops when the client exits", file=sys.stderr)
     private_file(log)  # the server makes its data dir's files its owner's alone; its log too
     with log.open("ab") as out:
+        # A session of its own: the terminal's Ctrl-C (sent to its whole
+        # foreground process group) is the client's, and stopped the server
+        # mid-request under a client in the terminal's cooked mode (`codex
+        # exec`, `claude -p`). The launch stops it itself (``_stop``), and
+        # the kernel when the launch dies (``_dies_with_this_process``).
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_dies_with_this_process())
+                                start_new_session=True, preexec_fn=_dies_with_this_process())
 
 
 def _dies_with_this_process() -> Callable[[], None] | None:

@@ -11,6 +11,8 @@ import http.server
 import json
 import os
 import re
+import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -256,3 +258,37 @@ def test_ctrl_c_while_the_started_server_loads_stops_it_quietly(tmp_path, capsys
         pytest.fail("the KeyboardInterrupt reached the user (a traceback)")
     assert code == 130 and server.stopped
     assert err.strip().endswith("lmspd launch: interrupted: stopping the server it started"), err
+
+
+def _reporter(tmp_path: Path, name: str, code: str) -> tuple[Path, Path]:
+    """An executable Python script that writes what ``code`` evaluates to."""
+    out = tmp_path / f"{name}.out"
+    script = tmp_path / name
+    script.write_text(f"#!{sys.executable}\nimport os, signal\nopen({str(out)!r}, 'w').write(str({code}))\n")
+    script.chmod(0o755)
+    return script, out
+
+
+def test_the_client_starts_with_ctrl_c_its_own(stub_url, tmp_path, capsys):
+    """The launch lets Ctrl-C pass to the client while it runs. It did so by
+    ignoring SIGINT, which the client inherited across exec: the client, and
+    every command it ran for the user, started deaf to Ctrl-C."""
+    client, out = _reporter(tmp_path, "client", "signal.getsignal(signal.SIGINT)")
+    code, _, _ = launch(capsys, "pi", "--url", stub_url, "--data-dir", str(tmp_path / "data"), "--bin", str(client))
+    assert code == 0
+    # Python installs its KeyboardInterrupt handler only where SIGINT was not inherited ignored.
+    assert "default_int_handler" in out.read_text()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launch's own, put back
+
+
+def test_the_started_server_has_a_session_of_its_own(tmp_path, monkeypatch):
+    """The terminal's Ctrl-C goes to its foreground process group: in the
+    launch's group the server stopped mid-request under a client that lets
+    the terminal send it (``codex exec``, ``claude -p``)."""
+    import lmspd.launch.command as command
+
+    python, out = _reporter(tmp_path, "python", "os.getsid(0) == os.getpid()")
+    monkeypatch.setattr(command.sys, "executable", str(python))
+    proc = command._start_server("http://127.0.0.1:9", tmp_path / "data")
+    assert proc.wait(timeout=30) == 0
+    assert out.read_text() == "True"
