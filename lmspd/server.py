@@ -66,7 +66,10 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield  # only the main thread may set handlers (a server run in a test's thread)
             return
-        previous: dict[int, Any] = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        # A signal the process was started ignoring stays ignored, as while it
+        # loads (``signals.raised``): a background job's SIGINT, nohup's.
+        previous: dict[int, Any] = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS
+                                    if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             yield
         finally:

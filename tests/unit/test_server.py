@@ -145,3 +145,21 @@ def test_the_env_store_is_checked_the_same(tmp_path: Path, monkeypatch: pytest.M
     err = refused_before_loading(monkeypatch, capsys, "--port", "0", "--data-dir", str(tmp_path / "data"))
     assert "mysql:// URLs" in err and "s3cret" not in err, err
     assert [p.name for p in tmp_path.iterdir() if p.name != "data"] == []
+
+
+def test_serving_leaves_a_signal_the_process_was_started_ignoring_ignored() -> None:
+    """As the load does (lmspd.signals): ``lmspd serve &`` in a script runs
+    with SIGINT ignored, and a Ctrl-C meant for the script stopped the
+    server once it served."""
+    server = object.__new__(lmspd.server._Server)  # capture_signals reads only handle_exit
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with server.capture_signals():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == server.handle_exit
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
