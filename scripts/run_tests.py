@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 NO_TESTS = 5  # pytest's exit status when nothing was selected
-# A first phase that ended so (interrupted, an internal or usage error) ends the run.
+# A first phase that ended otherwise (interrupted, an internal or usage error) ends the run.
 GO_ON = (0, 1, NO_TESTS)
 
 
@@ -54,12 +54,25 @@ def main(args: list[str]) -> int:
     for phase in phases(args):
         if statuses and statuses[-1] not in go_on:
             break
-        statuses.append(subprocess.call([sys.executable, "-m", "pytest", *phase]))
+        statuses.append(_pytest(phase))
     return outcome(statuses)
 
 
+def _pytest(args: list[str]) -> int:
+    """pytest's exit status. A Ctrl-C reaches pytest too (one process group):
+    this waits for it to stop as it does, its teardown (the test servers it
+    started, their data dirs) and its report included; ``subprocess.call``
+    killed it a quarter of a second after the interrupt."""
+    child = subprocess.Popen([sys.executable, "-m", "pytest", *args])
+    interrupted = False
+    while True:
+        try:
+            status = child.wait()
+        except KeyboardInterrupt:
+            interrupted = True
+            continue
+        return 130 if interrupted and status != 0 else status
+
+
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:  # pytest, in the same process group, has said what it stopped
-        sys.exit(130)
+    sys.exit(main(sys.argv[1:]))

@@ -4,8 +4,11 @@ others, in one process, and the two phases give one exit status."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,11 +51,11 @@ def test_a_failing_first_phase_still_runs_the_second_and_an_interrupted_one_does
     ran: list[list[str]] = []
     answers = iter([1, 0])
 
-    def call(command: list[str]) -> int:
-        ran.append(command[3:])
+    def pytest_(args: list[str]) -> int:
+        ran.append(args)
         return next(answers)
 
-    monkeypatch.setattr(run_tests.subprocess, "call", call)
+    monkeypatch.setattr(run_tests, "_pytest", pytest_)
     assert run_tests.main(["x"]) == 1 and len(ran) == 2
 
     ran.clear()
@@ -65,11 +68,11 @@ def test_asked_to_stop_at_the_first_failure_a_failing_first_phase_ends_the_run(m
     ran: list[list[str]] = []
     answers = iter([1, 0])
 
-    def call(command: list[str]) -> int:
-        ran.append(command[3:])
+    def pytest_(args: list[str]) -> int:
+        ran.append(args)
         return next(answers)
 
-    monkeypatch.setattr(run_tests.subprocess, "call", call)
+    monkeypatch.setattr(run_tests, "_pytest", pytest_)
     assert run_tests.main(["tests", stop]) == 1 and len(ran) == 1
 
 
@@ -88,3 +91,26 @@ def test_it_runs_pytest_for_real_on_a_selection(tmp_path: Path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "plain").read_text() == "ran\n" and (tmp_path / "alone").read_text() == "ran\n"
     assert done.stdout.count("1 passed, 1 deselected") == 2, done.stdout
+
+
+def test_ctrl_c_lets_pytest_finish_its_teardown(tmp_path: Path):
+    """Ctrl-C reaches the script and pytest alike (one process group). The
+    script waits for pytest to stop as pytest does: its fixtures' teardown
+    (the suite's test servers and their data dirs) runs to the end.
+    ``subprocess.call`` killed pytest 0.25 s after the interrupt."""
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-p no:cacheprovider"\n')
+    (tmp_path / "test_slow.py").write_text(
+        "import time, pytest\n"
+        "@pytest.fixture\n"
+        "def server():\n    yield\n    time.sleep(1.5)\n    open('torn_down', 'w').write('yes')\n"
+        "def test_slow(server):\n    open('started', 'w').write('yes')\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "-p", "no:xdist", "-q", "test_slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    out = proc.communicate(timeout=60)[0].decode()
+    assert (tmp_path / "torn_down").read_text() == "yes", out
+    assert proc.returncode == 130, out
