@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,6 +27,8 @@ _WORKER_LAUNCHES: list[tuple[str, ...]] = []
 # Seconds spent by ``alone`` tests, this process's and the workers': waiting
 # for the other worker's test to end, and running (``_turn``).
 _ALONE = {"tests": 0, "waited_s": 0.0, "ran_s": 0.0}
+# The workers' turn-lock folders (``_turn_dir``), removed when the run ends.
+_TURN_DIRS: set[str] = set()
 
 
 # The modules whose tests use ``default_server``: one pytest-xdist group.
@@ -55,17 +58,22 @@ def pytest_xdist_make_scheduler(config, log):
     return ByModule(config, log)
 
 
+def _turn_dir() -> str | None:
+    """The folder of this run's turn locks (``_turn``), under pytest-xdist."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return None if run_id is None else os.path.join(tempfile.gettempdir(), f"lmspd-tests-{run_id}")
+
+
 @contextlib.contextmanager
 def _turn(alone: bool):
     """The other worker's tests, kept off the cores while a test marked
     ``alone`` runs (README: Tests). Every test holds ``run.lock`` shared, an
     ``alone`` test exclusively; each takes ``gate.lock`` first, so that a
     worker waiting to run alone is not overtaken by the other's next test."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:  # one process: nothing runs beside it
+    folder = _turn_dir()
+    if folder is None:  # one process: nothing runs beside it
         yield
         return
-    folder = os.path.join(tempfile.gettempdir(), f"lmspd-tests-{run_id}")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "gate.lock"), "a") as gate, open(os.path.join(folder, "run.lock"), "a") as run:
         asked = time.monotonic()
@@ -110,6 +118,10 @@ def pytest_sessionfinish(session):
     if workeroutput is not None:
         workeroutput["lmspd_launches"] = [list(args) for args in LAUNCHES]
         workeroutput["lmspd_alone"] = dict(_ALONE)
+        workeroutput["lmspd_turn_dir"] = _turn_dir()
+    else:  # the workers are done: their turn locks go (one folder a run was left in /tmp)
+        for folder in _TURN_DIRS:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_testnodedown(node, error):
@@ -117,6 +129,8 @@ def pytest_testnodedown(node, error):
     _WORKER_LAUNCHES.extend(tuple(args) for args in output.get("lmspd_launches", []))
     for key, value in output.get("lmspd_alone", {}).items():
         _ALONE[key] += value
+    if output.get("lmspd_turn_dir"):
+        _TURN_DIRS.add(output["lmspd_turn_dir"])
 
 
 def pytest_terminal_summary(terminalreporter):
