@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,7 +70,13 @@ log = logging.getLogger("lmspd.upstream")
 # An error body is read for its code and logs only; this much is plenty.
 _MAX_ERROR_BODY = 64 * 1024
 _ERROR_BODY_S = 5.0
-_SAFE_MEDIA = re.compile(r"[A-Za-z0-9.+\-]{1,40}/[A-Za-z0-9.+\-]{1,60}\Z")
+# The media types a wrong answer is named by (a proxy's HTML page, a JSON
+# error with a 200): any other is "an unexpected type". Not a pattern: a
+# provider or proxy that echoes the Authorization header into Content-Type
+# passed one (a hex or UUID key is a valid-looking "type/subtype").
+_NAMED_MEDIA = frozenset({"application/json", "application/problem+json", "application/x-ndjson",
+                          "application/octet-stream", "application/xml", "text/html", "text/plain",
+                          "text/xml", ""})
 _MAX_RETRY_AFTER_S = 3600
 # What may follow [DONE] before the connection is given up rather than reused.
 _MAX_DRAIN_BYTES = 64 * 1024
@@ -309,7 +314,7 @@ class ProviderClient:
             )
         media = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media != "text/event-stream":
-            shown = media if _SAFE_MEDIA.match(media) else "an unexpected type"
+            shown = (media or "no content type") if media in _NAMED_MEDIA else "an unexpected type"
             raise UpstreamHTTPError(status, f"The upstream provider answered with {shown} instead of an event stream.")
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
@@ -365,7 +370,7 @@ async def _error_body(response: aiohttp.ClientResponse) -> tuple[str | None, str
     text = bytes(raw[:_MAX_ERROR_BODY]).decode("utf-8", "replace")
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested past the parser's depth is no error object either
         return text or None, None
     error = body.get("error", body) if isinstance(body, dict) else None
     if isinstance(error, str):

@@ -184,3 +184,52 @@ def test_closing_the_client_closes_a_stream_whose_drain_had_not_started():
     stream, endpoint = asyncio.run(go())
     assert endpoint.outstanding == 0
     assert stream.response.connection is None  # released or closed, not left open
+
+
+def _answer_once(head: bytes, body: bytes) -> UpstreamHTTPError:
+    """What ``open`` raises against a provider that answers ``head`` and ``body``."""
+    from lmspd.engines.upstream.credentials import Secret
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head + body)
+        await writer.drain()
+        writer.close()
+
+    async def go() -> UpstreamHTTPError:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]),
+                                timeouts=Timeouts(connect_s=2, idle_s=1), key=Secret(KEY))
+        try:
+            with pytest.raises(UpstreamHTTPError) as info:
+                await asyncio.wait_for(client.open(b"{}"), 10)
+            return info.value
+        finally:
+            await client.aclose()
+            server.close()
+
+    return asyncio.run(go())
+
+
+KEY = "123e4567-e89b-12d3-a456-426614174000"
+
+
+def test_a_content_type_echoing_the_key_is_not_shown():
+    """A 200 that is no event stream names its media type, unless it is not
+    a common one: a proxy echoing the Authorization header into it handed
+    the key (a UUID key is a valid-looking type/subtype) to the client."""
+    echoed = _answer_once(b"HTTP/1.1 200 OK\r\ncontent-type: %s/x\r\ncontent-length: 2\r\n\r\n" % KEY.encode(), b"{}")
+    assert KEY not in str(echoed) and KEY not in echoed.message
+    assert "an unexpected type instead of an event stream" in echoed.message
+    html = _answer_once(b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 2\r\n\r\n", b"<p")
+    assert "answered with text/html instead of an event stream" in html.message
+
+
+def test_an_error_body_nested_past_the_parsers_depth_is_still_an_http_error():
+    """``json.loads`` raises RecursionError, not ValueError, on 60 KB of
+    ``[``: it escaped ``open`` untyped (a generic 500, nothing counted)."""
+    body = b"[" * 60000
+    error = _answer_once(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body), body)
+    assert error.status == 500
