@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
@@ -27,6 +28,8 @@ from lmspd.store.base import Store
 from lmspd.store.calls import StoreCalls
 from lmspd.streaming.sse import SSE_HEADERS, SSE_KEEPALIVE, dumps, dumps_in_pieces
 from lmspd.tasks.manager import TaskManager
+
+log = logging.getLogger("lmspd.http")
 
 
 class LmspdApp:
@@ -108,6 +111,22 @@ class SseResponse(StreamingResponse):
         self.keepalive_s = keepalive_s
 
     async def stream_response(self, send: Send) -> None:
+        try:
+            await self._write_stream(send)
+        finally:
+            # Closed here, not when collected: starlette never closes the
+            # body. A client that left while a write was paused cancels this
+            # task there, outside the generator, which stayed suspended with
+            # its run, its queue slot and the generation going on until the
+            # garbage collector found it. Closing it runs its clean-up now.
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    log.exception("closing an event stream failed")
+
+    async def _write_stream(self, send: Send) -> None:
         every = self.keepalive_s
         if every <= 0:
             await super().stream_response(send)

@@ -10,6 +10,7 @@ drained into one JSON reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -26,8 +27,8 @@ from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.fields import FieldNames
 from lmspd.dialects.session import agent_lineage, session_key
 from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
-from lmspd.service import Run, Service
-from lmspd.streaming.session import ResponseState, StreamSession, WireEvent
+from lmspd.service import Run, RunStream, Service
+from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
 
 log = logging.getLogger("lmspd.http")
@@ -64,12 +65,14 @@ def _raise_unless_answered(state: ResponseState) -> None:
 Frame = Callable[[str, dict], bytes]
 
 
-async def _frames(events: AsyncIterator[WireEvent], frame: Frame,
+async def _frames(events: RunStream, frame: Frame,
                   trailer: Callable[[], list[tuple[str, dict]]], done: bytes = b"") -> AsyncIterator[bytes]:
     """The run's events as SSE frames, then the dialect's closing frames,
-    which depend on how the run ended (so they are computed only once it has)."""
-    async for _seq, name, data in events:
-        yield frame(name, data)
+    which depend on how the run ended (so they are computed only once it has).
+    Closing this closes the run's events (they give back what they hold)."""
+    async with contextlib.aclosing(events):
+        async for _seq, name, data in events:
+            yield frame(name, data)
     for name, data in trailer():
         yield frame(name, data)
     if done:

@@ -260,8 +260,9 @@ async def _stream(dialect: Dialect, turn: Turn, small: bool) -> AsyncIterator[by
     stops (LMSP §6.3) and nothing is stored. A large request's echo in its
     lifecycle events is encoded off the event loop, once (``Framer``)."""
     frame = Framer(dialect.frame, decode_off_loop, small=small)
-    async for seq, name, data in turn_events(turn):
-        yield await frame(seq, name, data)
+    async with contextlib.aclosing(turn_events(turn)) as events:
+        async for seq, name, data in events:
+            yield await frame(seq, name, data)
     if dialect.trailer is not None:
         yield dialect.trailer
 
