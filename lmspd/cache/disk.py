@@ -90,7 +90,11 @@ class DiskCheckpoints:
 
     @property
     def total_bytes(self) -> int:
-        return sum(c.size for c in self._index.values())
+        # Read on the event loop (/health, /metrics), while the writer thread
+        # adds and evicts: unlocked, the sum raised "dictionary changed size
+        # during iteration" and failed the request.
+        with self._lock:
+            return sum(c.size for c in self._index.values())
 
     def __len__(self) -> int:
         return len(self._index)

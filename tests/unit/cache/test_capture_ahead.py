@@ -247,3 +247,4 @@ def test_the_shutdown_writes_a_state_kept_ahead_once(vocab, tmp_path):
     cache.save_all()
     assert sorted(saves) == sorted(s.key for s in states)
     assert captures(cache) == [0, 1], "the other sequence's state is captured at shutdown as before"
+

@@ -246,3 +246,20 @@ def test_alignment_points_survive_the_disk(tmp_path):
     disk.save(saved)
     loaded = disk.load(disk.best_match("abcdef", "local")[0])
     assert loaded.aligned == ((1, 2), (3, 4)) and loaded.aligned_text == "abcd"
+
+
+def test_the_disk_total_is_summed_under_the_lock_the_writer_thread_takes(tmp_path):
+    """``total_bytes`` is read on the event loop (/health, /metrics) while the
+    KV writer thread adds and evicts checkpoints: summed unlocked, it raised
+    "dictionary changed size during iteration" and failed the request."""
+    disk = DiskCheckpoints(tmp_path, 1 << 30, "fp")
+    held: list[bool] = []
+
+    class Watched(dict):
+        def values(self):
+            held.append(disk._lock.locked())
+            return super().values()
+
+    disk._index = Watched(disk._index)
+    assert disk.total_bytes == 0
+    assert held == [True]
