@@ -405,6 +405,14 @@ class Store(Protocol):
         next sweep of any instance (or the next start) closes its log."""
         ...
 
+    def close_task(self, task_id: str, error: JSON, *, close_log: LogCloser | None = None) -> TaskRecord | None:
+        """End a running task of this instance that its own writer could not
+        end (the store refused its events): ``failed`` with ``error``, its
+        log closed as a crash's would be (``fail_interrupted_tasks``; a task
+        whose response's end was stored ends as that response did). None if
+        it has ended already."""
+        ...
+
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
         """Call ``callback(kind, task_id)`` after each commit that appends a
         task's events or ends it, and for cancel requests: from every

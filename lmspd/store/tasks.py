@@ -22,6 +22,7 @@ from lmspd.store.base import (
     TaskEvent,
     TaskRecord,
     TerminalEventBuilder,
+    default_terminal_event,
     unstorable,
 )
 from lmspd.store.sql import ACTIVE_SQL, TERMINAL_SQL, Sql, SqlBackend, dumps, loads_opt, size
@@ -100,6 +101,15 @@ class TaskQueries(SqlBackend):
         with self.sql_write() as sql:
             return sql.run(f"UPDATE tasks SET instance_id = NULL WHERE id = ? AND status IN {ACTIVE_SQL}",
                            (task_id,)) == 1
+
+    def close_task(self, task_id: str, error: JSON, *, close_log: LogCloser | None = None) -> TaskRecord | None:
+        with self.sql_write() as sql:
+            if sql.first(f"SELECT id FROM tasks WHERE id = ? AND status IN {ACTIVE_SQL}" + self.for_update,
+                         (task_id,)) is None:
+                return None  # ended meanwhile (its final write landed after all, or a sweep closed it)
+            task = self._fail_interrupted(sql, task_id, dumps(error), default_terminal_event, close_log)
+        self._notice_after("events", task_id)
+        return task
 
     # -- the tasks ------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from lmspd.store.calls import backoff, retried
 from lmspd.streaming import steps
 from lmspd.streaming.session import Encoder, ResponseState, StreamSession
 from lmspd.streaming.steps import Step
+from lmspd.tasks.recovery import close_refused
 
 log = logging.getLogger("lmspd.tasks")
 
@@ -303,9 +304,7 @@ class TaskManager:
                 live.pending.put_nowait(_END)
             await live.writer
             if live.write_error is not None and not isinstance(live.write_error, TaskFinished):
-                # Its log is cut short: hand it to recovery (on a shared
-                # store, the next sweep of any instance closes it).
-                await self._off_loop(self.store.release_task, live.id)
+                await self._close_refused(live)
         except Exception:
             # The store itself is failing; recovery (here at the next start,
             # or a survivor on a shared store) closes this task.
@@ -318,6 +317,20 @@ class TaskManager:
             live.run.ticket.release()
             self._live.pop(live.id, None)
             live.close()
+
+    async def _close_refused(self, live: LiveTask) -> None:
+        """A task whose log the store cut short: on a store of its own no
+        sweep runs while serving, so it is closed here (``close_refused``),
+        tried as an event write is; where that fails too, or on a shared
+        store, it is released to recovery (the next sweep of any instance,
+        or the next start), and a follower hears that its log is cut short."""
+        if not self.store.shared:
+            try:
+                await self._write(live, "its end", False, close_refused, self.store, live.id)
+                return
+            except Exception as exc:
+                log.error("task %s: could not close its event log (%s); the next start does", live.id, exc)
+        await self._off_loop(self.store.release_task, live.id)
 
     async def _write_loop(self, live: LiveTask) -> None:
         """Store what the run produced, in order, in batches, then publish it."""

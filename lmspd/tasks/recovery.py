@@ -94,14 +94,7 @@ def reap(store: Store) -> int:
     closed = store.fail_interrupted_tasks(RESTART_MESSAGE, close_log=close_interrupted)
     failed = [task for task in closed if task.status == "failed"]
     for task in failed:
-        # A background response is the task's result: store the closed one,
-        # output and all, rather than a bare status flip; never over a row
-        # that is final already.
-        if task.request.get("dialect") == "openai" and task.response_id and task.result is not None:
-            stored = store.get_response(task.owner, task.response_id)
-            if stored is not None and is_terminal(stored.get("status")):
-                continue
-            store.update_response(task.owner, task.response_id, task.result)
+        _store_failed_response(store, task)
     responses = store.fail_interrupted_responses({"code": "server_restarted", "message": RESTART_MESSAGE})
     keys = store.abandon_interrupted_idempotency()
     if closed or responses or keys:
@@ -109,6 +102,33 @@ def reap(store: Store) -> int:
                     "ended as their stored responses had, %d idempotency key(s) released", len(failed),
                     len(responses), len(closed) - len(failed), keys)
     return len(closed) + len(responses) + keys
+
+
+def _store_failed_response(store: Store, task: TaskRecord) -> None:
+    """A background response is the task's result: store the closed one,
+    output and all, rather than a bare status flip; never over a row that
+    is final already."""
+    if task.request.get("dialect") == "openai" and task.response_id and task.result is not None:
+        stored = store.get_response(task.owner, task.response_id)
+        if stored is None or not is_terminal(stored.get("status")):
+            store.update_response(task.owner, task.response_id, task.result)
+
+
+# A running task whose events the store refused (a full disk, a store down
+# longer than the event writes wait).
+STORE_REFUSED = {"code": "store_unavailable",
+                 "message": "The store refused this response's events; it did not finish."}
+
+
+def close_refused(store: Store, task_id: str) -> TaskRecord | None:
+    """End a running task of this instance whose writer the store refused,
+    as ``reap`` ends one a crash left (``Store.close_task``): on a store of
+    its own no sweep runs while it serves, and until the next start the task
+    said in_progress to every poll and could not be cancelled."""
+    task = store.close_task(task_id, STORE_REFUSED, close_log=close_interrupted)
+    if task is not None and task.status == "failed":
+        _store_failed_response(store, task)
+    return task
 
 
 def recover(store: Store) -> None:

@@ -171,7 +171,8 @@ def test_a_websocket_turn_after_an_unstored_one_is_stored_whole(tmp_path) -> Non
 
 
 class EventsFailAfter(SQLiteStore):
-    """Stores the first ``keep`` events of a task, then refuses to store more."""
+    """Stores the first ``keep`` events of a task, then refuses to store more
+    (the run's own, and the failure that would close its log)."""
 
     keep = 4
 
@@ -179,6 +180,9 @@ class EventsFailAfter(SQLiteStore):
         if events and events[-1][0] > self.keep:
             raise sqlite3.OperationalError("disk I/O error")
         return super().append_events(task_id, events)
+
+    def close_task(self, task_id, error, *, close_log=None):
+        raise sqlite3.OperationalError("disk I/O error")
 
 
 def test_a_follower_of_a_task_whose_log_is_cut_short_gets_an_error_event(tmp_path) -> None:

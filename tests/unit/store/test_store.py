@@ -1572,3 +1572,18 @@ def test_a_released_task_is_interrupted_even_for_its_own_instance(backend: Backe
     assert [t.id for t in failed] == expected
     assert me.events_after("alice", "task_1", 0)[-1].event == "response.failed"
     assert me.release_task("task_1") is False  # finished: nothing to release
+
+
+def test_close_task_ends_one_running_task_and_leaves_the_others(backend: Backend, clock: FakeClock) -> None:
+    """Its writer could not end it (the store refused its events): closed
+    with the error given, the next seq, as a crash's would be; once."""
+    me = backend.open(clock=clock)
+    me.create_task("alice", "task_1", {}, status="in_progress")
+    me.create_task("alice", "task_2", {}, status="in_progress")
+    me.append_event("task_1", 1, "response.created", {})
+    closed = me.close_task("task_1", {"code": "store_unavailable", "message": "refused"})
+    assert closed is not None and closed.status == "failed" and closed.error["code"] == "store_unavailable"
+    assert [(e.seq, e.event) for e in me.events_after("alice", "task_1", 0)] == [
+        (1, "response.created"), (2, "response.failed")]
+    assert me.get_task("alice", "task_2").status == "in_progress"
+    assert me.close_task("task_1", {"code": "store_unavailable", "message": "refused"}) is None

@@ -158,3 +158,28 @@ def test_a_reader_on_another_instance_gets_every_event_even_without_notices(tmp_
     assert running_when_followed, "B followed a task still running on A"
     assert last == "response.completed"
     assert seen == stored[1:], "from after seq 1 to the terminal event, once each, in order"
+
+
+class RefusingStore(WatchedStore):
+    """Refuses the run's second batch of events, as a full disk does."""
+
+    def append_events(self, task_id, events):
+        if len(self.batches) == 1:
+            self.batches.append(0)
+            raise RuntimeError("database or disk is full")
+        return super().append_events(task_id, events)
+
+
+def test_a_task_whose_events_the_store_refused_ends_failed_while_serving(tmp_path: Path) -> None:
+    """On a store of its own (SQLite) no sweep runs while serving: the task
+    was handed to "recovery", and until the next start every poll said
+    in_progress and a cancel could not reach it."""
+    store = RefusingStore(SQLiteStore(tmp_path / "s.db"), delay_s=0.01)
+    asyncio.run(run_task(store, 200))
+    task = store.get_task("alice", "task_1")
+    assert task.status == "failed"
+    assert task.error["code"] == "store_unavailable"
+    stored = store.events_after("alice", "task_1", 0)
+    assert stored[-1].event == "response.failed"
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    store.close()
