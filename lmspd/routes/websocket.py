@@ -176,6 +176,9 @@ class Connection:
         self.latest: Latest | None = None
         self.pin = SessionPin(new_id("ws"))
         self._turn: asyncio.Task[None] | None = None
+        # The running turn's terminal event is out: for the client nothing
+        # runs (the task may still be unwinding: a provider's close).
+        self._turn_ended = False
         # Frames leave through one writer task (``_write_frames``), so that a
         # turn never waits on the socket between its events: the engine gets
         # the request while response.created is still being written (over
@@ -230,6 +233,9 @@ class Connection:
                                    f"This connection reached its {limit / 60:g}-minute limit; open a new one."))
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._frames.join(), _FLUSH_S)
+        # Closed even where the last frames did not leave in time: a dropped
+        # socket reads 1006 to the client, not the limit it reached.
+        with contextlib.suppress(Exception):
             await self.ws.close(code=1000)
 
     async def _on_frame(self, text: str) -> None:
@@ -250,22 +256,41 @@ class Connection:
             await self._error(invalid(f"Unsupported client event type {shown[:64]!r}: send 'response.create'.",
                                       "type"))
             return
+        unwinding = None
         if self._turn is not None and not self._turn.done():
-            lane = None
-            with contextlib.suppress(ApiError):
-                lane = _stream_id(frame)
-            await self._error(ApiError("concurrent_request", "A response is already in progress on this "
-                                       "connection; wait for its terminal event before the next response.create."),
-                              lane)
-            return
-        self._turn = asyncio.create_task(self._run_turn(frame, small=len(text) <= INLINE_BYTES))
+            if not self._turn_ended:
+                lane = None
+                with contextlib.suppress(ApiError):
+                    lane = _stream_id(frame)
+                await self._error(ApiError("concurrent_request", "A response is already in progress on this "
+                                           "connection; wait for its terminal event before the next "
+                                           "response.create."), lane)
+                return
+            # Its terminal event is out (the client may go on at once; it was
+            # refused while the turn closed its provider stream): this one
+            # starts once that one is done.
+            unwinding = self._turn
+        self._turn_ended = False
+        self._turn = asyncio.create_task(self._run_turn(frame, small=len(text) <= INLINE_BYTES, after=unwinding))
 
-    async def _run_turn(self, frame: dict[str, Any], *, small: bool) -> None:
+    async def _run_turn(self, frame: dict[str, Any], *, small: bool, after: asyncio.Task[None] | None) -> None:
         try:
+            if after is not None:
+                await asyncio.wait({after})  # its outcome is its own; a cancel of this one still raises
             await self._turn_body(frame, small=small)
         except (WebSocketDisconnect, RuntimeError) as exc:
             # The socket went away under a send: serve() sees the disconnect.
             log.info("websocket turn ended early: %s", type(exc).__name__)
+        except Exception:
+            # Errors end the turn (the reference): the client would wait forever.
+            log.exception("websocket turn failed")
+            self._evict(frame.get("previous_response_id"))
+            if not self._turn_ended:
+                lane = None
+                with contextlib.suppress(ApiError):
+                    lane = _stream_id(frame)
+                with contextlib.suppress(Exception):
+                    await self._error(ApiError("server_error", "Internal server error."), lane)
 
     async def _turn_body(self, frame: dict[str, Any], *, small: bool) -> None:
         body = {k: v for k, v in frame.items() if k not in ("type", "generate", "stream_id", *_AGREEING, *_DROPPED)}
@@ -324,6 +349,7 @@ class Connection:
                     await self._remember(turn, previous)
                     ended = True
                 await self._send(await frame_event(seq, name, data))
+                self._turn_ended = ended
         if not ended:
             self._evict(previous)
         log.info("websocket connection=%s response=%s status=%s continued=%s", self.pin.name, state.id,
