@@ -91,7 +91,17 @@ class _ToolCall:
 @dataclass(slots=True)
 class _Choice:
     finish_reason: str | None = None
+    # By key: the provider's index, except for a call that came at an index
+    # another call holds (``_Bridge._key``): a key past every other.
     calls: dict[int, _ToolCall] = field(default_factory=dict)
+    # The provider's index → the key of the call its fragments now go to,
+    # where the two differ.
+    moved: dict[int, int] = field(default_factory=dict)
+
+
+def _taken(state: _Choice, index: int) -> bool:
+    """``index`` is the key of a call that another index's fragments moved to."""
+    return index in state.moved.values()
 
 
 def _usage(usage: ChunkUsage) -> Usage:
@@ -292,13 +302,14 @@ class BridgeDecoder:
     def _fragment(self, state: _Choice, fragment: ToolCallFragment) -> None:
         limits = self._limits
         trailing = state.finish_reason is not None
-        call = state.calls.get(fragment.index)
+        key = self._key(state, fragment)
+        call = state.calls.get(key)
         if call is None:
             if trailing:
                 raise DeltaAfterFinish("The upstream provider started a tool call after the choice finished.")
             if fragment.index >= limits.max_tool_calls or self._tool_calls >= limits.max_tool_calls:
                 raise UpstreamLimitExceeded("max_tool_calls", limits.max_tool_calls)
-            call = state.calls[fragment.index] = _ToolCall()
+            call = state.calls[key] = _ToolCall()
             self._tool_calls += 1
         name_piece = fragment.name
         if name_piece and call.arguments_started and name_piece == call.name:
@@ -339,6 +350,25 @@ class BridgeDecoder:
             call.arguments.append(fragment.arguments)
             call.argument_bytes += size
             self._progress += 1
+
+    @staticmethod
+    def _key(state: _Choice, fragment: ToolCallFragment) -> int:
+        """Where ``fragment`` goes. Some providers send every parallel call
+        at index 0, each with its own id (Ollama, LiteLLM's bridge, some
+        gateways): a fragment that brings a new id and a name to a call whose
+        arguments have begun is the next call, not more of that one (merged,
+        two calls of one function became one with arguments ``{..}{..}``).
+        It gets a key past every call's, and the index's later fragments
+        follow it there."""
+        index = fragment.index
+        key = state.moved.get(index, index)
+        call = state.calls.get(key)
+        starts_another = (call is not None and call.arguments_started and bool(fragment.id) and bool(fragment.name)
+                          and fragment.id != call.provider_id and state.finish_reason is None)
+        if starts_another or (key == index and index not in state.moved and _taken(state, index)):
+            key = max(state.calls) + 1
+            state.moved[index] = key
+        return key
 
     def _retain(self, size: int) -> None:
         # Charged before the state changes, so a refused fragment is not kept.

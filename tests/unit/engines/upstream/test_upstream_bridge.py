@@ -217,6 +217,48 @@ def test_parallel_tool_calls_across_indexes():
     ]
 
 
+def test_parallel_calls_all_sent_at_index_0_stay_separate_calls():
+    """Ollama (and LiteLLM's bridge, some gateways) send every parallel call
+    at index 0, each with its own id: they were merged into one call with
+    id ``call_1call_2`` and arguments ``{"q": 1}{"q": 2}``, or, of two
+    functions, one named ``lookupsearch`` that failed as undeclared."""
+    raw = (
+        tool(0, id="call_1", name="lookup", args='{"q": 1}')
+        + tool(0, id="call_2", name="lookup", args='{"q"')
+        + tool(0, args=": 2}")
+        + tool(0, id="call_3", name="search", args="{}")
+        + finish("tool_calls")
+        + DONE
+    )
+    assert bridge_events(raw) == [
+        ToolCallStarted(0, "call_1", "lookup"),
+        ToolCallDelta(0, '{"q": 1}'),
+        ToolCallDone(0, '{"q": 1}'),
+        ToolCallStarted(1, "call_2", "lookup"),
+        ToolCallDelta(1, '{"q": 2}'),
+        ToolCallDone(1, '{"q": 2}'),
+        ToolCallStarted(2, "call_3", "search"),
+        ToolCallDelta(2, "{}"),
+        ToolCallDone(2, "{}"),
+        Finished("tool_calls"),
+    ]
+
+
+def test_a_provider_index_that_a_moved_call_took_is_a_call_of_its_own():
+    raw = (
+        tool(0, id="call_1", name="lookup", args="{}")
+        + tool(0, id="call_2", name="search", args="{}")  # moved past 0: to 1
+        + tool(1, id="call_3", name="lookup", args='{"x": 1}')  # the provider's own index 1
+        + finish("tool_calls")
+        + DONE
+    )
+    events = bridge_events(raw)
+    started = [e for e in events if isinstance(e, ToolCallStarted)]
+    assert [(e.call_id, e.name) for e in started] == [("call_1", "lookup"), ("call_2", "search"),
+                                                      ("call_3", "lookup")]
+    assert [e.payload for e in events if isinstance(e, ToolCallDone)] == ["{}", "{}", '{"x": 1}']
+
+
 def test_missing_call_id_becomes_call_choice_tool():
     raw = (
         tool(0, id="call_real", name="lookup", args="{}")
