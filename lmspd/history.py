@@ -30,7 +30,7 @@ from lmspd.dialects.responses_items import (
     additional_tools_items,
     decode_items,
 )
-from lmspd.store.base import JSON, ChainError, ItemPage, Store, ensure_item_ids
+from lmspd.store.base import JSON, ChainError, Duplicate, ItemPage, Store, ensure_item_ids
 from lmspd.streaming.session import ResponseState
 
 log = logging.getLogger("lmspd.history")
@@ -344,7 +344,14 @@ class ResponseRecord:
         if self._put:
             self.store.update_response(self.owner, state.id, body)
             return
-        self.store.put_response(self.owner, state.id, body, self._input_json(),
-                                previous_response_id=self.previous_response_id,
-                                conversation_id=self.conversation_id, created_at=state.created_at)
+        try:
+            self.store.put_response(self.owner, state.id, body, self._input_json(),
+                                    previous_response_id=self.previous_response_id,
+                                    conversation_id=self.conversation_id, created_at=state.created_at)
+        except Duplicate:
+            # A try before this one landed and only its answer was lost (a
+            # connection dropped in COMMIT): the row is this response's own.
+            # The client was told "not stored" while it was, and its retry
+            # generated again.
+            self.store.update_response(self.owner, state.id, body)
         self._put = True

@@ -174,3 +174,38 @@ def test_what_a_paged_history_refuses_names_the_item_in_the_whole_list(store: St
             same_error(caught.value, expected)
     assert "at 'conversation[4]'" in whole_list_error([store.conversation_items("alice", "conv_bad")],
                                                         "conversation").message
+
+
+class _AnswerLost:
+    """``store`` whose first ``put_response`` commits and then fails, as a
+    connection dropped during COMMIT does."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.lost = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def put_response(self, *args: Any, **kwargs: Any) -> None:
+        self._store.put_response(*args, **kwargs)
+        if not self.lost:
+            self.lost = True
+            raise ConnectionError("server closed the connection during COMMIT")
+
+
+def test_a_final_write_retried_after_its_answer_was_lost_stores_it(store: Store) -> None:
+    """The retry found the row its first try had stored: ``Duplicate``,
+    not a transient error, so the client heard "generated but could not be
+    stored" (a stream: ``store: false``) while it was, and the idempotency
+    key was released for a retry to generate again."""
+    from lmspd.history import ResponseRecord
+    from lmspd.streaming.session import ResponseState
+
+    wrapped = _AnswerLost(store)
+    record = ResponseRecord(wrapped, "alice", [], keep=True)  # type: ignore[arg-type]
+    state = ResponseState(id="resp_lost", model="m", status="completed")
+    with pytest.raises(ConnectionError):
+        record.ended(state)
+    record.ended(state)  # the caller's retry
+    assert store.get_response("alice", "resp_lost")["status"] == "completed"
