@@ -36,7 +36,7 @@ from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
 from lmspd.dialects.registry import Dialect
 from lmspd.history import ResponseRecord
 from lmspd.service import TurnRun
-from lmspd.store.base import JSON, NoticeKind, Store, TaskEvent, TaskFinished
+from lmspd.store.base import JSON, NoticeKind, SequenceError, Store, TaskEvent, TaskFinished
 from lmspd.store.calls import backoff, retried
 from lmspd.streaming import steps
 from lmspd.streaming.session import Encoder, ResponseState, StreamSession
@@ -405,9 +405,27 @@ class TaskManager:
 
     async def _append(self, live: LiveTask, events: list[TaskEvent]) -> None:
         if events:
-            await self._write(live, "its events", False, self.store.append_events, live.id,
+            await self._write(live, "its events", False, self._append_once, live,
                               [(e.seq, e.event, e.data) for e in events])
             self._published(live, events)
+
+    def _append_once(self, live: LiveTask, events: list[tuple[int, str, JSON]]) -> None:
+        """On a store thread: ``events`` appended, each once. A try whose
+        commit landed but whose answer was lost (a connection dropped in
+        COMMIT) is retried as a transient error, and the retry's seqs were
+        then already taken: a SequenceError, which cancelled a healthy run.
+        Only this task's own writer appends to a running task (a survivor
+        that closes it makes it terminal: TaskFinished), so a seq the store
+        already holds is one of these."""
+        try:
+            self.store.append_events(live.id, events)
+        except SequenceError:
+            task = self.store.get_task(live.owner, live.id)
+            if task is None or task.last_seq < events[0][0]:
+                raise
+            rest = [event for event in events if event[0] > task.last_seq]
+            if rest:
+                self.store.append_events(live.id, rest)
 
     @staticmethod
     def _published(live: LiveTask, events: list[TaskEvent]) -> None:

@@ -7,6 +7,7 @@ SQLite store, wrapped to observe its calls."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -182,4 +183,27 @@ def test_a_task_whose_events_the_store_refused_ends_failed_while_serving(tmp_pat
     stored = store.events_after("alice", "task_1", 0)
     assert stored[-1].event == "response.failed"
     assert [e.seq for e in stored] == list(range(1, len(stored) + 1))
+    store.close()
+
+
+class AnswerLostOnce(WatchedStore):
+    """The run's second batch of events is stored, and then the answer is
+    lost (a connection dropped in COMMIT): the writer tries it again."""
+
+    def append_events(self, task_id, events):
+        result = super().append_events(task_id, events)
+        if len(self.batches) == 2:
+            raise sqlite3.OperationalError("disk I/O error")
+        return result
+
+
+def test_events_whose_commit_landed_but_whose_answer_was_lost_are_stored_once(tmp_path: Path) -> None:
+    """The retry's seqs were taken by its own first try: SequenceError, not
+    transient, which cancelled a healthy run and left it failed."""
+    store = AnswerLostOnce(SQLiteStore(tmp_path / "s.db"), delay_s=0.01)
+    out = asyncio.run(run_task(store, 60))
+    assert store.get_task("alice", "task_1").status == "completed"
+    stored = store.events_after("alice", "task_1", 0)
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1)) == out["followed"]
+    assert stored[-1].event == "response.completed"
     store.close()
