@@ -44,7 +44,7 @@ from lmspd.http import (
     unless_disconnected,
 )
 from lmspd.idempotency import Reply
-from lmspd.routes.task_wire import follow_reply, task_json
+from lmspd.routes.task_wire import follow_reply, live_task_json, task_json
 from lmspd.service import TurnRun
 from lmspd.store.calls import FINAL_WRITE_DELAYS_S, StoreCalls, retried
 from lmspd.streaming.framing import Framer
@@ -245,9 +245,18 @@ async def _start_task(app: LmspdApp, owner: str, dialect: Dialect, raw: dict, st
         # output yet, but it echoes the request (instructions, tools: megabytes).
         queued = snapshot(state)
         return Reply(await json_reply_off_loop(lambda: dialect.response_json(queued), headers=dialect.headers))
-    task = await app.calls(app.store.get_task, owner, task_id)
-    assert task is not None
-    return Reply(json_reply(task_json(task, live), status=202, headers={**dialect.headers, **location}))
+    # The task runs from here on: its id reaches the client whatever the
+    # store does now. Refused (a full store queue) or failed, this answered
+    # 503 or 500, the idempotency key was released, and the client's retry
+    # started a second task beside the first, unseen.
+    try:
+        task = await retried(lambda: app.calls.unrefused(app.store.get_task, owner, task_id), FINAL_WRITE_DELAYS_S,
+                             f"task {task_id}: reading it back")
+    except Exception:
+        log.exception("task %s: could not read it back; answering from its live state", task_id)
+        task = None
+    body = task_json(task, live) if task is not None else live_task_json(live)
+    return Reply(json_reply(body, status=202, headers={**dialect.headers, **location}))
 
 
 async def _follow(app: LmspdApp, owner: str, dialect: Dialect, task_id: str) -> Response:

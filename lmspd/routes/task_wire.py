@@ -45,6 +45,25 @@ def task_json(task: TaskRecord, live: LiveTask | None) -> dict[str, Any]:
     }
 
 
+def live_task_json(live: LiveTask) -> dict[str, Any]:
+    """``task_json`` of a task just started, from its live state alone (its
+    stored record could not be read back)."""
+    state = live.state
+    return {
+        "id": live.id,
+        "object": "task",
+        "status": state.status,
+        "response_id": state.id,
+        "created_at": int(state.created_at),
+        "updated_at": int(state.created_at),
+        "finished_at": None,
+        "last_event_id": live.recorded,
+        "first_retained_event_id": 1,
+        "result": LMSP.response_json(state),
+        "error": None,
+    }
+
+
 def check_after(task: TaskRecord, after: int, dialect: Dialect, param: str) -> None:
     """Every event is stored before anyone sees it, so an id past the stored
     log was never sent: a client mistake, not something to wait for."""

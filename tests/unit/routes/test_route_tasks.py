@@ -315,3 +315,27 @@ def test_polling_a_task_leaves_its_request_unparsed(app, http, monkeypatch):
         assert r.status_code == 200 and r.json()["status"] == "completed"
     assert http.post(f"/lmsp/v1/tasks/{task['id']}/cancel").json()["status"] == "completed"
     assert parsed and max(parsed) < len(sent) / 10, (len(sent), sorted(parsed)[-3:])
+
+
+def test_a_task_whose_record_cannot_be_read_back_is_answered_with_its_id(app, http, monkeypatch):
+    """Once the task runs, its id reaches the client. Reading its record back
+    could be refused (a full store queue: 503) or fail (500): the client
+    never learnt the id, its idempotency key was released, and its retry
+    started a second task beside the first."""
+    import sqlite3
+
+    store = app.app.state.lmspd.store
+
+    def locked(owner, task_id):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(store, "get_task", locked)
+    r = http.post("/lmsp/v1/tasks", json=task_body(), headers={"Idempotency-Key": "once"})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["object"] == "task" and body["status"] in ("queued", "in_progress", "completed")
+    assert r.headers["Location"] == f"/lmsp/v1/tasks/{body['id']}"
+    monkeypatch.undo()
+    assert wait_for(lambda: finished(http, body["id"]), timeout=30)["status"] == "completed"
+    again = http.post("/lmsp/v1/tasks", json=task_body(), headers={"Idempotency-Key": "once"})
+    assert again.json()["id"] == body["id"], "the key's retry is the same task"
