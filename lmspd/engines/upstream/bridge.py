@@ -173,6 +173,7 @@ class BridgeDecoder:
         self._tool_calls = 0
         self._retained_bytes = 0
         self._usage: Usage | None = None
+        self._most_output = 0  # the most output tokens a usage has said (``progress``)
         self._done = False
         self._progress = 0
         self.error: UpstreamError | None = None
@@ -268,7 +269,11 @@ class BridgeDecoder:
         if chunk.usage is not None:
             # Providers that report usage more than once report running totals.
             usage = _usage(chunk.usage)
-            if usage != self._usage:
+            # Only more output is progress (hidden reasoning shows only
+            # there): any change was, and a provider that alternated its
+            # prompt count held its request open without one token.
+            if usage.output_tokens > self._most_output:
+                self._most_output = usage.output_tokens
                 self._progress += 1
             self._usage = usage
 

@@ -100,6 +100,10 @@ def test_what_counts_as_output():
     assert feed(bridge, tool_chunk(1, args="}")) == 1
     assert feed(bridge, usage_chunk(3, 1)) == 1
     assert feed(bridge, usage_chunk(3, 1)) == 0, "the same usage again says nothing"
+    # Nor another prompt count, or less output: a provider that alternated
+    # them held its request open with no output at all.
+    assert feed(bridge, usage_chunk(4, 1), usage_chunk(3, 1), usage_chunk(4, 0)) == 0
+    assert feed(bridge, usage_chunk(4, 2)) == 1, "more output is"
     assert feed(bridge, finish_chunk("tool_calls")) == 1
     assert feed(bridge, finish_chunk("tool_calls")) == 0, "nor does the same finish"
 
