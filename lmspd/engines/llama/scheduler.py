@@ -397,17 +397,23 @@ class Scheduler:
         for run in list(self._running):
             if not run.job.cancel.cancelled or run.gen.done:
                 continue
-            if run.prefilling:
-                # Half a prompt has no turn to remember; its tokens stay
-                # resident for a prefix match.
-                run.job.emit(_cancelled_event(run.job.cancel, run.gen.usage))
-                run.gen.done = True
-                run.pending = []
-                self._release(run)
-            else:
-                run.pending = run.gen.cancelled(run.pending)
-                if not run.pending:
+            try:
+                if run.prefilling:
+                    # Half a prompt has no turn to remember; its tokens stay
+                    # resident for a prefix match.
+                    run.job.emit(_cancelled_event(run.job.cancel, run.gen.usage))
+                    run.gen.done = True
+                    run.pending = []
                     self._release(run)
+                else:
+                    run.pending = run.gen.cancelled(run.pending)
+                    if not run.pending:
+                        self._release(run)
+            except Exception:
+                # This run's alone (remembering its turn renders it): the
+                # loop's handler would have failed every stream running.
+                log.exception("ending a cancelled generation failed")
+                self._fail(run, "server_error", "Generation failed.")
 
     def _step(self) -> tuple[float, int] | None:
         """One batch, one decode. Returns the seconds ``llama_decode`` took

@@ -117,3 +117,41 @@ def test_a_hand_over_that_raises_ends_its_streams_and_the_next_request_is_served
     assert faults[0] == 1, "the fault was reached"
     assert isinstance(events[-1], Failed) and events[-1].code == "server_error", events[-1]
     assert isinstance(run(engine)[-1], Finished), "the scheduler still serves"
+
+
+def test_a_fault_while_ending_one_cancelled_generation_ends_only_that_one(monkeypatch):
+    """Ending a cancelled generation remembers its turn (renders it): a fault
+    there reached the loop's handler, which failed every stream running."""
+    from lmspd.engines.llama.generation import Generation
+
+    original = Generation.cancelled
+
+    def flaky(self, pending):
+        raise RuntimeError("injected fault")
+
+    async def both(engine) -> tuple[list, list]:
+        def conv(text: str, n: int) -> Conversation:
+            return Conversation(model="m", items=[Message("user", text)], max_output_tokens=n,
+                                sampling=Sampling(temperature=0))
+
+        doomed_cancel = CancelToken()
+        doomed_events: list = []
+
+        async def doomed() -> None:
+            async for event in engine.generate(engine.prepare(conv("Count to one hundred.", 200)), doomed_cancel):
+                doomed_events.append(event)
+                if len(doomed_events) == 3:
+                    monkeypatch.setattr(Generation, "cancelled", flaky)
+                    doomed_cancel.cancel()
+
+        async def other() -> list:
+            return [e async for e in engine.generate(engine.prepare(conv("Name three colours.", 24)), CancelToken())]
+
+        _, others = await asyncio.gather(doomed(), other())
+        monkeypatch.setattr(Generation, "cancelled", original)
+        return doomed_events, others
+
+    with bundled_engine(parallel=2) as two:
+        doomed_events, others = asyncio.run(asyncio.wait_for(both(two), 120))
+    assert isinstance(doomed_events[-1], Failed) and doomed_events[-1].code == "server_error", doomed_events[-1]
+    assert isinstance(others[-1], Finished), others[-1]
