@@ -164,8 +164,13 @@ class BridgeDecoder:
         limits: UpstreamStreamLimits | None = None,
         *,
         secret: Secret | None = None,
+        input_tokens: int = 0,
     ) -> None:
+        """``input_tokens``: the request's estimated size; given, usage the
+        provider never sent is estimated (``_usage_or_estimate``)."""
         self._allowed = frozenset(allowed_tool_names)
+        self._input_estimate = input_tokens
+        self._output_chars = 0  # text, reasoning and call bytes: the output's size where no usage says it
         self._wrappers = dict(custom_tool_wrappers or {})
         self._limits = limits or UpstreamStreamLimits()
         self._chunks = ChatChunkDecoder(self._limits, secret=secret)
@@ -299,6 +304,7 @@ class BridgeDecoder:
             out.append(TextDelta(delta.refusal))
         if reasoning or delta.content or delta.refusal:
             self._progress += 1
+            self._output_chars += len(reasoning or "") + len(delta.content or "") + len(delta.refusal or "")
         for fragment in delta.tool_calls:
             self._fragment(state, fragment)
         if choice.finish_reason is not None:
@@ -354,6 +360,7 @@ class BridgeDecoder:
             self._retain(size)
             call.arguments.append(fragment.arguments)
             call.argument_bytes += size
+            self._output_chars += size
             self._progress += 1
 
     @staticmethod
@@ -374,6 +381,17 @@ class BridgeDecoder:
             key = max(state.calls) + 1
             state.moved[index] = key
         return key
+
+    def _usage_or_estimate(self) -> Usage:
+        """The provider's usage; where it never sent one (it ignored
+        ``stream_options.include_usage``, or closed before that chunk), an
+        estimate, about four characters a token: zeros read as real counts,
+        and a client that compacts by its usage never would."""
+        if self._usage is not None:
+            return self._usage
+        if not self._input_estimate:  # not told the request's size: nothing to estimate from
+            return Usage()
+        return Usage(input_tokens=self._input_estimate, output_tokens=-(-self._output_chars // 4))
 
     def _retain(self, size: int) -> None:
         # Charged before the state changes, so a refused fragment is not kept.
@@ -405,7 +423,7 @@ class BridgeDecoder:
             # reason before [DONE] is a common provider quirk: it completes.)
             raise StreamTruncated()
         reasons = {c.finish_reason for c in self._choices.values()}
-        usage = self._usage or Usage()
+        usage = self._usage_or_estimate()
         for cut_off in ("content_filter", "length"):
             if cut_off in reasons:
                 # Output stopped by the provider's filter or the token cap is

@@ -257,7 +257,7 @@ class UpstreamEngine:
             self.router.remember(prepared.response_id, stream.endpoint, prepared.run.owner)
         request = prepared.request
         bridge = BridgeDecoder(request.allowed_function_names, request.custom_wrappers, self._limits,
-                               secret=self._key)
+                               secret=self._key, input_tokens=prepared.input_tokens)
         self._generations += 1
         loop = asyncio.get_running_loop()
         reader: asyncio.Task[Any] | None = None  # set only while awaiting provider bytes

@@ -86,6 +86,24 @@ def test_text_generation(provider):
     assert events[-1].usage.input_tokens == 11
 
 
+def test_a_provider_that_sends_no_usage_is_reported_an_estimate(provider):
+    """The engine gives the bridge its estimate of the request's size: zeros
+    read as real counts (bridge: ``_usage_or_estimate``)."""
+    provider.push(Reply(parts=[p for p in text_stream("Hello there, world!") if b'"usage"' not in p]))
+
+    async def go():
+        eng = engine(provider.url)
+        try:
+            conv = conversation("x" * 400)
+            return eng.prepare(conv).input_tokens, await collect(eng, conv)
+        finally:
+            await eng.aclose()
+
+    estimate, events = run(go())
+    assert isinstance(events[-1], Finished)
+    assert events[-1].usage.input_tokens == estimate > 100 and events[-1].usage.output_tokens > 0
+
+
 def test_service_open_refuses_before_any_byte_with_status_and_retry_after(provider):
     provider.push(Reply(status=429, content_type="application/json", headers={"Retry-After": "7"},
                         body=error_reply_body("rate_limit_error")))

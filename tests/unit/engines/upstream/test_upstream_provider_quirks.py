@@ -84,3 +84,21 @@ def test_legacy_function_call_alone_is_still_refused():
     raw = sse({"choices": [{"index": 0, "delta": {"function_call": {"name": "f", "arguments": "{}"}}}]}) + DONE
     (failed,) = events_of(raw, allowed=("f",))
     assert failed.code == "upstream_malformed_chunk"
+
+
+def test_a_provider_that_never_sends_usage_gets_an_estimate_not_zeros():
+    """Some providers ignore ``stream_options.include_usage`` (or close before
+    that chunk): zeros read as real counts, and a client that compacts by
+    the usage it is told never would. A bridge told the request's estimated
+    size (the engine's) reports an estimate; the provider's own usage,
+    when sent, is reported as it is."""
+    text = sse({"choices": [{"index": 0, "delta": {"content": "x" * 400}, "finish_reason": "stop"}]})
+    bridge = BridgeDecoder((), input_tokens=900)
+    finished = (bridge.feed(text + DONE) + bridge.close())[-1]
+    assert isinstance(finished, Finished)
+    assert (finished.usage.input_tokens, finished.usage.output_tokens) == (900, 100)
+
+    told = sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}})
+    bridge = BridgeDecoder((), input_tokens=900)
+    finished = (bridge.feed(text + told + DONE) + bridge.close())[-1]
+    assert (finished.usage.input_tokens, finished.usage.output_tokens) == (7, 3)
