@@ -105,13 +105,23 @@ def reap(store: Store) -> int:
 
 
 def _store_failed_response(store: Store, task: TaskRecord) -> None:
-    """A background response is the task's result: store the closed one,
-    output and all, rather than a bare status flip; never over a row that
-    is final already."""
-    if task.request.get("dialect") == "openai" and task.response_id and task.result is not None:
-        stored = store.get_response(task.owner, task.response_id)
-        if stored is None or not is_terminal(stored.get("status")):
+    """The failed task's response row, never over one final already. An
+    OpenAI background response is the task's result: the closed one is
+    stored, output and all, rather than a bare status flip. Another
+    dialect's result is in its own shape, not the row's: the row is marked
+    failed with the task's error (an LMSP task's row said in_progress for
+    good where its task was closed while its instance lived, and a
+    continuation from it was refused as still running)."""
+    if not task.response_id:
+        return
+    stored = store.get_response(task.owner, task.response_id)
+    if stored is not None and is_terminal(stored.get("status")):
+        return
+    if task.request.get("dialect") == "openai":
+        if task.result is not None:
             store.update_response(task.owner, task.response_id, task.result)
+    elif stored is not None:
+        store.update_response(task.owner, task.response_id, {**stored, "status": "failed", "error": task.error})
 
 
 # A running task whose events the store refused (a full disk, a store down

@@ -119,3 +119,23 @@ def test_a_log_without_events_gets_a_bare_failure_in_its_dialect() -> None:
     assert data["response"]["id"] == "resp_1" and data["response"]["error"]["code"] == "server_restarted"
 
 
+
+
+def test_closing_an_lmsp_task_fails_its_response_row_too(tmp_path) -> None:
+    """Its result is in LMSP's shape, not the row's: the row was left
+    in_progress for good (a continuation from it refused as still running)
+    where the task was closed while its instance lived (a shared store's
+    sweep, or the store refusing its events)."""
+    from lmspd.store.sqlite import SQLiteStore
+    from lmspd.tasks.recovery import STORE_REFUSED, close_refused
+
+    store = SQLiteStore(tmp_path / "s.db")
+    store.put_response("alice", "resp_1", {"id": "resp_1", "object": "response", "status": "in_progress",
+                                           "model": "m", "output": []}, [])
+    store.create_task("alice", "task_1", {"dialect": "lmsp", "model": "m"}, status="in_progress",
+                      response_id="resp_1")
+    closed = close_refused(store, "task_1")
+    assert closed is not None and closed.status == "failed"
+    row = store.get_response("alice", "resp_1")
+    assert row["status"] == "failed" and row["error"] == STORE_REFUSED
+    store.close()
