@@ -52,6 +52,9 @@ def template_messages(
     names = {i.call_id: i.name for i in all_items if isinstance(i, ToolCall)}
     pending_calls: list[ToolCall] = []
     pending_outputs: list[ToolOutput] = []
+    # A native template's call turn that has no text: its hidden reasoning,
+    # as the turn's content (the template renders it in front of the calls).
+    calls_content: list[str] = [""]
 
     def flush_calls() -> None:
         if not pending_calls:
@@ -59,7 +62,8 @@ def template_messages(
         calls = list(pending_calls)
         pending_calls.clear()
         if native_tools:
-            entry = {"role": "assistant", "content": "", "tool_calls": tool_format.template_tool_calls(calls)}
+            content, calls_content[0] = calls_content[0], ""
+            entry = {"role": "assistant", "content": content, "tool_calls": tool_format.template_tool_calls(calls)}
             if messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
                 messages[-1]["tool_calls"] = entry["tool_calls"]
             else:
@@ -88,8 +92,15 @@ def template_messages(
     for item in items:
         if isinstance(item, ToolCall):
             flush_outputs()
-            if hidden and not pending_calls and not native_tools:
-                messages.append({"role": "assistant", "content": hidden})
+            if hidden and not pending_calls:
+                # The reasoning of a turn that went straight to its calls.
+                # (A native template's went unrendered: it waited for the
+                # next assistant text, past the outputs and user turns, and
+                # was rendered there, in a later turn.)
+                if native_tools:
+                    calls_content[0] = hidden
+                else:
+                    messages.append({"role": "assistant", "content": hidden})
                 hidden = ""
             pending_calls.append(item)
             continue
@@ -103,6 +114,8 @@ def template_messages(
             text = item.text
             if role == "assistant" and hidden:
                 text, hidden = hidden + text, ""
+            elif role != "assistant":
+                hidden = ""  # a turn's reasoning never moves past another's message
             messages.append({"role": role, "content": text})
         elif isinstance(item, Reasoning):
             # Only reasoning the server sealed itself is rendered, exactly as
