@@ -127,10 +127,14 @@ class BrowserGuard:
     def _origin_allowed(self, origin: str, host: str | None, scope: Scope) -> bool:
         if self._any_origin:
             return True
-        parts = urlsplit(origin.strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(origin.strip())
+            hostname = parts.hostname
+        except ValueError:  # "http://[": urlsplit refuses it (a 500 and a traceback, per request)
+            return False
+        if parts.scheme not in ("http", "https") or not hostname:
             return False  # "null" (a file:// page, a sandboxed frame), or not an origin at all
-        if is_loopback_name(parts.hostname):
+        if is_loopback_name(hostname):
             return True
         if _origin(parts.scheme, parts.netloc) in self._origins:
             return True

@@ -42,12 +42,21 @@ def app(tmp_path_factory):
 
 @pytest.mark.parametrize("origin", ["https://evil.example", "http://evil.example:8080", "null",
                                     "http://127.0.0.1.evil.example", "https://localhost.evil.example",
-                                    "file://", "chrome-extension://abcdef", "http://app.example"])
+                                    "file://", "chrome-extension://abcdef", "http://app.example",
+                                    "http://[", "http://[::1", "http://a]b"])
 def test_a_foreign_origin_cannot_open_a_websocket(app, origin) -> None:
     denied = ws_denied(app.http, {"origin": origin})
     assert denied.status_code == 403
     error = json.loads(denied.content)["error"]
     assert error["code"] == "forbidden" and "--allowed-origins" in error["message"]
+
+
+@pytest.mark.parametrize("origin", ["http://[", "http://[::1", "http://a]b"])
+def test_an_origin_that_is_no_url_is_refused_not_a_server_error(app, origin) -> None:
+    """urlsplit raises on these (an IPv6 bracket left open): a 500 and a
+    logged traceback for every such request, from anyone on the network."""
+    r = app.http.get("/health", headers={"origin": origin})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
 
 
 def test_a_foreign_origin_is_refused_over_http_in_the_dialects_shape(app) -> None:
