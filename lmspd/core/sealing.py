@@ -24,7 +24,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lmspd.core.errors import ApiError
-from lmspd.core.files import private_dir
+from lmspd.core.files import private_dir, private_file
 
 # l2: bound to model and owner (l1 blobs, bound to the model only, no longer open).
 _VERSION = b"l2"
@@ -42,6 +42,11 @@ class Sealer:
             key = path.read_bytes()
         except FileNotFoundError:
             key = cls._make_key(path)
+        else:
+            # A key left readable by others (copied in, an older version):
+            # whoever reads it can forge and open every owner's sealed
+            # reasoning. Closed, as the store and the upstream keys are.
+            private_file(path)
         if len(key) != 32:
             raise ValueError(f"{path} is not a 32-byte key")
         return cls(key)

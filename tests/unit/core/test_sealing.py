@@ -118,3 +118,17 @@ def test_only_a_blob_in_lmspd_form_counts_as_sealed_here(tmp_path, sealer: Seale
     # OpenAI's encrypted_content (a Fernet token), text that is not base64, nothing.
     for foreign in ("gAAAAABo" + "x1Y2_-Zq" * 40, "not base64!", "", "bDI"):
         assert not Sealer.sealed_by_lmspd(foreign), foreign
+
+
+def test_a_key_left_readable_by_others_is_closed_when_read(tmp_path) -> None:
+    """Whoever reads the key can forge and open every owner's sealed
+    reasoning: a key copied in (or left by an older version) with 0644 was
+    used as it was."""
+    import os
+    import stat
+
+    key = tmp_path / "reasoning.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o644)
+    Sealer.from_data_dir(tmp_path)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
