@@ -131,7 +131,10 @@ class Generation:
         self.forced += len(tokens)
         self.raw += text.encode()
         try:
-            self._route(splitter.feed(text))
+            # Reasoning held back as the possible start of a stop sequence
+            # (``<`` of ``<tool_response``) is the reasoning's, in front of
+            # its close: released after it, it came out as visible text.
+            self._route(splitter.feed(self.stops.flush() + text))
         except ToolCallError as exc:
             self._invalid_call(exc, None)
             return []

@@ -113,3 +113,26 @@ def test_no_end_when_no_replay_can_render_the_reasoning():
         vocab = ToyVocab()
         gen = generation(vocab, include=include, sealer=sealer)
         assert drive(gen, vocab, ["Hmm", " fine", "</think>", "\n\n", "Hello", ""]) == [], (include, sealer)
+
+
+def test_reasoning_held_as_a_stops_start_stays_reasoning_when_the_budget_closes_it():
+    """A reasoning token ending in a stop's first characters (``<`` of
+    ``<tool_response``, a stop lmspd adds where tools are offered) is held
+    back; the close the budget forces went to the splitter first, and the
+    held ``<`` came out after it, as visible text."""
+    from lmspd.core.events import ReasoningDelta, TextDelta
+
+    vocab = ToyVocab()
+    budget = BUDGETS["minimal"]
+    events: list = []
+    conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=["<tool_response"]),
+                        reasoning_effort="minimal", include_encrypted_reasoning=True)
+    prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
+                             stop=["<tool_response"])
+    gen = toy_generation(vocab, prepared, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
+                         sealer=SimpleNamespace(seal=lambda model, hidden, owner: "sealed"), on_event=events.append)
+    drive(gen, vocab, ["x"] * (budget - 1) + ["a <"] + ["Hello", ""])
+    visible = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    assert "<" not in visible and visible.endswith("Hello")
+    assert reasoning.rstrip("\n").endswith("a <")
