@@ -130,6 +130,11 @@ class Repairs:
     canonical_tool_order: bool = True
 
 
+# The efforts the Responses and Chat dialects accept, as the chat templates
+# that read ``reasoning_effort`` know them (gpt-oss: low, medium, high).
+TEMPLATE_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
+
+
 class Preparation:
     def __init__(self, *, model_id: str, vocab: Vocabulary, template: ChatTemplate, tool_format: ToolFormat,
                  reasoning: ReasoningSyntax | None, cache: ContinuationCache, n_ctx: int, limits: RequestLimits,
@@ -159,7 +164,14 @@ class Preparation:
             # the prompt (and the cache) the same when a client shuffles it.
             conversation = dataclasses.replace(conversation, tools=sorted(conversation.tools, key=lambda t: t.name))
         messages, tools = template_messages(conversation, self.template, self.tool_format)
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        options = {}
+        if conversation.reasoning_effort is not None:
+            # A template that takes the effort (gpt-oss's: "Reasoning: high"
+            # in its system message) is told it; unset, it keeps its own
+            # default. Others never read the variable.
+            options["reasoning_effort"] = TEMPLATE_EFFORTS.get(conversation.reasoning_effort,
+                                                               conversation.reasoning_effort)
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **options)
 
     def prepare(self, conversation: Conversation, run: RunContext = LOCAL) -> LlamaPrepared:
         """``conversation`` and ``run`` ready to generate. Neither is
