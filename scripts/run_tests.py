@@ -17,8 +17,10 @@ stop at the first failure.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from typing import Any
 
 NO_TESTS = 5  # pytest's exit status when nothing was selected
 # A first phase that ended otherwise (interrupted, an internal or usage error) ends the run.
@@ -64,14 +66,25 @@ def _pytest(args: list[str]) -> int:
     started, their data dirs) and its report included; ``subprocess.call``
     killed it a quarter of a second after the interrupt."""
     child = subprocess.Popen([sys.executable, "-m", "pytest", *args])
+
+    def forward(sig: int, frame: Any) -> None:
+        # SIGTERM or SIGHUP to this process (a CI job's timeout, a closed
+        # terminal) is pytest's too: it was left running, orphaned.
+        child.send_signal(sig)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
     interrupted = False
-    while True:
-        try:
-            status = child.wait()
-        except KeyboardInterrupt:
-            interrupted = True
-            continue
-        return 130 if interrupted and status != 0 else status
+    try:
+        while True:
+            try:
+                status = child.wait()
+            except KeyboardInterrupt:
+                interrupted = True
+                continue
+            return 130 if interrupted and status != 0 else status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -114,3 +114,30 @@ def test_ctrl_c_lets_pytest_finish_its_teardown(tmp_path: Path):
     out = proc.communicate(timeout=60)[0].decode()
     assert (tmp_path / "torn_down").read_text() == "yes", out
     assert proc.returncode == 130, out
+
+
+def test_sigterm_to_the_script_ends_pytest_too(tmp_path: Path):
+    """A CI job's timeout (or a closed terminal) signals the process that
+    ``./dev.sh test`` became: pytest, its child, went on running orphaned."""
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-p no:cacheprovider"\n')
+    (tmp_path / "test_slow.py").write_text(
+        "import os, time\n"
+        "def test_slow():\n    open('pid', 'w').write(str(os.getpid()))\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "-p", "no:xdist", "-q", "test_slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    pytest_pid = int((tmp_path / "pid").read_text())
+    proc.send_signal(signal.SIGTERM)  # to the script alone, not its group
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    for _ in range(100):
+        try:
+            os.kill(pytest_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pytest_pid, signal.SIGKILL)
+    pytest.fail("pytest outlived the script it ran under")
