@@ -47,33 +47,28 @@ def test_one_exit_status_for_the_phases(statuses, status):
     assert run_tests.outcome(statuses) == status
 
 
-def test_a_failing_first_phase_still_runs_the_second_and_an_interrupted_one_does_not(monkeypatch):
+def phases_run(monkeypatch, args: list[str], statuses: list[int]) -> tuple[int, int]:
+    """``main(args)`` with each phase's pytest answering the next of
+    ``statuses``: its exit status, and how many phases ran."""
+    answers = iter(statuses)
     ran: list[list[str]] = []
-    answers = iter([1, 0])
 
-    def pytest_(args: list[str]) -> int:
-        ran.append(args)
+    def pytest_(phase: list[str]) -> int:
+        ran.append(phase)
         return next(answers)
 
     monkeypatch.setattr(run_tests, "_pytest", pytest_)
-    assert run_tests.main(["x"]) == 1 and len(ran) == 2
+    return run_tests.main(args), len(ran)
 
-    ran.clear()
-    answers = iter([2, 0])
-    assert run_tests.main(["x"]) == 2 and len(ran) == 1
+
+def test_a_failing_first_phase_still_runs_the_second_and_an_interrupted_one_does_not(monkeypatch):
+    assert phases_run(monkeypatch, ["x"], [1, 0]) == (1, 2)
+    assert phases_run(monkeypatch, ["x"], [2, 0]) == (2, 1)
 
 
 @pytest.mark.parametrize("stop", ["-x", "--exitfirst", "--maxfail=2"])
 def test_asked_to_stop_at_the_first_failure_a_failing_first_phase_ends_the_run(monkeypatch, stop):
-    ran: list[list[str]] = []
-    answers = iter([1, 0])
-
-    def pytest_(args: list[str]) -> int:
-        ran.append(args)
-        return next(answers)
-
-    monkeypatch.setattr(run_tests, "_pytest", pytest_)
-    assert run_tests.main(["tests", stop]) == 1 and len(ran) == 1
+    assert phases_run(monkeypatch, ["tests", stop], [1, 0]) == (1, 1)
 
 
 def test_it_runs_pytest_for_real_on_a_selection(tmp_path: Path):
