@@ -92,7 +92,7 @@ class _ToolCall:
 class _Choice:
     finish_reason: str | None = None
     # By key: the provider's index, except for a call that came at an index
-    # another call holds (``_Bridge._key``): a key past every other.
+    # another call holds (``BridgeDecoder._key``): a key past every other.
     calls: dict[int, _ToolCall] = field(default_factory=dict)
     # The provider's index → the key of the call its fragments now go to,
     # where the two differ.
