@@ -124,10 +124,14 @@ class SSEDecoder:
                 for _ in self._feed(head):
                     pass  # no line terminator in it, so nothing is dispatched
             self._closed = True
-            pending_data = bool(self._data)
-            if self._partial and _split_field(bytes(self._partial))[0] == b"data":
-                pending_data = True
-            if pending_data:
+            partial_data = bool(self._partial) and _split_field(bytes(self._partial))[0] == b"data"
+            if not partial_data and bytes(self._data) == b"[DONE]\n":
+                # A provider's closing [DONE] line without the blank line
+                # that dispatches it (openai-node delivers it too): the end
+                # of a finished stream, not a cut one.
+                event = self._dispatch()
+                return [] if event is None else [event]
+            if self._data or partial_data:
                 raise SSETruncated()
         except UpstreamProtocolError as exc:
             self._error = exc

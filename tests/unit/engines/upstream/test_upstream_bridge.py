@@ -443,6 +443,12 @@ def test_finish_without_done_then_eof_completes():
     assert bridge_events(text("a") + finish("stop")) == [TextDelta("a"), Finished("stop")]
 
 
+def test_a_closing_done_without_its_blank_line_completes():
+    """A provider ending on ``data: [DONE]\\n`` and EOF: the stream failed as
+    truncated after all of it had arrived."""
+    assert bridge_events(text("a") + finish("stop") + b"data: [DONE]\n") == [TextDelta("a"), Finished("stop")]
+
+
 def test_done_without_finish_reason_completes():
     # A common provider quirk: text, then [DONE] with no finish reason.
     assert bridge_events(text("a") + DONE) == [TextDelta("a"), Finished("stop")]

@@ -86,7 +86,12 @@ def reference(raw: bytes):
             last_id = value.decode("utf-8", "replace")
         elif name == b"retry" and value.isdigit() and len(value) <= 12:
             retry = int(value)
-    truncated = bool(data) or tail.partition(b":")[0] == b"data"
+    partial_data = tail.partition(b":")[0] == b"data"
+    if data == [b"[DONE]"] and not partial_data:
+        # lmspd's one departure from WHATWG: a closing [DONE] without its blank line is delivered.
+        events.append(SSEEvent("[DONE]", event_type.decode("utf-8", "replace") or "message", last_id, retry))
+        data = []
+    truncated = bool(data) or partial_data
     return events, (SSETruncated if truncated else None)
 
 
@@ -272,6 +277,14 @@ def test_close_with_unterminated_data_line_is_truncation():
     decoder.feed(b"data: [DONE]")
     with pytest.raises(SSETruncated):
         decoder.close()
+
+
+def test_a_closing_done_without_its_blank_line_ends_the_stream():
+    """``data: [DONE]\\n`` then EOF: a finished stream read as truncated
+    (upstream_sse_truncated after all its text had streamed)."""
+    decoder = SSEDecoder()
+    assert decoder.feed(b'data: {"a": 1}\n\ndata: [DONE]\n') == [SSEEvent('{"a": 1}')]
+    assert decoder.close() == [SSEEvent("[DONE]")]
 
 
 def test_close_without_pending_data_is_clean():
