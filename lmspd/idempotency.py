@@ -138,6 +138,11 @@ class Attempt:
                 yield data
             complete = True
         finally:
+            close = getattr(chunks, "aclose", None)
+            if not complete and close is not None:
+                # Closed with this one (a client gone mid-stream): the stream
+                # it wraps gives back its run now, not when collected.
+                await close()
             # A stream the client left half-way was not a reply: release the key.
             if complete:
                 await self._finish(status, b"".join(sent), headers)

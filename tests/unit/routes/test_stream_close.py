@@ -26,8 +26,9 @@ BODIES = {
 }
 
 
+@pytest.mark.parametrize("key", [None, b"once"], ids=["", "idempotency-key"])
 @pytest.mark.parametrize("path", list(BODIES))
-def test_a_client_gone_during_a_paused_write_ends_its_run_at_once(tmp_path, path):
+def test_a_client_gone_during_a_paused_write_ends_its_run_at_once(tmp_path, path, key):
     async def go() -> int:
         engine = ScriptedEngine(tuple(f"w{i} " for i in range(400)), delay_s=0.01)
         built, _ = make_app(tmp_path, engine=engine)
@@ -36,7 +37,8 @@ def test_a_client_gone_during_a_paused_write_ends_its_run_at_once(tmp_path, path
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
                  "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
                  "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1"),
-                             (b"anthropic-version", b"2023-06-01")],
+                             (b"anthropic-version", b"2023-06-01"),
+                             *([(b"idempotency-key", key)] if key else [])],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8080), "root_path": "", "state": {}}
         asked = False
         gone = asyncio.Event()
