@@ -640,8 +640,18 @@ class Scheduler:
         keeps both sequences from being reused. Re-evaluate the copy's last
         token to run that decode."""
         n = 0
+        emptied: list[int] = []
         for r in self.cache.unsettled_copies():
             if not r.tokens:
+                # Discarded before its copy ran (a fault in its placement):
+                # llama.cpp still holds the copy, and would run it at the
+                # next decode over whatever is restored here meanwhile
+                # (wrong output). Any decode runs it: a throwaway token on
+                # the empty target, cleared after. (It was skipped, and the
+                # copy counted as done with no decode.)
+                self._tok[n], self._pos[n], self._seq[n], self._logits[n] = 0, 0, r.seq, 0
+                emptied.append(r.seq)
+                n += 1
                 continue
             pos = len(r.tokens) - 1
             self.runtime.kv.trim(r.seq, pos)
@@ -651,6 +661,8 @@ class Scheduler:
             self._batch.batch.n_tokens = n
             self._decode_threads()
             rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
+            for seq in emptied:
+                self.runtime.kv.clear(seq)
             if rc != 0:
                 for r in self.cache.unsettled_copies():
                     self.cache.discard(r.seq)

@@ -72,3 +72,49 @@ def test_cell_copy_and_stream_copy_leave_the_same_kv(rig):
     decode(ctx, batch, kv, 3, PROMPT[:keep], 0)
     cold = decode(ctx, batch, kv, 3, nxt, keep)
     assert int(by_cells.argmax()) == int(cold.argmax()) and float(np.abs(by_cells - cold).max()) < 0.05
+
+
+def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_reuse(rig):
+    """A whole-stream copy is done by llama.cpp at the next decode. When its
+    target was discarded first (a fault while placing the request that
+    asked for it), ``Scheduler._settle_copies`` skipped it and counted the
+    copy as done with no decode: a state restored into that sequence next
+    was overwritten by the copy at the next decode, and the model continued
+    another prompt's KV (its next logits off by 8; the argmax another
+    token). Here the real method runs over the real context."""
+    from types import SimpleNamespace
+
+    from lmspd.engines.llama.scheduler import Batch, Scheduler
+
+    ctx, model, batch = rig
+    kv = SequenceKv(ctx, model, swa_full=False)
+    for seq in range(4):
+        kv.clear(seq)
+    other = [1, *range(400, 460)]
+    decode(ctx, batch, kv, 3, other, 0)
+    state = kv.capture(3)
+    expected = decode(ctx, batch, kv, 3, [5, 6], len(other))
+    kv.clear(3)
+
+    decode(ctx, batch, kv, 0, PROMPT, 0)
+    kv.n_ctx = 4 * len(PROMPT) - 1  # as if the source filled most of the window: a whole-stream copy
+    kv.copy(0, 1, 80)
+    assert 1 in kv._stream_copies_into
+    kv.clear(1)  # the placement failed: its target discarded, the copy still queued in llama.cpp
+
+    settle_batch = Batch(128)
+    target = SimpleNamespace(seq=1, tokens=[])
+    scheduler = SimpleNamespace(
+        cache=SimpleNamespace(unsettled_copies=lambda: [target], decoded=lambda: None,
+                              discard=lambda seq: None),
+        runtime=SimpleNamespace(kv=kv), _batch=settle_batch, _ctx=ctx, _decode_threads=lambda: None,
+        _tok=settle_batch.tok, _pos=settle_batch.pos, _seq=settle_batch.seq, _logits=settle_batch.logits)
+    try:
+        Scheduler._settle_copies(scheduler)  # type: ignore[arg-type]
+    finally:
+        settle_batch.free()
+    assert kv.n_tokens(1) == 0, "the throwaway token is gone again"
+
+    assert kv.restore(1, state)
+    got = decode(ctx, batch, kv, 1, [5, 6], len(other))
+    assert int(got.argmax()) == int(expected.argmax()) and float(np.abs(got - expected).max()) < 0.05
