@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lmspd.bodies import decoded, read_json_body
+from lmspd import idempotency
+from lmspd.bodies import JsonBody, decoded, read_json_body
 from lmspd.core.conversation import Conversation
 from lmspd.core.errors import ApiError
 from lmspd.core.ids import new_id
@@ -26,7 +27,8 @@ from lmspd.core.run import RunContext
 from lmspd.dialects import anthropic_messages, chat_completions
 from lmspd.dialects.fields import FieldNames
 from lmspd.dialects.session import agent_lineage, session_key
-from lmspd.http import app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
+from lmspd.http import LmspdApp, app_state, json_reply, principal, run_to_end, sse_reply, unless_disconnected
+from lmspd.idempotency import Reply
 from lmspd.service import Run, RunStream, Service
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.streaming.sse import SSE_DONE, dumps, sse_event
@@ -86,24 +88,31 @@ async def chat_create(request: Request) -> Response:
     app = app_state(request)
     who = principal(request, "responses:write")
     body = await read_json_body(request, app.limits)
+    # At most once per Idempotency-Key and credential, as every POST that
+    # generates (a retry replays the first reply); the header was ignored here.
+    return await idempotency.once(app.store, app.calls, who.owner, request, body.value,
+                                  lambda: _chat(request, app, who.owner, body))
+
+
+async def _chat(request: Request, app: LmspdApp, owner: str, body: JsonBody) -> Reply:
     req = await decoded(body, lambda raw: chat_completions.decode_request(raw, app.limits))
     # The client's session header (``lmspd.dialects.session``): cache affinity.
-    run_context = RunContext(owner=who.owner, session_key=session_key(request.headers))
+    run_context = RunContext(owner=owner, session_key=session_key(request.headers))
     run = await _begin(app.service, req.conversation, run_context, req.field_names)
     state = ResponseState(id=new_id("chatcmpl"), model=req.conversation.model)
     encoder = chat_completions.ChatEncoder(include_usage=req.include_usage)
     session = StreamSession(state, encoder)
     if not await _open(request, run, req.field_names):
-        return Response(status_code=499)
+        return Reply(Response(status_code=499))
     if req.stream:
         # Chat Completions streams are data-only frames.
-        return sse_reply(_frames(run.events(session), lambda name, data: sse_event(None, data),
-                                 lambda: encoder.trailer(state), SSE_DONE),
-                         keepalive_s=app.settings.limits.sse_keepalive_s)
+        return Reply(sse_reply(_frames(run.events(session), lambda name, data: sse_event(None, data),
+                                       lambda: encoder.trailer(state), SSE_DONE),
+                               keepalive_s=app.settings.limits.sse_keepalive_s))
     if not await run_to_end(request, run.events(session)):
-        return Response(status_code=499)
+        return Reply(Response(status_code=499))
     _raise_unless_answered(state)
-    return json_reply(chat_completions.completion_json(state))
+    return Reply(json_reply(chat_completions.completion_json(state)))
 
 
 # -- Anthropic Messages ----------------------------------------------------------
@@ -137,10 +146,15 @@ async def messages_create(request: Request) -> Response:
     app = app_state(request)
     who = principal(request, "responses:write")
     body = await read_json_body(request, app.limits)
+    return await idempotency.once(app.store, app.calls, who.owner, request, body.value,
+                                  lambda: _messages(request, app, who.owner, body))
+
+
+async def _messages(request: Request, app: LmspdApp, owner: str, body: JsonBody) -> Reply:
     req = await decoded(body, lambda raw: anthropic_messages.decode_request(raw, app.limits))
     # The client's session and agent (``lmspd.dialects.session``): cache affinity.
     agent, parent = agent_lineage(request.headers)
-    run_context = RunContext(owner=who.owner, session_key=session_key(request.headers), agent_id=agent,
+    run_context = RunContext(owner=owner, session_key=session_key(request.headers), agent_id=agent,
                              parent_agent_id=parent)
     run = await _begin(app.service, req.conversation, run_context, req.field_names)
     # message_start reports the prompt size before the prefill says how much was reused.
@@ -149,14 +163,14 @@ async def messages_create(request: Request) -> Response:
     encoder = anthropic_messages.AnthropicEncoder()
     session = StreamSession(state, encoder)
     if not await _open(request, run, req.field_names):
-        return Response(status_code=499)
+        return Reply(Response(status_code=499))
     if req.stream:
-        return sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)),
-                         keepalive_s=app.settings.limits.sse_keepalive_s)
+        return Reply(sse_reply(_frames(run.events(session), sse_event, lambda: encoder.trailer(state)),
+                               keepalive_s=app.settings.limits.sse_keepalive_s))
     if not await run_to_end(request, run.events(session)):
-        return Response(status_code=499)
+        return Reply(Response(status_code=499))
     _raise_unless_answered(state)
-    return json_reply(anthropic_messages.message_json(state))
+    return Reply(json_reply(anthropic_messages.message_json(state)))
 
 
 async def messages_count_tokens(request: Request) -> Response:

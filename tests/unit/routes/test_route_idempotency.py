@@ -128,3 +128,21 @@ def test_concurrent_first_attempts_run_once(tmp_path):
         for t in threads:
             t.join()
         assert sorted(codes) == [200, 409, 409, 409] and app.generations() == 1
+
+
+def test_chat_completions_and_messages_keep_their_keys_too(app, http):
+    """DESIGN: a POST with an Idempotency-Key runs at most once per key and
+    credential. These two ignored the header: a client's retry generated
+    again (a second reply, a second charge of the model's time)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    messages = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for path, sent in (("/v1/chat/completions", chat), ("/v1/messages", messages)):
+        before = app.generations()
+        k = key()
+        first = http.post(path, json=sent, headers=k)
+        again = http.post(path, json=sent, headers=k)
+        assert first.status_code == again.status_code == 200, first.text
+        assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+        assert app.generations() == before + 1, path
+        streamed = http.post(path, json={**sent, "stream": True}, headers=key())
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
