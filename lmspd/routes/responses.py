@@ -310,8 +310,14 @@ async def openai_compact(request: Request) -> Response:
     app = app_state(request)
     who = principal(request, "responses:write")
     raw = await read_json_object(request, app.limits)
-    body = await compaction.compact(app, who.owner, OPENAI, raw, StoredContext(app.store, who.owner, app.sealer))
-    return await json_reply_off_loop(lambda: body)
+
+    async def compact() -> Reply:
+        body = await compaction.compact(app, who.owner, OPENAI, raw, StoredContext(app.store, who.owner, app.sealer))
+        return Reply(await json_reply_off_loop(lambda: body))
+
+    # At most once per Idempotency-Key and credential, as every POST that
+    # generates (the summary is a generation); the header was ignored here.
+    return await idempotency.once(app.store, app.calls, who.owner, request, raw, compact)
 
 
 async def openai_input_tokens(request: Request) -> Response:

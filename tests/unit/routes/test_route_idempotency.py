@@ -146,3 +146,16 @@ def test_chat_completions_and_messages_keep_their_keys_too(app, http):
         assert app.generations() == before + 1, path
         streamed = http.post(path, json={**sent, "stream": True}, headers=key())
         assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+
+
+def test_a_compaction_keeps_its_key(app, http):
+    """A compaction writes a summary (a generation): a retry with its key
+    replays it instead of generating again, as every such POST does."""
+    k = key()
+    sent = {"model": MODEL, "input": "a long story"}
+    before = app.generations()
+    first = http.post("/v1/responses/compact", json=sent, headers=k)
+    again = http.post("/v1/responses/compact", json=sent, headers=k)
+    assert first.status_code == again.status_code == 200, first.text
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert app.generations() == before + 1
