@@ -259,12 +259,9 @@ class Connection:
         unwinding = None
         if self._turn is not None and not self._turn.done():
             if not self._turn_ended:
-                lane = None
-                with contextlib.suppress(ApiError):
-                    lane = _stream_id(frame)
                 await self._error(ApiError("concurrent_request", "A response is already in progress on this "
                                            "connection; wait for its terminal event before the next "
-                                           "response.create."), lane)
+                                           "response.create."), _lane(frame))
                 return
             # Its terminal event is out (the client may go on at once; it was
             # refused while the turn closed its provider stream): this one
@@ -286,11 +283,8 @@ class Connection:
             log.exception("websocket turn failed")
             self._evict(frame.get("previous_response_id"))
             if not self._turn_ended:
-                lane = None
-                with contextlib.suppress(ApiError):
-                    lane = _stream_id(frame)
                 with contextlib.suppress(Exception):
-                    await self._error(ApiError("server_error", "Internal server error."), lane)
+                    await self._error(ApiError("server_error", "Internal server error."), _lane(frame))
 
     async def _turn_body(self, frame: dict[str, Any], *, small: bool) -> None:
         body = {k: v for k, v in frame.items() if k not in ("type", "generate", "stream_id", *_AGREEING, *_DROPPED)}
@@ -401,6 +395,14 @@ class Connection:
                 self._gone = True
             finally:
                 self._frames.task_done()
+
+
+def _lane(frame: dict[str, Any]) -> str | None:
+    """The frame's lane for an error about it; None where the lane itself is invalid."""
+    try:
+        return _stream_id(frame)
+    except ApiError:
+        return None
 
 
 def _stream_id(frame: dict[str, Any]) -> str | None:
