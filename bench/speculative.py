@@ -58,7 +58,11 @@ picked; the sampler still runs (its cost stays), and a draft is kept while
 it matches the recorded text. Auto and off then decode the same text
 (``same`` is every round by construction), with real costs: the drafting
 alone is compared. ``bench/specstep.py`` does the same with modelled costs
-and no server.
+and no server. llama.cpp's server cannot replay a text, so there ``llama=``
+is held to off's text by a grammar whose only sentence is that text (its
+sampler still runs, and checks each pick against the grammar); ``llama``
+is skipped, and ``llama=0`` (the same server without speculation) shows
+what the grammar costs it against ``off``.
 
   python bench/speculative.py                       # everything, bundled model
   python bench/speculative.py --model M.gguf --scenarios edit,chat --threads 8
@@ -273,14 +277,30 @@ class LmspdPrompts:
         return self._known[key]
 
 
+def literal_grammar(text: str) -> str:
+    """A GBNF grammar whose only sentence is ``text``: llama.cpp's sampler
+    then takes ``text`` (its tokens: the model picks among the tokenizations
+    of it, nearly always the one it would have written), whatever it would
+    have picked, as ``--fixed-text``'s replay does in lmspd."""
+    escaped = "".join({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c)
+                      or (f"\\x{ord(c):02X}" if ord(c) < 0x20 else c) for c in text)
+    return f'root ::= "{escaped}"\n'
+
+
+FIXED = "_fixed_text"  # a body's key (not sent) with the text llama.cpp's server is held to
+
+
 def stream_llama_same(client: httpx.Client, url: str, body: dict[str, Any], prompt: list[int]) -> Run:
     """``body`` as lmspd's prompt tokens to llama.cpp's ``/completion``,
-    sampled as ``chat_body`` samples it (temperature and seed only)."""
+    sampled as ``chat_body`` samples it (temperature and seed only); held to
+    ``body[FIXED]`` by a grammar when the body has one."""
     run = Run(input_tokens=len(prompt))
     req: dict[str, Any] = {"prompt": prompt, "n_predict": body["max_output_tokens"],
                            "temperature": body["temperature"], "stream": True, "cache_prompt": True}
     if body.get("seed") is not None:
         req["seed"] = body["seed"]
+    if body.get(FIXED) is not None:
+        req["grammar"] = literal_grammar(body[FIXED])
     t0 = time.perf_counter()
     for _name, raw in post_sse(client, url + "/completion", req, LLAMA_HEADERS):
         data = json.loads(raw)
@@ -316,7 +336,7 @@ def one_round(kind: str, client: httpx.Client, url: str, bodies: list[dict[str, 
     def one(i: int, body: dict[str, Any]) -> None:
         if kind == "llama=":  # lmspd's prompt (seedless: the seed is not rendered)
             assert prompts is not None
-            prompt = prompts.tokens(body)
+            prompt = prompts.tokens({k: v for k, v in body.items() if k != FIXED})
             if seed is not None and body.get("temperature"):
                 body = seeded(kind, body, seed + 10 * r + i)
             runs[i] = stream_llama_same(client, url, body, prompt)
@@ -331,13 +351,6 @@ def one_round(kind: str, client: httpx.Client, url: str, bodies: list[dict[str, 
     for t in threads:
         t.join()
     return [x for x in runs if x is not None]
-
-
-def measure(kind: str, url: str, bodies: list[dict[str, Any]], rounds: int,
-            seed: int | None = None, prompts: LmspdPrompts | None = None) -> list[list[Run]]:
-    """Each body once to warm the cache, then ``rounds`` times. Returns runs by round."""
-    with httpx.Client(timeout=600) as client:
-        return [one_round(kind, client, url, bodies, r, seed, prompts) for r in range(rounds + 1)][1:]
 
 
 def measure_alternating(urls: dict[str, str], bodies: list[dict[str, Any]], rounds: int,
@@ -466,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed-text", action="store_true",
                     help="every request for a prompt takes the tokens its first (off) took: auto and off decode "
                          "the same text; implies --off-in-auto")
+    ap.add_argument("--llama-shared-pool", action="store_true",
+                    help="llama.cpp's server: one process for all rounds (its n-gram pool then holds the earlier "
+                         "rounds' answers); default: a fresh one per round, drafting from the request alone")
     add_gpu_arguments(ap)
     args = ap.parse_args(argv)
     args.off_in_auto = args.off_in_auto or args.fixed_text
@@ -544,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     if "llama=" in llama_modes:
         print(f"llama= = the same server on lmspd's prompt tokens (/completion), with the best of its n-gram modes "
               f"that way: {llama_modes['llama=']}")
+        if args.fixed_text:
+            print("  held to off's text by a grammar (--fixed-text); llama=0: the same without speculation")
     print(head)
     for scenario in scenarios:
         for temp in temps:
@@ -603,42 +621,89 @@ def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps
     scenario then runs with its fastest mode (they differ: on one run
     ``ngram_map_k`` drafted nothing on ``fenced`` and was the best on
     ``edit``), every other scenario with the first probed one's. Returns
-    the mode used by way and scenario."""
+    the mode used by way and scenario.
+
+    With ``--fixed-text``, ``llama=`` is held to off's text by a grammar
+    (``literal_grammar``), so that it decodes the text auto and off did;
+    ``llama`` is skipped (another prompt: no text to hold it to), and
+    ``llama=0`` is ``llama=`` without speculation, the grammar's own cost
+    seen against off."""
     prompts = LmspdPrompts(model)
-    ways = {"llama": [s for s in scenarios if s != "patch"],  # no custom tools with a Lark grammar
+    probe_temp = 0.0 if 0.0 in temps or not args.fixed_text else temps[0]
+
+    def held(scenario: str, temp: float) -> list[dict[str, Any]]:
+        out = bodies(scenario, temp, "llama")
+        off = results.get((scenario, temp, "off"))
+        if args.fixed_text and off and off["texts"]:
+            out = [{**b, FIXED: text} for b, text in zip(out, off["texts"][0], strict=True)]
+        return out
+
+    def rounds_of(mode: str, way: str, scenario: str, temp: float, rounds: int) -> Summary:
+        return summary(fresh_rounds(args, model, work / f"llama-{mode}.log", mode, way.rstrip("0"),
+                                    held(scenario, temp), rounds, seed, prompts))
+
+    ways = {"llama": [s for s in scenarios if s != "patch" and not args.fixed_text],  # no custom tools with a Lark grammar
             "llama=": [s for s in scenarios if s in SAME_PROMPT]}
     ways = {way: todo for way, todo in ways.items() if todo}
     probes = {way: [s for s in todo if s in PROBED] or todo[:1] for way, todo in ways.items()}
     best: dict[tuple[str, str], tuple[str, float]] = {
         (way, probe): (args.llama_mode or NGRAM_MODES[0], -1.0) for way in ways for probe in probes[way]}
     for mode in NGRAM_MODES if not args.llama_mode else ():  # else chosen by an earlier run
-        srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-{mode}.log", parallel=4,
-                               speculative=mode).start()
-        try:
-            for way, probe in best:
-                got = summary(measure(way, srv.url, bodies(probe, 0.0, "llama"), 1, prompts=prompts))
-                print(f"  llama.cpp {mode} ({way}): {probe} t=0 {fmt(got['tps'])} tok/s, drafts {got['acceptance']}",
-                      flush=True)
-                if (got["tps"] or 0) > best[(way, probe)][1]:
-                    best[(way, probe)] = (mode, got["tps"] or 0)
-        finally:
-            srv.stop()
+        for way, probe in best:
+            got = rounds_of(mode, way, probe, probe_temp, 1)
+            print(f"  llama.cpp {mode} ({way}): {probe} t={probe_temp} {fmt(got['tps'])} tok/s, "
+                  f"drafts {got['acceptance']}", flush=True)
+            if (got["tps"] or 0) > best[(way, probe)][1]:
+                best[(way, probe)] = (mode, got["tps"] or 0)
     modes = {way: {s: best[(way, s if (way, s) in best else probes[way][0])][0] for s in todo}
              for way, todo in ways.items()}
-    for mode in dict.fromkeys(m for by in modes.values() for m in by.values()):
-        srv = xllamacpp_server(model, args.ctx, args.threads, 512, work / f"llama-best-{mode}.log", parallel=4,
-                               speculative=mode).start()
+    if args.fixed_text and "llama=" in ways:
+        modes["llama=0"] = {s: "none" for s in ways["llama="]}
+    for way, by in modes.items():
+        for scenario, mode in by.items():
+            for temp in temps:
+                results[(scenario, temp, way)] = rounds_of(mode, way, scenario, temp, args.rounds)
+                print(f"  {way:<7} {scenario:<6} t={temp} ({mode}): {show(results[(scenario, temp, way)])}",
+                      flush=True)
+    return modes
+
+
+def fresh_rounds(args: argparse.Namespace, model: Path, log: Path, mode: str, kind: str,
+                 bodies: list[dict[str, Any]], rounds: int, seed: int | None,
+                 prompts: LmspdPrompts) -> list[list[Run]]:
+    """``rounds`` rounds of ``bodies`` on llama.cpp's server with n-gram
+    ``mode`` (``none``: without), each round on a server of its own whose
+    prompt cache a 1-token request of each body warmed. Its n-gram pool
+    outlives a request (``ngram_mod``'s is shared by all slots and
+    requests, by design; ``ngram_map_k`` keeps its own record): on one
+    server, the same request on lmspd's ``edit`` prompt drafted nothing,
+    then 64 tokens (25 kept), then 128 (68 kept), and 128 of 128 kept when
+    held to one text. That is recall of the earlier answers to the same
+    request, which lmspd does not have: it drafts from the request's own
+    tokens (and so does llama.cpp's pool on a fresh server: the prompt's
+    n-grams and the output's). ``--llama-shared-pool``: one server for all
+    rounds, warmed by a whole first round (the measurement before this)."""
+    def server() -> Any:
+        return xllamacpp_server(model, args.ctx, args.threads, 512, log, parallel=4,
+                                speculative=None if mode == "none" else mode).start()
+
+    if args.llama_shared_pool:
+        srv = server()
         try:
-            for way, by in modes.items():
-                for scenario in (s for s, m in by.items() if m == mode):
-                    for temp in temps:
-                        results[(scenario, temp, way)] = summary(
-                            measure(way, srv.url, bodies(scenario, temp, "llama"), args.rounds, seed, prompts))
-                        print(f"  {way:<6} {scenario:<6} t={temp} ({mode}): {show(results[(scenario, temp, way)])}",
-                              flush=True)
+            with httpx.Client(timeout=600) as client:
+                return [one_round(kind, client, srv.url, bodies, r, seed, prompts) for r in range(rounds + 1)][1:]
         finally:
             srv.stop()
-    return modes
+    out: list[list[Run]] = []
+    for r in range(1, rounds + 1):
+        srv = server()
+        try:
+            with httpx.Client(timeout=600) as client:
+                one_round(kind, client, srv.url, [{**b, "max_output_tokens": 1} for b in bodies], 0, None, prompts)
+                out.append(one_round(kind, client, srv.url, bodies, r, seed, prompts))
+        finally:
+            srv.stop()
+    return out
 
 
 def _serve_fixed_text(argv: list[str]) -> int:

@@ -7,6 +7,9 @@ there that it misses fails here, not in a later session's bench run."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -53,3 +56,41 @@ def test_past_the_recorded_text_the_sampler_picks_again(srv):
     longer, body = reply(srv, seed=2, speculative=False, input=prompt, max_output_tokens=24)
     assert longer.startswith(first) and len(longer) > len(first)
     assert body["usage"]["output_tokens"] > 8
+
+
+# llama.cpp's side of --fixed-text: its server cannot replay tokens, so the
+# bench holds it to off's text with a grammar whose only sentence is that
+# text (``literal_grammar``). Run in a child process: the benchmark puts
+# bench/ first on sys.path, whose modules would shadow others here.
+HELD = 'def total(items):\n\treturn sum(i["price"] for i in items)  # "\\" é\n'
+HOLD_SCRIPT = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import httpx, speculative as sp
+from _common import bundled_model_path, xllamacpp_server
+held = sys.argv[2]
+srv = xllamacpp_server(bundled_model_path(), 1024, 2, 512, Path(sys.argv[3]), speculative="ngram_simple").start()
+try:
+    with httpx.Client(timeout=120) as client:
+        prompt = client.post(srv.url + "/tokenize", json={"content": "Write a Python function."}).json()["tokens"]
+        def text(seed, fixed):
+            body = {"max_output_tokens": 48, "temperature": 1.0, "seed": seed, **({sp.FIXED: held} if fixed else {})}
+            return sp.stream_llama_same(client, srv.url, body, prompt).text
+        print(json.dumps({"held": [text(s, True) for s in (1, 2)], "free": [text(s, False) for s in (1, 2)]}))
+finally:
+    srv.stop()
+"""
+
+
+def test_llama_cpps_server_is_held_to_the_recorded_text_by_its_grammar(tmp_path):
+    pytest.importorskip("xllamacpp")
+    done = subprocess.run([sys.executable, "-c", HOLD_SCRIPT, str(BENCH.parent), HELD, str(tmp_path / "llama.log")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # Quotes, a backslash, a tab, a newline and a non-ASCII letter all survive
+    # the grammar's escaping, at temperature 1 with either seed.
+    assert got["held"] == [HELD, HELD]
+    # Without the grammar the same requests write something else.
+    assert all(text != HELD for text in got["free"]) and got["free"][0] != got["free"][1]
