@@ -6,9 +6,13 @@ prompt's prefix matches the KV (or a disk checkpoint) even after a restart or
 on another instance with the same key. AES-256-GCM: opaque to the client and
 authenticated, so a tampered blob is rejected, never rendered.
 
-A blob is bound to the model and to the credential (owner) it was issued
-to: the AEAD's associated data names both, so another key's blob (or one
-replayed against another model) fails authentication like a tampered one.
+A blob is bound to the credential (owner) it was issued to: the AEAD's
+associated data names it, so another key's blob fails authentication like
+a tampered one. The model it was sealed for is inside: replayed to another
+model (a client that switched models mid-conversation), it opens to
+nothing, and that turn renders without hidden reasoning, as a visible-only
+replay does; it is not another model's to render, and refusing it failed
+every later turn of the conversation.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from lmspd.core.errors import ApiError
 from lmspd.core.files import private_dir, private_file
 
-# l2: bound to model and owner (l1 blobs, bound to the model only, no longer open).
+# l2: bound to model and owner (l1 blobs, bound to the model only, no longer
+# open); still what compaction items (``seal_value``) are, and still opened.
 _VERSION = b"l2"
+# l3: reasoning bound to its owner, with its model inside (``seal``).
+_REASONING = b"l3"
 
 
 class Sealer:
@@ -91,13 +98,13 @@ class Sealer:
             head = base64.urlsafe_b64decode(blob[:4].encode())
         except ValueError:  # binascii.Error, and non-ASCII text, included
             return False
-        return head.startswith(_VERSION)
+        return head.startswith((_VERSION, _REASONING))
 
     def seal(self, model: str, hidden: str, owner: str = "local") -> str:
         nonce = os.urandom(12)
-        plain = json.dumps({"hidden": hidden}, ensure_ascii=False).encode()
-        sealed = self._aead.encrypt(nonce, plain, _bound_to(model, owner))
-        return base64.urlsafe_b64encode(_VERSION + nonce + sealed).decode()
+        plain = json.dumps({"hidden": hidden, "model": model}, ensure_ascii=False).encode()
+        sealed = self._aead.encrypt(nonce, plain, _owner_bound(owner))
+        return base64.urlsafe_b64encode(_REASONING + nonce + sealed).decode()
 
     def seal_value(self, purpose: str, value: dict[str, Any], owner: str = "local") -> str:
         """Any other server-made blob a client carries (a compaction's
@@ -125,14 +132,26 @@ class Sealer:
                 param=param,
             ) from None
 
-    def open(self, model: str, blob: str, param: str, owner: str = "local") -> str:
+    def open(self, model: str, blob: str, param: str, owner: str = "local") -> str | None:
+        """The hidden reasoning in ``blob``, or None where ``owner``'s blob
+        was sealed for another model (``seal``). Refused (400, naming
+        ``param``) where it does not open: altered, or another key's."""
         try:
             raw = _unb64(blob)
-            if not raw.startswith(_VERSION):
+            version, nonce, sealed = raw[:2], raw[2:14], raw[14:]
+            if version == _REASONING:
+                value = json.loads(self._aead.decrypt(nonce, sealed, _owner_bound(owner)))
+                hidden, sealed_for = value["hidden"], value["model"]
+                if not isinstance(hidden, str) or not isinstance(sealed_for, str):
+                    raise ValueError("not a reasoning blob")
+                return hidden if sealed_for == model else None
+            if version != _VERSION:
                 raise ValueError("unknown version")
-            nonce, sealed = raw[2:14], raw[14:]
-            plain = self._aead.decrypt(nonce, sealed, _bound_to(model, owner))
-            hidden: str = json.loads(plain)["hidden"]
+            # An l2 blob names its model only in the associated data: another
+            # model's fails like another key's.
+            hidden = json.loads(self._aead.decrypt(nonce, sealed, _bound_to(model, owner)))["hidden"]
+            if not isinstance(hidden, str):
+                raise ValueError("not a reasoning blob")
             return hidden
         except (ValueError, InvalidTag, KeyError, TypeError):
             raise ApiError(
@@ -158,6 +177,11 @@ def _bound_to(model: str, owner: str) -> bytes:
     # Length-prefixed, so that no (model, owner) pair can spell another's.
     m, o = model.encode(), owner.encode()
     return _VERSION + len(m).to_bytes(4, "big") + m + o
+
+
+def _owner_bound(owner: str) -> bytes:
+    # The version first keeps these apart from l2's associated data.
+    return _REASONING + b"reasoning:" + owner.encode()
 
 
 def _purpose_bound(purpose: str, owner: str) -> bytes:

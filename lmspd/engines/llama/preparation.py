@@ -348,9 +348,9 @@ class Preparation:
         return dataclasses.replace(conversation, items=fit.items), fit.text, fit.tokens
 
     def _open_sealed_reasoning(self, conversation: Conversation, owner: str) -> Conversation:
-        """Replayed reasoning this server sealed renders exactly as sampled:
-        ``conversation`` with each such item's ``hidden`` text opened (in a
-        copy of the item: the decoded one is not written)."""
+        """Replayed reasoning this server sealed for this model renders
+        exactly as sampled: ``conversation`` with each such item's ``hidden``
+        text opened (in a copy of the item: the decoded one is not written)."""
         opened: list[Item] | None = None
         for i, item in enumerate(conversation.items):
             if isinstance(item, Reasoning) and item.encrypted_content:
@@ -362,6 +362,8 @@ class Preparation:
                     continue
                 hidden = self.sealer.open(self.model_id, item.encrypted_content,
                                           f"input[{i}].encrypted_content", owner=owner)
+                if hidden is None:
+                    continue  # sealed for another model: rendered without it, as above
                 if opened is None:
                     opened = list(conversation.items)
                 opened[i] = dataclasses.replace(item, hidden=hidden)

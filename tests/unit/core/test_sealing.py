@@ -13,22 +13,66 @@ from lmspd.core.errors import ApiError
 from lmspd.core.sealing import Sealer
 
 
-def test_a_blob_opens_only_for_its_model_and_owner(tmp_path) -> None:
+def test_a_blob_opens_only_for_its_owner_and_gives_its_reasoning_only_to_its_model(tmp_path) -> None:
     sealer = Sealer.from_data_dir(tmp_path)
     blob = sealer.seal("m", "secret thoughts", owner="key_alice")
     assert sealer.open("m", blob, "input[0].encrypted_content", owner="key_alice") == "secret thoughts"
-    for model, owner in (("m", "key_bob"), ("m", "local"), ("other", "key_alice")):
+    for owner in ("key_bob", "local", "key_alic", "key_alicee"):
         with pytest.raises(ApiError) as info:
-            sealer.open(model, blob, "input[0].encrypted_content", owner=owner)
+            sealer.open("m", blob, "input[0].encrypted_content", owner=owner)
         assert info.value.status == 400 and info.value.param == "input[0].encrypted_content"
         assert "secret" not in info.value.message
-    # The (model, owner) binding cannot be shifted between its two parts.
-    blob = sealer.seal("ab", "x", owner="c")
+    # Its owner replaying it to another model (a client that switched
+    # models): it opens, to nothing for that model.
+    assert sealer.open("other", blob, "input[0].encrypted_content", owner="key_alice") is None
+    assert sealer.open("m ", blob, "p", owner="key_alice") is None
+    # Another key's blob for another model is still another key's.
     with pytest.raises(ApiError):
-        sealer.open("a", blob, "p", owner="bc")
+        sealer.open("other", blob, "p", owner="key_bob")
     # The same key file opens it after a restart.
-    assert Sealer.from_data_dir(tmp_path).open("ab", blob, "p", owner="c") == "x"
+    assert Sealer.from_data_dir(tmp_path).open("m", blob, "p", owner="key_alice") == "secret thoughts"
 
+
+def _l2_blob(sealer: Sealer, model: str, hidden: str, owner: str) -> str:
+    """A reasoning blob as lmspd sealed them before l3 (bound to model and owner)."""
+    import base64
+    import json
+    import os
+
+    from lmspd.core import sealing
+
+    nonce = os.urandom(12)
+    plain = json.dumps({"hidden": hidden}).encode()
+    sealed = sealer._aead.encrypt(nonce, plain, sealing._bound_to(model, owner))
+    return base64.urlsafe_b64encode(b"l2" + nonce + sealed).decode()
+
+
+def test_a_blob_sealed_before_l3_still_opens_for_its_model_and_owner(tmp_path) -> None:
+    """A conversation carried across the upgrade: its earlier turns' blobs
+    (l2) name their model only in the associated data, so another model's
+    is refused like another key's, as it was."""
+    sealer = Sealer.from_data_dir(tmp_path)
+    blob = _l2_blob(sealer, "m", "old thoughts", "key_alice")
+    assert Sealer.sealed_by_lmspd(blob)
+    assert sealer.open("m", blob, "p", owner="key_alice") == "old thoughts"
+    for model, owner in (("m", "key_bob"), ("other", "key_alice")):
+        with pytest.raises(ApiError):
+            sealer.open(model, blob, "p", owner=owner)
+    # The (model, owner) binding cannot be shifted between its two parts.
+    shifted = _l2_blob(sealer, "ab", "x", "c")
+    with pytest.raises(ApiError):
+        sealer.open("a", shifted, "p", owner="bc")
+
+
+def test_no_other_blob_of_this_key_opens_as_reasoning(tmp_path) -> None:
+    """A compaction item's blob (``seal_value``), replayed as reasoning, is
+    refused: the two are sealed under different associated data."""
+    sealer = Sealer.from_data_dir(tmp_path)
+    value = sealer.seal_value("compaction", {"hidden": "h", "model": "m"}, owner="o")
+    with pytest.raises(ApiError):
+        sealer.open("m", value, "p", owner="o")
+    with pytest.raises(ApiError):
+        sealer.open_value("compaction", sealer.seal("m", "h", owner="o"), "p", owner="o")
 
 
 def test_a_server_that_makes_the_key_while_another_does_both_end_with_the_first_key(tmp_path, monkeypatch) -> None:

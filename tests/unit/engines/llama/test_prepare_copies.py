@@ -61,3 +61,24 @@ def test_opened_reasoning_is_a_copy(preparation, monkeypatch, tmp_path):
     opened = preparation._open_sealed_reasoning(conversation, "key_alice")
     assert sealed.hidden is None and conversation.items[1] is sealed
     assert opened.items[1].hidden == "the hidden text" and opened.items[0] is conversation.items[0]
+
+
+def test_reasoning_sealed_for_another_model_renders_without_it(preparation, monkeypatch, tmp_path):
+    """A client that switched models mid-conversation replays the first
+    model's sealed reasoning to the second: the turn renders as a visible-only
+    replay (it was a 400 on every later turn). Another key's blob is still
+    refused."""
+    from lmspd.core.errors import ApiError
+
+    sealer = Sealer.from_data_dir(tmp_path)
+    monkeypatch.setattr(preparation, "sealer", sealer)
+    monkeypatch.setattr(preparation, "reasoning", object())
+    assert preparation.model_id != "another-model"
+    sealed = Reasoning(summary=["Thought."],
+                       encrypted_content=sealer.seal("another-model", "its hidden text", owner="key_alice"))
+    conversation = Conversation(model="m", items=[Message("user", "Hi."), sealed, Message("assistant", "Hello.")])
+    assert preparation._open_sealed_reasoning(conversation, "key_alice") is conversation
+    assert sealed.hidden is None
+    with pytest.raises(ApiError) as info:
+        preparation._open_sealed_reasoning(conversation, "key_bob")
+    assert info.value.status == 400 and info.value.param == "input[1].encrypted_content"
