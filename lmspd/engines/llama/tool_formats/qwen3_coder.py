@@ -9,11 +9,18 @@
     </tool_call>
 
 A parameter's value is raw text (one newline after the opening tag and one
-before the closing tag are syntax); it becomes a JSON string when the
-tool's schema says the parameter is a string (or says nothing and the text
-is not JSON), else the JSON value it spells. The call's arguments stream
-one parameter at a time. A custom tool is offered as a function with one
-string parameter ``input``, whose raw value is the input.
+before the closing tag are syntax). It is typed by the JSON types the
+tool's schema admits for the parameter (``type``, a list of them, the
+members of ``anyOf``/``oneOf``, an ``enum``'s or ``const``'s values):
+where a string is admitted, the text is that string, unless it spells a
+value of another admitted type (``null`` of an optional string, ``3`` where
+a string or an integer is); where no string is, the JSON value it spells;
+where the schema says nothing, the JSON value it spells if any, else the
+string. So ``1234`` for an ``Optional[str]`` is ``"1234"``, and ``01`` of
+an enum of strings is ``"01"``. A parameter given twice is an invalid call.
+The call's arguments stream one parameter at a time. A custom tool is
+offered as a function with one string parameter ``input``, whose raw value
+is the input.
 """
 
 from __future__ import annotations
@@ -36,14 +43,59 @@ _PARAM = re.compile(r"<parameter=([^>\n]{1,256})>")
 _MAX_TAG = 300
 
 
+def _admitted(schema: Any, depth: int = 0) -> set[str]:
+    """The JSON types ``schema`` admits, as far as it says (empty: it does not)."""
+    if not isinstance(schema, dict) or depth > 4:
+        return set()
+    out: set[str] = set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        out.add(kind)
+    elif isinstance(kind, list):
+        out.update(k for k in kind if isinstance(k, str))
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        for member in members if isinstance(members, list) else ():
+            out |= _admitted(member, depth + 1)
+    values = schema.get("enum")
+    values = list(values) if isinstance(values, list) else []
+    if "const" in schema:
+        values.append(schema["const"])
+    out.update(_type_of(v) for v in values)
+    return out
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _fits(value: Any, types: set[str]) -> bool:
+    kind = _type_of(value)
+    return kind in types or (kind == "integer" and "number" in types)
+
+
 def _value(raw: str, schema: Any) -> Any:
-    types = schema.get("type") if isinstance(schema, dict) else None
-    if types == "string" or (isinstance(types, list) and types == ["string"]):
-        return raw
+    types = _admitted(schema)
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except ValueError:
+        if "boolean" in types and "string" not in types and raw.strip() in ("True", "False"):
+            return raw.strip() == "True"  # Python's spelling, as the model's training code writes it
         return raw
+    if not types or "string" not in types:
+        return value
+    # A string is admitted: the text is one, unless it spells another admitted type's value.
+    return value if not isinstance(value, str) and _fits(value, types) else raw
 
 
 class Qwen3CoderParser(ToolCallParser):
@@ -58,6 +110,7 @@ class Qwen3CoderParser(ToolCallParser):
         self._param: str | None = None
         self._count = 0
         self._payload: list[str] = []
+        self._given: set[str] = set()  # the open call's parameters so far
 
     def _run(self, final: bool) -> None:
         while True:
@@ -80,6 +133,7 @@ class Qwen3CoderParser(ToolCallParser):
                 self._buf = self._buf[m.end():]
                 self._start(tool)
                 self._count, self._payload = 0, []
+                self._given.clear()
                 self._state = "params"
             elif state == "params":
                 if not self._skip_ws():
@@ -137,6 +191,9 @@ class Qwen3CoderParser(ToolCallParser):
             self._payload.append(raw)
             self._delta(raw)
             return
+        if self._param in self._given:
+            raise ToolCallError(f"parameter {self._param!r} given twice in a call of {self._open.name!r}")
+        self._given.add(self._param)
         value = _value(raw, self._schemas.get(self._open.name, {}).get(self._param))
         piece = ("{" if self._count == 0 else ", ") + f"{dumps(self._param)}: {dumps(value)}"
         self._count += 1

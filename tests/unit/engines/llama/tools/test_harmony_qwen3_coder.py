@@ -178,3 +178,73 @@ def test_parameter_blocks_are_the_syntax_data_alone(rig) -> None:
     assert rig.accepts(json_args, before + '{"city": "Paris"}' + after)
     every = (FallbackFormat, HarmonyFormat, HermesFormat, Llama3Format, MistralFormat, Qwen3CoderFormat)
     assert [cls for cls in every if cls.param_blocks is not None] == [Qwen3CoderFormat]
+
+
+# Parameters whose schemas admit a string beside other types, or say their
+# type only through anyOf, an enum or a const: the raw text is typed by them.
+TYPED = {"type": "object", "properties": {
+    "note": {"type": ["string", "null"]},                                   # Optional[str], as pydantic writes it
+    "label": {"anyOf": [{"type": "string"}, {"type": "null"}]},             # Optional[str], anyOf
+    "code": {"enum": ["01", "02", "10"]},                                   # an enum of strings, no type
+    "level": {"enum": [1, 2, 3]},                                           # an enum of integers
+    "limit": {"type": ["integer", "string"]},
+    "flag": {"type": "boolean"},
+    "ratio": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    "mode": {"const": "fast"},
+    "free": {},
+}}
+
+
+def _typed_args(body: str) -> dict:
+    fmt = Qwen3CoderFormat(True)
+    parser = fmt.parser([FunctionTool("typed", "T", TYPED)], lambda: "c")
+    events = parser.feed(f"<tool_call>\n<function=typed>\n{body}</function>\n</tool_call>") + parser.finish()
+    (done,) = [e for e in events if isinstance(e, ToolCallDone)]
+    return json.loads(done.payload)
+
+
+@pytest.mark.parametrize("name, raw, value", [
+    ("note", "1234", "1234"), ("note", "true", "true"), ("note", "null", None), ("note", "[1]", "[1]"),
+    ("label", "1234", "1234"), ("label", "null", None),
+    ("code", "01", "01"), ("code", "10", "10"),
+    ("level", "2", 2),
+    ("limit", "5", 5), ("limit", "all", "all"), ("limit", '"5"', '"5"'),
+    ("flag", "true", True), ("flag", "False", False),
+    ("ratio", "0.5", 0.5), ("ratio", "null", None),
+    ("mode", "fast", "fast"),
+    ("free", "3", 3), ("free", "three", "three"),
+])
+def test_qwen3_coder_types_values_by_what_the_schema_admits(name: str, raw: str, value) -> None:
+    assert _typed_args(f"<parameter={name}>\n{raw}\n</parameter>\n") == {name: value}
+
+
+def test_qwen3_coder_refuses_a_parameter_given_twice() -> None:
+    """It was two keys in one JSON object ({"note": "a", "note": "b"}), which
+    the client's parser resolves as it pleases."""
+    with pytest.raises(ToolCallError, match="given twice"):
+        _typed_args("<parameter=note>\na\n</parameter>\n<parameter=note>\nb\n</parameter>\n")
+    # Per call: the next call may give it again.
+    assert _typed_args("<parameter=note>\na\n</parameter>\n") == {"note": "a"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(args=st.fixed_dictionaries({}, optional={
+    "note": st.none() | st.text(st.sampled_from(list("ab1 <>")), min_size=1, max_size=6),
+    "code": st.sampled_from(["01", "02", "10"]),
+    "level": st.sampled_from([1, 2, 3]),
+    "limit": st.integers(-5, 5) | st.text(st.sampled_from(list("ab ")), min_size=1, max_size=4),
+    "flag": st.booleans(),
+    "ratio": st.none() | st.floats(-2, 2, allow_nan=False).map(lambda f: round(f, 3)),
+}))
+def test_qwen3_coder_typed_round_trip(args: dict) -> None:
+    """What a rendered call holds, parsed back, is the arguments it was
+    rendered from: the text of a string parameter is never read as JSON
+    (except ``null`` of an optional string, which is None)."""
+    if isinstance(args.get("note"), str) and args["note"].strip() == "null":
+        return
+    fmt = Qwen3CoderFormat(True)
+    call = ToolCall("c", "typed", json.dumps(args))
+    parser = fmt.parser([FunctionTool("typed", "T", TYPED)], lambda: "c")
+    events = parser.feed(fmt.render_calls([call])) + parser.finish()
+    (done,) = [e for e in events if isinstance(e, ToolCallDone)]
+    assert json.loads(done.payload) == args
