@@ -7,9 +7,11 @@ The returned ``ProviderStream`` yields raw body bytes and turns aiohttp's
 exceptions into typed transport errors:
 
     connect refused / reset, all endpoints   UpstreamUnavailable
-    closed with no answer                    tried once more at the same endpoint
+    closed with no answer, kept-alive conn.  tried once more at the same endpoint
                                              (the keep-alive reuse race), then
                                              UpstreamConnectionLost
+    closed with no answer, new connection    UpstreamConnectionLost (a proxy may
+                                             have passed the request on)
     closed inside its status line or headers UpstreamConnectionLost (it had the
                                              request: no second generation)
     connect or header wait too slow          UpstreamTimeout
@@ -44,6 +46,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 import anyio
@@ -224,6 +227,7 @@ class ProviderClient:
                 connector=aiohttp.TCPConnector(limit=2 * self._max_connections, limit_per_host=0,
                                                keepalive_timeout=_KEEPALIVE_S),
                 headers=self._headers,
+                trace_configs=[_REUSE_SEEN],
                 # The bridge decodes the body; nothing else may touch it.
                 auto_decompress=False,
                 trust_env=False,
@@ -251,19 +255,23 @@ class ProviderClient:
                 raise UpstreamUnavailable()
             tried.append(endpoint.index)
             try:
+                attempt = _Attempt()
                 try:
-                    return await self._open_at(session, endpoint, body)
+                    return await self._open_at(session, endpoint, body, attempt)
                 except aiohttp.ServerDisconnectedError as exc:
-                    if isinstance(exc.message, RawResponseMessage):
-                        # Closed after the first bytes of an answer: the
-                        # provider had the request; sending it again would
-                        # start a second generation.
+                    if isinstance(exc.message, RawResponseMessage) or not attempt.reused:
+                        # Closed after the first bytes of an answer, or on a
+                        # connection opened for this request (a proxy that
+                        # read it and hung up): the provider may have it,
+                        # and sending it again would start a second
+                        # generation.
                         raise
-                    # Closed with no answer: most often a kept-alive
-                    # connection the provider shut just as it was reused.
-                    # Once more before calling the endpoint down (which
-                    # would move every session pinned to it).
-                    return await self._open_at(session, endpoint, body)
+                    # Closed with no answer on a kept-alive connection: the
+                    # provider shut it just as it was reused, before reading
+                    # the request. Once more (on another connection) before
+                    # calling the endpoint down (which would move every
+                    # session pinned to it).
+                    return await self._open_at(session, endpoint, body, _Attempt())
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # Nothing was sent: the next endpoint may take it.
                 self.pool.mark_down(endpoint)
@@ -280,13 +288,14 @@ class ProviderClient:
     def _least_loaded(self, tried: Sequence[int]) -> Endpoint | None:
         return min(self.pool.live(tried), key=lambda e: e.outstanding, default=None)
 
-    async def _open_at(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes) -> ProviderStream:
+    async def _open_at(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: bytes,
+                       attempt: _Attempt) -> ProviderStream:
         endpoint.outstanding += 1
         endpoint.requests += 1
         try:
             # Never follow a redirect with the key to somewhere else.
             response = await session.post(endpoint.url("/chat/completions"), data=body, allow_redirects=False,
-                                          timeout=self._request_timeout)
+                                          timeout=self._request_timeout, trace_request_ctx=attempt)
         except BaseException:
             endpoint.outstanding -= 1
             raise
@@ -381,6 +390,25 @@ async def _error_body(response: aiohttp.ClientResponse) -> tuple[str | None, str
     message = message if isinstance(message, str) else None
     code, type_ = (None if v is None else str(v) for v in (error.get("code"), error.get("type")))
     return (message or text), provider_error_code(code, type_, message)
+
+
+@dataclass
+class _Attempt:
+    """One POST's ``trace_request_ctx``: whether it went out on a kept-alive
+    connection (``_REUSE_SEEN``)."""
+
+    reused: bool = False
+
+
+async def _on_reuse(_session: aiohttp.ClientSession, context: SimpleNamespace,
+                    _params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    if isinstance(context.trace_request_ctx, _Attempt):
+        context.trace_request_ctx.reused = True
+
+
+_REUSE_SEEN = aiohttp.TraceConfig()
+_REUSE_SEEN.on_connection_reuseconn.append(_on_reuse)
+_REUSE_SEEN.freeze()
 
 
 def _retry_after(value: str | None) -> int | None:

@@ -90,24 +90,48 @@ def test_error_reply_with_broken_framing_is_still_an_http_error() -> None:
     assert asyncio.run(go()).status == 503
 
 
-def test_a_connection_closed_without_an_answer_is_tried_once_more():
+def _answer(writer: asyncio.StreamWriter) -> None:
     from support.provider import text_stream
 
-    connections = []
+    body = b"".join(text_stream("ok"))
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
+                 % (len(body), body))
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    return head + await reader.readexactly(length)
+
+
+async def _read_all(stream) -> bytes:
+    data = b""
+    with contextlib.suppress(StopAsyncIteration):
+        while True:
+            data += await stream.next_chunk()
+    return data
+
+
+def test_a_kept_alive_connection_closed_without_an_answer_is_tried_once_more():
+    """The keep-alive race: the provider shut an idle connection just as the
+    next request went out on it, before reading it. Sent again, on a new
+    connection."""
+    connections: list[asyncio.StreamWriter] = []
+    requests: list[bytes] = []
 
     async def flaky(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-        await reader.readexactly(length)
-        if len(connections) == 1:
-            writer.close()  # the keep-alive race: closed, nothing answered
-            return
-        body = b"".join(text_stream("ok"))
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
-                     % (len(body), body))
-        await writer.drain()
-        writer.close()
+        try:
+            while True:
+                requests.append(await _read_request(reader))
+                if len(requests) == 2:
+                    return  # the second request, on the kept-alive connection: closed, nothing answered
+                _answer(writer)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
 
     async def go():
         server = await asyncio.start_server(flaky, "127.0.0.1", 0)
@@ -115,20 +139,45 @@ def test_a_connection_closed_without_an_answer_is_tried_once_more():
         pool = EndpointPool([f"http://127.0.0.1:{port}/v1"])
         client = ProviderClient(pool, health_interval_s=0)
         try:
-            stream = await client.open(b"{}")
-            data = b""
-            with contextlib.suppress(StopAsyncIteration):
-                while True:
-                    data += await stream.next_chunk()
-            await stream.aclose()
+            first = await client.open(b"{}")
+            assert b"[DONE]" in await _read_all(first)
+            await first.drain()  # read to its end: the connection goes back to the pool
+            second = await client.open(b"{}")
+            data = await _read_all(second)
+            await second.aclose()
             return data, pool.endpoints[0]
         finally:
             await client.aclose()
             server.close()
 
     data, endpoint = asyncio.run(go())
-    assert b"[DONE]" in data and len(connections) == 2
+    assert b"[DONE]" in data and len(requests) == 3 and len(connections) == 2
     assert endpoint.healthy and endpoint.outstanding == 0
+
+
+def test_a_new_connection_closed_without_an_answer_is_not_sent_again():
+    """A connection opened for the request, read and hung up on (a proxy
+    that passed it on, then failed): the provider may be generating, so a
+    second try would be a second generation."""
+    requests: list[bytes] = []
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await _read_request(reader))
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]), health_interval_s=0)
+        try:
+            with pytest.raises(UpstreamConnectionLost):
+                await client.open(b"{}")
+        finally:
+            await client.aclose()
+            server.close()
+
+    asyncio.run(go())
+    assert len(requests) == 1
 
 
 @pytest.mark.parametrize("answered", [b"HTTP/1.1 200 OK\r\n",
