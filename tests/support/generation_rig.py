@@ -53,14 +53,14 @@ class ToyVocab:
 
 
 def toy_generation(vocab: ToyVocab, prepared: LlamaPrepared, *, reasoning: ReasoningSyntax | None,
-                   tool_format: Any = None, sealer: Any = None,
+                   tool_format: Any = None, sealer: Any = None, parse_always: bool = False,
                    on_event: Callable[[Any], None] = lambda event: None) -> Generation:
     """A cold generation of ``prepared`` (its tokens are ``PROMPT``, its text
     what the KV holds): ``sealer`` None is a server that cannot seal reasoning."""
     runtime = LlamaRuntime(
         ctx=None, kv=None, cache=None, threads=1, preparations=Preparations(),  # type: ignore[arg-type]
         stats=GenerationStats(), vocab=vocab, sampler=lambda prepared: None,  # type: ignore[arg-type]
-        tool_format=tool_format, parse_always=False, reasoning=reasoning,
+        tool_format=tool_format, parse_always=parse_always, reasoning=reasoning,
         limits=RequestLimits(repetition_window=0), sealer=sealer, model_id="m",
         # No known turn closer: every end token is kept, and no turn has a visible transcript.
         transcript=Transcript(closer=None, render=lambda conversation, **kw: ""))

@@ -159,7 +159,8 @@ class Generation:
                 # continues it in place.
                 return self._complete(None)
             self.sampled.append(token)
-            if self.splitter is not None and self.splitter.in_reasoning:
+            if (self.splitter is not None and self.splitter.in_reasoning) or (
+                    self.parser is not None and self.parser.in_reasoning):
                 self.usage.reasoning_tokens += 1
             piece = self.vocab.piece(token)
             self.raw += piece

@@ -97,6 +97,14 @@ class ToolCallParser:
 
     # public
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far ends inside a reasoning section that
+        the format itself marks (Harmony's ``analysis`` channel): the next
+        token is a reasoning token. Formats whose reasoning is a block
+        before the reply (``<think>``) leave that to the reasoning splitter."""
+        return False
+
     def feed(self, text: str) -> list[EngineEvent]:
         if self._finished:
             raise RuntimeError("parser already finished")

@@ -49,6 +49,10 @@ class HarmonyParser(ToolCallParser):
         self._fresh = False
         self._reasoned = False  # this reasoning message has emitted a delta
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state == "body" and self._kind == "reasoning"
+
     def _run(self, final: bool) -> None:
         while self._buf:
             if self._state == "header":

@@ -77,3 +77,27 @@ def test_done_comes_at_the_end_marker_not_later() -> None:
     later = parser.feed(F) + parser.finish()
     assert [type(e) for e in later] == [TextDelta]
     assert not any(isinstance(e, ToolCallStarted) for e in later)
+
+
+def test_a_harmony_generation_counts_its_analysis_tokens_as_reasoning():
+    """gpt-oss marks its reasoning with channels, not a block a reasoning
+    splitter sees: usage.reasoning_tokens stayed 0. Each token sampled inside
+    an analysis body counts (its closing <|end|> too, as a </think> does);
+    the headers and the final text do not."""
+    from lmspd.core.conversation import Conversation, Message
+    from lmspd.engines.llama.preparation import LlamaPrepared
+    from support.generation_rig import EOG, PROMPT, ToyVocab, toy_generation
+
+    vocab = ToyVocab()
+    conv = Conversation(model="m", items=[Message("user", "q")])
+    prepared = LlamaPrepared(conversation=conv, text="PROMPT", tokens=list(PROMPT), max_new_tokens=64, stop=[])
+    gen = toy_generation(vocab, prepared, reasoning=None, tool_format=HarmonyFormat(True), parse_always=True)
+    analysis = ["Think", " about", " Paris", ".", "<|end|>"]
+    pieces = (["<|channel|>", "analysis", "<|message|>", *analysis]
+              + ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Sunny", "."])
+    for text in pieces:
+        gen.before_sample()
+        gen.on_token(vocab.id(text))
+    gen.on_token(EOG)
+    assert gen.done and gen.usage.reasoning_tokens == len(analysis)
+    assert gen.usage.output_tokens == len(pieces)
