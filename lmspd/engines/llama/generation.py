@@ -87,7 +87,17 @@ class Generation:
             # The reply has a required shape: no free-form thinking first.
             self.budget = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.stops = StopMatcher(prepared.stop)
+        # The client's stop sequences delimit the answer: inside a reasoning
+        # block they stay dormant (a model restating "Question:" while it
+        # thinks must not end the turn before it answers), so where there is
+        # one they are matched on the visible text alone (``_route``). The
+        # engine's own (a tool result's marker: the model inventing the next
+        # turn) end the turn anywhere.
+        client = conv.sampling.stop
+        answer = [s for s in client if s] if self.splitter is not None else []
+        self.stops = StopMatcher([s for s in prepared.stop if s not in answer])
+        self.answer_stops = StopMatcher(answer) if answer else None
+        self._answer_hit: str | None = None
         limits = runtime.limits
         # No max_output_tokens means "up to the context" (prepare's room),
         # capped by the server's default ceiling.
@@ -172,6 +182,8 @@ class Generation:
                 text, hit = self.stops.feed(text)
                 if text:
                     self._text(text)
+            if self._answer_hit is not None:  # earlier in the text than any other
+                hit = self._answer_hit
             if hit:
                 self.reason, self.stopped_by = "stop", hit
             elif self.guard is not None and self.guard.feed(token):
@@ -244,6 +256,10 @@ class Generation:
         # is at most the start of call markup, never shown as text.
         if self.splitter is not None:
             self._route(self.splitter.feed("", final=True))
+            if self.answer_stops is not None and self._answer_hit is None and (held := self.answer_stops.flush()):
+                self._visible(held)
+            if self._answer_hit is not None and self.stopped_by is None:
+                self.reason, self.stopped_by = "stop", self._answer_hit
             self._close_reasoning()
         if self.parser is not None and self.reason not in ("length", "context_window", "repetition"):
             self._events(self.parser.finish())
@@ -282,11 +298,16 @@ class Generation:
 
     def _route(self, pieces: list[tuple[str, str]]) -> None:
         for kind, piece in pieces:
+            if self._answer_hit is not None:
+                return  # the answer ended at a stop sequence: nothing after it is output
             if kind == "reasoning":
                 self.reasoning_open = True
                 self.emit(ReasoningDelta(piece))
-            else:
-                self._close_reasoning()
+                continue
+            self._close_reasoning()
+            if self.answer_stops is not None:
+                piece, self._answer_hit = self.answer_stops.feed(piece)
+            if piece:
                 self._visible(piece)
 
     def _close_reasoning(self) -> None:

@@ -17,13 +17,15 @@ from support.generation_rig import EOG, PROMPT, ToyVocab, toy_generation
 
 
 def generation(vocab: ToyVocab, *, effort: str | None = "high", stop: list[str] | None = None,
-               include: bool = True, sealer: bool = True) -> Generation:
+               markers: list[str] | None = None, include: bool = True, sealer: bool = True) -> Generation:
     """``include``: the request asks for the sealed reasoning; ``sealer``: the
-    server can seal it. Both are needed for a replay to render it again."""
+    server can seal it. Both are needed for a replay to render it again.
+    ``stop``: the client's stop sequences; ``markers``: those the engine adds
+    (a tool result's marker)."""
     conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop or []),
                         reasoning_effort=effort, include_encrypted_reasoning=include)
     prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
-                             stop=stop or [])
+                             stop=(stop or []) + (markers or []))
     return toy_generation(vocab, prepared, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
                           sealer=SimpleNamespace(seal=lambda model, hidden, owner: "sealed") if sealer else None)
 
@@ -76,11 +78,21 @@ def test_a_close_lmspd_forces_is_in_the_kv_before_the_end():
 
 
 def test_no_end_when_the_kv_already_holds_visible_text():
-    """A stop sequence held the answer's first piece back: by the time the
-    text shows, the KV holds it too, so no prefix of the KV is hidden text
-    only past the last boundary the splitter saw."""
+    """A marker the engine stops at held the answer's first piece back: by
+    the time the text shows, the KV holds it too, so no prefix of the KV is
+    hidden text only past the last boundary the splitter saw."""
     vocab = ToyVocab()
-    assert drive(generation(vocab, stop=["Hello!"]), vocab, ["Hmm", "</think>", "Hel", "lo", " there", ""]) == []
+    gen = generation(vocab, markers=["<tool_response"])
+    assert drive(gen, vocab, ["Hmm", "</think>", "<tool", "_x", " there", ""]) == []
+
+
+def test_a_client_stop_holds_the_answer_back_after_the_splitter():
+    """The client's stop sequences are matched on the answer alone, after
+    the splitter: the answer's first piece held back as a stop's start no
+    longer hides where the reasoning ended."""
+    vocab = ToyVocab()
+    ends = drive(generation(vocab, stop=["Hello!"]), vocab, ["Hmm", "</think>", "Hel", "lo", " there", ""])
+    assert ends == [(len(PROMPT) + 2, "Hmm</think>")]
 
 
 def test_no_end_when_nothing_was_sampled_in_the_block():
@@ -125,8 +137,8 @@ def test_reasoning_held_as_a_stops_start_stays_reasoning_when_the_budget_closes_
     vocab = ToyVocab()
     budget = BUDGETS["minimal"]
     events: list = []
-    conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=["<tool_response"]),
-                        reasoning_effort="minimal", include_encrypted_reasoning=True)
+    conv = Conversation(model="m", items=[Message("user", "q")], reasoning_effort="minimal",
+                        include_encrypted_reasoning=True)
     prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
                              stop=["<tool_response"])
     gen = toy_generation(vocab, prepared, reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n"),
@@ -136,3 +148,55 @@ def test_reasoning_held_as_a_stops_start_stays_reasoning_when_the_budget_closes_
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     assert "<" not in visible and visible.endswith("Hello")
     assert reasoning.rstrip("\n").endswith("a <")
+
+
+def _run(gen: Generation, vocab: ToyVocab, pieces: list[str], events: list) -> tuple[str, str, object]:
+    from lmspd.core.events import Finished, ReasoningDelta, TextDelta
+
+    drive(gen, vocab, pieces)
+    visible = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    (finished,) = [e for e in events if isinstance(e, Finished)]
+    return reasoning, visible, finished
+
+
+def _with_events(*, stop: list[str], markers: list[str] = (), syntax: bool = True) -> tuple[Generation, ToyVocab, list]:
+    vocab, events = ToyVocab(), []
+    conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop))
+    prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
+                             stop=stop + list(markers))
+    gen = toy_generation(vocab, prepared, on_event=events.append,
+                         reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n") if syntax else None)
+    return gen, vocab, events
+
+
+def test_a_client_stop_sequence_inside_the_reasoning_stays_dormant():
+    """A model restating "Question:" while it thinks: the client's stop ends
+    the answer, not the reasoning before it (it ended the turn with no
+    answer at all)."""
+    gen, vocab, events = _with_events(stop=["Question:"])
+    reasoning, visible, finished = _run(gen, vocab, ["The", " Question", ":", " is", " easy", "</think>", "Sure", ".",
+                                                     " Question", ":", " more", ""], events)
+    assert reasoning.startswith("The Question: is easy")
+    assert visible == "Sure. "
+    assert (finished.reason, finished.stop_sequence) == ("stop", "Question:")
+    assert gen.done and gen.usage.output_tokens == 10  # the turn ended at the stop, in the answer
+
+
+def test_a_marker_the_engine_stops_at_still_ends_the_turn_inside_the_reasoning():
+    gen, vocab, events = _with_events(stop=["Question:"], markers=["<tool_response"])
+    reasoning, visible, finished = _run(gen, vocab, ["Hmm", " <tool_response", ">", " x", ""], events)
+    assert reasoning.startswith("Hmm") and "<tool_response" not in reasoning and visible == ""
+    assert (finished.reason, finished.stop_sequence) == ("stop", None)
+
+
+def test_an_answer_held_back_as_a_stops_start_comes_out_at_the_end():
+    gen, vocab, events = _with_events(stop=["Hello!"])
+    _, visible, finished = _run(gen, vocab, ["Hmm", "</think>", "Well", " Hel", ""], events)
+    assert visible == "Well Hel" and (finished.reason, finished.stop_sequence) == ("stop", None)
+
+
+def test_without_a_reasoning_syntax_the_client_stop_applies_to_all_text():
+    gen, vocab, events = _with_events(stop=["Question:"], syntax=False)
+    _, visible, finished = _run(gen, vocab, ["The", " Question", ":", " more", ""], events)
+    assert visible == "The " and (finished.reason, finished.stop_sequence) == ("stop", "Question:")
