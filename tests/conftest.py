@@ -4,6 +4,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -21,6 +22,15 @@ DEFAULT_SERVER_OUTPUT_CEILING = 512
 # server: a per-example deadline or a "too slow" check measures the machine.
 settings.register_profile("lmspd", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("lmspd")
+
+# A suite started in the background by a shell without job control
+# (``nohup ./dev.sh test &``) inherits SIGINT ignored, and hands that on to
+# every process it starts; lmspd keeps an ignored signal ignored, so the tests
+# of Ctrl-C (test_lifecycle's SIGINT, test_launch's, test_run_tests') found
+# nothing to interrupt. Their processes start as from a terminal instead: a
+# handler of Python's own is reset to the default at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Launches reported back by pytest-xdist's workers (pytest_testnodedown).
 _WORKER_LAUNCHES: list[tuple[str, ...]] = []
