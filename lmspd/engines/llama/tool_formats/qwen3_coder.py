@@ -17,8 +17,12 @@ value of another admitted type (``null`` of an optional string, ``3`` where
 a string or an integer is); where no string is, the JSON value it spells;
 where the schema says nothing, the JSON value it spells if any, else the
 string. So ``1234`` for an ``Optional[str]`` is ``"1234"``, and ``01`` of
-an enum of strings is ``"01"``. A parameter given twice is an invalid call.
-The call's arguments stream one parameter at a time. A custom tool is
+an enum of strings is ``"01"``. Local ``$ref``s (``#/$defs/...``,
+``#/definitions/...``: pydantic's enums and models) are followed. A value
+JSON spells only loosely (``NaN``, ``Infinity``) is text. A parameter given
+twice keeps its first value: the first has streamed already, and arguments
+with a key twice are refused by strict JSON decoders (serde's). The call's
+arguments stream one parameter at a time. A custom tool is
 offered as a function with one string parameter ``input``, whose raw value
 is the input.
 """
@@ -43,26 +47,39 @@ _PARAM = re.compile(r"<parameter=([^>\n]{1,256})>")
 _MAX_TAG = 300
 
 
-def _admitted(schema: Any, depth: int = 0) -> set[str]:
-    """The JSON types ``schema`` admits, as far as it says (empty: it does not)."""
-    if not isinstance(schema, dict) or depth > 4:
+def _admitted(schema: Any, root: Any, depth: int = 0) -> set[str]:
+    """The JSON types ``schema`` admits, as far as it says (empty: it does
+    not); ``root``: the tool's parameters, where its ``$ref``s point."""
+    if not isinstance(schema, dict) or depth > 8:
         return set()
     out: set[str] = set()
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        out |= _admitted(_resolve(ref, root), root, depth + 1)
     kind = schema.get("type")
     if isinstance(kind, str):
         out.add(kind)
     elif isinstance(kind, list):
         out.update(k for k in kind if isinstance(k, str))
-    for key in ("anyOf", "oneOf"):
+    for key in ("anyOf", "oneOf", "allOf"):
         members = schema.get(key)
         for member in members if isinstance(members, list) else ():
-            out |= _admitted(member, depth + 1)
+            out |= _admitted(member, root, depth + 1)
     values = schema.get("enum")
     values = list(values) if isinstance(values, list) else []
     if "const" in schema:
         values.append(schema["const"])
     out.update(_type_of(v) for v in values)
     return out
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    """A local ``$ref``'s target in ``root`` (None where it is not one)."""
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(prefix) and isinstance(root, dict):
+            defs = root.get(prefix[2:-1])
+            return defs.get(ref[len(prefix):]) if isinstance(defs, dict) else None
+    return None
 
 
 def _type_of(value: Any) -> str:
@@ -84,13 +101,21 @@ def _fits(value: Any, types: set[str]) -> bool:
     return kind in types or (kind == "integer" and "number" in types)
 
 
-def _value(raw: str, schema: Any) -> Any:
-    types = _admitted(schema)
+_PYTHON = {"True": ("boolean", True), "False": ("boolean", False), "None": ("null", None)}
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _value(raw: str, schema: Any, root: Any = None) -> Any:
+    types = _admitted(schema, root)
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_json)
     except ValueError:
-        if "boolean" in types and "string" not in types and raw.strip() in ("True", "False"):
-            return raw.strip() == "True"  # Python's spelling, as the model's training code writes it
+        python = _PYTHON.get(raw.strip())
+        if python is not None and python[0] in types and "string" not in types:
+            return python[1]  # Python's spelling, as the model's training code writes it
         return raw
     if not types or "string" not in types:
         return value
@@ -103,9 +128,11 @@ class Qwen3CoderParser(ToolCallParser):
         tools = list(tools)
         super().__init__(tools, new_call_id)
         self._schemas: dict[str, dict[str, Any]] = {}
+        self._roots: dict[str, Any] = {}
         for tool in tools:
             if isinstance(tool, FunctionTool):
                 self._schemas[tool.name] = dict(((tool.parameters or {}).get("properties") or {}))
+                self._roots[tool.name] = tool.parameters
         self._state = "text"
         self._param: str | None = None
         self._count = 0
@@ -192,9 +219,10 @@ class Qwen3CoderParser(ToolCallParser):
             self._delta(raw)
             return
         if self._param in self._given:
-            raise ToolCallError(f"parameter {self._param!r} given twice in a call of {self._open.name!r}")
+            return  # the first value stands (module docstring)
         self._given.add(self._param)
-        value = _value(raw, self._schemas.get(self._open.name, {}).get(self._param))
+        name = self._open.name
+        value = _value(raw, self._schemas.get(name, {}).get(self._param), self._roots.get(name))
         piece = ("{" if self._count == 0 else ", ") + f"{dumps(self._param)}: {dumps(value)}"
         self._count += 1
         self._payload.append(piece)
