@@ -632,11 +632,16 @@ def run_llama(args: argparse.Namespace, model: Path, scenarios: list[str], temps
     probe_temp = 0.0 if 0.0 in temps or not args.fixed_text else temps[0]
 
     def held(scenario: str, temp: float) -> list[dict[str, Any]]:
+        """``scenario``'s bodies; with ``--fixed-text``, each held to the text
+        off wrote for it (its output text: a model with a reasoning block
+        would be held to its answer alone, so this is for models without)."""
         out = bodies(scenario, temp, "llama")
+        if not args.fixed_text:
+            return out
         off = results.get((scenario, temp, "off"))
-        if args.fixed_text and off and off["texts"]:
-            out = [{**b, FIXED: text} for b, text in zip(out, off["texts"][0], strict=True)]
-        return out
+        if not off or not off["texts"]:
+            raise SystemExit(f"--fixed-text: no text of off's for {scenario} at {temp} to hold llama.cpp to")
+        return [{**b, FIXED: text} for b, text in zip(out, off["texts"][0], strict=True)]
 
     def rounds_of(mode: str, way: str, scenario: str, temp: float, rounds: int) -> Summary:
         return summary(fresh_rounds(args, model, work / f"llama-{mode}.log", mode, way.rstrip("0"),
