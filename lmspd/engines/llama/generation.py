@@ -90,11 +90,13 @@ class Generation:
         # The client's stop sequences delimit the answer: inside a reasoning
         # block they stay dormant (a model restating "Question:" while it
         # thinks must not end the turn before it answers), so where there is
-        # one they are matched on the visible text alone (``_route``). The
-        # engine's own (a tool result's marker: the model inventing the next
-        # turn) end the turn anywhere.
-        client = conv.sampling.stop
-        answer = [s for s in client if s] if self.splitter is not None else []
+        # one they are matched on the visible text alone (``_route``). So is
+        # a call's opening where none may be made (tool_choice none): in the
+        # reasoning the model may think about one. A tool result's marker
+        # (the model inventing the next turn) ends the turn anywhere.
+        fmt = runtime.tool_format
+        no_call = [fmt.trigger] if fmt is not None and not prepared.tools and fmt.trigger in prepared.stop else []
+        answer = [s for s in (*conv.sampling.stop, *no_call) if s] if self.splitter is not None else []
         self.stops = StopMatcher([s for s in prepared.stop if s not in answer])
         self.answer_stops = StopMatcher(answer) if answer else None
         self._answer_hit: str | None = None

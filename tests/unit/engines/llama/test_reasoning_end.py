@@ -160,12 +160,13 @@ def _run(gen: Generation, vocab: ToyVocab, pieces: list[str], events: list) -> t
     return reasoning, visible, finished
 
 
-def _with_events(*, stop: list[str], markers: list[str] = (), syntax: bool = True) -> tuple[Generation, ToyVocab, list]:
+def _with_events(*, stop: list[str], markers: list[str] = (), syntax: bool = True,
+                 tool_format=None) -> tuple[Generation, ToyVocab, list]:
     vocab, events = ToyVocab(), []
     conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=stop))
     prepared = LlamaPrepared(conversation=conv, text="PROMPT<think>\n", tokens=list(PROMPT), max_new_tokens=64,
                              stop=stop + list(markers))
-    gen = toy_generation(vocab, prepared, on_event=events.append,
+    gen = toy_generation(vocab, prepared, on_event=events.append, tool_format=tool_format,
                          reasoning=ReasoningSyntax("<think>", "</think>", "<think>\n") if syntax else None)
     return gen, vocab, events
 
@@ -200,3 +201,21 @@ def test_without_a_reasoning_syntax_the_client_stop_applies_to_all_text():
     gen, vocab, events = _with_events(stop=["Question:"], syntax=False)
     _, visible, finished = _run(gen, vocab, ["The", " Question", ":", " more", ""], events)
     assert visible == "The " and (finished.reason, finished.stop_sequence) == ("stop", "Question:")
+
+
+def test_a_call_where_none_may_be_made_ends_the_answer_not_the_reasoning():
+    """tool_choice none: the call's opening is a stop (preparation), so that
+    no call markup reaches the text. Thinking about a call is not making
+    one: in the reasoning it stays dormant, in the answer it ends the turn."""
+    from lmspd.engines.llama.tool_formats import HermesFormat
+
+    fmt = HermesFormat(True)
+    gen, vocab, events = _with_events(stop=[], markers=[*fmt.result_markers, fmt.trigger], tool_format=fmt)
+    reasoning, visible, finished = _run(gen, vocab, ["I", " could", " write", " <tool_call>", " but", " no", "</think>",
+                                                     "Here", " <tool_call>", "{", ""], events)
+    assert "I could write <tool_call> but no" in reasoning
+    assert visible == "Here " and (finished.reason, finished.stop_sequence) == ("stop", None)
+    # A tool result's marker still ends the turn inside the reasoning.
+    gen, vocab, events = _with_events(stop=[], markers=[*fmt.result_markers, fmt.trigger], tool_format=fmt)
+    reasoning, visible, finished = _run(gen, vocab, ["Hmm", " <tool_response>", " x", ""], events)
+    assert "<tool_response" not in reasoning and visible == "" and finished.reason == "stop"
