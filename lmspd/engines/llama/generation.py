@@ -94,9 +94,13 @@ class Generation:
         # a call's opening where none may be made (tool_choice none): in the
         # reasoning the model may think about one. A tool result's marker
         # (the model inventing the next turn) ends the turn anywhere.
+        # Where the format's parser marks the reasoning (Harmony's analysis
+        # channel, ``_text``), the same, token by token.
         fmt = runtime.tool_format
         no_call = [fmt.trigger] if fmt is not None and not prepared.tools and fmt.trigger in prepared.stop else []
-        answer = [s for s in (*conv.sampling.stop, *no_call) if s] if self.splitter is not None else []
+        self._channels = self.parser is not None and fmt is not None and fmt.reasoning_channels
+        marked = self.splitter is not None or self._channels
+        answer = [s for s in (*conv.sampling.stop, *no_call) if s] if marked else []
         self.stops = StopMatcher([s for s in prepared.stop if s not in answer])
         self.answer_stops = StopMatcher(answer) if answer else None
         self._answer_hit: str | None = None
@@ -258,10 +262,11 @@ class Generation:
         # is at most the start of call markup, never shown as text.
         if self.splitter is not None:
             self._route(self.splitter.feed("", final=True))
-            if self.answer_stops is not None and self._answer_hit is None and (held := self.answer_stops.flush()):
-                self._visible(held)
-            if self._answer_hit is not None and self.stopped_by is None:
-                self.reason, self.stopped_by = "stop", self._answer_hit
+        if self.answer_stops is not None and self._answer_hit is None and (held := self.answer_stops.flush()):
+            self._visible(held)
+        if self._answer_hit is not None and self.stopped_by is None:
+            self.reason, self.stopped_by = "stop", self._answer_hit
+        if self.splitter is not None:
             self._close_reasoning()
         if self.parser is not None and self.reason not in ("length", "context_window", "repetition"):
             self._events(self.parser.finish())
@@ -295,6 +300,20 @@ class Generation:
     def _text(self, text: str) -> None:
         if self.splitter is not None:
             self._route(self.splitter.feed(text))
+            return
+        if self._channels and self.answer_stops is not None:
+            assert self.parser is not None
+            if self._answer_hit is not None:
+                return
+            if self.parser.in_reasoning:
+                # Inside the analysis channel (its markers are tokens of
+                # their own, so a token's text does not cross its edge):
+                # what the answer's matcher held went before it.
+                self._visible(self.answer_stops.flush() + text)
+                return
+            text, self._answer_hit = self.answer_stops.feed(text)
+            if text:
+                self._visible(text)
             return
         self._visible(text)
 

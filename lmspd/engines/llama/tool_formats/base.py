@@ -217,6 +217,10 @@ class ToolFormat(ABC):
     #: Text that opens a tool *result*. The model writing one is inventing
     #: the next turn: generation stops there, and it is never shown as text.
     result_markers: tuple[str, ...] = ()
+    #: Whether the format's parser marks the reasoning itself (Harmony's
+    #: channels: ``ToolCallParser.in_reasoning``), with no reasoning block
+    #: for a splitter to see.
+    reasoning_channels: bool = False
 
     def __init__(self, native: bool) -> None:
         self.native = native

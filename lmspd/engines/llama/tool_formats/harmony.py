@@ -138,6 +138,7 @@ class HarmonyFormat(ToolFormat):
     # A tool's result is a message from the tool: the model writing one is
     # inventing the next turn.
     result_markers = (START + "functions.",)
+    reasoning_channels = True
 
     @property
     def markers(self) -> tuple[str, ...]:

@@ -101,3 +101,33 @@ def test_a_harmony_generation_counts_its_analysis_tokens_as_reasoning():
     gen.on_token(EOG)
     assert gen.done and gen.usage.reasoning_tokens == len(analysis)
     assert gen.usage.output_tokens == len(pieces)
+
+
+def test_a_client_stop_sequence_stays_dormant_in_harmonys_analysis_channel():
+    """As in a <think> block (test_reasoning_end): gpt-oss restating the
+    stop sequence while it reasons goes on to answer; in the final channel
+    the stop ends the turn."""
+    from lmspd.core.conversation import Conversation, Message, Sampling
+    from lmspd.core.events import Finished
+    from lmspd.engines.llama.preparation import LlamaPrepared
+    from support.generation_rig import PROMPT, ToyVocab, toy_generation
+
+    vocab, events = ToyVocab(), []
+    conv = Conversation(model="m", items=[Message("user", "q")], sampling=Sampling(stop=["Question:"]))
+    prepared = LlamaPrepared(conversation=conv, text="PROMPT", tokens=list(PROMPT), max_new_tokens=64,
+                             stop=["Question:", "<|start|>functions."])
+    gen = toy_generation(vocab, prepared, reasoning=None, tool_format=HarmonyFormat(True), parse_always=True,
+                         on_event=events.append)
+    pieces = (["<|channel|>", "analysis", "<|message|>", "The", " Question", ":", " is", " easy", ".", "<|end|>"]
+              + ["<|start|>", "assistant", "<|channel|>", "final", "<|message|>", "Sure", ".", " Question", ":", " more"])
+    for text in pieces:
+        gen.before_sample()
+        gen.on_token(vocab.id(text))
+        if gen.done:
+            break
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    (finished,) = [e for e in events if isinstance(e, Finished)]
+    assert reasoning == "The Question: is easy."
+    assert text == "Sure. " and (finished.reason, finished.stop_sequence) == ("stop", "Question:")
+    assert gen.usage.output_tokens == len(pieces) - 1  # it ended at the stop's last token
