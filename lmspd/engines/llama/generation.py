@@ -87,15 +87,16 @@ class Generation:
             # The reply has a required shape: no free-form thinking first.
             self.budget = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # The client's stop sequences delimit the answer: inside a reasoning
-        # block they stay dormant (a model restating "Question:" while it
-        # thinks must not end the turn before it answers), so where there is
-        # one they are matched on the visible text alone (``_route``). So is
-        # a call's opening where none may be made (tool_choice none): in the
-        # reasoning the model may think about one. A tool result's marker
-        # (the model inventing the next turn) ends the turn anywhere.
-        # Where the format's parser marks the reasoning (Harmony's analysis
-        # channel, ``_text``), the same, token by token.
+        # The client's stop sequences delimit the answer: inside the
+        # reasoning they stay dormant (a model restating "Question:" while it
+        # thinks must not end the turn before it answers). Where a splitter
+        # sees the reasoning they are matched on the visible text alone
+        # (``_route``); where the format's parser marks it (Harmony's
+        # analysis channel), on the text outside it, token by token
+        # (``_text``). So is a call's opening where none may be made
+        # (tool_choice none): in the reasoning the model may think about one.
+        # A tool result's marker (the model inventing the next turn) ends
+        # the turn anywhere.
         fmt = runtime.tool_format
         no_call = [fmt.trigger] if fmt is not None and not prepared.tools and fmt.trigger in prepared.stop else []
         self._channels = self.parser is not None and fmt is not None and fmt.reasoning_channels
