@@ -29,7 +29,10 @@ Liveness: each instance holds a lease in ``instances`` and renews it with
 ``heartbeat``; running rows carry the instance that wrote them. A survivor's
 ``fail_interrupted_*`` calls take only the rows of instances whose lease ran
 out (``FOR UPDATE SKIP LOCKED``: two survivors never close one log twice).
-Leases use the instances' clocks, which must agree to well within a lease.
+Leases are written and judged by the database's clock, read at every
+renewal (``_sync_lease_clock``): the instances' own clocks need not agree
+(one running 11 s ahead failed another's live tasks and released its
+idempotency keys).
 """
 
 from __future__ import annotations
@@ -436,6 +439,22 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
 
     # --- instances, leases and notices -----------------------------------------
 
+    # The database's clock less this host's, at the last renewal; the host's
+    # wall clock, which it is measured against (replaced in tests to play a
+    # host whose clock is off).
+    _skew = 0.0
+    _wall: Callable[[], float] = staticmethod(time.time)
+
+    def _sync_lease_clock(self, sql: Sql) -> None:
+        row = sql.first("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8 AS t")
+        assert row is not None
+        self._skew = float(row["t"]) - self._wall()
+
+    def _lease_now(self) -> float:
+        """The database's time, as of the host's clock (``clock``: a test's
+        own clock moves it, as it moves every other time here)."""
+        return self._clock() + self._skew
+
     # _register, heartbeat, request_cancel, release_task: lmspd.store.tasks (shared).
 
     def listen(self, callback: NoticeCallback) -> Callable[[], None]:
@@ -490,7 +509,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
 
     def fail_interrupted_responses(self, error: JSON) -> list[str]:
         failed: list[str] = []
-        now = self._clock()
+        now = self._lease_now()
         with self._write() as conn:
             rows = conn.execute(
                 f"SELECT id, body FROM responses WHERE status IN {_ACTIVE_SQL} AND "
@@ -601,7 +620,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
                 for r in conn.execute(
                     f"SELECT id FROM tasks WHERE status IN {_ACTIVE_SQL} AND "
                     f"{self._gone_sql('instance_id')} ORDER BY created_at, id",
-                    {"me": self.instance_id, "now": self._clock()},
+                    {"me": self.instance_id, "now": self._lease_now()},
                 )
             ]
         # One transaction per task: a long backlog never holds many locks.
@@ -610,7 +629,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
                 row = conn.execute(
                     f"SELECT id FROM tasks WHERE id = %(id)s AND status IN {_ACTIVE_SQL} AND "
                     f"{self._gone_sql('instance_id')} FOR UPDATE SKIP LOCKED",
-                    {"id": task_id, "me": self.instance_id, "now": self._clock()},
+                    {"id": task_id, "me": self.instance_id, "now": self._lease_now()},
                 ).fetchone()
                 if row is None:
                     continue  # finished meanwhile, or another survivor has it
@@ -626,7 +645,7 @@ class PostgresStore(ResponseQueries, ConversationQueries, TaskQueries, Idempoten
             return conn.execute(
                 f"DELETE FROM idempotency_keys WHERE state = 'in_progress' AND "
                 f"{self._gone_sql('instance_id')}",
-                {"me": self.instance_id, "now": self._clock()},
+                {"me": self.instance_id, "now": self._lease_now()},
             ).rowcount
 
     # --- bounds ------------------------------------------------------------------------

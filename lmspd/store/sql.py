@@ -120,6 +120,15 @@ class SqlBackend:
     def _now(self, value: float | None = None) -> float:
         return self._clock() if value is None else value
 
+    def _lease_now(self) -> float:
+        """The clock leases are written and judged by (``_sync_lease_clock``)."""
+        return self._clock()
+
+    def _sync_lease_clock(self, sql: Sql) -> None:
+        """In the transaction that renews this instance's lease: a store
+        that several hosts share reads the database's clock here
+        (``PostgresStore``); one host's store has one clock."""
+
     def sql_write(self, *, durable: bool = False) -> AbstractContextManager[Sql]:
         raise NotImplementedError
 

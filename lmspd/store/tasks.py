@@ -69,8 +69,9 @@ class TaskQueries(SqlBackend):
     # -- this instance's lease, and what others asked of its tasks -------------
 
     def _register(self) -> None:
-        now = self._clock()
         with self.sql_write() as sql:
+            self._sync_lease_clock(sql)
+            now = self._lease_now()
             _renew(sql, self.instance_id, now, now + self.lease_s)
 
     def heartbeat(self) -> list[str]:
@@ -79,7 +80,8 @@ class TaskQueries(SqlBackend):
 
     def _heartbeat_in(self, sql: Sql) -> list[str]:
         """Renew the lease inside ``sql``'s transaction; the cancels asked of this instance."""
-        now = self._clock()
+        self._sync_lease_clock(sql)
+        now = self._lease_now()
         _renew(sql, self.instance_id, now, now + self.lease_s)
         rows = sql.rows(f"SELECT id FROM tasks WHERE instance_id = ? AND cancel_requested_at IS NOT NULL "
                         f"AND status IN {ACTIVE_SQL}", (self.instance_id,))

@@ -1535,6 +1535,32 @@ def test_interrupted_means_written_by_a_gone_instance(backend: Backend, clock: F
         assert b.fail_interrupted_tasks("gone") == []
 
 
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("off_by", [20.0, -20.0], ids=["ahead", "behind"])
+def test_leases_go_by_the_databases_clock_not_the_hosts(backend: Backend, off_by: float) -> None:
+    """Two instances on hosts whose clocks disagree by 20 s (more than a
+    lease). By their own clocks, the one ahead took the other's live task
+    for a dead one's and failed it (``ahead``), and the other took its
+    renewed lease for lapsed (``behind``)."""
+    steady = backend.open(lease_s=10)
+    steady.create_task("alice", "task_steady", {}, status="in_progress")
+    steady.append_event("task_steady", 1, "response.created", {})
+
+    def host_clock() -> float:
+        return time.time() + off_by
+
+    skewed = backend.open(lease_s=10, clock=host_clock)
+    skewed._wall = host_clock  # type: ignore[attr-defined]  # the host's clock is off, its wall clock too
+    skewed.heartbeat()
+    skewed.create_task("alice", "task_skewed", {}, status="in_progress")
+    skewed.append_event("task_skewed", 1, "response.created", {})
+    # Each is alive by the other's judgement, whichever way the clock is off.
+    assert skewed.fail_interrupted_tasks("gone") == []
+    assert steady.fail_interrupted_tasks("gone") == []
+    assert steady.fail_interrupted_responses({"code": "server_restarted"}) == []
+    assert [e.seq for e in steady.events_after("alice", "task_skewed", 0)] == [1]
+
+
 def test_two_survivors_close_each_log_once(backend: Backend, clock: FakeClock) -> None:
     dead = backend.open(clock=clock, lease_s=5)
     for i in range(20):
