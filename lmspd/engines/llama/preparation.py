@@ -130,6 +130,13 @@ class Repairs:
     canonical_tool_order: bool = True
 
 
+def _shifted(breakpoints: tuple[int, ...], cut: int) -> tuple[int, ...]:
+    """Breakpoint offsets into a text whose first ``cut`` characters were
+    removed (the billing line): each moves with the text after it, and one
+    inside the removed part is gone."""
+    return tuple(at - cut for at in breakpoints if at > cut)
+
+
 # The efforts the Responses and Chat dialects accept, as the chat templates
 # that read ``reasoning_effort`` know them (gpt-oss: low, medium, high).
 TEMPLATE_EFFORTS = {"none": "low", "minimal": "low", "xhigh": "high"}
@@ -311,14 +318,18 @@ class Preparation:
             if conversation.instructions:
                 instructions = BILLING_HEADER.sub("", conversation.instructions, count=1) or None
                 if instructions != conversation.instructions:
-                    return dataclasses.replace(conversation, instructions=instructions)
+                    cut = len(conversation.instructions) - len(instructions or "")
+                    return dataclasses.replace(
+                        conversation, instructions=instructions,
+                        instructions_breakpoints=_shifted(conversation.instructions_breakpoints, cut))
             elif conversation.items and isinstance(conversation.items[0], Message) \
                     and conversation.items[0].role in ("system", "developer"):
                 first = conversation.items[0]
                 stripped = BILLING_HEADER.sub("", first.text, count=1)
                 if stripped != first.text:
-                    return dataclasses.replace(
-                        conversation, items=[dataclasses.replace(first, text=stripped)] + conversation.items[1:])
+                    first = dataclasses.replace(first, text=stripped,
+                                                breakpoints=_shifted(first.breakpoints, len(first.text) - len(stripped)))
+                    return dataclasses.replace(conversation, items=[first] + conversation.items[1:])
         return conversation
 
     def _answer_room(self, requested: int | None) -> int:

@@ -82,3 +82,21 @@ def test_reasoning_sealed_for_another_model_renders_without_it(preparation, monk
     with pytest.raises(ApiError) as info:
         preparation._open_sealed_reasoning(conversation, "key_bob")
     assert info.value.status == 400 and info.value.param == "input[1].encrypted_content"
+
+
+def test_the_billing_repair_moves_the_breakpoints_with_the_text(preparation):
+    """Claude Code marks its system prompt's end with cache_control; the
+    billing line the repair removes from its start left that breakpoint's
+    offset pointing past the end of the shorter text (on a non-trimmable KV
+    the exact state was kept at the wrong place, or nowhere)."""
+    text = BILLING + "You are terse. Be kind."
+    marks = (len(BILLING) - 3, len(BILLING) + 14, len(text))  # one inside the removed line
+    conv = Conversation(model="m", items=[Message("system", text, breakpoints=marks), Message("user", "Hi.")])
+    first = preparation._repair(conv).items[0]
+    assert first.text == "You are terse. Be kind."
+    assert [first.text[:at] for at in first.breakpoints] == ["You are terse.", "You are terse. Be kind."]
+    conv = Conversation(model="m", items=[Message("user", "Hi.")], instructions=text,
+                        instructions_breakpoints=marks[1:])
+    repaired = preparation._repair(conv)
+    assert [repaired.instructions[:at] for at in repaired.instructions_breakpoints] == [
+        "You are terse.", "You are terse. Be kind."]
