@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 import threading
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,11 @@ class EvictionLog:
     """The token sequences of the last ``size`` states that left every tier,
     each with what evicted it, per owner: enough to tell a request that its
     state was there and who pushed it out. Written from the scheduler and the
-    disk writer threads."""
+    disk writer threads.
+
+    Full, it drops the oldest entry of the owner with the most: one key's
+    traffic does not push another's few entries out (it did: the 64 were
+    shared first come, first gone)."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
@@ -120,7 +124,10 @@ class EvictionLog:
             self._entries[key] = by
             self._entries.move_to_end(key)
             while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+                held = Counter(o for o, _ in self._entries)
+                most = max(held.values())
+                # Oldest first: the first entry of an owner holding the most.
+                del self._entries[next(k for k in self._entries if held[k[0]] == most)]
 
     def longest(self, tokens: list[int], owner: str) -> tuple[int, int, str] | None:
         """(shared prefix, evicted state's length, evicted by) of the evicted

@@ -375,6 +375,22 @@ def test_an_evicted_state_is_named_with_what_pushed_it_out():
     assert (report.miss_reason, report.evicted_by) == ("state_evicted", "another_session")
 
 
+def test_one_owners_evictions_do_not_push_anothers_out_of_the_log():
+    """The log is shared (64 entries); full, it drops the oldest of the owner
+    holding the most, so a busy key's churn leaves another's entry to be
+    named."""
+    evictions = EvictionLog(size=8)
+    evictions.record([1, 2, 3, 4], "key_alice", "another_session")
+    for i in range(50):
+        evictions.record([9, 9, i], "key_bob", "ram_budget")
+    assert evictions.longest([1, 2, 3, 4, 5], "key_alice") == (4, 4, "another_session")
+    assert evictions.longest([1, 2, 3, 4, 5], "key_bob") is None  # each reads its own only
+    # Bob keeps his newest seven (43-49), the oldest of his gone first.
+    assert evictions.longest([9, 9, 49], "key_bob") == (3, 3, "ram_budget")
+    assert evictions.longest([9, 9, 43], "key_bob") == (3, 3, "ram_budget")
+    assert evictions.longest([9, 9, 42], "key_bob") == (2, 3, "ram_budget")  # 42 is gone: a shared prefix only
+
+
 def test_breakpoints_ahead_skip_those_reached_or_already_remembered():
     req = ask(SYSTEM + "<u>q</u>", breakpoints=(10, 20, 30))
     done = seq(0)
