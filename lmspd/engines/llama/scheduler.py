@@ -493,9 +493,7 @@ class Scheduler:
         t0 = time.perf_counter()
         rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
         decode_s = time.perf_counter() - t0
-        self.decode_cost.observe(n, decode_s * 1000)
-        self.runtime.kv.decoded()
-        self.cache.decoded()
+        self._decoded(rc, n, decode_s)
         if rc != 0:
             log.error("llama_decode failed (%d) for a batch of %d tokens", rc, n)
             for run, _, _ in rows:
@@ -633,6 +631,20 @@ class Scheduler:
         self.decode_stats.add(draft.source, len(proposed), accepted)
         if gen.done and not run.pending:
             self._release(run)
+
+    def _decoded(self, rc: int, n: int, decode_s: float) -> None:
+        """After a step's ``llama_decode``: a decode that ran performed the
+        whole-stream copies llama.cpp had queued, and its time is the cost
+        of ``n`` tokens. One that failed may have stopped before them (a
+        batch it refuses, rc -1, does: test_kv_copy), so they stay marked
+        unsettled; the next decode, or the idle scheduler's settle
+        (``_settle_copies``), performs them. Cleared here, a state restored
+        into the target meanwhile was overwritten by the copy later."""
+        if rc != 0:
+            return
+        self.decode_cost.observe(n, decode_s * 1000)
+        self.runtime.kv.decoded()
+        self.cache.decoded()
 
     def _settle_copies(self) -> None:
         """llama.cpp performs a copy between sequences at the next decode; a

@@ -118,3 +118,70 @@ def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_r
     assert kv.restore(1, state)
     got = decode(ctx, batch, kv, 1, [5, 6], len(other))
     assert int(got.argmax()) == int(expected.argmax()) and float(np.abs(got - expected).max()) < 0.05
+
+
+@pytest.mark.parametrize("first", ["refused", "decoded"])
+def test_a_decode_llama_cpp_refuses_leaves_a_stream_copy_queued(rig, first):
+    """What ``Scheduler._step`` relies on to keep a stream copy marked
+    unsettled after a failed decode: a batch llama.cpp refuses (rc -1: here
+    a token outside the vocabulary) does not perform the queued copy; the
+    next decode that runs does, over whatever the target holds by then. A
+    state restored into the target meanwhile (as if the copy were done) is
+    then overwritten. After a decode that ran, it is not."""
+    ctx, model, batch = rig
+    kv = SequenceKv(ctx, model, swa_full=False)
+    for seq in range(4):
+        kv.clear(seq)
+    other = [1, *range(400, 460)]
+    decode(ctx, batch, kv, 2, other, 0)
+    state = kv.capture(2)
+    expected = decode(ctx, batch, kv, 2, [5, 6], len(other))
+    kv.clear(2)
+
+    decode(ctx, batch, kv, 0, PROMPT, 0)
+    kv.n_ctx = 4 * len(PROMPT) - 1  # a whole-stream copy
+    kv.copy(0, 1, 80)
+    assert 1 in kv._stream_copies_into
+    if first == "refused":
+        n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(ctx.model.model))
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = n_vocab + 10, 0, 1, 1
+        batch.seq_id[0][0] = 3
+        batch.n_tokens = 1
+        assert llama_cpp.llama_decode(ctx.ctx, batch) == -1
+    else:
+        decode(ctx, batch, kv, 3, [1, 2], 0)
+    kv.clear(1)
+    assert kv.restore(1, state)
+    kv.clear(3)
+    decode(ctx, batch, kv, 3, [1, 2, 3], 0)  # any decode that runs
+    got = decode(ctx, batch, kv, 1, [5, 6], len(other))
+    overwritten = int(got.argmax()) != int(expected.argmax()) or float(np.abs(got - expected).max()) > 0.05
+    assert overwritten == (first == "refused")
+
+
+def test_a_failed_step_leaves_its_stream_copies_marked_unsettled(rig):
+    """``Scheduler._step``'s bookkeeping after its decode (``_decoded``): the
+    copy marks are cleared only by a decode that ran (above: one that
+    llama.cpp refused did not perform the copy). They were cleared after any
+    decode, failed or not."""
+    from types import SimpleNamespace
+
+    from lmspd.engines.llama.scheduler import Scheduler
+
+    ctx, model, batch = rig
+    kv = SequenceKv(ctx, model, swa_full=False)
+    for seq in range(4):
+        kv.clear(seq)
+    decode(ctx, batch, kv, 0, PROMPT, 0)
+    kv.n_ctx = 4 * len(PROMPT) - 1
+    kv.copy(0, 1, 80)
+    cleared: list[str] = []
+    observed: list[int] = []
+    fake = SimpleNamespace(runtime=SimpleNamespace(kv=kv), cache=SimpleNamespace(decoded=lambda: cleared.append("cache")),
+                           decode_cost=SimpleNamespace(observe=lambda n, ms: observed.append(n)))
+    for rc in (-1, 1, 2, -3):
+        Scheduler._decoded(fake, rc, 3, 0.01)  # type: ignore[arg-type]
+    assert 1 in kv._stream_copies_into and cleared == [] and observed == []
+    Scheduler._decoded(fake, 0, 3, 0.01)  # type: ignore[arg-type]
+    assert 1 not in kv._stream_copies_into and cleared == ["cache"] and observed == [3]
+    decode(ctx, batch, kv, 2, [1, 2], 0)  # the queued copy runs here, before the rig's next test
