@@ -312,11 +312,14 @@ class Generation:
                 # what the answer's matcher held went before it.
                 self._visible(self.answer_stops.flush() + text)
                 return
+        self._answer(text)
+
+    def _answer(self, text: str) -> None:
+        """Text of the answer: past the client's stop sequences, if any."""
+        if self.answer_stops is not None:
             text, self._answer_hit = self.answer_stops.feed(text)
-            if text:
-                self._visible(text)
-            return
-        self._visible(text)
+        if text:
+            self._visible(text)
 
     def _route(self, pieces: list[tuple[str, str]]) -> None:
         for kind, piece in pieces:
@@ -327,10 +330,7 @@ class Generation:
                 self.emit(ReasoningDelta(piece))
                 continue
             self._close_reasoning()
-            if self.answer_stops is not None:
-                piece, self._answer_hit = self.answer_stops.feed(piece)
-            if piece:
-                self._visible(piece)
+            self._answer(piece)
 
     def _close_reasoning(self) -> None:
         if not self.reasoning_open:

@@ -47,11 +47,38 @@ def decode(ctx, batch, kv, seq, tokens, p0):
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, len(tokens) - 1), shape=(n_vocab,)).copy()
 
 
-def test_cell_copy_and_stream_copy_leave_the_same_kv(rig):
-    ctx, model, batch = rig
+def fresh_kv(ctx, model) -> SequenceKv:
     kv = SequenceKv(ctx, model, swa_full=False)
     for seq in range(4):
         kv.clear(seq)
+    return kv
+
+
+OTHER = [1, *range(400, 460)]  # another prompt
+
+
+def another_state(ctx, batch, kv, seq):
+    """``OTHER``'s state, captured on ``seq`` (cleared after), and the
+    logits its continuation ``[5, 6]`` gives."""
+    decode(ctx, batch, kv, seq, OTHER, 0)
+    state = kv.capture(seq)
+    expected = decode(ctx, batch, kv, seq, [5, 6], len(OTHER))
+    kv.clear(seq)
+    return state, expected
+
+
+def queue_stream_copy(ctx, batch, kv) -> None:
+    """``PROMPT`` on sequence 0, 80 tokens of it copied into 1 as a
+    whole-stream copy: queued, done by llama.cpp's next decode."""
+    decode(ctx, batch, kv, 0, PROMPT, 0)
+    kv.n_ctx = 4 * len(PROMPT) - 1  # as if the source filled most of the window
+    kv.copy(0, 1, 80)
+    assert 1 in kv._stream_copies_into
+
+
+def test_cell_copy_and_stream_copy_leave_the_same_kv(rig):
+    ctx, model, batch = rig
+    kv = fresh_kv(ctx, model)
     decode(ctx, batch, kv, 0, PROMPT, 0)
     keep = 80  # a prefix: the copy is trimmed to it
     assert kv.cell_copy_cheaper(0)
@@ -87,19 +114,9 @@ def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_r
     from lmspd.engines.llama.scheduler import Batch, Scheduler
 
     ctx, model, batch = rig
-    kv = SequenceKv(ctx, model, swa_full=False)
-    for seq in range(4):
-        kv.clear(seq)
-    other = [1, *range(400, 460)]
-    decode(ctx, batch, kv, 3, other, 0)
-    state = kv.capture(3)
-    expected = decode(ctx, batch, kv, 3, [5, 6], len(other))
-    kv.clear(3)
-
-    decode(ctx, batch, kv, 0, PROMPT, 0)
-    kv.n_ctx = 4 * len(PROMPT) - 1  # as if the source filled most of the window: a whole-stream copy
-    kv.copy(0, 1, 80)
-    assert 1 in kv._stream_copies_into
+    kv = fresh_kv(ctx, model)
+    state, expected = another_state(ctx, batch, kv, 3)
+    queue_stream_copy(ctx, batch, kv)
     kv.clear(1)  # the placement failed: its target discarded, the copy still queued in llama.cpp
 
     settle_batch = Batch(128)
@@ -116,7 +133,7 @@ def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_r
     assert kv.n_tokens(1) == 0, "the throwaway token is gone again"
 
     assert kv.restore(1, state)
-    got = decode(ctx, batch, kv, 1, [5, 6], len(other))
+    got = decode(ctx, batch, kv, 1, [5, 6], len(OTHER))
     assert int(got.argmax()) == int(expected.argmax()) and float(np.abs(got - expected).max()) < 0.05
 
 
@@ -129,19 +146,9 @@ def test_a_decode_llama_cpp_refuses_leaves_a_stream_copy_queued(rig, first):
     state restored into the target meanwhile (as if the copy were done) is
     then overwritten. After a decode that ran, it is not."""
     ctx, model, batch = rig
-    kv = SequenceKv(ctx, model, swa_full=False)
-    for seq in range(4):
-        kv.clear(seq)
-    other = [1, *range(400, 460)]
-    decode(ctx, batch, kv, 2, other, 0)
-    state = kv.capture(2)
-    expected = decode(ctx, batch, kv, 2, [5, 6], len(other))
-    kv.clear(2)
-
-    decode(ctx, batch, kv, 0, PROMPT, 0)
-    kv.n_ctx = 4 * len(PROMPT) - 1  # a whole-stream copy
-    kv.copy(0, 1, 80)
-    assert 1 in kv._stream_copies_into
+    kv = fresh_kv(ctx, model)
+    state, expected = another_state(ctx, batch, kv, 2)
+    queue_stream_copy(ctx, batch, kv)
     if first == "refused":
         n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(ctx.model.model))
         batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = n_vocab + 10, 0, 1, 1
@@ -154,7 +161,7 @@ def test_a_decode_llama_cpp_refuses_leaves_a_stream_copy_queued(rig, first):
     assert kv.restore(1, state)
     kv.clear(3)
     decode(ctx, batch, kv, 3, [1, 2, 3], 0)  # any decode that runs
-    got = decode(ctx, batch, kv, 1, [5, 6], len(other))
+    got = decode(ctx, batch, kv, 1, [5, 6], len(OTHER))
     overwritten = int(got.argmax()) != int(expected.argmax()) or float(np.abs(got - expected).max()) > 0.05
     assert overwritten == (first == "refused")
 
@@ -169,12 +176,8 @@ def test_a_failed_step_leaves_its_stream_copies_marked_unsettled(rig):
     from lmspd.engines.llama.scheduler import Scheduler
 
     ctx, model, batch = rig
-    kv = SequenceKv(ctx, model, swa_full=False)
-    for seq in range(4):
-        kv.clear(seq)
-    decode(ctx, batch, kv, 0, PROMPT, 0)
-    kv.n_ctx = 4 * len(PROMPT) - 1
-    kv.copy(0, 1, 80)
+    kv = fresh_kv(ctx, model)
+    queue_stream_copy(ctx, batch, kv)
     cleared: list[str] = []
     observed: list[int] = []
     fake = SimpleNamespace(runtime=SimpleNamespace(kv=kv), cache=SimpleNamespace(decoded=lambda: cleared.append("cache")),

@@ -155,18 +155,11 @@ def test_a_kept_alive_connection_closed_without_an_answer_is_tried_once_more():
     assert endpoint.healthy and endpoint.outstanding == 0
 
 
-def test_a_new_connection_closed_without_an_answer_is_not_sent_again():
-    """A connection opened for the request, read and hung up on (a proxy
-    that passed it on, then failed): the provider may be generating, so a
-    second try would be a second generation."""
-    requests: list[bytes] = []
-
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        requests.append(await _read_request(reader))
-        writer.close()
-
+def _open_is_lost(handle) -> None:
+    """One ``open`` against a provider served by ``handle`` fails as
+    ``UpstreamConnectionLost``."""
     async def go():
-        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]), health_interval_s=0)
         try:
@@ -177,6 +170,19 @@ def test_a_new_connection_closed_without_an_answer_is_not_sent_again():
             server.close()
 
     asyncio.run(go())
+
+
+def test_a_new_connection_closed_without_an_answer_is_not_sent_again():
+    """A connection opened for the request, read and hung up on (a proxy
+    that passed it on, then failed): the provider may be generating, so a
+    second try would be a second generation."""
+    requests: list[bytes] = []
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await _read_request(reader))
+        writer.close()
+
+    _open_is_lost(hang_up)
     assert len(requests) == 1
 
 
@@ -194,18 +200,7 @@ def test_a_connection_closed_inside_the_answer_is_not_sent_again(answered: bytes
         await writer.drain()
         writer.close()
 
-    async def go():
-        server = await asyncio.start_server(cut, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        client = ProviderClient(EndpointPool([f"http://127.0.0.1:{port}/v1"]), health_interval_s=0)
-        try:
-            with pytest.raises(UpstreamConnectionLost):
-                await client.open(b"{}")
-        finally:
-            await client.aclose()
-            server.close()
-
-    asyncio.run(go())
+    _open_is_lost(cut)
     assert len(requests) == 1
 
 
