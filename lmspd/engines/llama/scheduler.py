@@ -651,9 +651,16 @@ class Scheduler:
         request cancelled before its first step leaves one pending, which
         keeps both sequences from being reused. Re-evaluate the copy's last
         token to run that decode."""
+        kv = self.runtime.kv
         n = 0
         emptied: list[int] = []
         for r in self.cache.unsettled_copies():
+            if r.tokens and kv.recurrent:
+                # A recurrent state cannot give its last token back: trimmed
+                # (refused) and fed that token again, it would hold it
+                # twice, and a later turn would continue that state. The
+                # copied state is dropped instead, and settled as below.
+                self.cache.discard(r.seq)
             if not r.tokens:
                 # Discarded before its copy ran (a fault in its placement):
                 # llama.cpp still holds the copy, and would run it at the
@@ -666,19 +673,26 @@ class Scheduler:
                 n += 1
                 continue
             pos = len(r.tokens) - 1
-            self.runtime.kv.trim(r.seq, pos)
+            kv.trim(r.seq, pos)
             self._tok[n], self._pos[n], self._seq[n], self._logits[n] = r.tokens[-1], pos, r.seq, 0
             n += 1
-        if n:
-            self._batch.batch.n_tokens = n
-            self._decode_threads()
-            rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
-            for seq in emptied:
-                self.runtime.kv.clear(seq)
-            if rc != 0:
-                for r in self.cache.unsettled_copies():
+        if not n:
+            return
+        self._batch.batch.n_tokens = n
+        self._decode_threads()
+        rc = llama_cpp.llama_decode(self._ctx.ctx, self._batch.batch)
+        for seq in emptied:
+            kv.clear(seq)
+        if rc != 0:
+            # The copies did not run (``_decoded``): their targets are
+            # dropped, and stay marked, so that nothing is restored into
+            # them before a decode that runs (the next request's) performs
+            # the copies.
+            for r in self.cache.unsettled_copies():
+                if r.tokens:
                     self.cache.discard(r.seq)
-        self.runtime.kv.decoded()
+            return
+        kv.decoded()
         self.cache.decoded()
 
     def _decode_threads(self) -> None:

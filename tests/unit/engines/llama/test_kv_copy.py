@@ -101,6 +101,40 @@ def test_cell_copy_and_stream_copy_leave_the_same_kv(rig):
     assert int(by_cells.argmax()) == int(cold.argmax()) and float(np.abs(by_cells - cold).max()) < 0.05
 
 
+def settle(ctx, kv, targets, decode=None):
+    """``Scheduler._settle_copies`` run over the real context, with the
+    cache's part played by ``targets`` (the residents it says a copy went
+    into); returns what it asked the cache to do. ``decode``: stands in for
+    ``llama_decode``."""
+    from types import SimpleNamespace
+
+    from lmspd.engines.llama import scheduler as scheduler_module
+    from lmspd.engines.llama.scheduler import Batch, Scheduler
+
+    asked: list[tuple[str, int | None]] = []
+
+    def discard(seq):
+        asked.append(("discard", seq))
+        kv.clear(seq)
+        next(t for t in targets if t.seq == seq).tokens = []
+
+    settle_batch = Batch(128)
+    scheduler = SimpleNamespace(
+        cache=SimpleNamespace(unsettled_copies=lambda: list(targets), decoded=lambda: asked.append(("decoded", None)),
+                              discard=discard),
+        runtime=SimpleNamespace(kv=kv), _batch=settle_batch, _ctx=ctx, _decode_threads=lambda: None,
+        _tok=settle_batch.tok, _pos=settle_batch.pos, _seq=settle_batch.seq, _logits=settle_batch.logits)
+    real = scheduler_module.llama_cpp.llama_decode
+    try:
+        if decode is not None:
+            scheduler_module.llama_cpp.llama_decode = decode
+        Scheduler._settle_copies(scheduler)  # type: ignore[arg-type]
+    finally:
+        scheduler_module.llama_cpp.llama_decode = real
+        settle_batch.free()
+    return asked
+
+
 def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_reuse(rig):
     """A whole-stream copy is done by llama.cpp at the next decode. When its
     target was discarded first (a fault while placing the request that
@@ -111,30 +145,60 @@ def test_a_stream_copy_into_a_target_discarded_before_it_ran_is_settled_before_r
     token). Here the real method runs over the real context."""
     from types import SimpleNamespace
 
-    from lmspd.engines.llama.scheduler import Batch, Scheduler
-
     ctx, model, batch = rig
     kv = fresh_kv(ctx, model)
     state, expected = another_state(ctx, batch, kv, 3)
     queue_stream_copy(ctx, batch, kv)
     kv.clear(1)  # the placement failed: its target discarded, the copy still queued in llama.cpp
 
-    settle_batch = Batch(128)
-    target = SimpleNamespace(seq=1, tokens=[])
-    scheduler = SimpleNamespace(
-        cache=SimpleNamespace(unsettled_copies=lambda: [target], decoded=lambda: None,
-                              discard=lambda seq: None),
-        runtime=SimpleNamespace(kv=kv), _batch=settle_batch, _ctx=ctx, _decode_threads=lambda: None,
-        _tok=settle_batch.tok, _pos=settle_batch.pos, _seq=settle_batch.seq, _logits=settle_batch.logits)
-    try:
-        Scheduler._settle_copies(scheduler)  # type: ignore[arg-type]
-    finally:
-        settle_batch.free()
+    assert settle(ctx, kv, [SimpleNamespace(seq=1, tokens=[])]) == [("decoded", None)]
     assert kv.n_tokens(1) == 0, "the throwaway token is gone again"
 
     assert kv.restore(1, state)
     got = decode(ctx, batch, kv, 1, [5, 6], len(OTHER))
     assert int(got.argmax()) == int(expected.argmax()) and float(np.abs(got - expected).max()) < 0.05
+
+
+def test_a_copy_into_a_recurrent_state_is_settled_without_feeding_its_last_token_again(rig):
+    """Settling re-evaluates a copy's last token after trimming it. A
+    recurrent (or hybrid) state cannot be trimmed: the trim is refused, and
+    the token fed again would be in the state twice, kept for a later turn
+    to continue. Such a target is dropped and settled with a throwaway
+    token instead. (The bundled model is plain attention; ``recurrent`` is
+    what the scheduler asks of the KV.)"""
+    from types import SimpleNamespace
+
+    ctx, model, batch = rig
+    kv = fresh_kv(ctx, model)
+    kv.recurrent = True
+    state, expected = another_state(ctx, batch, kv, 3)
+    queue_stream_copy(ctx, batch, kv)
+    target = SimpleNamespace(seq=1, tokens=PROMPT[:80])
+
+    assert settle(ctx, kv, [target]) == [("discard", 1), ("decoded", None)]
+    assert kv.n_tokens(1) == 0 and target.tokens == [], "dropped, not fed its last token again"
+    assert kv.restore(1, state)
+    got = decode(ctx, batch, kv, 1, [5, 6], len(OTHER))
+    assert int(got.argmax()) == int(expected.argmax()) and float(np.abs(got - expected).max()) < 0.05
+
+
+def test_a_failed_settle_leaves_its_copies_marked_unsettled(rig):
+    """A settle whose decode llama.cpp refuses did not perform the copies
+    (below): its targets are dropped but stay marked, so that nothing is
+    restored into them before a decode that runs performs the copies. The
+    marks were cleared after the failed decode too."""
+    from types import SimpleNamespace
+
+    ctx, model, batch = rig
+    kv = fresh_kv(ctx, model)
+    queue_stream_copy(ctx, batch, kv)
+    target = SimpleNamespace(seq=1, tokens=PROMPT[:80])
+
+    asked = settle(ctx, kv, [target], decode=lambda ctx, batch: -1)
+    assert asked == [("discard", 1)], "dropped, and the cache not told the copies ran"
+    assert 1 in kv._stream_copies_into
+    assert settle(ctx, kv, [target]) == [("decoded", None)], "the next settle performs them"
+    assert 1 not in kv._stream_copies_into and kv.n_tokens(1) == 0
 
 
 @pytest.mark.parametrize("first", ["refused", "decoded"])
