@@ -13,6 +13,7 @@ event name, data object)``, which SSE frames as ``event:``/``data:`` lines
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -36,6 +37,8 @@ from lmspd.streaming import steps
 from lmspd.streaming.steps import OutputItem, Step
 
 __all__ = ["Encoder", "OutputItem", "ResponseState", "StreamSession", "WireEvent"]
+
+log = logging.getLogger("lmspd.streaming")
 
 
 @dataclass
@@ -192,6 +195,16 @@ class StreamSession:
             index = self._calls[event.index]
             item = self.state.output[index]
             assert isinstance(item, ToolCall)
+            streamed = item.payload
+            if len(event.payload) > len(streamed) and event.payload.startswith(streamed):
+                # The engine may send a call whole at its end (no deltas, or
+                # not all of it): the Chat and Messages streams carry a
+                # call's input in deltas only, and would lose the rest.
+                item.payload = event.payload
+                self._emit(out, steps.ToolInputDelta(index, item, event.payload[len(streamed):]))
+            elif event.payload != streamed:
+                log.warning("tool call %s: its final input is not what was streamed; "
+                            "a client that reads the deltas has other arguments", item.call_id)
             item.payload = event.payload
             self._emit(out, steps.ToolInputDone(index, item))
             item.status = "completed"

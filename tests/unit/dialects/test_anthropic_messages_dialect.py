@@ -232,6 +232,20 @@ def test_thinking_and_tool_use():
     assert body["content"][0] == {"type": "thinking", "thinking": "Need weather.", "signature": ""}
 
 
+def test_a_call_sent_whole_at_its_end_streams_its_input():
+    """An engine may send a call's input only with its end (no deltas, or
+    the rest of it): the stream carries input in deltas only, and ended the
+    block with what the deltas held (``{}``; the non-streamed body had it)."""
+    state, events = run([
+        ToolCallStarted(0, "toolu_a", "get_weather"), ToolCallDone(0, '{"city":"Paris"}'),
+        ToolCallStarted(1, "toolu_b", "get_time"), ToolCallDelta(1, '{"tz":'), ToolCallDone(1, '{"tz":"UTC"}'),
+        Finished("tool_calls", Usage(5, 9)),
+    ])
+    final = validate_anthropic_stream(events)
+    assert [b.input for b in final.content] == [{"city": "Paris"}, {"tz": "UTC"}]
+    assert [b["input"] for b in message_json(state)["content"]] == [{"city": "Paris"}, {"tz": "UTC"}]
+
+
 def test_max_tokens_cuts_a_tool_call():
     state, events = run([ToolCallStarted(0, "toolu_a", "get_weather"), ToolCallDelta(0, '{"ci'),
                          Finished("length", Usage(5, 3))])

@@ -203,6 +203,21 @@ def test_reasoning_and_parallel_tool_calls():
     assert [t["function"]["name"] for t in message["tool_calls"]] == ["get_weather", "get_time"]
 
 
+def test_a_call_sent_whole_at_its_end_streams_its_arguments():
+    """An engine may send a call's arguments only with its end (no deltas,
+    or the rest of them): the stream carries arguments in deltas only, and
+    a streaming client read ``""`` where the non-streamed body had them."""
+    state, chunks = run([
+        ToolCallStarted(0, "call_a", "get_weather"), ToolCallDone(0, '{"city":"Paris"}'),
+        ToolCallStarted(1, "call_b", "get_time"), ToolCallDelta(1, '{"tz":'), ToolCallDone(1, '{"tz":"UTC"}'),
+        Finished("tool_calls"),
+    ])
+    streamed = [(t["id"], t["arguments"]) for t in validate_chat_stream(chunks)["tool_calls"]]
+    assert streamed == [("call_a", '{"city":"Paris"}'), ("call_b", '{"tz":"UTC"}')]
+    body = [(t["id"], t["function"]["arguments"]) for t in completion_json(state)["choices"][0]["message"]["tool_calls"]]
+    assert body == streamed
+
+
 def test_tool_only_turn_has_null_content():
     state, chunks = run([ToolCallStarted(0, "call_a", "get_time"), ToolCallDone(0, "{}"), Finished("stop")])
     assert validate_chat_stream(chunks)["finish_reason"] == "tool_calls"
