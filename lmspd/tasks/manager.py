@@ -53,8 +53,16 @@ _BATCH = 512
 MAX_PENDING_EVENTS = 256
 # Events stored per transaction at most.
 MAX_WRITE_BATCH = 128
-# Threads that run store calls for tasks (writes, and reads of remote tasks).
+# Threads that store tasks' events and ends.
 STORE_THREADS = 4
+# Threads that read tasks' logs for their followers: a pool of their own, so
+# that readers (one key replaying long logs over many connections) never
+# queue ahead of the writes that keep every key's results.
+READ_THREADS = 2
+# Events queued for one follower of a live task: one that falls this far
+# behind (its connection stopped reading) reads the rest from the store, by
+# seq, instead of holding every later event of the task.
+MAX_FOLLOWER_BACKLOG = 1024
 # A reader of a task running elsewhere re-reads the log this often even
 # without a notice: a lost notice costs latency, never the end of a stream.
 REMOTE_POLL_S = 1.0
@@ -121,6 +129,16 @@ def task_request(dialect: Dialect, model: str, body: JSON) -> JSON:
     return {"dialect": dialect.name, "model": model, "body": body}
 
 
+class _Behind:
+    """Marks, in a follower's queue, that it fell ``MAX_FOLLOWER_BACKLOG``
+    events behind and was let go: it reads the rest from the store."""
+
+
+BEHIND = _Behind()
+# What a follower's queue holds: events, then None (the run ended) or BEHIND.
+Followed = TaskEvent | None | _Behind
+
+
 class LiveTask:
     """A task running in this process, and the readers following it."""
 
@@ -145,28 +163,30 @@ class LiveTask:
         # never dropped (the start is marked from a plain callback).
         self.pending: asyncio.Queue[Any] = asyncio.Queue()
         self.room = asyncio.Semaphore(MAX_PENDING_EVENTS)
-        self._readers: set[asyncio.Queue[TaskEvent | None]] = set()
+        self._readers: set[asyncio.Queue[Followed]] = set()
 
     @property
     def state(self) -> ResponseState:
         return self.session.state
 
-    def subscribe(self) -> asyncio.Queue[TaskEvent | None]:
-        queue: asyncio.Queue[TaskEvent | None] = asyncio.Queue()
+    def subscribe(self) -> asyncio.Queue[Followed]:
+        queue: asyncio.Queue[Followed] = asyncio.Queue()
         if self.done.is_set():
             queue.put_nowait(None)
         else:
             self._readers.add(queue)
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[TaskEvent | None]) -> None:
+    def unsubscribe(self, queue: asyncio.Queue[Followed]) -> None:
         self._readers.discard(queue)
 
     def publish(self, event: TaskEvent) -> None:
-        # Unbounded, but bounded by one response's events; a reader that
-        # stops reading is dropped by its connection closing.
-        for queue in self._readers:
-            queue.put_nowait(event)
+        for queue in list(self._readers):
+            if queue.qsize() >= MAX_FOLLOWER_BACKLOG:
+                self._readers.discard(queue)
+                queue.put_nowait(BEHIND)
+            else:
+                queue.put_nowait(event)
 
     def close(self) -> None:
         self.done.set()
@@ -183,6 +203,7 @@ class TaskManager:
         # Bounded: at most this many store calls for tasks at once; the rest
         # queue here, and their runs wait on their full write queues.
         self._io = ThreadPoolExecutor(max_workers=STORE_THREADS, thread_name_prefix="lmspd-store")
+        self._reads = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="lmspd-store-read")
         # Readers of tasks that run elsewhere, woken by the store's notices.
         self._watchers: dict[str, set[asyncio.Event]] = {}
         self._unlisten: Callable[[], None] | None = None
@@ -197,6 +218,9 @@ class TaskManager:
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
 
     # -- notices -------------------------------------------------------------------
 
@@ -296,8 +320,9 @@ class TaskManager:
                     exc = runner.exception()
                     log.error("task %s failed", live.id, exc_info=exc)
                     wires += session.fail("server_error", f"Internal error: {type(exc).__name__}")
-                for seq, name, data in wires:
-                    await self._record(live, seq, name, data)
+                with contextlib.suppress(StoreRefused):  # closed below, as a refused log is
+                    for seq, name, data in wires:
+                        await self._record(live, seq, name, data)
             elif not runner.cancelled() and runner.exception() is not None:
                 log.error("task %s: storing its events failed", live.id, exc_info=runner.exception())
             if not live.writer.done():
@@ -319,18 +344,39 @@ class TaskManager:
             live.close()
 
     async def _close_refused(self, live: LiveTask) -> None:
-        """A task whose log the store cut short: on a store of its own no
-        sweep runs while serving, so it is closed here (``close_refused``),
-        tried as an event write is; where that fails too, or on a shared
-        store, it is released to recovery (the next sweep of any instance,
-        or the next start), and a follower hears that its log is cut short."""
-        if not self.store.shared:
-            try:
-                await self._write(live, "its end", False, close_refused, self.store, live.id)
-                return
-            except Exception as exc:
-                log.error("task %s: could not close its event log (%s); the next start does", live.id, exc)
-        await self._off_loop(self.store.release_task, live.id)
+        """A task whose log the store cut short is closed here
+        (``close_refused``), tried as an event write is. Where that fails
+        too (the outage that refused its events is likely still on), its
+        followers hear at once that its log is cut short, and the close goes
+        on in the background until it lands (``_close_later``)."""
+        try:
+            await self._write(live, "its end", False, close_refused, self.store, live.id)
+        except Exception as exc:
+            log.error("task %s: could not close its event log (%s); trying again until the store takes it",
+                      live.id, exc)
+            job = asyncio.ensure_future(self._close_later(live.id))
+            self._background.add(job)
+            job.add_done_callback(self._background.discard)
+
+    async def _close_later(self, task_id: str) -> None:
+        """Close a task whose log the store cut short, tried as a task's end
+        is, until it lands or the server gives up on its tasks. No sweep
+        closes it meanwhile: one runs only for instances whose lease lapsed
+        (or at the next start), so it said in_progress to every poll, for as
+        long as this instance lived, and could not be cancelled. Given up
+        on, a task on a shared store is released to recovery (the next sweep
+        of any instance); on a store of its own, the next start closes it."""
+        try:
+            await retried(lambda: self._off_loop(close_refused, self.store, task_id),
+                          backoff(FINAL_WRITE_FIRST_S, FINAL_WRITE_MOST_S), f"task {task_id}: closing its log",
+                          wait=self._retry_wait)
+            return
+        except Exception as exc:
+            log.error("task %s: could not close its event log (%s); %s", task_id, exc,
+                      "releasing it to the other instances" if self.store.shared else "the next start does")
+        if self.store.shared:
+            with contextlib.suppress(Exception):
+                await self._off_loop(self.store.release_task, task_id)
 
     async def _write_loop(self, live: LiveTask) -> None:
         """Store what the run produced, in order, in batches, then publish it."""
@@ -394,10 +440,16 @@ class TaskManager:
                         # cannot be written): the task's own end still is,
                         # with the result, or it would stay in_progress.
                         log.exception("task %s: could not store its response", live.id)
-                await self._write(live, "its final status", True, functools.partial(
+                ended = await self._write(live, "its final status", True, functools.partial(
                     self.store.set_task_status, live.owner, live.id, state.status,
                     result=live.dialect.response_json(state), error=state.error,
                     final_event=(item.seq, item.event, item.data)))
+                if not ended:
+                    # Closed meanwhile (a survivor that took this instance's
+                    # lease for lapsed) with a terminal event of its own, or
+                    # this one, whose commit's answer was lost: followers read
+                    # whichever is stored once the task is closed here.
+                    raise TaskFinished(f"task {live.id} was ended by another writer")
                 self._published(live, [item])
             else:
                 run.append(item)
@@ -433,14 +485,14 @@ class TaskManager:
         for event in events:
             live.publish(event)
 
-    async def _write(self, live: LiveTask, what: str, final: bool, fn: Callable[..., Any], *args: Any) -> None:
+    async def _write(self, live: LiveTask, what: str, final: bool, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a store thread, tried again while the store's
         error is transient: a write of the run's events a few times
         (``EVENT_WRITE_DELAYS_S``: the run waits meanwhile), a ``final``
         one until it lands or the server gives up on its tasks (``drain``)."""
         delays = backoff(FINAL_WRITE_FIRST_S, FINAL_WRITE_MOST_S) if final else EVENT_WRITE_DELAYS_S
-        await retried(lambda: self._off_loop(fn, *args), delays, f"task {live.id}: storing {what}",
-                      wait=self._retry_wait)
+        return await retried(lambda: self._off_loop(fn, *args), delays, f"task {live.id}: storing {what}",
+                             wait=self._retry_wait)
 
     async def _retry_wait(self, delay: float) -> bool:
         """Wait ``delay`` before trying a store write again; False once the
@@ -484,7 +536,7 @@ class TaskManager:
         try:
             while True:
                 wake.clear()
-                task = await self._off_loop(self.store.get_task, owner, task_id)
+                task = await self._read(self.store.get_task, owner, task_id)
                 left = deadline - time.monotonic()
                 if task is None or task.terminal or left <= 0:
                     return
@@ -507,8 +559,9 @@ class TaskManager:
         for live in left:
             if live.runner is not None:
                 live.runner.cancel()
-        if left:
-            await asyncio.wait([t.supervisor for t in left if t.supervisor is not None], timeout=2.0)
+        ending = [t.supervisor for t in left if t.supervisor is not None] + list(self._background)
+        if ending:
+            await asyncio.wait(ending, timeout=2.0)
 
     def close(self) -> None:
         self._giving_up.set()
@@ -516,6 +569,7 @@ class TaskManager:
             self._unlisten()
             self._unlisten = None
         self._io.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
 
     # -- reading -----------------------------------------------------------------
 
@@ -538,7 +592,7 @@ class TaskManager:
         live = self.live(task_id, owner)
         queue = live.subscribe() if live is not None else None
         try:
-            first = await self._off_loop(self.store.events_after, owner, task_id, after, _BATCH)
+            first = await self._read(self.store.events_after, owner, task_id, after, _BATCH)
         except BaseException:
             if live is not None and queue is not None:
                 live.unsubscribe(queue)
@@ -550,7 +604,7 @@ class TaskManager:
         return self._tail(owner, task_id, after, first, live, queue)
 
     async def _tail(self, owner: str, task_id: str, after: int, batch: list[TaskEvent],
-                    live: LiveTask | None, queue: asyncio.Queue[TaskEvent | None] | None) -> AsyncGenerator[TaskEvent, None]:
+                    live: LiveTask | None, queue: asyncio.Queue[Followed] | None) -> AsyncGenerator[TaskEvent, None]:
         last = after
         try:
             while batch:
@@ -559,7 +613,7 @@ class TaskManager:
                     last = event.seq
                     if event.event in TERMINAL_EVENT_NAMES:
                         return
-                more = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
+                more = await self._read(self.store.events_after, owner, task_id, last, _BATCH)
                 batch = more or []
             if queue is None:
                 if not self.store.shared:
@@ -576,9 +630,14 @@ class TaskManager:
                 got = await queue.get()
                 if got is None:
                     # The run ended; anything we have not seen is stored.
-                    for event in await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH) or []:
+                    for event in await self._read(self.store.events_after, owner, task_id, last, _BATCH) or []:
                         yield event
                     return
+                if got is BEHIND:
+                    async for event in self._tail_stored(owner, task_id, last):
+                        yield event
+                    return
+                assert isinstance(got, TaskEvent)
                 event = got
                 if event.seq <= last:
                     continue  # already replayed from the store
@@ -598,7 +657,7 @@ class TaskManager:
         try:
             while True:
                 wake.clear()
-                batch = await self._off_loop(self.store.events_after, owner, task_id, last, _BATCH)
+                batch = await self._read(self.store.events_after, owner, task_id, last, _BATCH)
                 if batch is None:
                     return  # deleted meanwhile
                 for event in batch:
@@ -613,7 +672,7 @@ class TaskManager:
                 except asyncio.TimeoutError:
                     # No notice for a while: if it ended without a terminal
                     # event (it could not start), stop following.
-                    task = await self._off_loop(self.store.get_task, owner, task_id)
+                    task = await self._read(self.store.get_task, owner, task_id)
                     if task is None or (task.terminal and task.last_seq <= last):
                         return
         finally:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from lmspd.core.conversation import Conversation, Message
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects.registry import LMSP
@@ -207,3 +209,72 @@ def test_events_whose_commit_landed_but_whose_answer_was_lost_are_stored_once(tm
     assert [e.seq for e in stored] == list(range(1, len(stored) + 1)) == out["followed"]
     assert stored[-1].event == "response.completed"
     store.close()
+
+
+class Outage(WatchedStore):
+    """Unreachable while ``down`` (every write a transient error, as a lost
+    PostgreSQL connection gives), once the run has stored a few batches."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise sqlite3.OperationalError("disk I/O error")
+
+    def append_events(self, task_id, events):
+        self._check()
+        return super().append_events(task_id, events)
+
+    def close_task(self, *args, **kwargs):
+        self._check()
+        return self._inner.close_task(*args, **kwargs)
+
+    def release_task(self, task_id):
+        self._check()
+        return self._inner.release_task(task_id)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_task_cut_off_by_a_store_outage_is_closed_once_the_store_is_back(tmp_path: Path, shared: bool) -> None:
+    """The store goes away for a second while a task runs: its event writes
+    give up (a few tries) and its run stops. Closing its log was tried as
+    long (a shared store: one release to recovery), in the same outage, and
+    then given up: the task stayed in_progress, claimed by an instance that
+    lives on (no sweep closes those), to every poll, unreachable by a
+    cancel. Its follower hears at once that the log is cut short; the close
+    is tried as a task's end is, until it lands."""
+
+    async def go() -> tuple[str, list[str], float]:
+        inner = SQLiteStore(tmp_path / "s.db")
+        inner.shared = shared  # type: ignore[misc]
+        store = Outage(inner, delay_s=0.002)
+        service = Service(DEFAULT_LIMITS)
+        service.add_engine(CountingEngine(2000, delay_s=0.002))
+        tasks = TaskManager(store)  # type: ignore[arg-type]
+        tasks.attach()
+        run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+        session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
+        live = await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+                                 run=run, session=session, record=ResponseRecord(store, "alice", [], keep=False))
+        stream = await tasks.follow("alice", "task_1", 0)
+        assert stream is not None
+        while live.recorded < 20:
+            await asyncio.sleep(0.005)
+        store.down = True
+        followed = [event.event async for event in stream]  # cut short, told at once
+        await asyncio.sleep(1.0)  # longer than an event write's tries
+        store.down = False
+        back = time.monotonic()
+        while store.get_task("alice", "task_1").status == "in_progress" and time.monotonic() - back < 10:
+            await asyncio.sleep(0.05)
+        status = store.get_task("alice", "task_1").status
+        log = [e.event for e in store.events_after("alice", "task_1", 0)]
+        tasks.close()
+        await service.aclose()
+        inner.close()
+        return status, followed, log
+
+    status, followed, log = asyncio.run(asyncio.wait_for(go(), 30))
+    assert followed and followed[-1] not in ("response.completed", "response.failed")
+    assert status == "failed", "closed by this instance, which lives on, once the store took it"
+    assert log[-1] == "response.failed" and log[:len(followed)] == followed
