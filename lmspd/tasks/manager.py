@@ -403,7 +403,10 @@ class TaskManager:
                     await self._store_batch(live, batch)
                 except Exception as exc:
                     live.write_error = exc
-                    log.error("task %s: the store refused its events (%s); stopping it", live.id, exc)
+                    if isinstance(exc, TaskFinished):
+                        log.warning("task %s: %s; stopping it", live.id, exc)
+                    else:
+                        log.error("task %s: the store refused its events (%s); stopping it", live.id, exc)
                     live.run.cancel.cancel()
             if ended:
                 return

@@ -74,12 +74,14 @@ async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) ->
                        run=run, session=session, record=record)
     most_pending = 0
     followed: list[int] = []
+    events: list[str] = []
 
     async def reader() -> None:
         stream = await tasks.follow("alice", "task_1", 0)
         assert stream is not None
         async for event in stream:
             followed.append(event.seq)
+            events.append(event.event)
 
     follower = asyncio.create_task(reader())
     while not live.done.is_set():
@@ -88,7 +90,8 @@ async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) ->
     await follower
     tasks.close()
     await service.aclose()
-    return {"loop_thread": threading.get_ident(), "most_pending": most_pending, "followed": followed}
+    return {"loop_thread": threading.get_ident(), "most_pending": most_pending, "followed": followed,
+            "events": events}
 
 
 def test_events_are_written_off_the_loop_and_read_exactly_once(tmp_path: Path) -> None:
@@ -278,3 +281,29 @@ def test_a_task_cut_off_by_a_store_outage_is_closed_once_the_store_is_back(tmp_p
     assert followed and followed[-1] not in ("response.completed", "response.failed")
     assert status == "failed", "closed by this instance, which lives on, once the store took it"
     assert log[-1] == "response.failed" and log[:len(followed)] == followed
+
+
+class ClosedBySurvivor(WatchedStore):
+    """Just before the task's own end is written, another instance closes it
+    (one that took this instance's lease for lapsed), with its own terminal
+    event: the end is then refused (``set_task_status`` False)."""
+
+    def set_task_status(self, owner, task_id, status, **kwargs):
+        if kwargs.get("final_event") is not None:
+            from lmspd.tasks.recovery import close_interrupted
+
+            self._inner.close_task(task_id, {"code": "server_restarted", "message": "gone"},
+                                   close_log=close_interrupted)
+        return super().set_task_status(owner, task_id, status, **kwargs)
+
+
+def test_a_terminal_event_the_store_refused_is_not_published(tmp_path: Path) -> None:
+    """A follower was handed the run's own terminal event although the store
+    kept another (the survivor's): what it read was not the task's log."""
+    store = ClosedBySurvivor(SQLiteStore(tmp_path / "s.db"))
+    out = asyncio.run(run_task(store, 30))
+    stored = store.events_after("alice", "task_1", 0)
+    assert stored[-1].event == "response.failed"
+    assert out["followed"] == [e.seq for e in stored]
+    assert out["events"] == [e.event for e in stored], "the follower read the stored log"
+    store.close()
