@@ -275,8 +275,10 @@ class CompactingRun:
         conversation = self._conversation
         reduced = dataclasses.replace(conversation, items=item.effective_items(list(conversation.items) + [made]),
                                       previous_response_id=None)
-        # What the turn continues from: a WebSocket connection remembers it.
-        self._window[:] = reduced.items
+        # What the turn continues from, which a WebSocket connection
+        # remembers before the turn's output: without the compaction item,
+        # which the output starts with (``session.lead``).
+        self._window[:] = reduced.items[:-1]
         log.info("compaction %s: %d items -> %d (%s)", made.id, len(conversation.items), len(reduced.items),
                  "trigger" if self._trigger else f"threshold={self._threshold}")
         return reduced

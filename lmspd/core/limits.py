@@ -16,6 +16,11 @@ MAX_IDEMPOTENCY_KEY_CHARS = 255
 # A client's session header (Claude Code, Codex, opencode...): a longer one is
 # ignored rather than refused (lmspd.dialects.session).
 MAX_SESSION_KEY_CHARS = 256
+# A response id a request names (``previous_response_id``,
+# ``prompt_cache_options.comparison_response_id``): lmspd's own are 37
+# characters. A WebSocket connection remembers the ids whose continuation
+# failed, so a longer one would be the client's bytes held.
+MAX_RESPONSE_ID_CHARS = 256
 # A WebSocket response.create's ``stream_id`` (its lane): echoed on every
 # event of the turn, so a long one would be copied into each.
 MAX_STREAM_ID_CHARS = 256

@@ -24,7 +24,7 @@ from lmspd.core.conversation import (
 )
 from lmspd.core.errors import ApiError, invalid, unsupported
 from lmspd.core.events import Usage
-from lmspd.core.limits import RequestLimits
+from lmspd.core.limits import MAX_RESPONSE_ID_CHARS, RequestLimits
 from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
@@ -97,7 +97,7 @@ class PromptCacheOptions(Strict):
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m", "12h"] | None = None
     prewarm: bool | None = None
-    comparison_response_id: str | None = Field(default=None, max_length=256)
+    comparison_response_id: str | None = Field(default=None, max_length=MAX_RESPONSE_ID_CHARS)
 
 
 class ImageOptions(Strict):
@@ -132,7 +132,7 @@ class CreateResponse(Strict):
     stream_options: StreamOptions | None = None
     background: bool | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=MAX_RESPONSE_ID_CHARS)
     conversation: Union[str, dict[str, Any], None] = None
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None

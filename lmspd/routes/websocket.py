@@ -57,7 +57,7 @@ from lmspd.core.conversation import Item, Message, SessionPin, ToolCall, ToolOut
 from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.core.lifecycle import TERMINAL_EVENT_NAMES
-from lmspd.core.limits import MAX_STREAM_ID_CHARS
+from lmspd.core.limits import MAX_RESPONSE_ID_CHARS, MAX_STREAM_ID_CHARS
 from lmspd.core.run import RunContext
 from lmspd.dialects.registry import OPENAI
 from lmspd.dialects.responses_items import Expansion
@@ -88,7 +88,7 @@ _FLUSH_S = 5.0
 # loop (a thread hop costs more); longer ones in the decoding pool.
 _INLINE_ITEMS = 512
 # Evicted ids a connection remembers (beyond them the oldest may be found
-# in the store again).
+# in the store again), each at most MAX_RESPONSE_ID_CHARS long.
 _MAX_EVICTED = 1024
 
 
@@ -176,6 +176,9 @@ class Connection:
         self.latest: Latest | None = None
         self.pin = SessionPin(new_id("ws"))
         self._turn: asyncio.Task[None] | None = None
+        # The turn before it, where that one's task was still unwinding when
+        # this one began (it waits for it): stopped with it.
+        self._unwinding: asyncio.Task[None] | None = None
         # The running turn's terminal event is out: for the client nothing
         # runs (the task may still be unwinding: a provider's close).
         self._turn_ended = False
@@ -192,51 +195,67 @@ class Connection:
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_frames())
+        # The age limit bounds whatever the connection waits on: the next
+        # frame, and room in the outbox for its answer too (a client that
+        # stopped reading leaves it full: serve() waits there, not in receive()).
+        age = asyncio.timeout(self._deadline - time.monotonic())
         try:
-            while True:
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    await self._expire()
-                    return
-                try:
-                    message = await asyncio.wait_for(self.ws.receive(), timeout=left)
-                except asyncio.TimeoutError:
-                    await self._expire()
-                    return
-                if message["type"] == "websocket.disconnect":
-                    return
-                text = message.get("text")
-                if text is None:
-                    await self._error(invalid("Frames must be text frames holding one JSON object.", None))
-                    continue
-                await self._on_frame(text)
+            async with age:
+                await self._receive_frames()
+        except TimeoutError:
+            if not age.expired():
+                raise
+            await self._expire()
         except WebSocketDisconnect:
             return
         finally:
             self.pin.close()
             # The client left: a running turn stops generating.
-            if self._turn is not None and not self._turn.done():
-                self._turn.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._turn
+            await self._stop_turns()
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
 
+    async def _receive_frames(self) -> None:
+        """Frames, each answered, until the client leaves."""
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                await self._error(invalid("Frames must be text frames holding one JSON object.", None))
+                continue
+            await self._on_frame(text)
+
+    async def _stop_turns(self) -> None:
+        """The running turn cancelled, and the one it waits for, should that
+        one still be unwinding (nothing would wait for it any more)."""
+        for task in (self._turn, self._unwinding):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
     async def _expire(self) -> None:
-        if self._turn is not None and not self._turn.done():
-            self._turn.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._turn
+        await self._stop_turns()
         limit = self.app.settings.limits.websocket_max_age_s
-        await self._error(ApiError("websocket_connection_limit_reached",
-                                   f"This connection reached its {limit / 60:g}-minute limit; open a new one."))
+        reached = ApiError("websocket_connection_limit_reached",
+                           f"This connection reached its {limit / 60:g}-minute limit; open a new one.")
+        # Queuing the error waits as long as leaving does: a client that
+        # stopped reading leaves the outbox full, and must not keep its
+        # connection (its slot, its session's sequence, its history) for it.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._frames.join(), _FLUSH_S)
+            await asyncio.wait_for(self._last_words(reached), _FLUSH_S)
         # Closed even where the last frames did not leave in time: a dropped
         # socket reads 1006 to the client, not the limit it reached.
         with contextlib.suppress(Exception):
             await self.ws.close(code=1000)
+
+    async def _last_words(self, exc: ApiError) -> None:
+        """``exc`` sent after every frame queued before it."""
+        await self._error(exc)
+        await self._frames.join()
 
     async def _on_frame(self, text: str) -> None:
         try:
@@ -268,6 +287,7 @@ class Connection:
             # starts once that one is done.
             unwinding = self._turn
         self._turn_ended = False
+        self._unwinding = unwinding
         self._turn = asyncio.create_task(self._run_turn(frame, small=len(text) <= INLINE_BYTES, after=unwinding))
 
     async def _run_turn(self, frame: dict[str, Any], *, small: bool, after: asyncio.Task[None] | None) -> None:
@@ -275,11 +295,11 @@ class Connection:
             if after is not None:
                 await asyncio.wait({after})  # its outcome is its own; a cancel of this one still raises
             await self._turn_body(frame, small=small)
-        except (WebSocketDisconnect, RuntimeError) as exc:
-            # The socket went away under a send: serve() sees the disconnect.
-            log.info("websocket turn ended early: %s", type(exc).__name__)
         except Exception:
-            # Errors end the turn (the reference): the client would wait forever.
+            # Errors end the turn (the reference): the client would wait
+            # forever. Each is the turn's own, a RuntimeError too: a turn's
+            # frames go through the outbox, and only the writer hears the
+            # socket go away.
             log.exception("websocket turn failed")
             self._evict(frame.get("previous_response_id"))
             if not self._turn_ended:
@@ -369,7 +389,9 @@ class Connection:
                                                         getattr(turn.req, "declared_tools", []))
 
     def _evict(self, previous: Any) -> None:
-        if not isinstance(previous, str):
+        # No longer id can name a response (``CreateResponse`` refuses it):
+        # remembering one would only hold the client's bytes.
+        if not isinstance(previous, str) or len(previous) > MAX_RESPONSE_ID_CHARS:
             return
         if self.latest is not None and previous == self.latest.response_id:
             self.latest = None
