@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 from lmspd.core import compaction
 from lmspd.core.conversation import Conversation, CustomTool, Item, Message, Reasoning, ToolCall
 from lmspd.core.errors import ApiError, invalid
-from lmspd.core.limits import RequestLimits
+from lmspd.core.limits import MAX_RESPONSE_ID_CHARS, RequestLimits
 from lmspd.streaming import steps
 from lmspd.streaming.session import ResponseState
 from lmspd.streaming.steps import Step
@@ -64,7 +64,7 @@ class LmspCreateResponse(Strict):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, max_length=MAX_RESPONSE_ID_CHARS)
     extensions: dict[str, Any] | None = None
 
 

@@ -60,3 +60,24 @@ def test_non_finite_numbers_in_every_numeric_field(tmp_path, path, key) -> None:
     assert rows(tmp_path / "lmspd.sqlite3") == before
     assert engine.prepared == 0 and engine.generations == 0
     store.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/lmsp/v1/responses", "/lmsp/v1/tasks"])
+def test_a_previous_response_id_longer_than_any_id_is_refused(tmp_path, path) -> None:
+    """One bound for every dialect that names a response
+    (``MAX_RESPONSE_ID_CHARS``): LMSP took any length, and quoted it back."""
+    from lmspd.core.limits import MAX_RESPONSE_ID_CHARS
+
+    app, store = make_app(tmp_path)
+
+    async def go() -> dict:
+        async with client(app, {"LMSP-Version": "1.0"}) as c:
+            r = await c.post(path, json={**ROUTES[path], "previous_response_id": "resp_" + "x" * MAX_RESPONSE_ID_CHARS})
+            assert r.status_code == 400, r.text
+            return r.json()
+
+    body = asyncio.run(go())
+    error = body if path.startswith("/lmsp/") else body["error"]
+    assert error["param"] == "previous_response_id"
+    assert error["code"] != "previous_response_not_found", "refused as sent, never looked up"
+    store.close()
