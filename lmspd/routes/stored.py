@@ -51,7 +51,7 @@ async def _stored(app: LmspdApp, owner: str, response_id: str) -> dict[str, Any]
 async def _openai_task(app: LmspdApp, owner: str, response_id: str) -> TaskRecord | None:
     """The task that runs (or ran) background response ``response_id``; an
     LMSP task is no response of /v1's, whatever id it is asked by."""
-    task = await app.calls(app.store.get_task, owner, response_id)
+    task = await app.calls(app.store.get_task, owner, response_id, result=False)
     return task if task is not None and task.request.get("dialect") == OPENAI.name else None
 
 

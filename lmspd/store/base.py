@@ -585,8 +585,10 @@ class Store(Protocol):
         created_at: float | None = None,
     ) -> TaskRecord: ...
 
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
-        """The task's state, without its request's body (``TaskRecord.request``)."""
+    def get_task(self, owner: str, task_id: str, *, result: bool = True) -> TaskRecord | None:
+        """The task's state, without its request's body (``TaskRecord.request``);
+        ``result`` False: without its result either (``None``), for a caller
+        that needs its status, dialect or log position alone."""
         ...
 
     def get_task_request(self, owner: str, task_id: str) -> JSON | None:

@@ -39,6 +39,11 @@ _HEAD = ("dialect", "model")
 _STATE = ("id, owner, status, dialect, model, result, error, response_id, created_at, updated_at, finished_at, "
           "last_seq, first_retained_seq, CASE WHEN dialect IS NULL THEN request END AS unsplit")
 
+# The same without the result: a finished OpenAI task's is the whole
+# response, echo and all, parsed holding the interpreter lock.
+_HEAD_STATE = _STATE.replace(" result,", " NULL AS result,")
+assert _HEAD_STATE != _STATE
+
 
 def task_record(row: Mapping[str, Any]) -> TaskRecord:
     """A row of ``_STATE``'s columns as a record."""
@@ -215,11 +220,12 @@ class TaskQueries(SqlBackend):
             self._notice_after("events", task_id)
         return True
 
-    def get_task(self, owner: str, task_id: str) -> TaskRecord | None:
+    def get_task(self, owner: str, task_id: str, *, result: bool = True) -> TaskRecord | None:
         if unstorable(task_id):
             return None
+        columns = _STATE if result else _HEAD_STATE
         with self.sql_single() as sql:
-            row = sql.first(f"SELECT {_STATE} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
+            row = sql.first(f"SELECT {columns} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner))
         return None if row is None else task_record(row)
 
     def get_task_request(self, owner: str, task_id: str) -> JSON | None:

@@ -539,7 +539,7 @@ class TaskManager:
         try:
             while True:
                 wake.clear()
-                task = await self._read(self.store.get_task, owner, task_id)
+                task = await self._read(functools.partial(self.store.get_task, owner, task_id, result=False))
                 left = deadline - time.monotonic()
                 if task is None or task.terminal or left <= 0:
                     return
@@ -675,7 +675,7 @@ class TaskManager:
                 except asyncio.TimeoutError:
                     # No notice for a while: if it ended without a terminal
                     # event (it could not start), stop following.
-                    task = await self._read(self.store.get_task, owner, task_id)
+                    task = await self._read(functools.partial(self.store.get_task, owner, task_id, result=False))
                     if task is None or (task.terminal and task.last_seq <= last):
                         return
         finally:

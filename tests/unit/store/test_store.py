@@ -5,6 +5,7 @@ has (SQLite's file and pragmas)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import signal
@@ -305,6 +306,23 @@ def test_deleting_a_background_response_deletes_its_task_and_log(store: Store) -
     assert store.events_after("alice", "resp_1", 0) is None
     assert store.stats()["events"] == 0
     assert store.get_task("alice", "task_1") is not None
+
+
+def test_a_task_read_without_its_result_is_the_same_task(store: Store) -> None:
+    """Routes that need a task's status or dialect alone (cancel, delete, a
+    background stream's resume) and the followers' polls read it without
+    its result: a finished OpenAI task's is the whole response, parsed
+    holding the interpreter lock."""
+    request = {"dialect": "openai", "model": "m", "body": {"input": "x"}}
+    store.create_task("alice", "resp_1", request, status="in_progress", response_id="resp_1")
+    store.set_task_status("alice", "resp_1", "completed", result={"output": "x" * 1000},
+                          final_event=(1, "response.completed", {}))
+    whole = store.get_task("alice", "resp_1")
+    head = store.get_task("alice", "resp_1", result=False)
+    assert whole is not None and head is not None
+    assert whole.result == {"output": "x" * 1000} and head.result is None
+    assert dataclasses.replace(whole, result=None) == head
+    assert store.get_task("bob", "resp_1", result=False) is None
 
 
 def test_response_owner_isolation(store: Store) -> None:
