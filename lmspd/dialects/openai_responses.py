@@ -8,6 +8,7 @@ clients) accept every object.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError
@@ -622,9 +623,13 @@ class OpenAIEncoder:
                 return "response.failed", {"type": "response.failed", "sequence_number": seq,
                                            "response": response_json(state)}
             case steps.Heartbeat():
-                # The event that says so again (response.queued while queued).
+                # The event that says so again (response.queued while queued),
+                # without the output so far: its own events carried it once,
+                # and a stall (a provider that streams a lot, then pings for
+                # minutes) would have sent all of it again every interval.
                 name = "response.queued" if state.status == "queued" else "response.in_progress"
-                return name, {"type": name, "sequence_number": seq, "response": response_json(state)}
+                return name, {"type": name, "sequence_number": seq,
+                              "response": response_json(dataclasses.replace(state, output=[]))}
             case (steps.ResponseCreated() | steps.ResponseInProgress() | steps.ResponseCompleted()
                   | steps.ResponseIncomplete() | steps.ResponseFailed()):
                 return step.event, {"type": step.event, "sequence_number": seq, "response": response_json(state)}

@@ -179,6 +179,9 @@ def test_keep_alive_events_continue_through_the_whole_generation(tmp_path):
     # provider finishes: 1.2 s of silence after the first event, at one
     # keep-alive per 0.05 s (about 24; 6 is plenty on a loaded machine).
     assert kinds[first_delta:].count("response.in_progress") >= 6, kinds
+    # Without the output so far: each would send it all again, and a long
+    # stall after much text amplified it (96 MiB sent for 4 MiB of output).
+    assert all(e["response"]["output"] == [] for e in events if e["type"] == "response.in_progress")
     timed = [t for t, text in lines if text.startswith("data: ")]
     gaps = [b - a for a, b in zip(timed, timed[1:])]
     assert max(gaps) < SILENCE_S * 0.75, f"the stream was silent for {max(gaps):.2f} s"
