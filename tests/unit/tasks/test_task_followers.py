@@ -9,6 +9,8 @@ import asyncio
 import threading
 from pathlib import Path
 
+from test_task_writer import CountingEngine, WatchedStore
+
 from lmspd.core.conversation import Conversation, Message
 from lmspd.core.limits import DEFAULT_LIMITS
 from lmspd.dialects.registry import LMSP
@@ -18,7 +20,6 @@ from lmspd.store.sqlite import SQLiteStore
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks import manager as manager_module
 from lmspd.tasks.manager import LiveTask, TaskManager, task_request
-from test_task_writer import CountingEngine, WatchedStore
 
 
 async def start(tasks: TaskManager, service: Service, store: object) -> LiveTask:
