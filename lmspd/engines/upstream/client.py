@@ -100,6 +100,17 @@ class Timeouts:
     health_s: float = 5.0
 
 
+class ReadInterrupted(Exception):
+    """A read of the provider's stream ended by ``ProviderStream.interrupt``."""
+
+
+def _retrieved(read: "asyncio.Task[bytes]") -> None:
+    """A read's outcome is taken even where nobody waits for it any more (it
+    failed as it was cancelled): no "exception was never retrieved"."""
+    if not read.cancelled():
+        read.exception()
+
+
 class ProviderStream:
     """An accepted provider response: ``next_chunk()`` until it raises
     ``StopAsyncIteration``, then ``aclose()`` (or ``drain()`` after a clean
@@ -115,29 +126,68 @@ class ProviderStream:
         # When a read still waiting fails for want of output.
         self._progress_by = self._loop.time() + progress_s
         self._closed = False
+        # The read waiting on the provider, if one does (``interrupt``).
+        self._read: asyncio.Task[bytes] | None = None
+        self._interrupted = False
 
     def progressed(self) -> None:
         """The provider sent output: the time without it starts again."""
         self._progress_by = self._loop.time() + self._progress_s
 
+    def interrupt(self) -> None:
+        """End the read waiting on the provider, and refuse any later one:
+        ``next_chunk`` raises ``ReadInterrupted`` (the request's cancel
+        token: a client gone, a cancel, shutdown)."""
+        self._interrupted = True
+        if self._read is not None:
+            self._read.cancel()
+
     async def next_chunk(self) -> bytes:
+        """The provider's next bytes. A read that waits runs as a task of its
+        own, bounded by a plain timeout: the step that calls this may run in
+        the consumer's task while it does other things (``Paced`` leaves a
+        silent step suspended while the consumer writes a keep-alive), and a
+        deadline or an interrupt that cancelled the current task would land
+        in that write, with no terminal event."""
+        if self._interrupted:
+            raise ReadInterrupted
+        content = self.response.content
+        try:
+            # Bytes already here are returned even past the deadline.
+            data = content.read_nowait()
+        except Exception:
+            raise UpstreamConnectionLost() from None
+        if data:
+            return data
+        if content.at_eof():
+            raise StopAsyncIteration
         idle_by = self._loop.time() + self._idle_s
         progress_by = self._progress_by
+        read = self._read = self._loop.create_task(content.readany())
+        read.add_done_callback(_retrieved)
         try:
             # Our own clock as well as aiohttp's socket timeout: on some
             # framing errors aiohttp drops its read timer and never wakes
-            # the reader. Bytes already here are returned even past the
-            # deadline (the timer fires only while the read waits).
-            async with asyncio.timeout_at(min(idle_by, progress_by)):
-                data = await self.response.content.readany()
-        except TimeoutError:
+            # the reader.
+            done, _ = await asyncio.wait({read}, timeout=max(0.0, min(idle_by, progress_by) - self._loop.time()))
+        except BaseException:
+            read.cancel()
+            raise
+        finally:
+            self._read = None
+        if read.cancelled():
+            raise ReadInterrupted
+        # aiohttp's read timeout (the same idle bound) is a TimeoutError too.
+        if not done or isinstance(read.exception(), TimeoutError):
+            read.cancel()
             if progress_by < idle_by:
-                raise UpstreamTimeout(f"The upstream provider sent no output for {self._progress_s:g} s.") from None
-            raise UpstreamTimeout(f"The upstream provider sent nothing for {self._idle_s:g} s.") from None
-        except Exception:
+                raise UpstreamTimeout(f"The upstream provider sent no output for {self._progress_s:g} s.")
+            raise UpstreamTimeout(f"The upstream provider sent nothing for {self._idle_s:g} s.")
+        if read.exception() is not None:
             # A truncated or malformed chunked body, a reset: aiohttp says so
             # with ClientError, OSError or a bare RuntimeError.
-            raise UpstreamConnectionLost() from None
+            raise UpstreamConnectionLost()
+        data = read.result()
         if not data:
             raise StopAsyncIteration
         return data

@@ -47,7 +47,7 @@ from lmspd.core.run import LOCAL, RunContext
 from lmspd.engines.base import CancelToken, ModelInfo
 
 from .bridge import BridgeDecoder
-from .client import ProviderClient, ProviderStream, Timeouts
+from .client import ProviderClient, ProviderStream, ReadInterrupted, Timeouts
 from .credentials import Secret
 from .errors import UpstreamConnectionLost, UpstreamError, UpstreamHTTPError, UpstreamProviderError
 from .pool import Endpoint, EndpointPool
@@ -260,16 +260,7 @@ class UpstreamEngine:
                                secret=self._key, input_tokens=prepared.input_tokens)
         self._generations += 1
         loop = asyncio.get_running_loop()
-        reader: asyncio.Task[Any] | None = None  # set only while awaiting provider bytes
-        interrupted = False
-
-        def interrupt() -> None:
-            nonlocal interrupted
-            if reader is not None and not interrupted:
-                interrupted = True
-                reader.cancel()
-
-        remove = cancel.on_cancel(lambda: loop.call_soon_threadsafe(interrupt))
+        remove = cancel.on_cancel(lambda: loop.call_soon_threadsafe(stream.interrupt))
         outcome = "cancelled"
         clean = False  # ended by the provider's own terminal marker
         first_output = True
@@ -279,11 +270,14 @@ class UpstreamEngine:
                     outcome = self._stop_code(cancel)
                     yield self._stopped(cancel)
                     return
-                reader = asyncio.current_task()
                 try:
                     raw = await stream.next_chunk()
                 except StopAsyncIteration:
                     events: Iterable[EngineEvent] = bridge.close()
+                except ReadInterrupted:
+                    outcome = self._stop_code(cancel)
+                    yield self._stopped(cancel)
+                    return
                 except UpstreamError as exc:
                     if isinstance(exc, UpstreamConnectionLost) and stream.endpoint.healthy:
                         # A dropped connection mid-stream is how a dying
@@ -292,18 +286,8 @@ class UpstreamEngine:
                         self.pool.mark_down(stream.endpoint)
                         log.warning("upstream %s dropped a stream: marked down", stream.endpoint.label)
                     events = bridge.fail(exc)
-                except asyncio.CancelledError:
-                    # Ours (the token's interrupt) unless someone else also
-                    # cancelled the task: then it is theirs to finish.
-                    if not interrupted or reader is None or reader.uncancel() > 0:
-                        raise
-                    outcome = self._stop_code(cancel)
-                    yield self._stopped(cancel)
-                    return
                 else:
                     events = bridge.iter_feed(raw)
-                finally:
-                    reader = None
                 progress = bridge.progress
                 for event in events:
                     if isinstance(event, ToolCallStarted):
