@@ -143,6 +143,11 @@ class UpstreamStreamLimits:
 
     max_line_bytes: int = 1024 * 1024
     max_event_bytes: int = 4 * 1024 * 1024
+    # JSON values in one event (each object, array, string, number, true,
+    # false, null), counted before it is parsed on the event loop: a chunk
+    # holds tens (a hundred or two with logprobs), and 4 MiB of small
+    # integers took 0.7 s of the loop to parse, every other stream waiting.
+    max_event_values: int = 10_000
     max_buffered_bytes: int = 4 * 1024 * 1024
     max_aggregate_bytes: int = 64 * 1024 * 1024
     max_choices: int = 1

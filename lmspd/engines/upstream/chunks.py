@@ -17,7 +17,7 @@ from typing import Any
 
 from lmspd.core.errors import ApiError
 from lmspd.core.limits import UpstreamStreamLimits
-from lmspd.core.strict_json import decode_json
+from lmspd.core.strict_json import count_values, decode_json, value_bound
 
 from .credentials import Secret
 from .errors import (
@@ -279,26 +279,38 @@ def _choices(body: dict[str, Any]) -> tuple[ChunkChoice, ...]:
     return choices
 
 
-def _parse_json(text: str) -> Any:
+def _parse_json(text: str, max_values: int) -> Any:
     # As strict as a client's body (lmspd.core.strict_json): a lone
     # surrogate (an emoji's pair split across chunks), a duplicate key or
     # a non-finite number is a malformed chunk, never text to stream.
+    if _too_many_values(text, max_values):
+        raise MalformedChunk(f"The upstream provider sent a chunk of more than {max_values} JSON values "
+                             "(max_event_values).")
     try:
         return decode_json(text)
     except ApiError:
         raise MalformedChunk("The upstream provider sent a chunk that is not valid JSON.") from None
 
 
+def _too_many_values(text: str, limit: int) -> bool:
+    """Counted without parsing (``lmspd.core.strict_json``): nearly every
+    chunk passes on the bound alone."""
+    return value_bound(text) > limit and count_values(text.encode("utf-8", "surrogatepass"), limit) > limit
+
+
 def _is_done(data: str) -> bool:
     return data.strip() == "[DONE]"
 
 
-def decode_event(event: SSEEvent, secret: Secret | None = None) -> StreamItem | None:
+def decode_event(event: SSEEvent, secret: Secret | None = None,
+                 max_values: int = UpstreamStreamLimits.max_event_values) -> StreamItem | None:
     """One SSE event -> a stream item, or None for events that carry none
     (named events a Chat Completions client has no listener for, empty
     keep-alive data)."""
     if event.event == "error":
         try:
+            if _too_many_values(event.data, max_values):
+                raise ValueError("too many values to parse")
             return _provider_error(json.loads(event.data), secret)
         except (ValueError, RecursionError):
             return ProviderError(message=_private_text(event.data, secret))
@@ -306,7 +318,7 @@ def decode_event(event: SSEEvent, secret: Secret | None = None) -> StreamItem | 
         return None
     if _is_done(event.data):
         return DONE
-    return decode_payload(_parse_json(event.data), secret)
+    return decode_payload(_parse_json(event.data, max_values), secret)
 
 
 class ChatChunkDecoder:
@@ -319,6 +331,7 @@ class ChatChunkDecoder:
 
     def __init__(self, limits: UpstreamStreamLimits | None = None, *, secret: Secret | None = None) -> None:
         self._sse = SSEDecoder(limits)
+        self._max_values = (limits or UpstreamStreamLimits()).max_event_values
         self._secret = secret  # the provider key, kept out of what a provider's error said
         self._done_seen = False
 
@@ -349,7 +362,7 @@ class ChatChunkDecoder:
             if event.event == "error" or (event.event == "message" and event.data.strip()):
                 raise DataAfterDone()
             return None
-        item = decode_event(event, self._secret)
+        item = decode_event(event, self._secret, self._max_values)
         if isinstance(item, Done):
             self._done_seen = True
         return item

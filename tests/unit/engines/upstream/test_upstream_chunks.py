@@ -185,6 +185,26 @@ def test_done_keepalives_and_unknown_events():
     assert decode(raw) == [DONE]
 
 
+def test_a_chunk_of_too_many_values_is_refused_before_it_is_parsed(monkeypatch):
+    """A chunk holds tens of JSON values; one of 2 M small integers took
+    0.7 s of the event loop to parse (every other stream waiting), 17 times
+    a stream before its byte bound. Counted first (``max_event_values``); a
+    text full of commas is counted exactly and passes. So for an error event."""
+    from lmspd.engines.upstream import chunks
+
+    parsed: list[int] = []
+    real = chunks.decode_json
+    monkeypatch.setattr(chunks, "decode_json", lambda text: parsed.append(len(text)) or real(text))
+    flood = {"id": "c", "model": "m", "choices": [choice({"content": "a"})], "x": [0] * 200_000}
+    with pytest.raises(MalformedChunk, match="max_event_values"):
+        decode(sse(flood))
+    assert parsed == [], "refused without parsing"
+    commas = {"id": "c", "model": "m", "choices": [choice({"content": ",[{" * 20_000})]}
+    assert decode_one(commas).choices[0].delta.content == ",[{" * 20_000
+    (error,) = decode(sse({"error": {"message": "m", "x": [0] * 200_000}}, event="error"))
+    assert isinstance(error, ProviderError)
+
+
 def test_second_done_when_drained():
     decoder = ChatChunkDecoder()
     assert decoder.feed(b"data: [DONE]\n\n") == [DONE]
