@@ -85,6 +85,13 @@ class LmspdHttpToolsProtocol(HttpToolsProtocol):
     _refusal: bytes | None = None
     # Past the cap: the request line read so far, or None.
     _over_cap: bytes | None = None
+    # Bytes received after a request's head that moved none of its body:
+    # chunk framing and the trailer section, bounded as a head is.
+    _framing = 0
+    _body_moved = False
+    # How long the client may read nothing of a response (``pause_writing``).
+    write_stall_s = 120.0
+    _stall_timer: asyncio.TimerHandle | None = None
     # The request whose handler runs (self.cycle is the last one parsed,
     # which may wait behind it, pipelined).
     _running: Any = None
@@ -101,7 +108,28 @@ class LmspdHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.write_stall_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _write_stalled(self) -> None:
+        # Every other timer waits while a response is being sent; one that
+        # the client has read nothing of for so long is not being sent.
+        self._stall_timer = None
+        self.logger.info("Dropping a connection whose client read nothing for %g s", self.write_stall_s)
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._draining:
@@ -109,16 +137,38 @@ class LmspdHttpToolsProtocol(HttpToolsProtocol):
         if self._over_cap is not None:
             self._read_request_line(data)
             return
+        after_head = not self._in_head
         if self._in_head:
             if not self._head_bytes and not self._sending():
                 self._arm(self.head_timeout_s)  # a head begins
             self._head_bytes += len(data)
+        self._body_moved = False
         self._feed(data)
-        if (self._in_head and self._head_bytes > self.head_limit and not self._draining
-                and not self.transport.is_closing()):
-            limit = self.head_limit
+        if self._draining or self.transport.is_closing():
+            return
+        limit = self.head_limit
+        if self._in_head and self._head_bytes > limit:
             self._refuse(ApiError("headers_too_large", f"The request head exceeds {limit} bytes; the header limit "
                                   f"is {limit - REQUEST_LINE_BYTES} bytes."))
+        elif after_head and not self._in_head and not self._body_moved:
+            # Framing or trailers alone (the body's own bounds count only
+            # its bytes): an endless trailer section, before any key was
+            # checked, grew the request's headers without bound.
+            self._framing += len(data)
+            if self._framing > limit:
+                self._refuse(ApiError("headers_too_large", f"The request's chunk framing and trailer section "
+                                      f"exceed {limit} bytes without any of its body."))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:
+            super().on_header(name, value)
+        # Else a trailer field: dropped (ASGI has no request trailers;
+        # uvicorn appended it to the headers of the request being handled).
+
+    def on_body(self, body: bytes) -> None:
+        self._body_moved = True
+        self._framing = 0
+        super().on_body(body)
 
     def on_headers_complete(self) -> None:
         self._disarm()
@@ -129,6 +179,7 @@ class LmspdHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head = True
+        self._framing = 0
 
     def on_response_complete(self) -> None:
         # A pipelined request starts now, or the connection waits for the next.
@@ -329,7 +380,7 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 def uvicorn_options(limits: RequestLimits) -> dict[str, Any]:
     protocol = type("LmspdHttpProtocol", (LmspdHttpToolsProtocol,), {
         "head_limit": max_head_bytes(limits), "head_timeout_s": limits.head_timeout_s,
-        "max_connections": connection_cap(limits)})
+        "write_stall_s": limits.write_stall_s, "max_connections": connection_cap(limits)})
     return {"http": protocol,
             # Not uvicorn's 16 MiB: the body limit bounds a message too.
             "ws_max_size": limits.max_body_bytes + WEBSOCKET_MESSAGE_SLACK,

@@ -102,6 +102,13 @@ class RequestLimits:
     # while a body held one byte short of its Content-Length would hold
     # its connection and its bytes forever.
     body_timeout_s: float = 60.0
+    # A connection whose client reads nothing of a response for this long
+    # (its socket's buffers full, the response's writes waiting) is
+    # dropped (lmspd.http11): such a client, pipelining requests it never
+    # reads the answers to, held its connection for good, no key needed,
+    # and enough of them refused everyone else for the connection cap. A
+    # stream that only sends keep-alives still has them read.
+    write_stall_s: float = 120.0
     # Open connections, HTTP and WebSocket (lmspd.http11). One past it is
     # answered 503 as soon as its request line is read, and closed. At
     # most half the process's file descriptors (RLIMIT_NOFILE): the store,

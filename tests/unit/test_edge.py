@@ -6,6 +6,7 @@ other requests; a refusal never lands inside a response still streaming."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -401,3 +402,67 @@ def test_a_process_out_of_file_descriptors_says_so_once_without_a_traceback() ->
     assert len(warnings) == 1, err
     assert "ulimit -n is 64" in warnings[0] and "Too many open files" in warnings[0], warnings
     assert "Traceback" not in err and "out of system resource" not in err, err
+
+
+# -- what a client sends after a body, and what it never reads ---------------------
+
+TRAILERS = {
+    "fields": lambda n: b"".join(b"t%d: v\r\n" % i for i in range(n, n + 2000)),
+    "one endless value": lambda n: b"v" * 16000,
+}
+
+
+@pytest.mark.parametrize("kind", list(TRAILERS))
+def test_an_endless_trailer_section_is_refused_as_a_head_would_be(url, kind) -> None:
+    """A chunked body's trailer fields came after the head's bound and
+    outside the body's: uvicorn appended each to the request's headers,
+    with no bound and no key needed (5.6 GiB of memory for 505 MiB sent).
+    They are bounded as a head is, and dropped."""
+    host, port = urlparse(url).hostname, urlparse(url).port
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n" + (b"X-T: " if kind != "fields" else b""))
+        sent = 0
+        reply = b""
+        while sent < 8 * 1024 * 1024 and not reply:  # far past the head's bound (64 KiB)
+            piece = TRAILERS[kind](sent)
+            sock.sendall(piece)
+            sent += len(piece)
+            time.sleep(0.002)
+            with contextlib.suppress(BlockingIOError):
+                reply = sock.recv(65536, socket.MSG_DONTWAIT)
+        data, _ = _until_closed(sock, 10)
+    assert sent < 1024 * 1024, f"{sent} bytes of trailers taken"
+    reply += data
+    assert reply.startswith(b"HTTP/1.1 431") and b'"code":"headers_too_large"' in reply, reply[:300]
+
+
+def test_a_client_that_reads_nothing_of_its_responses_is_dropped(tmp_path) -> None:
+    """Requests pipelined and none of their answers read: the responses'
+    writes waited on full buffers and every timer waited for them, so the
+    connection was held for as long as the client liked (no key needed),
+    and enough of them took every connection. Dropped after
+    ``write_stall_s`` without a byte read."""
+    limits = replace(QUICK, request=replace(QUICK.request, write_stall_s=0.5))
+    with _serve(tmp_path, limits) as (_, address):
+        with socket.create_connection(address) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            # Parsed in one read, so all of them are answered, none read.
+            sock.sendall(b"GET /console/console.js HTTP/1.1\r\nHost: localhost\r\n\r\n" * 3000)
+            _, after = _until_closed_unread(sock, 20)
+    assert after < 10
+
+
+def _until_closed_unread(sock: socket.socket, within_s: float) -> tuple[None, float]:
+    """When the server closed ``sock``, read nothing of: a probe byte sent
+    every 0.1 s fails once it has."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        try:
+            sock.send(b"\r\n", socket.MSG_DONTWAIT)
+        except (BrokenPipeError, ConnectionResetError):
+            return None, time.monotonic() - start
+        except BlockingIOError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"still connected after {within_s} s of unread responses")
