@@ -137,7 +137,8 @@ async def read_json_body(request: Request, limits: RequestLimits) -> JsonBody:
             "unsupported_media_type",
             f"Content-Type must be application/json, not {media or 'missing'!r}.",
         )
-    encodings = content_encodings(request.headers.get("content-encoding", ""), limits)
+    # Each header line of it, in order: two lines are one list (RFC 9110 §5.3).
+    encodings = content_encodings(", ".join(request.headers.getlist("content-encoding")), limits)
     declared = request.headers.get("content-length")
     if declared is not None:
         try:

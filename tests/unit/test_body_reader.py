@@ -25,8 +25,8 @@ def read(chunks, *, content_type="application/json", length=None, encoding=None,
     headers = [(b"content-type", content_type.encode())] if content_type else []
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
-    if encoding:
-        headers.append((b"content-encoding", encoding.encode()))
+    for line in [encoding] if isinstance(encoding, str) else encoding or []:
+        headers.append((b"content-encoding", line.encode()))
     pulled = [] if pulled is None else pulled
 
     async def receive():
@@ -230,3 +230,11 @@ def test_a_body_refused_gives_its_bytes_back(chunks, status) -> None:
         read_messages(receive)
     assert info.value.status == status
     assert bodies.IN_FLIGHT.bytes == 0
+
+
+def test_content_encoding_on_two_header_lines_is_one_list() -> None:
+    """``Content-Encoding: gzip`` twice is ``gzip, gzip``; only the first
+    line was read, and the body, decoded once, was a 400 invalid_json."""
+    twice = gzip.compress(gzip.compress(b'{"a": 1}'))
+    assert read([twice], encoding=["gzip", "gzip"])[0] == {"a": 1}
+    assert read([twice], encoding="gzip, gzip")[0] == {"a": 1}
