@@ -37,7 +37,15 @@ from lmspd.streaming.steps import Step
 
 from .common import check_answered, check_item_count, decode_stop, neutral_effort
 from .extensions import decode_extensions
-from .responses_items import Lenient, Strict, decode_tool_choice, decode_tools, media_placeholder, validation_error
+from .responses_items import (
+    Lenient,
+    Strict,
+    StrList,
+    decode_tool_choice,
+    decode_tools,
+    media_placeholder,
+    validation_error,
+)
 
 # -- request ---------------------------------------------------------------------
 
@@ -68,7 +76,7 @@ class CreateMessage(Strict):
     messages: list[Any] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     system: Union[str, list[Any], None] = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: StrList | None = None
     stream: bool | None = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)

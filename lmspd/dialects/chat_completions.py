@@ -36,8 +36,11 @@ from lmspd.streaming.steps import Step
 from .common import MODERATION_REFUSAL, check_answered, check_item_count, decode_stop, neutral_effort, seed32
 from .extensions import decode_extensions
 from .responses_items import (
+    IntDict,
     Lenient,
+    StrDict,
     Strict,
+    StrList,
     check_metadata,
     content_text,
     decode_json_format,
@@ -71,7 +74,7 @@ class ChatCompletionRequest(Strict):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, StrList, None] = None
     n: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
@@ -83,15 +86,15 @@ class ChatCompletionRequest(Strict):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    logit_bias: dict[str, int] | None = None
-    modalities: list[str] | None = None
+    logit_bias: IntDict | None = None
+    modalities: StrList | None = None
     # Bookkeeping fields: accepted, nothing to do for a local model.
     user: str | None = Field(default=None, max_length=512)
     safety_identifier: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
-    metadata: dict[str, str] | None = None
+    metadata: StrDict | None = None
     store: bool | None = None
     service_tier: str | None = None
     extensions: dict[str, Any] | None = None

@@ -37,7 +37,9 @@ from .responses_items import (
     Expansion,
     Lenient,
     StoredContext,
+    StrDict,
     Strict,
+    StrList,
     additional_tools,
     additional_tools_items,
     check_metadata,
@@ -135,7 +137,7 @@ class CreateResponse(Strict):
     store: bool | None = None
     previous_response_id: str | None = Field(default=None, max_length=MAX_RESPONSE_ID_CHARS)
     conversation: Union[str, dict[str, Any], None] = None
-    include: list[str] | None = None
+    include: StrList | None = None
     truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig | None = None
     tools: list[Any] | None = None
@@ -150,7 +152,7 @@ class CreateResponse(Strict):
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     client_metadata: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: StrDict | None = None
     user: str | None = Field(default=None, max_length=512)
     safety_identifier: str | None = Field(default=None, max_length=512)
     # Every tier is served the one way lmspd serves (the reply says

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, Union
+from typing import Annotated, Any, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -130,6 +130,16 @@ class Lenient(BaseModel):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# A request's typed collections stop at their first bad member: pydantic
+# otherwise lists an error per member, and 130 k of them (a metadata of
+# numbers, well within max_json_values) held the interpreter lock for 0.3 s
+# to be listed, stalling every stream.
+_FAIL_FAST = Field(fail_fast=True)
+StrList = Annotated[list[str], _FAIL_FAST]
+StrDict = Annotated[dict[str, str], _FAIL_FAST]
+IntDict = Annotated[dict[str, int], _FAIL_FAST]
 
 
 # -- content parts -------------------------------------------------------------
@@ -273,8 +283,8 @@ class ReasoningPart(Lenient):
 class ReasoningIn(Lenient):
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[SummaryPart] | None = None
-    content: list[ReasoningPart] | None = None
+    summary: Annotated[list[SummaryPart], _FAIL_FAST] | None = None
+    content: Annotated[list[ReasoningPart], _FAIL_FAST] | None = None
     encrypted_content: str | None = None
 
 

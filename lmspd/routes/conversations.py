@@ -20,7 +20,7 @@ from lmspd.core.errors import ApiError, invalid
 from lmspd.core.ids import new_id
 from lmspd.core.limits import MAX_CONVERSATION_ITEMS_PER_CALL
 from lmspd.dialects.openai_responses import input_item_json
-from lmspd.dialects.responses_items import Strict, decode_items, validation_error
+from lmspd.dialects.responses_items import StrDict, Strict, decode_items, validation_error
 from lmspd.history import StoredContext
 from lmspd.http import LmspdApp, app_state, json_reply, json_reply_off_loop, principal
 from lmspd.idempotency import Reply
@@ -30,12 +30,12 @@ from lmspd.store.base import JSON, ConversationRecord, DuplicateItem, InvalidCur
 
 class CreateConversation(Strict):
     items: list[Any] | None = Field(default=None, max_length=MAX_CONVERSATION_ITEMS_PER_CALL)
-    metadata: dict[str, str] | None = None
+    metadata: StrDict | None = None
 
 
 class UpdateConversation(Strict):
     # Required, and null clears it (the SDK's Required[Optional[Metadata]]).
-    metadata: dict[str, str] | None
+    metadata: StrDict | None
 
 
 class AddItems(Strict):
