@@ -23,11 +23,11 @@ the bridge returns nothing and parses nothing more.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from lmspd.core.errors import ApiError
 from lmspd.core.events import (
     EngineEvent,
     Failed,
@@ -40,6 +40,7 @@ from lmspd.core.events import (
     Usage,
 )
 from lmspd.core.limits import UpstreamStreamLimits
+from lmspd.core.strict_json import decode_json
 
 from .chunks import (
     ChatChunk,
@@ -117,8 +118,10 @@ def _usage(usage: ChunkUsage) -> Usage:
 def _unwrap_custom_input(arguments: str) -> str:
     # The synthetic function's only parameter is the raw custom-tool input.
     try:
-        wrapper = json.loads(arguments)
-    except (ValueError, RecursionError):
+        # As strict as every other JSON a provider sends: {"input": "a",
+        # "input": "b"} is no one input (json.loads took the last).
+        wrapper = decode_json(arguments)
+    except ApiError:
         raise MalformedCustomToolInput() from None
     if not isinstance(wrapper, dict) or wrapper.keys() != {"input"}:
         raise MalformedCustomToolInput()

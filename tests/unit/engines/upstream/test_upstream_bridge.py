@@ -369,6 +369,8 @@ def test_custom_tool_wrapper_is_unwrapped_once_complete():
         '{"input": "unterminated',
         '{"input": 5}',
         '{"input": "x", "extra": 1}',
+        '{"input": "A", "input": "B"}',  # no one input (json.loads took the last)
+        '{"input": "x\\ud800"}',  # half a character
         '{"patch": "x"}',
         '["x"]',
         '"x"',
