@@ -9,24 +9,13 @@ import asyncio
 import threading
 from pathlib import Path
 
-from test_task_writer import CountingEngine, WatchedStore
+from test_task_writer import CountingEngine, WatchedStore, start_task
 
-from lmspd.core.conversation import Conversation, Message
 from lmspd.core.limits import DEFAULT_LIMITS
-from lmspd.dialects.registry import LMSP
-from lmspd.history import ResponseRecord
 from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
-from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks import manager as manager_module
-from lmspd.tasks.manager import LiveTask, TaskManager, task_request
-
-
-async def start(tasks: TaskManager, service: Service, store: object) -> LiveTask:
-    run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
-    session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
-    return await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
-                             run=run, session=session, record=ResponseRecord(store, "alice", [], keep=False))
+from lmspd.tasks.manager import TaskManager
 
 
 def test_a_follower_that_stops_reading_holds_a_bounded_backlog_and_catches_up(tmp_path: Path, monkeypatch) -> None:
@@ -42,7 +31,7 @@ def test_a_follower_that_stops_reading_holds_a_bounded_backlog_and_catches_up(tm
         service.add_engine(CountingEngine(600))
         tasks = TaskManager(store)  # type: ignore[arg-type]
         tasks.attach()
-        live = await start(tasks, service, store)
+        live = await start_task(tasks, service, store)
         stream = await tasks.follow("alice", "task_1", 0)
         assert stream is not None
         (queue,) = live._readers
@@ -96,7 +85,7 @@ def test_readers_never_queue_ahead_of_the_writes(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # every reader that gets a thread has it
         try:
-            live = await asyncio.wait_for(start(tasks, service, store), 5)
+            live = await asyncio.wait_for(start_task(tasks, service, store), 5)
             await asyncio.wait_for(live.done.wait(), 5)
             status = store.get_task("alice", "task_1").status
         except asyncio.TimeoutError:

@@ -23,7 +23,7 @@ from lmspd.service import Service
 from lmspd.store.sqlite import SQLiteStore
 from lmspd.streaming.session import ResponseState, StreamSession
 from lmspd.tasks import manager as manager_module
-from lmspd.tasks.manager import TaskManager, task_request
+from lmspd.tasks.manager import LiveTask, TaskManager, task_request
 from support.engine import ScriptedEngine
 
 
@@ -62,16 +62,20 @@ class WatchedStore:
         return self._inner.set_task_status(*args, **kwargs)
 
 
+async def start_task(tasks: TaskManager, service: Service, store: Any) -> LiveTask:
+    """Alice's task ``task_1`` on ``service``'s model."""
+    run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
+    session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
+    return await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
+                             run=run, session=session, record=ResponseRecord(store, "alice", [], keep=False))
+
+
 async def run_task(store: WatchedStore, n: int, *, watch_queue: bool = False) -> dict[str, Any]:
     service = Service(DEFAULT_LIMITS)
     service.add_engine(CountingEngine(n))
     tasks = TaskManager(store)  # type: ignore[arg-type]
     tasks.attach()
-    run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
-    session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
-    record = ResponseRecord(store, "alice", [], keep=False)  # type: ignore[arg-type]
-    live = await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
-                       run=run, session=session, record=record)
+    live = await start_task(tasks, service, store)
     most_pending = 0
     followed: list[int] = []
     events: list[str] = []
@@ -255,10 +259,7 @@ def test_a_task_cut_off_by_a_store_outage_is_closed_once_the_store_is_back(tmp_p
         service.add_engine(CountingEngine(2000, delay_s=0.002))
         tasks = TaskManager(store)  # type: ignore[arg-type]
         tasks.attach()
-        run = await service.begin(Conversation(model="m", items=[Message(role="user", text="x")]))
-        session = StreamSession(ResponseState(id="resp_1", model="m", status="in_progress"), LMSP.encoder())
-        live = await tasks.start(task_id="task_1", owner="alice", dialect=LMSP, request=task_request(LMSP, "m", {}),
-                                 run=run, session=session, record=ResponseRecord(store, "alice", [], keep=False))
+        live = await start_task(tasks, service, store)
         stream = await tasks.follow("alice", "task_1", 0)
         assert stream is not None
         while live.recorded < 20:
