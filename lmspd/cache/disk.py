@@ -165,8 +165,9 @@ class DiskCheckpoints:
             ahead = self._read_ahead.pop(cp.path.stem, None)
         header_payload = self._read(cp.path) if ahead is None else ahead[1:]
         if header_payload is None:
-            with self._lock:
-                self._index.pop(cp.path.stem, None)
+            if not cp.path.exists():  # removed as unusable, or evicted meanwhile
+                with self._lock:
+                    self._index.pop(cp.path.stem, None)
             return None
         header, payload = header_payload
         try:
@@ -284,7 +285,12 @@ class DiskCheckpoints:
             if hasher.digest() != digest:
                 raise ValueError("checksum mismatch")
             return header, payload
-        except (OSError, ValueError, struct.error, json.JSONDecodeError) as exc:
+        except OSError as exc:
+            # Not the file's fault (too many open files, an I/O error, evicted
+            # meanwhile): a valid checkpoint was deleted for it.
+            log.warning("could not read KV checkpoint %s: %s", path.name, exc)
+            return None
+        except (ValueError, struct.error, json.JSONDecodeError) as exc:
             log.warning("removing unusable KV checkpoint %s: %s", path.name, exc)
             path.unlink(missing_ok=True)
             return None

@@ -50,6 +50,30 @@ def test_corrupt_file_is_removed_not_loaded(tmp_path):
     assert not path.exists()
 
 
+def test_a_checkpoint_that_cannot_be_opened_for_now_is_kept(tmp_path, monkeypatch):
+    """Any OSError reading it (too many open files, an I/O error) deleted a
+    valid checkpoint, and dropped it from the index."""
+    import builtins
+    import errno
+
+    disk = DiskCheckpoints(tmp_path, 10 << 20, "fp")
+    path = disk.save(state("hello", 5))
+    cp, _ = disk.best_match("hello!", "local")
+    real_open = builtins.open
+
+    def no_descriptors(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_descriptors)
+    assert disk.load(cp) is None
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert path.exists()
+    cp, _ = disk.best_match("hello!", "local")
+    assert disk.load(cp).kv_text == "hello"
+
+
 def test_other_model_or_garbage_is_ignored_and_removed(tmp_path):
     DiskCheckpoints(tmp_path, 10 << 20, "model-a").save(state("hello", 5))
     (tmp_path / "junk.kv").write_bytes(b"not a checkpoint")
